@@ -1,0 +1,51 @@
+"""pp-core: pipeline-parallel training for PyTorch, built as a pluggy plugin framework.
+
+The schedule half (``pp_core.schedule``) is pure Python; the runtime half (``pp_core.runtime``)
+imports torch.distributed only when a pipeline is built.
+"""
+
+from pp_core.config import PipelineConfig
+from pp_core.errors import ConfigError, PipelineError, PluginError, PPCoreError, ScheduleError
+from pp_core.hookspecs import hookimpl
+from pp_core.schedule.ir import (
+    B,
+    F,
+    I,
+    W,
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleDef,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "hookimpl",
+    "PipelineConfig",
+    "build_pipeline",
+    "Action",
+    "ActionKind",
+    "F",
+    "B",
+    "I",
+    "W",
+    "Schedule",
+    "ScheduleDef",
+    "PPCoreError",
+    "PluginError",
+    "ScheduleError",
+    "ConfigError",
+    "PipelineError",
+]
+
+
+def build_pipeline(model, config, pp_group=None, device="cpu"):
+    """Split ``model`` into this rank's stages and return a :class:`pp_core.runtime.Pipeline`.
+
+    Imported lazily so that ``import pp_core`` stays light (no torch.distributed).
+    """
+    from pp_core.runtime.pipeline import build_pipeline as _build
+
+    return _build(model, config, pp_group=pp_group, device=device)

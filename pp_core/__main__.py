@@ -1,0 +1,7 @@
+"""``python -m pp_core`` is the ``pp-core`` command."""
+
+import sys
+
+from pp_core.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Sub-commands of ``pp-core``: each module has ``register(subparsers)``."""

@@ -1,0 +1,26 @@
+"""Error types: every user-facing failure in pp-core is one of these, never an ``AssertionError``.
+
+Each message names the thing that is wrong (YAML key, plugin, schedule action, stage) and the fix.
+"""
+
+__all__ = ["PPCoreError", "PluginError", "ScheduleError", "ConfigError", "PipelineError"]
+
+
+class PPCoreError(Exception):
+    """Base class of every error pp-core raises on purpose."""
+
+
+class PluginError(PPCoreError):
+    """A plugin could not be loaded, or registered something that clashes with another plugin."""
+
+
+class ScheduleError(PPCoreError, ValueError):
+    """A schedule is malformed, incomplete, would deadlock, or cannot be built for these sizes."""
+
+
+class ConfigError(PPCoreError, ValueError):
+    """A ``PipelineConfig`` field or a YAML key has a value that cannot work."""
+
+
+class PipelineError(PPCoreError, RuntimeError):
+    """The runtime failed: a rank raised, a peer died, or the model cannot be split as asked."""

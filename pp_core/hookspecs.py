@@ -1,0 +1,131 @@
+"""Every hook a pp-core plugin can implement. Each docstring is that hook's documentation.
+
+A plugin is a module (or any object) whose functions carry ``@pp_core.hookimpl`` and whose names
+match a hook below. Register it through the entry-point group ``pp_core`` in your package's
+``pyproject.toml``; see ``docs/plugins.md``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+
+import pluggy
+
+if TYPE_CHECKING:  # heavy imports only for type checkers
+    import torch
+    from torch import nn
+
+    from pp_core.config import PipelineConfig
+    from pp_core.runtime.initializers import PipelineRuntimeInitializer
+
+__all__ = [
+    "hookspec",
+    "hookimpl",
+    "pp_register_schedules",
+    "pp_register_splitters",
+    "pp_register_models",
+    "pp_register_datasets",
+    "pp_runtime_initializers",
+    "pp_make_recv_buffer_allocator",
+]
+
+PROJECT_NAME = "pp_core"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# ============================================================================ registries
+
+
+@hookspec
+def pp_register_schedules(register: Callable[[str, Any], None]) -> None:
+    """Add schedules by calling ``register(name, schedule)`` once per schedule.
+
+    :param register: ``register(name: str, schedule: ScheduleDef | Callable) -> None``.
+        ``schedule`` is a :class:`pp_core.ScheduleDef` (generator, aliases, stage placement,
+        stages per rank) or a bare generator
+        ``generate(num_stages, num_microbatches, num_ranks) -> list[list[Action]]``, which means
+        loop placement and one stage per rank. Names and aliases are case-insensitive.
+
+    Calling: every implementation runs; a name or alias registered twice is an error naming both
+    plugins. Built-ins: ``pp_schedules.*``.
+    """
+
+
+@hookspec
+def pp_register_splitters(register: Callable[[str, Any], None]) -> None:
+    """Add model splitters by calling ``register(name, splitter)`` once per splitter.
+
+    :param register: ``register(name: str, splitter: Splitter) -> None``. A splitter has
+        ``accepts(model) -> bool`` (may it split this model when no splitter is named?) and
+        ``split(model, num_stages, config) -> list[list[str]]`` (the module FQNs of each stage,
+        in stage order). Automatic selection tries splitters in registration order.
+
+    Calling: every implementation runs; a name registered twice is an error naming both plugins.
+    Built-ins: ``pp_splitters.fqn``, ``pp_splitters.sequential``, ``pp_splitters.layers``.
+    """
+
+
+@hookspec
+def pp_register_models(register: Callable[[str, Callable[..., "nn.Module"]], None]) -> None:
+    """Add models a YAML pipeline can name, by calling ``register(name, factory)``.
+
+    :param register: ``register(name: str, factory) -> None``; ``factory(**model.args)`` returns
+        an ``nn.Module``.
+
+    Calling: every implementation runs; a name registered twice is an error naming both plugins.
+    Built-ins: ``pp_models``.
+    """
+
+
+@hookspec
+def pp_register_datasets(register: Callable[[str, Callable[..., Iterable]], None]) -> None:
+    """Add datasets a YAML pipeline can name, by calling ``register(name, factory)``.
+
+    :param register: ``register(name: str, factory) -> None``; ``factory(**data.args)`` returns
+        an iterable of ``(inputs, target)`` pairs, each one whole training step's batch (leading
+        dimension = the global batch size; ``inputs`` a tensor, or a tuple or dict of tensors).
+
+    Calling: every implementation runs; a name registered twice is an error naming both plugins.
+    Built-ins: ``pp_models``.
+    """
+
+
+# ============================================================================ model
+
+
+@hookspec
+def pp_runtime_initializers(
+    module: "nn.Module",
+) -> Optional[Iterable["PipelineRuntimeInitializer"]]:
+    """Return the runtime initializers ``module`` needs before each microbatch, or ``None``.
+
+    :param module: one module of a model part (every module of every part is asked, in
+        traversal order).
+    :returns: an iterable of :class:`pp_core.runtime.PipelineRuntimeInitializer`, or ``None``.
+
+    Calling: every implementation runs; the results of all plugins are combined, then
+    de-duplicated by ``resource_key`` (see ``collect_pipeline_runtime_initializers``). A built-in
+    implementation returns ``module.pipeline_runtime_initializers()`` when the module defines it.
+    """
+
+
+# ============================================================================ runtime
+
+
+@hookspec(firstresult=True)
+def pp_make_recv_buffer_allocator(
+    config: "PipelineConfig", program: Any, rank: int, device: "torch.device"
+) -> Optional[Any]:
+    """Create the allocator this rank's runtime takes its point-to-point receive buffers from.
+
+    :param config: the pipeline configuration (``pp_recv_buffer_pool``, ``..._slack``).
+    :param program: this rank's lowered program, with each receive buffer's lifetime.
+    :param rank: this rank's index in the pipeline group.
+    :param device: where the buffers live.
+    :returns: an allocator (see ``pp_core.runtime.buffers``), or ``None`` to pass.
+
+    Calling: first non-``None`` result wins; with none, the runtime allocates one buffer per
+    microbatch and direction, as torch does. Built-in: ``pp_buffer_pool`` (when
+    ``pp_recv_buffer_pool=True``).
+    """

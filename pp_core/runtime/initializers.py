@@ -1,0 +1,100 @@
+"""Runtime initializers: process-local resources a model needs ready before each microbatch.
+
+A model owns resources that live outside its parameters — a rotary-embedding cache sized for the
+longest sequence, a workspace for a fused kernel, a communication buffer. When a pipeline splits
+the model, several stages on one rank may need the *same* resource; this module finds each one
+exactly once and refuses conflicting demands before any pipeline traffic starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from pp_core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from pp_core.plugins import Plugins
+
+__all__ = ["PipelineRuntimeInitializer", "collect_pipeline_runtime_initializers"]
+
+
+@runtime_checkable
+class PipelineRuntimeInitializer(Protocol):
+    """Makes one process-local resource ready for the next microbatch.
+
+    ``resource_key`` identifies the resource (two initializers with the same key own the same
+    thing); ``signature`` is the immutable configuration expected for that key (two initializers
+    with the same key must agree on it). Both must be hashable.
+    """
+
+    resource_key: Hashable
+    signature: Hashable
+
+    def prepare(self, num_tokens: int, device: "torch.device") -> None:
+        """Make the resource ready for a microbatch of at most ``num_tokens`` tokens."""
+        ...
+
+
+@hookimpl
+def pp_runtime_initializers(module):
+    """Built-in: a module that owns its resources lists them in ``pipeline_runtime_initializers()``."""
+    method = getattr(type(module), "pipeline_runtime_initializers", None)
+    if method is None:
+        return None
+    return module.pipeline_runtime_initializers()
+
+
+def _check_hashable(value, what: str, initializer, where: str, plugin: str) -> None:
+    try:
+        hash(value)
+    except TypeError as exc:
+        raise TypeError(
+            f"runtime initializer {type(initializer).__qualname__} from plugin {plugin!r} for "
+            f"module {where} has an unhashable {what} {value!r} ({exc}); make {what} a tuple, "
+            f"string, number or frozen dataclass"
+        ) from None
+
+
+def collect_pipeline_runtime_initializers(
+    model_parts: "list[nn.Module]", plugins: "Plugins | None" = None
+) -> "list[PipelineRuntimeInitializer]":
+    """The initializers of every module of every part, one per ``resource_key``.
+
+    Modules are visited part by part in ``named_modules()`` order. The first initializer of each
+    key is kept; a later one with an equal signature is dropped; a later one with a different
+    signature raises ``RuntimeError`` naming the key, both signatures and both modules. A key or
+    signature that is not hashable raises ``TypeError`` naming the module and the provider.
+    Nothing is prepared here.
+    """
+    if plugins is None:
+        from pp_core.plugins import default_plugins
+
+        plugins = default_plugins()
+    kept: dict = {}
+    order: list[PipelineRuntimeInitializer] = []
+    for part_index, part in enumerate(model_parts):
+        for fqn, module in part.named_modules():
+            where = f"{fqn or '<root>'!r} of model part {part_index} ({type(module).__name__})"
+            for plugin, initializer in plugins.runtime_initializers(module):
+                key = getattr(initializer, "resource_key", None)
+                signature = getattr(initializer, "signature", None)
+                _check_hashable(key, "resource_key", initializer, where, plugin)
+                _check_hashable(signature, "signature", initializer, where, plugin)
+                if key not in kept:
+                    kept[key] = (initializer, where)
+                    order.append(initializer)
+                    continue
+                first, first_where = kept[key]
+                if first.signature != signature:
+                    raise RuntimeError(
+                        f"runtime resource {key!r} is requested with two different signatures: "
+                        f"{first.signature!r} by module {first_where} and {signature!r} by module "
+                        f"{where}; every module sharing a resource_key must expect the same "
+                        f"configuration, so give the resources different keys or make their "
+                        f"configurations equal"
+                    )
+    return order

@@ -1,0 +1,43 @@
+"""The schedule half of pp-core: pure Python, no process group, no tensors."""
+
+from pp_core.schedule.ir import (
+    B,
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    F,
+    I,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    W,
+    Action,
+    ActionKind,
+    Placement,
+    Schedule,
+    ScheduleDef,
+    format_actions,
+    parse_action,
+    stage_to_rank,
+)
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "F",
+    "B",
+    "I",
+    "W",
+    "SEND_F",
+    "RECV_F",
+    "SEND_B",
+    "RECV_B",
+    "COMPUTE_KINDS",
+    "COMM_KINDS",
+    "parse_action",
+    "format_actions",
+    "Placement",
+    "ScheduleDef",
+    "Schedule",
+    "stage_to_rank",
+]

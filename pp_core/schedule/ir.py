@@ -1,0 +1,209 @@
+"""The schedule IR: actions and per-rank programs as plain data.
+
+An :class:`Action` is ``(stage, kind, microbatch)`` with the compact form ``"2F0"`` that torch
+uses. A *compute-only* schedule holds F/B/I/W actions; lowering adds the communication kinds
+(SEND_F/RECV_F/SEND_B/RECV_B), whose ``stage`` is, as in torch, the stage on *this* rank that
+sends or receives: ``3SEND_F1`` sends stage 3's output of microbatch 1 to stage 4's rank,
+``4RECV_F1`` receives it there; ``4SEND_B1`` sends stage 4's input gradient back to stage 3's
+rank, ``3RECV_B1`` receives it.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import NamedTuple
+
+from pp_core.errors import ScheduleError
+
+__all__ = [
+    "ActionKind",
+    "Action",
+    "F",
+    "B",
+    "I",
+    "W",
+    "SEND_F",
+    "RECV_F",
+    "SEND_B",
+    "RECV_B",
+    "COMPUTE_KINDS",
+    "COMM_KINDS",
+    "parse_action",
+    "format_actions",
+    "Placement",
+    "ScheduleDef",
+    "Schedule",
+    "stage_to_rank",
+]
+
+
+class ActionKind(str, enum.Enum):
+    """What an action does. The value is its spelling in the compact form and in CSV files."""
+
+    FORWARD = "F"
+    FULL_BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+F = ActionKind.FORWARD
+B = ActionKind.FULL_BACKWARD
+I = ActionKind.BACKWARD_INPUT  # noqa: E741 - torch's letter for the input-gradient pass
+W = ActionKind.BACKWARD_WEIGHT
+SEND_F = ActionKind.SEND_F
+RECV_F = ActionKind.RECV_F
+SEND_B = ActionKind.SEND_B
+RECV_B = ActionKind.RECV_B
+
+COMPUTE_KINDS = frozenset({F, B, I, W})
+COMM_KINDS = frozenset({SEND_F, RECV_F, SEND_B, RECV_B})
+
+
+class Action(NamedTuple):
+    """One step of a rank's program: ``kind`` applied to ``microbatch`` on ``stage``."""
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        return parse_action(text)
+
+
+# Longest kinds first so "SEND_F" is not read as "S..." garbage.
+_KIND_ALTERNATION = "|".join(sorted((re.escape(k.value) for k in ActionKind), key=len, reverse=True))
+_ACTION_RE = re.compile(rf"(\d+)({_KIND_ALTERNATION})(\d+)")
+
+
+def parse_action(text: str) -> Action:
+    """Parse ``"2F0"`` strictly: the whole string must be ``<stage><kind><microbatch>``.
+
+    Unlike torch, ``"0F1junk"`` and ``"0F"`` are rejected; the message gives the position.
+    """
+    stripped = text.strip()
+    match = _ACTION_RE.fullmatch(stripped)
+    if match:
+        return Action(int(match.group(1)), ActionKind(match.group(2)), int(match.group(3)))
+    digits = re.match(r"\d*", stripped).end()
+    if digits == 0:
+        reason = "it must start with a stage number"
+        position = 0
+    else:
+        kind_match = re.compile(_KIND_ALTERNATION).match(stripped, digits)
+        if kind_match is None:
+            kinds = ", ".join(k.value for k in ActionKind)
+            reason = f"expected an action kind ({kinds})"
+            position = digits
+        else:
+            mb = re.compile(r"\d+").match(stripped, kind_match.end())
+            if mb is None:
+                reason = "expected a microbatch number"
+                position = kind_match.end()
+            else:
+                reason = "unexpected trailing characters"
+                position = mb.end()
+    raise ScheduleError(
+        f"cannot parse action {text!r}: {reason} at position {position}; "
+        f"write actions as <stage><kind><microbatch>, e.g. '2F0' or '1I3'"
+    )
+
+
+def format_actions(actions) -> str:
+    """Space-separated compact form of a rank's actions (``None`` = idle, shown as ``.``)."""
+    return " ".join("." if a is None else str(a) for a in actions)
+
+
+# ----------------------------------------------------------------------------- schedules
+
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Callable, Sequence, Union  # noqa: E402
+
+Placement = Union[str, Callable[[int, int], Sequence[int]]]
+"""``"loop"`` (stage s on rank s % num_ranks), ``"v"`` (zig-zag: rank r holds r and 2p-1-r, ...),
+or ``placement(num_stages, num_ranks) -> rank of each stage``."""
+
+
+def stage_to_rank(placement: Placement, num_stages: int, num_ranks: int) -> tuple[int, ...]:
+    """The rank of every stage under ``placement``."""
+    if callable(placement):
+        ranks = tuple(int(r) for r in placement(num_stages, num_ranks))
+        if len(ranks) != num_stages or any(not 0 <= r < num_ranks for r in ranks):
+            raise ScheduleError(
+                f"placement {placement!r} returned {list(ranks)} for num_stages={num_stages}, "
+                f"num_ranks={num_ranks}; it must return one rank in [0, {num_ranks}) per stage"
+            )
+        return ranks
+    if placement == "loop":
+        return tuple(s % num_ranks for s in range(num_stages))
+    if placement == "v":
+        ranks = []
+        for s in range(num_stages):
+            lap, offset = divmod(s, num_ranks)
+            ranks.append(offset if lap % 2 == 0 else num_ranks - 1 - offset)
+        return tuple(ranks)
+    raise ScheduleError(f"unknown placement {placement!r}; use 'loop', 'v' or a callable")
+
+
+@dataclass(frozen=True)
+class ScheduleDef:
+    """What a schedule plugin registers: how to generate the order, and for which shapes.
+
+    ``generate(num_stages, num_microbatches, num_ranks)`` returns one list of compute actions
+    per rank. It raises :class:`~pp_core.ScheduleError` for sizes its algorithm does not admit,
+    naming the constraint and the nearest valid microbatch counts.
+    """
+
+    generate: Callable[[int, int, int], list]
+    aliases: tuple[str, ...] = ()
+    placement: Placement = "loop"
+    stages_per_rank: int = 1
+    """The default number of stages each rank holds."""
+    variable_stages_per_rank: bool = False
+    """Whether other stage counts per rank are accepted (looped schedules: any value >= 2)."""
+    description: str = ""
+
+
+@dataclass
+class Schedule:
+    """A compute-only schedule: per-rank ordered actions plus the stage placement.
+
+    ``actions[r]`` may contain ``None`` (an idle step, as in torch's CSV files); ``stage_ranks[s]``
+    is the rank that holds stage ``s``.
+    """
+
+    actions: list[list[Action | None]]
+    stage_ranks: tuple[int, ...]
+    num_microbatches: int
+    name: str = "custom"
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.actions)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_ranks)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(s for s, r in enumerate(self.stage_ranks) if r == rank)
+
+    def compute_actions(self, rank: int) -> list[Action]:
+        return [a for a in self.actions[rank] if a is not None]
+
+    def rows(self) -> list[str]:
+        return [format_actions(self.compute_actions(r)) for r in range(self.num_ranks)]
