@@ -150,7 +150,12 @@ class PipelineConfig:
         if self.dtype is not None:
             resolve_dtype(self.dtype)
         if self.loss_fn is not None:
-            resolve_callable(self.loss_fn, "loss_fn")
+            if isinstance(self.loss_fn, str) and ":" not in self.loss_fn:
+                from pp_core.losses import get_loss  # a bare built-in name such as cross_entropy
+
+                get_loss(self.loss_fn)
+            else:
+                resolve_callable(self.loss_fn, "loss_fn")
 
     def _positive_int(self, name: str) -> None:
         value = getattr(self, name)
