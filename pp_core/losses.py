@@ -1,0 +1,68 @@
+"""Built-in loss functions a pipeline can name (``loss_fn: cross_entropy`` in YAML).
+
+Every loss takes ``(output, target)`` and returns a scalar: the runtime calls it on the last
+stage once per microbatch. The names are looked up here when ``PipelineConfig.loss_fn`` is a bare
+name rather than a ``"module:attr"`` string, so a YAML file never needs to import code for the
+common cases.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable
+
+from pp_core.errors import ConfigError
+
+__all__ = ["cross_entropy", "mse", "l1", "BUILTIN_LOSSES", "get_loss", "resolve_loss"]
+
+
+def cross_entropy(output, target):
+    """Mean cross entropy of ``[..., C]`` logits against ``[...]`` integer class targets.
+
+    Language models produce ``[batch, seq, vocab]`` logits and ``[batch, seq]`` targets; both are
+    flattened so torch's ``cross_entropy`` sees ``[N, C]`` against ``[N]``.
+    """
+    import torch.nn.functional as functional
+
+    return functional.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
+
+
+def mse(output, target):
+    """Mean squared error (regression); ``target`` is cast to the output's dtype."""
+    import torch.nn.functional as functional
+
+    return functional.mse_loss(output.float(), target.to(output.dtype).float())
+
+
+def l1(output, target):
+    """Mean absolute error."""
+    import torch.nn.functional as functional
+
+    return functional.l1_loss(output.float(), target.to(output.dtype).float())
+
+
+BUILTIN_LOSSES: dict[str, Callable] = {"cross_entropy": cross_entropy, "mse": mse, "l1": l1}
+
+
+def get_loss(name: str) -> Callable:
+    """The built-in loss called ``name``; an unknown name lists the built-ins and the closest."""
+    found = BUILTIN_LOSSES.get(str(name).lower())
+    if found is not None:
+        return found
+    guess = difflib.get_close_matches(str(name).lower(), list(BUILTIN_LOSSES), n=1)
+    hint = f"did you mean {guess[0]!r}? " if guess else ""
+    raise ConfigError(
+        f"unknown loss {name!r}; {hint}built-in losses: {', '.join(BUILTIN_LOSSES)}; "
+        f"or name your own as 'module:attr' (this imports that module)"
+    )
+
+
+def resolve_loss(value) -> Callable:
+    """A loss callable from a callable, a built-in name, or a ``"module:attr"`` string."""
+    if callable(value):
+        return value
+    if isinstance(value, str) and ":" not in value:
+        return get_loss(value)
+    from pp_core.config import resolve_callable
+
+    return resolve_callable(value, "loss_fn")
