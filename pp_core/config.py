@@ -151,6 +151,12 @@ class PipelineConfig:
             resolve_dtype(self.dtype)
         if self.loss_fn is not None:
             if isinstance(self.loss_fn, str) and ":" not in self.loss_fn:
+                if "." in self.loss_fn:  # kedro-style guess: a dotted path meant as module:attr
+                    module, _, attr = self.loss_fn.rpartition(".")
+                    raise ConfigError(
+                        f"loss_fn={self.loss_fn!r} is neither a built-in loss nor a 'module:attr' "
+                        f"string; did you mean '{module}:{attr}'?"
+                    )
                 from pp_core.losses import get_loss  # a bare built-in name such as cross_entropy
 
                 get_loss(self.loss_fn)

@@ -107,10 +107,20 @@ def make_plugin_manager(
             pm.register(plugin, name=ep.name)
             pm.pp_distributions[ep.name] = (dist, version)
     for item in plugins:
-        name, plugin = item if isinstance(item, tuple) else (None, item)
+        name, plugin = item if isinstance(item, tuple) else (_plugin_name(pm, item), item)
         pm.register(plugin, name=name)
     check_pending(pm)
     return pm
+
+
+def _plugin_name(pm: pluggy.PluginManager, plugin: Any) -> str:
+    """A readable name for an in-process plugin: its module name or class name, made unique."""
+    base = getattr(plugin, "__name__", None) or type(plugin).__name__
+    name, suffix = base, 1
+    while pm.get_plugin(name) is not None or pm.is_blocked(name):
+        suffix += 1
+        name = f"{base}#{suffix}"
+    return name
 
 
 def check_pending(pm: pluggy.PluginManager) -> None:

@@ -1,0 +1,57 @@
+"""The root pyproject's entry-point table is pp-core's default plugin list; keep it honest."""
+
+import re
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REFRESH = "run `pip install -e .` to refresh the installed entry points"
+
+
+def declared():
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["pp_core"]
+    return dict(table)
+
+
+def modules_with_hookimpls():
+    found = {}
+    for path in sorted((ROOT / "plugins").rglob("*.py")):
+        if re.search(r"^@(pp_core\.)?hookimpl", path.read_text(), re.M):
+            module = ".".join(path.relative_to(ROOT / "plugins").with_suffix("").parts)
+            found[module.removesuffix(".__init__")] = module.removesuffix(".__init__")
+    return found
+
+
+def test_every_plugin_module_is_declared_under_its_own_module_path():
+    table = declared()
+    assert all(name == value for name, value in table.items()), table
+    missing = set(modules_with_hookimpls()) - set(table)
+    assert not missing, f"plugin modules without an entry point in pyproject.toml: {sorted(missing)}"
+
+
+def test_installed_entry_points_match_pyproject():
+    installed = {ep.name: ep.value for ep in metadata.entry_points(group="pp_core")
+                 if ep.dist is not None and ep.dist.metadata["Name"] == "pp-core"}
+    assert installed == declared(), REFRESH
+
+
+def test_plugins_command_lists_every_built_in():
+    out = subprocess.run([sys.executable, "-m", "pp_core", "plugins"], capture_output=True,
+                         text=True, check=True).stdout
+    for name in declared():
+        assert re.search(rf"^{re.escape(name)}  \[pp-core ", out, re.M), name
+    assert "pp_core.model_initializers  [pp-core" in out
+
+
+def test_help_teaches():
+    out = subprocess.run([sys.executable, "-m", "pp_core", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for command in ("run", "schedule", "plugins"):
+        assert command in out
+    assert "examples:" in out and "PP_CORE_DISABLE_PLUGINS" in out
+    out = subprocess.run(["pp-core", "plugins", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "entry-point group 'pp_core'" in out and "--json" in out

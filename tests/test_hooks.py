@@ -1,0 +1,110 @@
+"""One test per hook (a test below fails when a hook has none), and docs that cannot drift."""
+
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from pp_core import ScheduleDef, hookimpl, hookspecs
+from pp_core.runtime import collect_pipeline_runtime_initializers
+from pp_core.testing import plugins_with
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOKS = [name for name in hookspecs.__all__ if name.startswith("pp_")]
+
+
+def test_every_hook_is_documented_with_its_exact_signature():
+    docs = (ROOT / "docs" / "plugins.md").read_text()
+    for name in HOOKS:
+        params = ", ".join(inspect.signature(getattr(hookspecs, name)).parameters)
+        assert f"### {name}({params})" in docs, f"docs/plugins.md lacks a heading for {name}({params})"
+
+
+def test_every_hook_has_a_test():
+    names = {n for path in (ROOT / "tests").glob("test_*.py")
+             for n in re.findall(r"def (test_hook_\w+)", path.read_text())}
+    for name in HOOKS:
+        assert any(n.startswith(f"test_hook_{name}") for n in names), f"no test_hook_{name}*"
+
+
+def test_every_hook_has_a_docstring_saying_how_results_combine():
+    for name in HOOKS:
+        doc = inspect.getdoc(getattr(hookspecs, name))
+        assert doc and "Calling:" in doc, name
+
+
+def _examples(heading):
+    """The python example under ``### heading`` in docs/plugins.md, executed as a module."""
+    docs = (ROOT / "docs" / "plugins.md").read_text()
+    section = docs.split(f"### {heading}")[1].split("\n### ")[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace = {"__name__": f"docs_example_{heading.split('(')[0]}"}
+    exec(compile(code, f"docs/plugins.md:{heading}", "exec"), namespace)
+    return type(sys)("example"), namespace
+
+
+def _plugin_from_doc(heading):
+    module, namespace = _examples(heading)
+    for key, value in namespace.items():
+        if key.startswith("pp_"):
+            setattr(module, key, value)
+    module.__name__ = namespace["__name__"]
+    return module
+
+
+def test_hook_pp_register_schedules():
+    plugins = plugins_with(_plugin_from_doc("pp_register_schedules(register)"))
+    definition = plugins.schedule_def("GPIPEREVERSED")
+    assert isinstance(definition, ScheduleDef)
+    rows = definition.generate(2, 2, 2)
+    assert [" ".join(map(str, row)) for row in rows] == ["0F0 0F1 0B1 0B0", "1F0 1F1 1B1 1B0"]
+
+
+def test_hook_pp_register_splitters():
+    plugins = plugins_with(_plugin_from_doc("pp_register_splitters(register)"))
+    splitter = plugins.splitters.get("blocks")
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(5))
+    assert splitter.accepts(model)
+    assert splitter.split(model, 2, None) == [["blocks.0", "blocks.1", "blocks.2"], ["blocks.3", "blocks.4"]]
+
+
+def test_hook_pp_register_models():
+    plugins = plugins_with(_plugin_from_doc("pp_register_models(register)"))
+    model = plugins.models.get("tiny_mlp")(dim=4, depth=3)
+    assert len(model) == 3
+
+
+def test_hook_pp_register_datasets():
+    plugins = plugins_with(_plugin_from_doc("pp_register_datasets(register)"))
+    batches = list(plugins.datasets.get("noise")(batch_size=3, dim=2, steps=2))
+    assert len(batches) == 2 and batches[0][0].shape == (3, 2)
+
+
+def test_hook_pp_runtime_initializers():
+    plugins = plugins_with(_plugin_from_doc("pp_runtime_initializers(module)"))
+    part = nn.Sequential(nn.MultiheadAttention(8, 2), nn.MultiheadAttention(8, 2))
+    found = collect_pipeline_runtime_initializers([part], plugins)
+    assert [i.resource_key for i in found] == [("attention-workspace",)]
+
+
+def test_hook_pp_make_recv_buffer_allocator_first_result_wins():
+    sentinel = object()
+
+    class Passes:
+        @hookimpl
+        def pp_make_recv_buffer_allocator(self, config, program, rank, device):
+            return None
+
+    class Answers:
+        @hookimpl
+        def pp_make_recv_buffer_allocator(self, config, program, rank, device):
+            return sentinel
+
+    plugins = plugins_with(("answers", Answers()), ("passes", Passes()))
+    assert plugins.recv_buffer_allocator(config=None, program=None, rank=0, device="cpu") is sentinel
+    doc_plugin = _plugin_from_doc("pp_make_recv_buffer_allocator(config, program, rank, device)")
+    assert plugins_with(doc_plugin).recv_buffer_allocator(None, None, 0, "cpu") is None

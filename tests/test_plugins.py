@@ -1,0 +1,149 @@
+"""The plugin manager: entry-point loading, broken plugins, misspelled hooks, clashes, blocking."""
+
+import sys
+import textwrap
+
+import pytest
+
+from pp_core import PluginError, ScheduleDef, hookimpl
+from pp_core.plugins import Plugins, load_plugins, make_plugin_manager
+from pp_core.testing import plugins_with
+
+
+def make_dist(tmp_path, dist_name, modules, entry_points):
+    """Write a real (unpacked) distribution onto ``tmp_path`` so importlib.metadata finds it."""
+    for name, source in modules.items():
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    info = tmp_path / f"{dist_name.replace('-', '_')}-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 1.2.3\n")
+    lines = "\n".join(f"{k} = {v}" for k, v in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[pp_core]\n{lines}\n")
+
+
+@pytest.fixture
+def on_path(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [m for m in sys.modules if m.startswith("ppt_")]:
+        del sys.modules[name]
+
+
+GOOD = """
+    import pp_core
+    @pp_core.hookimpl
+    def pp_register_models(register):
+        register("tiny", lambda: None)
+"""
+
+
+def test_entry_point_plugin_is_loaded_with_its_distribution(on_path):
+    make_dist(on_path, "pp-tiny", {"ppt_good": GOOD}, {"tiny": "ppt_good"})
+    plugins = load_plugins(disabled=())
+    assert plugins.models.entry("tiny").plugin == "tiny"
+    assert plugins.distribution("tiny") == ("pp-tiny", "1.2.3")
+    assert "pp_schedules.gpipe" in dict(plugins.pm.list_name_plugin())
+
+
+def test_plugin_that_fails_to_import_is_reported_and_others_still_load(on_path):
+    make_dist(on_path, "pp-broken", {"ppt_broken": "import not_a_module_anywhere\n",
+                                     "ppt_good": GOOD},
+              {"broken": "ppt_broken", "tiny": "ppt_good"})
+    plugins = load_plugins(disabled=())
+    [broken] = [b for b in plugins.broken if b.name == "broken"]
+    message = broken.message()
+    assert "plugin 'broken' (pp-broken 1.2.3) failed to import" in message
+    assert "No module named 'not_a_module_anywhere'" in message
+    assert "PP_CORE_DISABLE_PLUGINS=broken" in message
+    assert "tiny" in plugins.models
+
+
+def test_misspelled_hook_names_the_plugin_and_suggests_the_hook(on_path):
+    source = """
+        import pp_core
+        @pp_core.hookimpl
+        def pp_register_schedule(register):
+            pass
+    """
+    make_dist(on_path, "pp-typo", {"ppt_typo": source}, {"typo": "ppt_typo"})
+    with pytest.raises(PluginError, match=r"plugin 'typo' implements unknown hook "
+                                          r"'pp_register_schedule'; did you mean 'pp_register_schedules'"):
+        make_plugin_manager(disabled=())
+
+
+def test_disabled_plugin_is_not_imported(on_path, monkeypatch):
+    make_dist(on_path, "pp-broken", {"ppt_broken": "raise SystemError('boom')\n"},
+              {"broken": "ppt_broken"})
+    monkeypatch.setenv("PP_CORE_DISABLE_PLUGINS", "broken, pp_schedules.gpipe")
+    plugins = load_plugins()
+    assert not [b for b in plugins.broken if b.name == "broken"]
+    assert "gpipe" not in plugins.schedules
+    assert "1f1b" in plugins.schedules
+
+
+def test_duplicate_schedule_name_names_both_plugins():
+    class Clash:
+        @hookimpl
+        def pp_register_schedules(self, register):
+            register("GPipe", ScheduleDef(generate=lambda *a: []))
+
+    plugins = plugins_with("pp_schedules.gpipe", ("clash", Clash()))
+    with pytest.raises(PluginError, match=r"schedule 'GPipe' is registered twice: by plugin "
+                                          r"'pp_schedules.gpipe' \(as 'gpipe'\) and by plugin 'clash'"):
+        plugins.schedules
+
+
+@pytest.mark.parametrize("hook, kind", [("pp_register_splitters", "splitter"),
+                                        ("pp_register_models", "model"),
+                                        ("pp_register_datasets", "dataset")])
+def test_duplicate_names_in_every_registry(hook, kind):
+    def make(name):
+        class Plugin:
+            pass
+        setattr(Plugin, hook, hookimpl(lambda self, register: register("thing", object())))
+        return (name, Plugin())
+
+    plugins = plugins_with(make("first"), make("second"))
+    with pytest.raises(PluginError, match=rf"{kind} 'thing' is registered twice: by plugin "
+                                          rf"'first' .* and by plugin 'second'"):
+        getattr(plugins, f"{kind}s")
+
+
+def test_unknown_name_lists_installed_ones_with_their_plugin():
+    plugins = plugins_with("pp_schedules.gpipe", "pp_schedules.one_f_one_b")
+    with pytest.raises(PluginError) as info:
+        plugins.schedules.get("gpipee")
+    message = str(info.value)
+    assert "unknown schedule 'gpipee'; did you mean 'gpipe'?" in message
+    assert "gpipe (from pp_schedules.gpipe)" in message and "1f1b (from pp_schedules.one_f_one_b)" in message
+
+
+def test_names_and_aliases_are_case_insensitive():
+    plugins = plugins_with("pp_schedules.gpipe")
+    assert plugins.schedules.entry("GPIPE").name == "gpipe"
+
+
+def test_plugin_raising_in_register_hook_is_named():
+    class Raises:
+        @hookimpl
+        def pp_register_models(self, register):
+            raise KeyError("oops")
+
+    with pytest.raises(PluginError, match=r"plugin 'bad' .* raised in pp_register_models: KeyError"):
+        plugins_with(("bad", Raises())).models
+
+
+def test_bare_generator_is_wrapped_in_a_schedule_def():
+    class Bare:
+        @hookimpl
+        def pp_register_schedules(self, register):
+            register("mine", lambda num_stages, num_microbatches, num_ranks: [])
+
+    definition = plugins_with(Bare()).schedule_def("mine")
+    assert isinstance(definition, ScheduleDef) and definition.placement == "loop"
+
+
+def test_plugin_manager_factory_has_no_shared_state():
+    first, second = plugins_with(), plugins_with()
+    assert first.pm is not second.pm
+    assert isinstance(first, Plugins)
