@@ -1,0 +1,93 @@
+"""The demo GPT: token + position embeddings, pre-norm transformer blocks, final norm, head.
+
+It follows pp-core's ``layers`` contract so the ``layers`` splitter can cut it anywhere: the
+embeddings are registered before ``layers`` (they go to the first stage), ``norm`` and ``output``
+after it (the last stage), and ``forward`` skips whichever of them a model part holds as ``None``.
+The same ``forward`` therefore runs the whole model (``tokens -> logits``), the first stage
+(``tokens -> hidden``), a middle stage (``hidden -> hidden``) or the last (``hidden -> logits``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as functional
+from torch import nn
+
+__all__ = ["GPT", "Block", "gpt"]
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: causal self-attention, then an MLP, each residual."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.attention_norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.ffn_norm = nn.LayerNorm(dim)
+        self.ffn = nn.Sequential(
+            nn.Linear(dim, mlp_ratio * dim, bias=False), nn.GELU(),
+            nn.Linear(mlp_ratio * dim, dim, bias=False),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(self.attention_norm(x)).split(dim, dim=-1)
+        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+        attended = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, dim))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class GPT(nn.Module):
+    """A small decoder-only language model: ``forward(tokens [B, S]) -> logits [B, S, vocab]``."""
+
+    def __init__(self, vocab_size: int = 256, dim: int = 64, num_layers: int = 4,
+                 num_heads: int = 4, max_seq_len: int = 256, mlp_ratio: int = 4):
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.pos_embeddings = nn.Embedding(max_seq_len, dim)
+        self.layers = nn.ModuleDict({str(i): Block(dim, num_heads, mlp_ratio)
+                                     for i in range(num_layers)})
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+        self._init_weights(num_layers)
+
+    def _init_weights(self, num_layers: int) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers)."""
+        for name, param in self.named_parameters():
+            if param.dim() < 2:
+                continue
+            std = 0.02
+            if name.endswith("proj.weight") or name.endswith("ffn.2.weight"):
+                std = 0.02 / math.sqrt(2 * num_layers)
+            nn.init.normal_(param, mean=0.0, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            if x.shape[1] > self.max_seq_len:
+                raise ValueError(f"sequence length {x.shape[1]} exceeds max_seq_len="
+                                 f"{self.max_seq_len}; raise model.args.max_seq_len")
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.tok_embeddings(x)
+            if self.pos_embeddings is not None:
+                x = x + self.pos_embeddings(positions)
+        layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
+        for layer in layers:
+            x = layer(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.output is not None:
+            x = self.output(x)
+        return x
+
+
+def gpt(**kwargs) -> GPT:
+    """The factory registered as model ``gpt`` (YAML ``model.args`` are its keyword arguments)."""
+    return GPT(**kwargs)
