@@ -1,0 +1,118 @@
+"""Build a validated :class:`Schedule` from a registered schedule name or a CSV file.
+
+This is the one entry point the runtime, the CLI and the benchmarks use, so every size check
+lives here with a message that says what to change: the plugin says *how* to order actions
+(its :class:`ScheduleDef`), this module decides *for which sizes* and checks the result.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pp_core.errors import ScheduleError
+from pp_core.schedule.ir import Schedule, ScheduleDef, stage_to_rank
+from pp_core.schedule.validate import validate_schedule
+
+__all__ = ["build_schedule", "resolve_schedule_def"]
+
+
+def build_schedule(
+    name: str | None = None,
+    *,
+    num_ranks: int,
+    num_microbatches: int,
+    stages_per_rank: int | None = None,
+    csv_path: str | os.PathLike | None = None,
+    plugins=None,
+) -> Schedule:
+    """The validated schedule ``name`` (or the one in ``csv_path``) for these sizes.
+
+    :param name: a registered schedule name or alias, case-insensitive (``"1f1b"``,
+        ``"Interleaved1F1B"``, ...). Ignored when ``csv_path`` is given, as torchtitan ignores
+        ``pipeline_parallel_schedule`` when ``pipeline_parallel_schedule_csv`` is set.
+    :param num_ranks: pipeline ranks (``pp``).
+    :param num_microbatches: microbatches per step.
+    :param stages_per_rank: stages each rank holds; defaults to the schedule's own default. Only
+        schedules registered with ``variable_stages_per_rank=True`` accept other values.
+    :param csv_path: a torch-format CSV (compute-only or compute_comms); the placement is taken
+        from the rows, and ``num_ranks`` / ``num_microbatches`` / ``stages_per_rank`` must match.
+    :param plugins: a :class:`pp_core.plugins.Plugins`; defaults to the installed plugins.
+    :raises ScheduleError: unknown name, impossible sizes, or an invalid schedule.
+    """
+    _check_int("num_ranks", num_ranks, 1)
+    _check_int("num_microbatches", num_microbatches, 1)
+    if stages_per_rank is not None:
+        _check_int("stages_per_rank", stages_per_rank, 1)
+    if csv_path is not None:
+        return _from_csv(csv_path, num_ranks, num_microbatches, stages_per_rank)
+    if name is None:
+        raise ScheduleError("build_schedule needs a schedule name (e.g. '1f1b') or csv_path")
+    canonical, sdef = resolve_schedule_def(name, plugins)
+    v = sdef.stages_per_rank if stages_per_rank is None else stages_per_rank
+    if v != sdef.stages_per_rank and not sdef.variable_stages_per_rank:
+        raise ScheduleError(
+            f"schedule {canonical!r} runs exactly {sdef.stages_per_rank} stage(s) per rank, got "
+            f"stages_per_rank={v}; set stages_per_rank={sdef.stages_per_rank} (or leave it unset), "
+            f"or pick a schedule that takes {v} stages per rank (e.g. 'interleaved_1f1b')")
+    num_stages = num_ranks * v
+    stage_ranks = stage_to_rank(sdef.placement, num_stages, num_ranks)
+    actions = sdef.generate(num_stages, num_microbatches, num_ranks)
+    if not isinstance(actions, (list, tuple)) or len(actions) != num_ranks:
+        got = len(actions) if isinstance(actions, (list, tuple)) else type(actions).__name__
+        raise ScheduleError(
+            f"schedule {canonical!r}: its generator returned {got} rank lists for "
+            f"num_ranks={num_ranks}; a generator must return one list of actions per rank "
+            f"(this is a bug in the plugin that registered {canonical!r})")
+    schedule = Schedule(
+        actions=[list(row) for row in actions],
+        stage_ranks=stage_ranks,
+        num_microbatches=num_microbatches,
+        name=canonical,
+    )
+    validate_schedule(schedule)
+    return schedule
+
+
+def resolve_schedule_def(name: str, plugins=None) -> tuple[str, ScheduleDef]:
+    """``(canonical name, ScheduleDef)`` for a name or alias; unknown names list the installed."""
+    if plugins is None:
+        from pp_core.plugins import default_plugins
+
+        plugins = default_plugins()
+    if not isinstance(name, str) or not name:
+        raise ScheduleError(f"schedule name must be a non-empty string, got {name!r}")
+    registry = plugins.schedules
+    if name not in registry:
+        try:
+            registry.entry(name)
+        except Exception as exc:  # the registry's message lists installed names and plugins
+            raise ScheduleError(str(exc)) from exc
+    return registry.entry(name).name, plugins.schedule_def(name)
+
+
+def _check_int(what: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ScheduleError(f"{what} must be an integer >= {minimum}, got {value!r}")
+
+
+def _from_csv(csv_path, num_ranks: int, num_microbatches: int,
+              stages_per_rank: int | None) -> Schedule:
+    from pp_core.schedule.csv_io import read_csv
+
+    schedule = read_csv(csv_path)  # validated
+    where = f"schedule CSV {os.fspath(csv_path)!r}"
+    if schedule.num_ranks != num_ranks:
+        raise ScheduleError(
+            f"{where} has {schedule.num_ranks} rows (one per rank), but the pipeline has "
+            f"num_ranks={num_ranks}; write one row per pipeline rank or change the pp size")
+    if schedule.num_microbatches != num_microbatches:
+        raise ScheduleError(
+            f"{where} schedules {schedule.num_microbatches} microbatches (0..."
+            f"{schedule.num_microbatches - 1}), but num_microbatches={num_microbatches}; "
+            f"set pp_batch_size / pp_microbatch_size to give {schedule.num_microbatches} "
+            f"microbatches or regenerate the CSV")
+    if stages_per_rank is not None and schedule.num_stages != num_ranks * stages_per_rank:
+        raise ScheduleError(
+            f"{where} has {schedule.num_stages} stages on {num_ranks} ranks, but "
+            f"stages_per_rank={stages_per_rank} asks for {num_ranks * stages_per_rank}")
+    return schedule

@@ -1,0 +1,383 @@
+"""Validation of compute-only schedules: placement, completeness, local order, deadlock freedom.
+
+A schedule is data produced by plugins or read from a CSV, so everything here is a user error
+raised as :class:`~pp_core.ScheduleError` (never ``assert``), naming the rank, the step (the
+position in that rank's list, idle cells included, i.e. the CSV column) and the action.
+
+The rules are those of ``docs/schedules.md`` / the reference, section 2:
+
+1. every action of stage ``s`` is on ``schedule.stage_ranks[s]``;
+2. every ``(stage, microbatch)`` has exactly one ``F`` and either one ``B`` or one ``I`` followed
+   later by one ``W``;
+3. ``F(s,k)`` needs ``F(s-1,k)``; ``I/B(s,k)`` needs ``I/B(s+1,k)`` (never a ``W``); the last
+   stage's backward needs its own ``F``;
+4. deadlock freedom: a list-scheduling run (each rank executes its next action as soon as its
+   inputs exist) finishes.
+
+Everything is linear in the number of actions: one pass encodes each action as an integer and
+checks 1-2 and local order with a per-(stage, microbatch) bit mask, then a list-scheduling run
+advances per-rank pointers and wakes only the one rank that consumes each finished action.
+"""
+
+from __future__ import annotations
+
+from pp_core.errors import ScheduleError
+from pp_core.schedule.ir import B, COMM_KINDS, F, I, W, Action, Schedule
+
+__all__ = ["validate_schedule", "format_grid"]
+
+_KIND_CODE = {F: 0, B: 1, I: 2, W: 3}
+_F_BIT, _B_BIT, _I_BIT, _W_BIT = 1, 2, 4, 8
+_DONE_FULL, _DONE_SPLIT = _F_BIT | _B_BIT, _F_BIT | _I_BIT | _W_BIT
+_MAX_PROBLEMS = 6
+
+
+def validate_schedule(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` unless ``schedule`` is a complete, deadlock-free schedule."""
+    num_ranks, num_stages, num_microbatches = _check_shape(schedule)
+    encoded = _encode(schedule, num_stages, num_microbatches)
+    _check_deadlock(schedule, encoded, num_stages, num_microbatches)
+
+
+# ----------------------------------------------------------------------------- shape
+
+
+def _check_shape(schedule: Schedule) -> tuple[int, int, int]:
+    actions = schedule.actions
+    if not isinstance(actions, (list, tuple)) or not actions:
+        raise ScheduleError(f"schedule {schedule.name!r} has no ranks; actions must be one list "
+                            f"of actions per rank")
+    num_ranks = len(actions)
+    for r, row in enumerate(actions):
+        if not isinstance(row, (list, tuple)):
+            raise ScheduleError(f"schedule {schedule.name!r}: rank {r}'s actions are a "
+                                f"{type(row).__name__}, expected a list of actions")
+    num_stages = len(schedule.stage_ranks)
+    if num_stages == 0:
+        raise ScheduleError(f"schedule {schedule.name!r} has no stages (stage_ranks is empty)")
+    for s, r in enumerate(schedule.stage_ranks):
+        if not isinstance(r, int) or not 0 <= r < num_ranks:
+            raise ScheduleError(
+                f"schedule {schedule.name!r}: stage {s} is placed on rank {r!r}, but the schedule "
+                f"has {num_ranks} ranks (0..{num_ranks - 1})")
+    empty = sorted(set(range(num_ranks)) - set(schedule.stage_ranks))
+    if empty:
+        raise ScheduleError(
+            f"schedule {schedule.name!r}: rank(s) {', '.join(map(str, empty))} hold no stage; "
+            f"every rank needs at least one stage (num_stages={num_stages}, num_ranks={num_ranks})")
+    num_microbatches = schedule.num_microbatches
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ScheduleError(f"schedule {schedule.name!r}: num_microbatches must be an int >= 1, "
+                            f"got {num_microbatches!r}")
+    return num_ranks, num_stages, num_microbatches
+
+
+# ----------------------------------------------------------------------------- pass 1
+
+
+def _encode(schedule: Schedule, num_stages: int, num_microbatches: int) -> list[list[int]]:
+    """Check placement, ranges, duplicates and local order; return per-rank ``key*4 + kind``.
+
+    ``key = stage * num_microbatches + microbatch``; kind codes F=0, B=1, I=2, W=3.
+    """
+    stage_ranks = schedule.stage_ranks
+    M = num_microbatches
+    state = bytearray(num_stages * M)
+    kind_code = _KIND_CODE
+    encoded: list[list[int]] = []
+    for r, row in enumerate(schedule.actions):
+        enc: list[int] = []
+        append = enc.append
+        for step, action in enumerate(row):
+            if action is None:
+                continue
+            if type(action) is not Action:
+                _bad_item(schedule, r, step, action)
+            s, kind, mb = action
+            kc = kind_code.get(kind)
+            if kc is None or type(s) is not int or type(mb) is not int:
+                _bad_item(schedule, r, step, action)
+            if not (0 <= s < num_stages and 0 <= mb < M) or stage_ranks[s] != r:
+                _bad_place(schedule, r, step, action, num_stages, M)
+            key = s * M + mb
+            st = state[key]
+            if kc == 0:
+                if st:
+                    _local_order(schedule, r, step, action, st)
+                state[key] = _F_BIT
+            elif kc == 3:
+                if st != _F_BIT | _I_BIT:
+                    _local_order(schedule, r, step, action, st)
+                state[key] = _DONE_SPLIT
+            else:
+                if st != _F_BIT:
+                    _local_order(schedule, r, step, action, st)
+                state[key] = _DONE_FULL if kc == 1 else _F_BIT | _I_BIT
+            append(key * 4 + kc)
+        encoded.append(enc)
+    if state.count(_DONE_FULL) + state.count(_DONE_SPLIT) != len(state):
+        _incomplete(schedule, state, M)
+    return encoded
+
+
+def _bad_item(schedule: Schedule, r: int, step: int, action) -> None:
+    where = f"schedule {schedule.name!r}, rank {r} step {step}"
+    kind = getattr(action, "kind", None) if isinstance(action, tuple) else None
+    if kind in COMM_KINDS:
+        raise ScheduleError(
+            f"{where}: {action} is a communication action, but a compute-only schedule holds only "
+            f"F/B/I/W; sends and receives are added by lowering (pp_core.schedule.lower) — drop "
+            f"the comm actions (pp_core.schedule.csv_io.read_csv drops them from torch's "
+            f"compute_comms files)")
+    raise ScheduleError(
+        f"{where}: expected an Action(stage, kind, microbatch) with kind F/B/I/W or None (idle), "
+        f"got {action!r}; build actions with pp_core.Action or pp_core.schedule.parse_action")
+
+
+def _bad_place(schedule, r, step, action, num_stages, M) -> None:
+    s, _kind, mb = action
+    where = f"schedule {schedule.name!r}, rank {r} step {step}: {action}"
+    if not isinstance(s, int) or not 0 <= s < num_stages:
+        raise ScheduleError(f"{where} names stage {s!r}, but the schedule has {num_stages} stages "
+                            f"(0..{num_stages - 1})")
+    if not isinstance(mb, int) or not 0 <= mb < M:
+        raise ScheduleError(f"{where} names microbatch {mb!r}, but the schedule has {M} "
+                            f"microbatches (0..{M - 1}); set num_microbatches={mb + 1 if isinstance(mb, int) and mb >= 0 else M} or fix the action")
+    owner = schedule.stage_ranks[s]
+    raise ScheduleError(
+        f"{where}: stage {s} is placed on rank {owner}, so its actions must all be on rank "
+        f"{owner}; each stage lives on exactly one rank (stage_ranks={list(schedule.stage_ranks)})")
+
+
+def _local_order(schedule: Schedule, r: int, step: int, action: Action, st: int) -> None:
+    s, kind, mb = action
+    where = f"schedule {schedule.name!r}, rank {r} step {step}: {action}"
+    earlier = _find_step(schedule, r, step, s, mb)
+    if kind == F:
+        if st & _F_BIT:
+            reason = f"is a second forward of stage {s} microbatch {mb} (the first is at {earlier})"
+        else:
+            reason = f"comes after the backward at {earlier}; F must come before I/B on the same rank"
+    elif kind == W:
+        if st & _W_BIT:
+            reason = f"is a second W of stage {s} microbatch {mb} (the first is at {earlier})"
+        elif st & _B_BIT:
+            reason = (f"follows the full backward {s}B{mb} at {earlier}; a W belongs only after an "
+                      f"I (B already computes the weight gradients)")
+        elif not st & _F_BIT:
+            reason = f"comes before {s}F{mb} and {s}I{mb}; the order must be F, then I, then W"
+        else:
+            reason = f"comes before {s}I{mb}; W (weight grads) must follow its I (input grads)"
+    else:
+        if not st & _F_BIT and earlier == "no step":
+            reason = f"has no forward {s}F{mb} before it (rank {r} never runs {s}F{mb})"
+        elif not st & _F_BIT:
+            reason = f"comes before its forward {s}F{mb} at {earlier}; F must come before I/B"
+        else:
+            reason = (f"is a second backward of stage {s} microbatch {mb} (the first is at "
+                      f"{earlier}); use either one B or one I plus one W")
+    raise ScheduleError(f"{where} {reason}\n{format_grid(schedule, {(r, step)})}")
+
+
+def _find_step(schedule: Schedule, r: int, before: int, s: int, mb: int) -> str:
+    row = schedule.actions[r]
+    for step in range(before):
+        a = row[step]
+        if a is not None and a[0] == s and a[2] == mb:
+            return f"step {step} ({a})"
+    for step in range(before + 1, len(row)):
+        a = row[step]
+        if a is not None and a[0] == s and a[2] == mb:
+            return f"step {step} ({a})"
+    return "no step"
+
+
+def _incomplete(schedule: Schedule, state: bytearray, M: int) -> None:
+    problems = []
+    total = 0
+    for key, st in enumerate(state):
+        if st == _DONE_FULL or st == _DONE_SPLIT:
+            continue
+        total += 1
+        if len(problems) >= _MAX_PROBLEMS:
+            continue
+        s, mb = divmod(key, M)
+        rank = schedule.stage_ranks[s]
+        if not st & _F_BIT:
+            what = f"{s}F{mb} (forward) and its backward are missing" if not st else \
+                f"{s}F{mb} (forward) is missing"
+        elif st & _I_BIT:
+            what = f"{s}W{mb} is missing (every I needs a later W on the same rank)"
+        else:
+            what = f"the backward is missing (add {s}B{mb}, or {s}I{mb} then {s}W{mb})"
+        problems.append(f"stage {s} microbatch {mb} (rank {rank}): {what}")
+    more = f"\n  ... and {total - len(problems)} more" if total > len(problems) else ""
+    raise ScheduleError(
+        f"schedule {schedule.name!r} is incomplete: {total} (stage, microbatch) pair(s) lack "
+        f"actions; every pair needs one F and either one B or one I followed by one W "
+        f"(num_stages={len(schedule.stage_ranks)}, num_microbatches={M})\n  "
+        + "\n  ".join(problems) + more)
+
+
+# ----------------------------------------------------------------------------- pass 2
+
+
+def _check_deadlock(schedule: Schedule, encoded: list[list[int]], num_stages: int, M: int) -> None:
+    """List-schedule the ranks; each finished F/B/I wakes the one rank that consumes it."""
+    stage_ranks = schedule.stage_ranks
+    num_ranks = len(encoded)
+    fdone = bytearray(num_stages * M)
+    bdone = bytearray(num_stages * M)
+    last_key = (num_stages - 1) * M  # keys >= this are on the last stage
+    ptr = [0] * num_ranks
+    blocked = [False] * num_ranks
+    queue = list(range(num_ranks - 1, -1, -1))
+    while queue:
+        r = queue.pop()
+        row = encoded[r]
+        p = ptr[r]
+        n = len(row)
+        while p < n:
+            c = row[p]
+            kc = c & 3
+            key = c >> 2
+            if kc == 0:
+                if key >= M and not fdone[key - M]:
+                    break
+                fdone[key] = 1
+                if key < last_key:
+                    t = stage_ranks[key // M + 1]
+                    if blocked[t]:
+                        blocked[t] = False
+                        queue.append(t)
+            elif kc != 3:
+                if key < last_key and not bdone[key + M]:
+                    break
+                bdone[key] = 1
+                if key >= M:
+                    t = stage_ranks[key // M - 1]
+                    if blocked[t]:
+                        blocked[t] = False
+                        queue.append(t)
+            p += 1
+        ptr[r] = p
+        if p < n:
+            blocked[r] = True
+    if any(blocked):
+        _deadlock(schedule, encoded, ptr, M)
+
+
+def _raw_step(schedule: Schedule, r: int, index: int) -> int:
+    """The position in ``schedule.actions[r]`` (idle cells counted) of the index-th action."""
+    seen = -1
+    for step, a in enumerate(schedule.actions[r]):
+        if a is not None:
+            seen += 1
+            if seen == index:
+                return step
+    return len(schedule.actions[r])
+
+
+def _decode(code: int, M: int) -> Action:
+    s, mb = divmod(code >> 2, M)
+    return Action(s, (F, B, I, W)[code & 3], mb)
+
+
+def _deadlock(schedule: Schedule, encoded: list[list[int]], ptr: list[int], M: int) -> None:
+    """Explain the wait cycle, starting at the first rank of the cycle the first stuck rank hits."""
+    r = next(r for r in range(len(encoded)) if ptr[r] < len(encoded[r]))
+    _text, _marks, r = _wait_chain(schedule, encoded, ptr, M, r)  # find a rank on the cycle
+    text, marks, _ = _wait_chain(schedule, encoded, ptr, M, r)
+    head = _decode(encoded[r][ptr[r]], M)
+    raise ScheduleError(
+        f"schedule {schedule.name!r} deadlocks at rank {r} step {_raw_step(schedule, r, ptr[r])} "
+        f"({head}): no rank can make progress\n  {text}.\nReorder the actions so every F(s,k) "
+        f"comes after F(s-1,k) and every I/B(s,k) after I/B(s+1,k) can have finished.\n"
+        f"{format_grid(schedule, marks)}")
+
+
+def _wait_chain(schedule, encoded, ptr, M, r):
+    """Follow "waits for" from rank ``r``'s next action until a rank repeats; return the text."""
+    head = _decode(encoded[r][ptr[r]], M)
+    step = _raw_step(schedule, r, ptr[r])
+    marks = {(r, step)}
+    visited = {r: f"rank {r} step {step}"}
+    text = f"rank {r} step {step}: {head}"
+    while True:
+        dep = _dependency(schedule, encoded, head, M)
+        dr = schedule.stage_ranks[dep.stage]
+        dindex = _index_of(encoded[dr], _encode_one(dep, M))
+        text += f" waits for {dep} at rank {dr} step {_raw_step(schedule, dr, dindex)}"
+        head = _decode(encoded[dr][ptr[dr]], M)
+        hstep = _raw_step(schedule, dr, ptr[dr])
+        marks.add((dr, hstep))
+        if dindex != ptr[dr]:
+            text += f",\n  which comes after {head} at rank {dr} step {hstep}"
+        if dr in visited:
+            text += f",\n  which closes the cycle (back at {visited[dr]})"
+            return text, marks, dr
+        visited[dr] = f"rank {dr} step {hstep}"
+        text += ",\n  which"
+
+
+def _dependency(schedule: Schedule, encoded: list[list[int]], action: Action, M: int) -> Action:
+    s, kind, mb = action
+    if kind == F:
+        return Action(s - 1, F, mb)
+    nxt = s + 1
+    row = encoded[schedule.stage_ranks[nxt]]
+    has_i = _index_of(row, _encode_one(Action(nxt, I, mb), M)) >= 0
+    return Action(nxt, I if has_i else B, mb)
+
+
+def _encode_one(action: Action, M: int) -> int:
+    return (action.stage * M + action.microbatch) * 4 + _KIND_CODE[action.kind]
+
+
+def _index_of(row: list[int], code: int) -> int:
+    try:
+        return row.index(code)
+    except ValueError:
+        return -1
+
+
+# ----------------------------------------------------------------------------- grid
+
+
+def format_grid(schedule: Schedule, marks: set[tuple[int, int]], context: int = 4,
+                max_columns: int = 32, max_rows: int = 24) -> str:
+    """The rank x step grid around the marked ``(rank, step)`` cells, each shown as ``[2F0]``."""
+    actions = schedule.actions
+    steps = sorted(step for _, step in marks) or [0]
+    lo = max(0, steps[0] - context)
+    hi = min(max(len(row) for row in actions), steps[-1] + context + 1)
+    if hi - lo > max_columns:
+        hi = lo + max_columns
+    ranks = sorted({r for r, _ in marks})
+    rows = list(range(len(actions)))
+    if len(rows) > max_rows:
+        keep = set()
+        for r in ranks:
+            keep.update(range(max(0, r - 2), min(len(rows), r + 3)))
+        rows = sorted(keep)[:max_rows]
+    cells = {}
+    width = 3
+    for r in rows:
+        for step in range(lo, hi):
+            a = actions[r][step] if step < len(actions[r]) else None
+            text = "." if a is None else str(a)
+            if (r, step) in marks:
+                text = f"[{text}]"
+            cells[r, step] = text
+            width = max(width, len(text))
+    label = max(len(f"rank {rows[-1]}"), len("step"))
+    lines = ["step".ljust(label) + " " + " ".join(str(s).center(width) for s in range(lo, hi))]
+    previous = None
+    for r in rows:
+        if previous is not None and r != previous + 1:
+            lines.append("...")
+        previous = r
+        lines.append(f"rank {r}".ljust(label) + " " +
+                     " ".join(cells[r, s].center(width) for s in range(lo, hi)))
+    note = f" (steps {lo}..{hi - 1} shown; blocked/bad actions in [brackets])"
+    return "grid" + note + ":\n" + "\n".join(line.rstrip() for line in lines)
