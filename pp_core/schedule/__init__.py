@@ -20,6 +20,8 @@ from pp_core.schedule.ir import (
     parse_action,
     stage_to_rank,
 )
+from pp_core.schedule.validate import validate_schedule
+from pp_core.schedule.build import build_schedule
 
 __all__ = [
     "Action",
@@ -40,4 +42,6 @@ __all__ = [
     "ScheduleDef",
     "Schedule",
     "stage_to_rank",
+    "validate_schedule",
+    "build_schedule",
 ]
