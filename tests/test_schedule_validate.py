@@ -11,6 +11,7 @@ from pp_core.plugins import load_plugins
 from pp_core.schedule.build import build_schedule
 from pp_core.schedule.ir import SEND_F, Schedule, parse_action
 from pp_core.schedule.validate import validate_schedule
+from tests.fixtures.generators import interleaved_zero_bubble
 from tests.fixtures.reference_examples import SUPPORTED, make_schedule
 
 
@@ -150,39 +151,14 @@ def test_ranks_without_stages_and_bad_shapes():
         validate_schedule(Schedule([[], []], (0, 5), 1))
 
 
-def _interleaved_zb(p, m, v):
-    """Reference 5.8 (torch InterleavedZeroBubble, N = p, m % p == 0): a large valid schedule."""
-    table = [(lo + i, c) for lo in range(0, m, p) for c in range(v) for i in range(p)]
-    T = v * m
-    rows = []
-    for r in range(p):
-        def fwd(k):
-            return Action(table[k][1] * p + r, F, table[k][0])
-
-        def bwd(k, kind):
-            return Action((v - 1 - table[k][1]) * p + r, kind, table[k][0])
-
-        warm = min(T, (v - 1) * p + (p - 1 - r))
-        row = [fwd(k) for k in range(warm)]
-        for j in range(T):
-            if j + warm < T:
-                row.append(fwd(j + warm))
-            row.append(bwd(j, I))
-            if j >= r:
-                row.append(bwd(j - r, W))
-        row += [bwd(j, W) for j in range(max(0, T - r), T)]
-        rows.append(row)
-    return Schedule(rows, tuple(s % p for s in range(p * v)), m, "izb")
-
-
 def test_interleaved_zero_bubble_generator_matches_reference_example():
     example = next(e for e in SUPPORTED if e["title"] == "InterleavedZeroBubble p=4 m=8 v=2")
-    assert _interleaved_zb(4, 8, 2).rows() == example["rows"]
+    assert interleaved_zero_bubble(4, 8, 2).rows() == example["rows"]
 
 
 def test_validation_is_linear_and_fast():
     """pp=64, v=2, m=1024 (393k actions): one validation in well under a second."""
-    big = _interleaved_zb(64, 1024, 2)
+    big = interleaved_zero_bubble(64, 1024, 2)
     t0 = time.perf_counter()
     validate_schedule(big)
     elapsed = time.perf_counter() - t0

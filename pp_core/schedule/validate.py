@@ -24,7 +24,7 @@ from __future__ import annotations
 from pp_core.errors import ScheduleError
 from pp_core.schedule.ir import B, COMM_KINDS, F, I, W, Action, Schedule
 
-__all__ = ["validate_schedule", "format_grid"]
+__all__ = ["validate_schedule", "encode_validated", "raise_deadlock", "format_grid"]
 
 _KIND_CODE = {F: 0, B: 1, I: 2, W: 3}
 _F_BIT, _B_BIT, _I_BIT, _W_BIT = 1, 2, 4, 8
@@ -34,9 +34,27 @@ _MAX_PROBLEMS = 6
 
 def validate_schedule(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` unless ``schedule`` is a complete, deadlock-free schedule."""
-    num_ranks, num_stages, num_microbatches = _check_shape(schedule)
+    encode_validated(schedule)
+
+
+def encode_validated(schedule: Schedule, check_deadlock: bool = True) -> list[list[int]]:
+    """Validate, and return each rank's actions (idle cells dropped) as ``key * 4 + kind``.
+
+    ``key = stage * num_microbatches + microbatch``, kind F=0, B=1, I=2, W=3. The simulator and
+    other linear-time passes reuse this encoding instead of re-reading the Action tuples. With
+    ``check_deadlock=False`` the caller runs its own list scheduling and calls
+    :func:`raise_deadlock` when ranks stay blocked.
+    """
+    _num_ranks, num_stages, num_microbatches = _check_shape(schedule)
     encoded = _encode(schedule, num_stages, num_microbatches)
-    _check_deadlock(schedule, encoded, num_stages, num_microbatches)
+    if check_deadlock:
+        _check_deadlock(schedule, encoded, num_stages, num_microbatches)
+    return encoded
+
+
+def raise_deadlock(schedule: Schedule, encoded: list[list[int]], ptr: list[int]) -> None:
+    """Raise the deadlock error for a list-scheduling run stuck at per-rank positions ``ptr``."""
+    _deadlock(schedule, encoded, ptr, schedule.num_microbatches)
 
 
 # ----------------------------------------------------------------------------- shape
