@@ -8,14 +8,14 @@ and ``text_bytes`` (byte-level language modelling over a text file; a public-dom
 
 from pp_core import hookimpl
 from pp_models.datasets import synthetic, text_bytes
-from pp_models.gpt import GPT, gpt
+from pp_models.gpt import GPT
 
-__all__ = ["GPT", "gpt", "synthetic", "text_bytes"]
+__all__ = ["GPT", "synthetic", "text_bytes"]
 
 
 @hookimpl
 def pp_register_models(register):
-    register("gpt", gpt)
+    register("gpt", GPT)
 
 
 @hookimpl

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as functional
 from torch import nn
 
-__all__ = ["GPT", "Block", "gpt"]
+__all__ = ["GPT", "Block"]
 
 
 class Block(nn.Module):
@@ -87,7 +87,3 @@ class GPT(nn.Module):
             x = self.output(x)
         return x
 
-
-def gpt(**kwargs) -> GPT:
-    """The factory registered as model ``gpt`` (YAML ``model.args`` are its keyword arguments)."""
-    return GPT(**kwargs)

@@ -1,0 +1,478 @@
+"""The YAML pipeline spec: one schema, checked before any process starts.
+
+A pipeline file has the sections ``model``, ``data``, ``pipeline``, ``distributed``, ``train``,
+``checkpoint`` and ``output`` (see ``docs/yaml.md``). :func:`load_spec` reads it, applies
+``--set key.path=value`` overrides, fills the defaults and checks every key, collecting *all* the
+mistakes into one :class:`SpecError` whose lines read::
+
+    pipe.yaml: train.stpes: unknown key; did you mean 'train.steps'?
+    pipe.yaml: train.steps: expected a positive int, found 'ten' (str)
+
+Checks that need the installed plugins (model and dataset names, the schedule, the split) live in
+:mod:`pp_core.preflight`. YAML is parsed with ``yaml.safe_load``: it builds plain data only, but a
+``"module:attr"`` value (``model.target``, ``pipeline.loss_fn``) *imports code* when the
+pipeline is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from pp_core.errors import ConfigError
+
+__all__ = ["Key", "SCHEMA", "REQUIRED_SECTIONS", "Spec", "SpecError", "load_spec",
+           "parse_spec", "apply_overrides", "parse_override", "describe_value"]
+
+
+class SpecError(ConfigError):
+    """One or more mistakes in a pipeline file; ``problems`` holds one line per mistake."""
+
+    def __init__(self, problems: list[str], source: str = "pipeline"):
+        self.problems = list(problems)
+        self.source = source
+        if len(self.problems) == 1:
+            super().__init__(f"{source}: {self.problems[0]}")
+        else:
+            lines = "".join(f"\n  - {p}" for p in self.problems)
+            super().__init__(f"{len(self.problems)} problems in {source}:{lines}")
+
+
+class _Mismatch(Exception):
+    """Raised by a checker: ``expected`` says what would have been accepted."""
+
+    def __init__(self, expected: str):
+        super().__init__(expected)
+        self.expected = expected
+
+
+def describe_value(value: Any) -> str:
+    """``'ten' (str)``: the value as found, with its YAML-visible type."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+# ----------------------------------------------------------------------------- checkers
+
+
+def _int(minimum: int | None = None) -> Callable:
+    word = {0: "an int >= 0", 1: "a positive int"}.get(minimum, "an int")
+
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int) or \
+                (minimum is not None and value < minimum):
+            raise _Mismatch(word)
+        return value
+    return check
+
+
+def _float(minimum: float | None = None, maximum: float | None = None) -> Callable:
+    bounds = f" in [{minimum}, {maximum}]" if maximum is not None else \
+        (f" >= {minimum}" if minimum is not None else "")
+
+    def check(value):
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise _Mismatch(f"a number{bounds}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (minimum is not None and value < minimum) or \
+                (maximum is not None and value > maximum):
+            raise _Mismatch(f"a number{bounds}")
+        return float(value)
+    return check
+
+
+def _str(value):
+    if not isinstance(value, str) or not value:
+        raise _Mismatch("a non-empty string")
+    return value
+
+
+def _bool(value):
+    if not isinstance(value, bool):
+        raise _Mismatch("true or false")
+    return value
+
+
+def _mapping(value):
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _Mismatch("a mapping (key: value lines)")
+    return dict(value)
+
+
+def _choice(*options: str) -> Callable:
+    def check(value):
+        if not isinstance(value, str) or value.lower() not in options:
+            guess = difflib.get_close_matches(str(value).lower(), options, n=1)
+            hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+            raise _Mismatch(f"one of {', '.join(map(repr, options))}{hint}")
+        return value.lower()
+    return check
+
+
+def _optional(inner: Callable) -> Callable:
+    def check(value):
+        return None if value is None else inner(value)
+    check.__name__ = f"optional_{getattr(inner, '__name__', 'value')}"
+    return check
+
+
+def _resume(value):
+    if isinstance(value, bool) or value is None:
+        return bool(value)
+    if isinstance(value, str) and value:
+        return value
+    raise _Mismatch("true, false, or the path of a checkpoint directory")
+
+
+def _anything(value):
+    return value
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key of the schema: its checker, its default, and one line of documentation."""
+
+    name: str
+    check: Callable[[Any], Any]
+    default: Any = None
+    doc: str = ""
+    required: bool = False
+    open_mapping: bool = False  # its value is a free mapping (model.args, optimizer kwargs)
+
+
+def _pipeline_keys() -> list[Key]:
+    """``pipeline`` holds the :class:`~pp_core.config.PipelineConfig` fields, verbatim."""
+    from pp_core.config import PipelineConfig
+
+    keys = []
+    for f in dataclasses.fields(PipelineConfig):
+        if isinstance(f.default, bool):
+            check = _bool
+        elif isinstance(f.default, int):
+            check = _int(0 if f.name.endswith("slack") else 1)
+        elif f.name in ("layers_per_stage", "pp_seq_len"):
+            check = _optional(_int(1))
+        elif f.name in ("pp_schedule",):
+            check = _str
+        elif f.name in ("pp_schedule_csv",):
+            check = _optional(_str)
+        elif f.name == "round_virtual_stages_to_pp_multiple":
+            check = _optional(_choice("up", "down"))
+        else:
+            check = _anything  # PipelineConfig itself checks these
+        keys.append(Key(f.name, check, f.default, f"PipelineConfig.{f.name}"))
+    return keys
+
+
+SCHEMA: dict[str, list[Key]] = {
+    "model": [
+        Key("name", _optional(_str), None, "a model registered by a plugin (pp_register_models)"),
+        Key("target", _optional(_str), None, "or an importable 'module:callable' (imports code)"),
+        Key("args", _mapping, {}, "keyword arguments of the model factory", open_mapping=True),
+    ],
+    "data": [
+        Key("name", _str, None, "a dataset registered by a plugin (pp_register_datasets)",
+            required=True),
+        Key("args", _mapping, {}, "keyword arguments of the dataset factory", open_mapping=True),
+        Key("eval_args", _mapping, {}, "overrides of args for evaluation (e.g. split: val)",
+            open_mapping=True),
+    ],
+    "pipeline": _pipeline_keys(),
+    "distributed": [
+        Key("pp_size", _int(1), 2, "pipeline ranks (stages are spread over them)"),
+        Key("dp_size", _int(1), 1, "data-parallel replicas of the whole pipeline"),
+        Key("backend", _choice("auto", "gloo", "nccl"), "auto", "auto: nccl on CUDA, else gloo"),
+        Key("device", _choice("auto", "cpu", "cuda"), "auto", "auto: cuda when available"),
+        Key("nnodes", _int(1), 1, "machines taking part; each runs the same command"),
+        Key("nproc_per_node", _optional(_int(1)), None, "ranks per machine; default "
+            "pp_size * dp_size / nnodes"),
+        Key("node_rank", _optional(_int(0)), None, "this machine's index (static rendezvous)"),
+        Key("master_addr", _str, "127.0.0.1", "address of the rendezvous host; loopback unless "
+            "you name another"),
+        Key("master_port", _optional(_int(0)), None, "its port; default a free port (one node)"),
+        Key("rdzv_backend", _choice("c10d", "static"), "c10d", "torchrun's rendezvous backend"),
+        Key("rdzv_endpoint", _optional(_str), None, "host:port; default master_addr:master_port"),
+        Key("rdzv_id", _str, "pp-core", "the job id every node passes"),
+        Key("timeout_s", _int(1), 300, "rendezvous and process-group timeout in seconds"),
+    ],
+    "train": [
+        Key("steps", _int(1), 100, "optimizer steps"),
+        Key("optimizer", _mapping, {"name": "AdamW", "lr": 1e-3},
+            "{name: a torch.optim class, then its keyword arguments}", open_mapping=True),
+        Key("warmup_steps", _int(0), 0, "linear learning-rate warm-up from 0"),
+        Key("lr_decay", _choice("constant", "linear", "cosine"), "constant",
+            "learning-rate shape after warm-up"),
+        Key("min_lr_ratio", _float(0.0, 1.0), 0.1, "final lr / peak lr for linear or cosine"),
+        Key("grad_clip", _optional(_float(0.0)), None, "clip the global gradient norm to this"),
+        Key("seed", _int(0), 0, "model initialisation and data order"),
+        Key("log_every", _int(1), 10, "steps between metric lines"),
+        Key("eval_every", _optional(_int(1)), None, "steps between evaluations (data.eval_args)"),
+        Key("eval_steps", _int(1), 2, "batches per evaluation"),
+    ],
+    "checkpoint": [
+        Key("dir", _optional(_str), None, "where checkpoints go (one step_NNNNNNNN dir each)"),
+        Key("every", _optional(_int(1)), None, "steps between checkpoints"),
+        Key("save_final", _bool, True, "also save after the last step (when dir is set)"),
+        Key("resume", _resume, False, "true: latest checkpoint in dir; or a checkpoint path"),
+    ],
+    "output": [
+        Key("metrics", _optional(_str), None, "JSON-lines metrics file"),
+        Key("trace", _optional(_str), None, "Chrome trace (chrome://tracing, Perfetto)"),
+        Key("schedule_image", _optional(_str), None, "SVG timeline of the schedule"),
+        Key("progress", _choice("auto", "bar", "plain", "off"), "auto",
+            "auto: a bar on a terminal, plain lines otherwise"),
+        Key("summary", _bool, True, "print the summary table at the end"),
+    ],
+}
+REQUIRED_SECTIONS = ("model", "data")
+
+
+@dataclass
+class Spec:
+    """A checked pipeline: ``values[section][key]`` with every default filled in."""
+
+    values: dict[str, dict[str, Any]]
+    source: str = "pipeline"
+
+    def __getattr__(self, name: str) -> dict[str, Any]:
+        values = self.__dict__.get("values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(name)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return copy.deepcopy(self.values)
+
+    def pipeline_config(self):
+        from pp_core.config import PipelineConfig
+
+        return PipelineConfig(**self.values["pipeline"])
+
+    @property
+    def world_size(self) -> int:
+        return self.values["distributed"]["pp_size"] * self.values["distributed"]["dp_size"]
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.values["pipeline"]["pp_batch_size"] * self.values["distributed"]["dp_size"]
+
+
+# ----------------------------------------------------------------------------- --set
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"train.steps=10"`` -> ``(["train", "steps"], 10)``; the value is parsed as YAML."""
+    import yaml
+
+    path, sep, raw = text.partition("=")
+    keys = path.strip().split(".")
+    if not sep or not all(keys):
+        raise SpecError([f"--set {text!r}: expected key.path=value, e.g. --set train.steps=10"])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise SpecError([f"--set {text!r}: the value is not valid YAML ({exc})"]) from None
+    return keys, value
+
+
+def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
+    """A copy of ``data`` with each ``key.path=value`` set (missing mappings are created)."""
+    data = copy.deepcopy(data)
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for depth, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                where = ".".join(keys[: depth + 1])
+                raise SpecError([f"--set {text!r}: {where} is {describe_value(child)}, not a "
+                                 f"mapping, so it has no key {keys[depth + 1]!r}"])
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+# ----------------------------------------------------------------------------- checking
+
+
+def _closest(word: str, options: Iterable[str]) -> str | None:
+    found = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.5)
+    return found[0] if found else None
+
+
+def parse_spec(data: Any, source: str = "pipeline") -> Spec:
+    """Check a parsed YAML document and fill defaults; raises :class:`SpecError` listing all."""
+    problems: list[str] = []
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError([f"expected a mapping with sections {', '.join(SCHEMA)}, found "
+                         f"{describe_value(data)}"], source)
+    for section in data:
+        if section not in SCHEMA:
+            guess = _closest(section, SCHEMA)
+            hint = f"did you mean {guess!r}? " if guess else ""
+            problems.append(f"{section}: unknown section; {hint}sections: {', '.join(SCHEMA)}")
+    values: dict[str, dict[str, Any]] = {}
+    for section, keys in SCHEMA.items():
+        raw = data.get(section)
+        if raw is None:
+            if section in REQUIRED_SECTIONS:
+                problems.append(f"{section}: missing section; add '{section}:' with "
+                                f"{', '.join(k.name for k in keys if k.required) or 'its keys'}")
+            raw = {}
+        if not isinstance(raw, dict):
+            problems.append(f"{section}: expected a mapping of keys, found {describe_value(raw)}")
+            raw = {}
+        values[section] = _check_section(section, keys, raw, problems)
+    _check_combinations(values, problems)
+    if problems:
+        raise SpecError(problems, source)
+    return Spec(values, source)
+
+
+def _check_section(section: str, keys: list[Key], raw: dict, problems: list[str]) -> dict:
+    by_name = {k.name: k for k in keys}
+    for name in raw:
+        if name not in by_name:
+            guess = _closest(name, by_name)
+            hint = f"did you mean '{section}.{guess}'? " if guess else ""
+            problems.append(f"{section}.{name}: unknown key; {hint}valid keys in {section}: "
+                            f"{', '.join(by_name)}")
+    out = {}
+    for key in keys:
+        if key.name not in raw:
+            if key.required:
+                problems.append(f"{section}.{key.name}: missing; expected {key.doc}")
+            out[key.name] = copy.deepcopy(key.default)
+            continue
+        try:
+            out[key.name] = key.check(raw[key.name])
+        except _Mismatch as bad:
+            problems.append(f"{section}.{key.name}: expected {bad.expected}, found "
+                            f"{describe_value(raw[key.name])}")
+            out[key.name] = copy.deepcopy(key.default)
+    return out
+
+
+def _check_combinations(values: dict, problems: list[str]) -> None:
+    """Combinations no single key can judge: both/neither, implied keys, divisibility."""
+    model, dist = values["model"], values["distributed"]
+    if (model["name"] is None) == (model["target"] is None):
+        found = "both" if model["name"] else "neither"
+        problems.append(f"model: expected exactly one of model.name (a registered model) or "
+                        f"model.target ('module:callable'), found {found}")
+    ckpt = values["checkpoint"]
+    if ckpt["dir"] is None:
+        for name, value in (("every", ckpt["every"]), ("resume", ckpt["resume"] is True)):
+            if value:
+                problems.append(f"checkpoint.{name}: needs checkpoint.dir, found "
+                                f"checkpoint.dir unset; add checkpoint.dir: <path>")
+    world = dist["pp_size"] * dist["dp_size"]
+    nproc = dist["nproc_per_node"]
+    if nproc is None and world % dist["nnodes"]:
+        problems.append(f"distributed.nnodes: pp_size * dp_size = {world} ranks cannot be shared "
+                        f"evenly by nnodes={dist['nnodes']}; use an nnodes that divides {world}")
+    elif nproc is not None and nproc * dist["nnodes"] != world:
+        problems.append(f"distributed.nproc_per_node: expected nnodes * nproc_per_node = "
+                        f"pp_size * dp_size = {world}, found {dist['nnodes']} * {nproc}")
+    if dist["nnodes"] > 1 and dist["master_port"] is None and dist["rdzv_endpoint"] is None:
+        problems.append("distributed.master_port: expected a port every node can reach when "
+                        "nnodes > 1 (or set distributed.rdzv_endpoint: host:port), found none")
+    if dist["rdzv_backend"] == "static" and dist["nnodes"] > 1 and dist["node_rank"] is None:
+        problems.append("distributed.node_rank: expected this machine's index (0.."
+                        f"{dist['nnodes'] - 1}) with rdzv_backend: static, found none")
+    if dist["backend"] == "nccl" and dist["device"] == "cpu":
+        problems.append("distributed.backend: expected 'gloo' or 'auto' with device: cpu, "
+                        "found 'nccl' (nccl needs CUDA tensors)")
+    train = values["train"]
+    if train["warmup_steps"] > train["steps"]:
+        problems.append(f"train.warmup_steps: expected at most train.steps={train['steps']}, "
+                        f"found {train['warmup_steps']}")
+    _check_pipeline(values["pipeline"], problems)
+    _check_optimizer(train["optimizer"], problems)
+
+
+def _check_pipeline(pipeline: dict, problems: list[str]) -> None:
+    import re
+
+    from pp_core.config import PipelineConfig
+
+    try:
+        PipelineConfig(**pipeline)
+    except ConfigError as exc:
+        match = re.match(r"(\w+)[=:\s]", str(exc))
+        field = match.group(1) if match and match.group(1) in pipeline else None
+        where = f"pipeline.{field}" if field else "pipeline"
+        problems.append(f"{where}: {exc}")
+
+
+def _check_optimizer(optimizer: dict, problems: list[str]) -> None:
+    """``train.optimizer.name`` is a torch.optim class and every other key one of its arguments."""
+    import inspect
+
+    import torch
+
+    name = optimizer.get("name", "AdamW")
+    classes = {n: c for n, c in vars(torch.optim).items()
+               if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+               and c is not torch.optim.Optimizer}
+    cls = classes.get(name) if isinstance(name, str) else None
+    if cls is None:
+        lower = {n.lower(): n for n in classes}
+        guess = lower.get(str(name).lower()) or _closest(name, classes)
+        hint = f"did you mean {guess!r}? " if guess else ""
+        problems.append(f"train.optimizer.name: expected a torch.optim class, found "
+                        f"{describe_value(name)}; {hint}e.g. AdamW, Adam, SGD")
+        return
+    optimizer["name"] = name
+    params = inspect.signature(cls.__init__).parameters
+    accepted = {n: p for n, p in params.items() if n not in ("self", "params")
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    for key, value in list(optimizer.items()):
+        if key == "name":
+            continue
+        if key not in accepted:
+            guess = _closest(key, accepted)
+            hint = f"did you mean 'train.optimizer.{guess}'? " if guess else ""
+            problems.append(f"train.optimizer.{key}: unknown argument of torch.optim.{name}; "
+                            f"{hint}its arguments: {', '.join(accepted)}")
+            continue
+        default = accepted[key].default
+        if isinstance(default, float) and isinstance(value, (str, int)) and \
+                not isinstance(value, bool):
+            try:
+                optimizer[key] = float(value)
+            except ValueError:
+                problems.append(f"train.optimizer.{key}: expected a number, found "
+                                f"{describe_value(value)}")
+
+
+def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> Spec:
+    """Read ``path``, apply ``--set`` overrides, and check everything that needs no plugin."""
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise SpecError([f"no such file {str(file)!r}"], str(file))
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise SpecError([f"not valid YAML: {exc}"], str(file)) from None
+    if data is not None and not isinstance(data, dict):
+        raise SpecError([f"expected a mapping with sections {', '.join(SCHEMA)}, found "
+                         f"{describe_value(data)}"], str(file))
+    return parse_spec(apply_overrides(data or {}, overrides), str(file))
