@@ -1,0 +1,173 @@
+"""Read and write schedules in torch's CSV format (``_PipelineScheduleRuntime._load_csv``).
+
+One row per rank (row index = rank), one cell per step: ``<stage><F|B|I|W><microbatch>``, an
+empty cell is an idle step. Written with :mod:`csv` defaults (comma, CRLF), exactly like
+torch's ``_dump_csv``, so torch reads what pp-core writes and vice versa.
+
+Reading also accepts what torch *dumps*:
+
+* ``compute_comms`` files (torch's default dump format): ``SEND_F/RECV_F/SEND_B/RECV_B``,
+  ``UNSHARD/RESHARD/REDUCE_GRAD`` cells are dropped (pp-core's lowering re-derives them);
+* ``(a;b)OVERLAP_F_B`` cells (torch's DualPipeV): split into ``a`` then ``b``, which is how
+  torch runs them when no overlap function is registered.
+
+Unlike torch's ``_Action.from_str``, cells are parsed strictly (``0F1junk`` and ``0F`` are
+errors), and every error names the row (rank), the column and the reason.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+from pp_core.errors import ScheduleError
+from pp_core.schedule.ir import COMPUTE_KINDS, Schedule, parse_action
+from pp_core.schedule.validate import validate_schedule
+
+__all__ = ["read_csv", "parse_csv", "write_csv", "format_csv"]
+
+Format = Literal["auto", "compute_only", "compute_comms"]
+_COMM_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B)(\d+)|(\d+)(UNSHARD|RESHARD|REDUCE_GRAD)")
+_OVERLAP_RE = re.compile(r"\((.*)\)OVERLAP_F_B")
+_FORMATS = ("auto", "compute_only", "compute_comms")
+
+
+def read_csv(path_or_text: str | os.PathLike, format: Format = "auto",
+             validate: bool = True) -> Schedule:
+    """A validated :class:`Schedule` from a CSV file, or from CSV text.
+
+    A :class:`~pathlib.Path`, or a string naming an existing file, is read as a file; any other
+    string containing a comma or a newline is parsed as CSV text.
+
+    :param format: ``"compute_only"`` rejects communication cells (torch's ``compute_only``);
+        ``"compute_comms"`` and ``"auto"`` drop them.
+    """
+    if isinstance(path_or_text, os.PathLike) or (
+            isinstance(path_or_text, str) and "\n" not in path_or_text
+            and ("," not in path_or_text or os.path.exists(path_or_text))):
+        path = Path(path_or_text)
+        if not path.is_file():
+            raise ScheduleError(f"schedule CSV {str(path)!r} does not exist (or is not a file)")
+        with open(path, newline="", encoding="utf-8") as fh:
+            text = fh.read()
+        return parse_csv(text, format=format, name=path.stem, source=str(path),
+                         validate=validate)
+    if not isinstance(path_or_text, str):
+        raise ScheduleError(f"read_csv takes a path or CSV text, got {type(path_or_text).__name__}")
+    return parse_csv(path_or_text, format=format, validate=validate)
+
+
+def parse_csv(text: str, format: Format = "auto", name: str = "csv", source: str | None = None,
+              validate: bool = True) -> Schedule:
+    """Parse CSV text (see :func:`read_csv`); ``source`` names it in error messages."""
+    if format not in _FORMATS:
+        raise ScheduleError(f"unknown CSV format {format!r}; use one of {', '.join(_FORMATS)}")
+    where = f"schedule CSV {source!r}" if source else "schedule CSV"
+    actions, dropped, split = [], 0, 0
+    for rank, row in enumerate(csv.reader(io.StringIO(text))):
+        rank_actions = []
+        for column, cell in enumerate(row):
+            parsed = _parse_cell(cell, format, f"{where}, row {rank} (rank {rank}), column {column}")
+            if parsed is None:
+                rank_actions.append(None)
+            elif parsed == "comm":
+                dropped += 1
+            else:
+                rank_actions.extend(parsed)
+                split += len(parsed) - 1
+        actions.append(rank_actions)
+    schedule = Schedule(actions, _infer_placement(actions, where), _num_microbatches(actions, where),
+                        name=name)
+    if validate:
+        try:
+            validate_schedule(schedule)
+        except ScheduleError as exc:
+            note = ""
+            if dropped or split:
+                note = (f"\n(note: steps count the schedule's actions after dropping {dropped} "
+                        f"communication cell(s) and splitting {split} OVERLAP_F_B cell(s), so "
+                        f"they can differ from CSV columns)")
+            raise ScheduleError(f"{where}: {exc}{note}") from None
+    return schedule
+
+
+def _parse_cell(cell: str, format: str, where: str):
+    """``None`` (idle), ``"comm"`` (dropped), or a list of one or two compute actions."""
+    text = cell.strip()
+    if not text:
+        return None
+    overlap = _OVERLAP_RE.fullmatch(text)
+    if overlap:
+        parts = overlap.group(1).split(";")
+        if len(parts) != 2:
+            raise ScheduleError(f"{where}: cannot parse {cell!r}: an OVERLAP_F_B cell holds exactly "
+                                f"two actions, '(<forward>;<backward>)OVERLAP_F_B', got {len(parts)}")
+        return [_compute(part, where, cell) for part in parts]
+    if text.startswith("("):
+        raise ScheduleError(f"{where}: cannot parse {cell!r}: a cell starting with '(' must be "
+                            f"'(<action>;<action>)OVERLAP_F_B'")
+    if _COMM_RE.fullmatch(text):
+        if format == "compute_only":
+            raise ScheduleError(
+                f"{where}: {text!r} is a communication action, but format='compute_only' allows "
+                f"only F/B/I/W cells; read torch's compute_comms dumps with format='auto' or "
+                f"'compute_comms' (their comm cells are dropped and re-derived by lowering)")
+        return "comm"
+    return [_compute(text, where, cell)]
+
+
+def _compute(text: str, where: str, cell: str):
+    try:
+        action = parse_action(text)
+    except ScheduleError as exc:
+        raise ScheduleError(f"{where}: {exc}") from None
+    if action.kind not in COMPUTE_KINDS:  # pragma: no cover - comm cells are caught before
+        raise ScheduleError(f"{where}: {cell!r} is not a compute action")
+    return action
+
+
+def _infer_placement(actions, where: str) -> tuple[int, ...]:
+    """The rank of each stage: the (only) row it appears in, as torch infers it."""
+    rank_of: dict[int, int] = {}
+    for rank, row in enumerate(actions):
+        for action in row:
+            if action is None:
+                continue
+            other = rank_of.setdefault(action.stage, rank)
+            if other != rank:
+                raise ScheduleError(
+                    f"{where}: stage {action.stage} appears in row {other} and in row {rank} "
+                    f"(as {action}); each stage lives on exactly one rank, so all its actions "
+                    f"must be in one row")
+    if not rank_of:
+        raise ScheduleError(f"{where} holds no actions; write one row per rank with cells like "
+                            f"'0F0'")
+    missing = sorted(set(range(max(rank_of) + 1)) - set(rank_of))
+    if missing:
+        raise ScheduleError(
+            f"{where}: stage(s) {', '.join(map(str, missing))} appear in no row, but stage "
+            f"{max(rank_of)} does; stages must be numbered 0..{max(rank_of)} without gaps")
+    return tuple(rank_of[s] for s in range(len(rank_of)))
+
+
+def _num_microbatches(actions, where: str) -> int:
+    return 1 + max(a.microbatch for row in actions for a in row if a is not None)
+
+
+def format_csv(schedule: Schedule) -> str:
+    """The compute-only CSV text (CRLF line endings, as torch's ``_dump_csv`` writes)."""
+    out = io.StringIO(newline="")
+    writer = csv.writer(out)
+    for row in schedule.actions:
+        writer.writerow("" if a is None else str(a) for a in row)
+    return out.getvalue()
+
+
+def write_csv(schedule: Schedule, path: str | os.PathLike) -> None:
+    """Write ``schedule`` as a compute-only CSV that torch's ``_load_csv`` reads."""
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        fh.write(format_csv(schedule))

@@ -1,0 +1,192 @@
+"""CSV I/O: torch 2.13's own dumps load, pp-core's files load in torch, round trips, bad files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pp_core import ScheduleError
+from pp_core.schedule.csv_io import format_csv, parse_csv, read_csv, write_csv
+from pp_core.schedule.ir import Schedule, parse_action
+from tests.fixtures.reference_examples import SUPPORTED, make_schedule
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+# Reference section 1.2: torch 2.13 ScheduleInterleavedZeroBubble p=2 v=2 m=4, compute_only.
+TORCH_IZB_CSV = (
+    "0F0,0F1,2F0,,2F1,2I0,2W0,0F2,2I1,2W1,0F3,0I0,0W0,2F2,0I1,0W1,2F3,2I2,2W2,2I3,2W3,0I2,0W2,"
+    "0I3,0W3\r\n"
+    ",1F0,1F1,3F0,3I0,3F1,3I1,3W0,1F2,1I0,3W1,1F3,1I1,1W0,3F2,3I2,1W1,3F3,3I3,3W2,1I2,3W3,1I3,"
+    "1W2,1W3\r\n"
+)
+
+
+def example(title: str) -> dict:
+    return next(e for e in SUPPORTED if e["title"] == title)
+
+
+# ----------------------------------------------------------------------------- torch's own files
+
+
+@pytest.fixture(scope="module")
+def torch_pipelining():
+    """torch's schedule classes, built on stand-in stages exactly as torch's own visualizer
+    (``_schedule_visualizer.get_schedule_ops``) does: a schedule object only reads
+    ``num_stages``/``group_size``/``group_rank`` from its stages, and a real PipelineStage
+    would need one process per rank."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    from unittest import mock
+
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    def make(cls, num_ranks, num_microbatches, stages_per_rank):
+        stage = mock.create_autospec(PipelineStage, instance=True)
+        stage.group_rank, stage.group_size, stage.submod = 0, num_ranks, None
+        stage.num_stages = num_ranks * stages_per_rank
+        return cls([stage] * stages_per_rank, num_microbatches)
+
+    return schedules, make
+
+
+def test_torch_interleaved_zero_bubble_dump_loads(torch_pipelining, tmp_path):
+    schedules, make = torch_pipelining
+    sched = make(schedules.ScheduleInterleavedZeroBubble, 2, 4, 2)
+    path = tmp_path / "izb.csv"
+    sched._dump_csv(str(path), format="compute_only")
+    assert path.read_bytes().decode() == TORCH_IZB_CSV  # the reference's copy of torch's dump
+    loaded = read_csv(path)
+    assert loaded.name == "izb" and loaded.stage_ranks == (0, 1, 0, 1)
+    assert loaded.num_microbatches == 4
+    assert loaded.actions[0][3] is None and loaded.actions[1][0] is None
+    assert loaded.rows() == example("InterleavedZeroBubble p=2 m=4 v=2")["rows"]
+    assert format_csv(loaded) == TORCH_IZB_CSV  # byte-identical when written back
+
+
+@pytest.mark.parametrize("cls,title,stage_ranks", [
+    ("ScheduleInterleaved1F1B", "Interleaved1F1B p=4 m=8 v=2", (0, 1, 2, 3, 0, 1, 2, 3)),
+    ("ScheduleLoopedBFS", "LoopedBFS p=4 m=8 v=2", (0, 1, 2, 3, 0, 1, 2, 3)),
+    ("ScheduleZBVZeroBubble", "ZBV p=4 m=8", (0, 1, 2, 3, 3, 2, 1, 0)),
+    ("ScheduleDualPipeV", "DualPipeV p=4 m=8", (0, 1, 2, 3, 3, 2, 1, 0)),
+])
+def test_torch_dumps_load(torch_pipelining, tmp_path, cls, title, stage_ranks):
+    schedules, make = torch_pipelining
+    sched = make(getattr(schedules, cls), 4, 8, 2)
+    path = tmp_path / "s.csv"
+    sched._dump_csv(str(path), format="compute_only")
+    if cls == "ScheduleDualPipeV":
+        assert "OVERLAP_F_B" in path.read_text()
+    loaded = read_csv(path)
+    assert loaded.stage_ranks == stage_ranks
+    assert loaded.rows() == [" ".join(c.strip("()").replace(";", " ") for c in row.split())
+                             for row in example(title)["rows"]]
+
+
+def test_torch_compute_comms_dump_loads(torch_pipelining, tmp_path):
+    """torch's default dump format (with SEND/RECV/UNSHARD/RESHARD/REDUCE_GRAD) loads too."""
+    schedules, make = torch_pipelining
+    sched = make(schedules.ScheduleInterleavedZeroBubble, 2, 4, 2)
+    sched._prepare_schedule_with_comms(sched.pipeline_order)
+    path = tmp_path / "comms.csv"
+    sched._dump_csv(str(path))  # _PipelineScheduleRuntime's default: compute_comms
+    text = path.read_text()
+    assert "RECV_F" in text and "UNSHARD" in text and "REDUCE_GRAD" in text
+    loaded = read_csv(path)
+    assert loaded.rows() == example("InterleavedZeroBubble p=2 m=4 v=2")["rows"]
+    with pytest.raises(ScheduleError, match=r"row 0 \(rank 0\), column 0: '0UNSHARD' is a "
+                                            r"communication action, but format='compute_only'"):
+        read_csv(path, format="compute_only")
+
+
+@pytest.mark.parametrize("title", ["ZBV p=4 m=8", "InterleavedZeroBubble p=4 m=8 v=2",
+                                   "V-Half p=4 m=8"])
+def test_torch_loads_pp_core_csv(torch_pipelining, tmp_path, title):
+    """torch's _load_csv (validation, placement inference, lowering) accepts pp-core's files."""
+    schedules, make = torch_pipelining
+    ours = make_schedule(example(title))
+    path = tmp_path / "ours.csv"
+    write_csv(ours, path)
+    runtime = make(schedules._PipelineScheduleRuntime, 4, 8, 2)
+    runtime._load_csv(str(path), format="compute_only")
+    assert [[str(a) for a in runtime.pipeline_order[r]] for r in range(4)] == \
+        [row.split() for row in ours.rows()]
+    assert runtime.pipeline_order_with_comms  # torch lowered it without finding a deadlock
+
+
+# ----------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("ex", SUPPORTED, ids=[e["title"] for e in SUPPORTED])
+def test_round_trip(tmp_path, ex):
+    schedule = make_schedule(ex)
+    schedule.actions[-1].insert(0, None)  # idle cells survive too
+    path = tmp_path / "s.csv"
+    write_csv(schedule, path)
+    assert b"\r\n" in path.read_bytes()
+    loaded = read_csv(path)
+    assert (loaded.actions, loaded.stage_ranks, loaded.num_microbatches) == \
+        (schedule.actions, schedule.stage_ranks, schedule.num_microbatches)
+    assert read_csv(str(path)).actions == schedule.actions
+    assert parse_csv(format_csv(schedule)).actions == schedule.actions
+
+
+def test_read_text_and_idle_rows():
+    s = read_csv("0F0,,0B0\n1F0,1B0\n")
+    assert s.actions == [[parse_action("0F0"), None, parse_action("0B0")],
+                         [parse_action("1F0"), parse_action("1B0")]]
+    assert s.name == "csv"
+
+
+# ----------------------------------------------------------------------------- bad files
+
+
+@pytest.mark.parametrize("name,message", [
+    ("bad_incomplete.csv", r"schedule CSV '.*bad_incomplete.csv': schedule 'bad_incomplete' is "
+                           r"incomplete: .*\n  stage 0 microbatch 1 \(rank 0\): the backward is "
+                           r"missing"),
+    ("bad_deadlock.csv", r"deadlocks at rank 0 step 1 \(0B0\).*\n  rank 0 step 1: 0B0 waits for "
+                         r"1B0 at rank 1 step 2"),
+    ("bad_w_before_i.csv", r"rank 1 step 1: 1W0 comes before 1I0; W \(weight grads\) must follow"),
+    ("bad_stage_two_ranks.csv", r"stage 0 appears in row 0 and in row 1 \(as 0F2\); each stage "
+                                r"lives on exactly one rank"),
+    ("bad_malformed.csv", r"row 1 \(rank 1\), column 2: cannot parse action '1F1junk': "
+                          r"unexpected trailing characters at position 3"),
+])
+def test_bad_csv_files(name, message):
+    with pytest.raises(ScheduleError, match=message):
+        read_csv(FIXTURES / name)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("0F0,0B0\n1F0,1B\n", r"column 1: cannot parse action '1B': expected a microbatch number"),
+    ("0F0,0B0\n1F0,F0\n", r"column 1: cannot parse action 'F0': it must start with a stage"),
+    ("0F0,0B0\n1F0,1X0\n", r"column 1: cannot parse action '1X0': expected an action kind"),
+    ("(0F0;1B0;2B0)OVERLAP_F_B,0B0\n", r"holds exactly two actions"),
+    ("(0F0,0B0\n", r"cannot parse '\(0F0': a cell starting with '\('"),
+    (",\n,\n", r"holds no actions"),
+    ("0F0,0B0\n2F0,2B0\n", r"stage\(s\) 1 appear in no row"),
+    ("0F0,0B0,0SEND_F0\n1F0,1B0,1RECV_F0,\n", None),
+])
+def test_bad_cells(text, message):
+    if message is None:
+        assert read_csv(text).rows() == ["0F0 0B0", "1F0 1B0"]
+        return
+    with pytest.raises(ScheduleError, match=message):
+        read_csv(text)
+
+
+def test_missing_file_and_bad_format(tmp_path):
+    with pytest.raises(ScheduleError, match=r"'.*nope.csv' does not exist"):
+        read_csv(tmp_path / "nope.csv")
+    with pytest.raises(ScheduleError, match=r"unknown CSV format 'xml'"):
+        parse_csv("0F0,0B0", format="xml")
+
+
+def test_overlap_note_in_validation_errors():
+    with pytest.raises(ScheduleError, match=r"(?s)incomplete.*splitting 1 OVERLAP_F_B cell"):
+        read_csv("0F0,0F1,(0F2;0B0)OVERLAP_F_B,0B1\n1F0,1B0,1F1,1B1,1F2\n")
+
+
+def test_write_is_torch_format():
+    s = Schedule([[parse_action("0F0"), None, parse_action("0B0")]], (0,), 1)
+    assert format_csv(s) == "0F0,,0B0\r\n"
