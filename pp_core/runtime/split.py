@@ -145,9 +145,9 @@ def virtual_stages(
         if num_layers < num_stages:
             raise ConfigError(
                 f"model has {num_layers} layers, cannot give {num_stages} stages (num_ranks="
-                f"{num_ranks} x stages_per_rank={default} for {schedule}) at least one each; use "
-                f"at most {num_layers // default} ranks, a schedule with fewer stages per rank, "
-                f"or a deeper model")
+                f"{num_ranks} x stages_per_rank={default} for {schedule}) at least one each; keep "
+                f"num_ranks x stages_per_rank <= {num_layers} (fewer ranks, or a schedule with "
+                f"fewer stages per rank) or use a deeper model")
         return num_stages, default
     what = f"model has {num_layers} layers and layers_per_stage={layers_per_stage}"
     wanted = math.ceil(num_layers / layers_per_stage)
