@@ -322,3 +322,33 @@ def test_layers_per_stage_needs_a_counting_splitter(plugins):
     with pytest.raises(ConfigError, match=r"layers_per_stage=1 is set, but splitter 'BlocksSplitter' does not count layers"):
         plan_split(TinyLM(), cfg(layers_per_stage=1), 2, 1, plugins,
                    splitter=BlocksSplitter())
+
+
+def test_fqns_and_layers_per_stage_conflict(plugins):
+    with pytest.raises(ConfigError, match=r"both module_fqns_per_model_part and layers_per_stage=2"):
+        plan_split(TinyLM(), cfg(module_fqns_per_model_part=FQNS, layers_per_stage=2), 2, 1, plugins)
+
+
+def test_docs_example_splitter_runs():
+    import re
+    import sys
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "splitting.md").read_text()
+    section = docs.split("## Writing a splitter")[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    module = type(sys)("docs_splitting_example")
+    exec(compile(code, "docs/splitting.md", "exec"), module.__dict__)
+    model = nn.Module()
+    model.embed = nn.Embedding(5, 4)
+    model.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(5))
+    model.layers = nn.ModuleList([nn.Linear(4, 4)])  # `layers` accepts too, but loses on priority
+    model.head = nn.Linear(4, 5)
+    with_layers = plugins_with(module, *BUILTINS)
+    with pytest.raises(ConfigError, match=r"parameters \['layers.0.weight'"):
+        plan_split(model, cfg(), 2, 1, with_layers)  # the example does not place `layers`
+    del model.layers
+    plan = plan_split(model, cfg(layers_per_stage=3), 2, 1, with_layers)
+    assert plan.splitter == "blocks"
+    assert plan.fqns_per_stage == [["embed", "blocks.0", "blocks.1", "blocks.2"],
+                                   ["blocks.3", "blocks.4", "head"]]

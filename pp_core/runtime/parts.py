@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 from typing import Callable, Optional, Sequence
 
+import torch
 from torch import nn
 
 from pp_core.errors import ConfigError, PluginError
@@ -94,8 +95,9 @@ def _tie_groups(modules: Sequence[nn.Module]) -> list[list[tuple[nn.Module, str]
 def materialize_parts(parts: Sequence[nn.Module], device, init_fn: Optional[Callable] = None):
     """Give meta-device parts real storage on ``device`` and initialise them, in place.
 
-    ``to_empty`` allocates only these parts' tensors; a parameter shared by several modules
-    (a tied embedding and head, also across two parts of this rank) stays shared.
+    Only these parts' meta tensors get storage (uninitialised, as with ``to_empty``); a
+    parameter shared by several modules (a tied embedding and head, also across two parts of
+    this rank) stays shared.
     Initialisation, per part: ``init_fn(part)`` when given; else the part's ``init_weights()``
     when the model class defines one (torchtitan style; it must skip ``None`` modules and must
     refill buffers such as rotary tables); else ``reset_parameters()`` of every submodule that
@@ -103,8 +105,12 @@ def materialize_parts(parts: Sequence[nn.Module], device, init_fn: Optional[Call
     the init is deterministic per module; load a checkpoint after building for that.
     """
     ties = _tie_groups(parts)
+
+    def empty(tensor):  # a module shared by two parts must not be emptied twice
+        return torch.empty_like(tensor, device=device) if tensor.is_meta else tensor
+
     for part in parts:
-        part.to_empty(device=device)
+        part._apply(empty)
     for group in ties:
         first_module, first_name = group[0]
         shared = first_module._parameters[first_name]

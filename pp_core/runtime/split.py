@@ -369,6 +369,10 @@ def plan_split(
         f"the CSV schedule {config.pp_schedule_csv!r}"
     fixed = config.module_fqns_per_model_part
     counter = getattr(chosen, "num_layers", None)
+    if fixed is not None and config.layers_per_stage is not None:
+        raise ConfigError(f"both module_fqns_per_model_part and layers_per_stage="
+                          f"{config.layers_per_stage} are set; the first fixes the stages by "
+                          f"name, so unset layers_per_stage (or the module list)")
     if fixed is not None:
         num_stages, per_rank = _stages_from_fqns(len(fixed), num_ranks, stages_per_rank,
                                                  variable_stages_per_rank, schedule)
