@@ -1,0 +1,130 @@
+"""Pictures of a simulated schedule: a text timeline for the terminal and an SVG image.
+
+The text form is the reference's: one row per rank, one column per time slot, ``.`` for an
+idle slot and ``~`` for the later slots of a multi-slot action (a ``B`` at unit costs)::
+
+    rank0: 0F0 0F1 .   .   0B0 ~   0B1 ~
+    rank1: .   1F0 1B0 ~   1F1 1B1 ~
+
+The SVG draws the same rows to scale (F/B/I/W in distinct colours, idle time hatched) with a
+caption carrying the figures. Both are plain strings built with the standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from xml.sax.saxutils import escape
+
+from pp_core.schedule.simulate import SimResult
+
+__all__ = ["render_text", "render_svg", "caption", "COLOURS"]
+
+COLOURS = {"F": "#4c8bf5", "B": "#f08c3c", "I": "#e8c23a", "W": "#57b86a"}
+_KIND_NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
+_QUANTA = (1.0, 0.5, 0.25, 0.2, 0.1, 0.05, 0.01)
+
+
+def _quantum(result: SimResult) -> tuple[float, bool]:
+    """The slot length: the largest of _QUANTA dividing every start/end; ``exact`` is False when
+    none does and times are rounded to the shortest action's half."""
+    times = [t for row in result.timeline for _, t0, t1 in row for t in (t0, t1)]
+    for q in _QUANTA:
+        if all(abs(t / q - round(t / q)) < 1e-6 for t in times):
+            return q, True
+    shortest = min((t1 - t0 for row in result.timeline for _, t0, t1 in row if t1 > t0),
+                   default=1.0)
+    return shortest / 2, False
+
+
+def render_text(result: SimResult) -> str:
+    """The reference-style timeline, one line per rank (slots of ``quantum`` time units)."""
+    q, _exact = _quantum(result)
+    labels = [str(a) for row in result.timeline for a, _, _ in row]
+    width = max(3, max(map(len, labels), default=3)) + 1
+    num_ranks = len(result.timeline)
+    head = len(f"rank{num_ranks - 1}:") + 1
+    lines = []
+    for rank, row in enumerate(result.timeline):
+        cells: list[str] = []
+        for action, t0, t1 in row:
+            first, last = round(t0 / q), round(t1 / q)
+            if last <= first:
+                continue  # zero-length action: nothing to draw
+            cells.extend(["."] * (first - len(cells)))
+            cells.append(str(action))
+            cells.extend(["~"] * (last - first - 1))
+        text = "".join(c.ljust(width) for c in cells)
+        lines.append((f"rank{rank}:".ljust(head) + text).rstrip())
+    return "\n".join(lines)
+
+
+def caption(result: SimResult) -> str:
+    """One line of figures: makespan, bubble ratio, span bubble, peak activations per rank."""
+    s = result.schedule
+    d = result.to_dict()
+    stages = f", {s.num_stages} stages" if s.num_stages != s.num_ranks else ""
+    costs = result.costs
+    unit = f"F={costs.F:g} B={costs.B:g} I={costs.I:g} W={costs.W:g}"
+    if costs.per_stage:
+        unit += " (+per-stage)"
+    if result.comm_latency:
+        unit += f" latency={result.comm_latency:g}"
+    peaks = " ".join(map(str, result.peak_activations))
+    return (f"{s.name}: pp={s.num_ranks}{stages}, microbatches={s.num_microbatches} [{unit}] — "
+            f"makespan {d['makespan']}, bubble {d['bubble']} (ratio {result.bubble_ratio:.3f}), "
+            f"span bubble {d['span_bubble']}, peak activations per rank {peaks}")
+
+
+def render_svg(result: SimResult, max_width: int = 1600) -> str:
+    """An SVG picture: one row per rank, actions to scale, idle time hatched, figures below."""
+    makespan = result.makespan or 1.0
+    label_w, row_h, gap, top = 70, 26, 6, 30
+    scale = max(0.5, min(40.0, (max_width - label_w - 20) / makespan))
+    plot_w = makespan * scale
+    num_ranks = len(result.timeline)
+    height = top + num_ranks * (row_h + gap) + 70
+    width = math.ceil(label_w + plot_w + 20)
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="monospace" font-size="11">',
+        "<defs><pattern id=\"idle\" width=\"6\" height=\"6\" patternUnits=\"userSpaceOnUse\" "
+        "patternTransform=\"rotate(45)\"><rect width=\"6\" height=\"6\" fill=\"#f4f4f4\"/>"
+        "<line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"6\" stroke=\"#d0d0d0\" stroke-width=\"2\"/>"
+        "</pattern></defs>",
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{label_w}" y="18" font-size="13" font-weight="bold">'
+        f"{escape(result.schedule.name)} — time →</text>",
+    ]
+    font = min(11.0, scale * 0.9)
+    for rank, row in enumerate(result.timeline):
+        y = top + rank * (row_h + gap)
+        out.append(f'<text x="4" y="{y + row_h / 2 + 4:.1f}">rank {rank}</text>')
+        out.append(f'<rect x="{label_w}" y="{y}" width="{plot_w:.2f}" height="{row_h}" '
+                   f'fill="url(#idle)"><title>idle</title></rect>')
+        for action, t0, t1 in row:
+            if t1 <= t0:
+                continue
+            kind = action.kind.value
+            x, w = label_w + t0 * scale, (t1 - t0) * scale
+            out.append(
+                f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" '
+                f'fill="{COLOURS[kind]}" stroke="white" stroke-width="0.5">'
+                f"<title>{action} ({_KIND_NAMES[kind]}) {t0:g}–{t1:g}</title></rect>")
+            text = str(action)
+            if w >= len(text) * font * 0.62 and font >= 5:
+                out.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h / 2 + font / 3:.1f}" '
+                           f'font-size="{font:.1f}" text-anchor="middle">{text}</text>')
+    y = top + num_ranks * (row_h + gap) + 14
+    x = label_w
+    for kind, colour in COLOURS.items():
+        out.append(f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{colour}"/>')
+        out.append(f'<text x="{x + 16}" y="{y}">{kind} {_KIND_NAMES[kind]}</text>')
+        x += 130
+    out.append(f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="url(#idle)" '
+               f'stroke="#ccc"/><text x="{x + 16}" y="{y}">idle</text>')
+    d = result.to_dict()
+    out.append(f'<text x="4" y="{y + 22}">{escape(caption(result))}</text>')
+    out.append(f'<text x="4" y="{y + 40}">busy per rank: '
+               f'{escape(" ".join(str(b) for b in d["busy"]))}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
