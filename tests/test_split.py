@@ -8,7 +8,6 @@ from torch import nn
 
 import pp_splitters.fqn
 import pp_splitters.layers
-import pp_splitters.sequential
 from pp_core import ConfigError, PipelineConfig, PluginError, hookimpl
 from pp_core.plugins import load_plugins
 from pp_core.runtime.split import balanced_partition, plan_split, spread, virtual_stages
@@ -205,7 +204,8 @@ def test_sequential_rules(plugins):
 
     with pytest.raises(ConfigError, match="no splitter can split Custom"):
         plan_split(Custom(nn.Linear(2, 2), nn.Linear(2, 2)), cfg(), 2, 1, plugins)
-    with pytest.raises(ConfigError, match=r"model has 2 layers, cannot give 3 stages \(num_ranks=3 x stages_per_rank=1"):
+    with pytest.raises(ConfigError, match=r"model has 2 layers, cannot give 3 stages "
+                                          r"\(num_ranks=3 x stages_per_rank=1"):
         plan_split(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), cfg(), 3, 1, plugins)
 
 
@@ -237,7 +237,8 @@ def test_fqn_errors(plugins):
     def plan(parts):
         return plan_split(TinyLM(), cfg(module_fqns_per_model_part=parts), 2, 1, plugins)
 
-    with pytest.raises(ConfigError, match=r"stage 0 names 'layers.7', which is not a module, parameter or buffer of TinyLM; did you mean 'layers.3'"):
+    with pytest.raises(ConfigError, match=r"stage 0 names 'layers.7', which is not a module, "
+                                          r"parameter or buffer of TinyLM; did you mean 'layers.3'"):
         plan([["tok_embeddings", "layers.7"], FQNS[1]])
     with pytest.raises(ConfigError, match=r"names 'outptu'.*did you mean 'output'"):
         plan([FQNS[0], ["layers.2", "layers.3", "norm", "outptu"]])
@@ -319,7 +320,8 @@ def test_virtual_stage_errors():
 
 
 def test_layers_per_stage_needs_a_counting_splitter(plugins):
-    with pytest.raises(ConfigError, match=r"layers_per_stage=1 is set, but splitter 'BlocksSplitter' does not count layers"):
+    with pytest.raises(ConfigError, match=r"layers_per_stage=1 is set, but splitter "
+                                          r"'BlocksSplitter' does not count layers"):
         plan_split(TinyLM(), cfg(layers_per_stage=1), 2, 1, plugins,
                    splitter=BlocksSplitter())
 

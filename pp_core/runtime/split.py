@@ -401,7 +401,8 @@ def _stages_from_fqns(parts, num_ranks, stages_per_rank, variable, schedule) -> 
     if ok:
         return parts, per_rank
     if variable:
-        need = f"a multiple of num_ranks={num_ranks} with at least 2 per rank (e.g. {2 * num_ranks})"
+        need = (f"a multiple of num_ranks={num_ranks} with at least 2 per rank "
+                f"(e.g. {2 * num_ranks})")
     else:
         need = f"exactly {expected} (num_ranks={num_ranks} x {stages_per_rank} stage(s) per rank)"
     raise ConfigError(
