@@ -1,0 +1,83 @@
+"""Hugging Face ``transformers`` causal LMs for pp-core: split, patch, tie, load, name in YAML.
+
+Provides the ``hf_decoder`` splitter (decoder-only models and the text half of vision-language
+models, stage-friendly forwards, tied embeddings across stages) and the ``hf_causal_lm`` model a
+YAML pipeline can name. Needs ``pip install "pp-core[transformers]"``; without it this plugin
+still loads (nothing here imports ``transformers`` at import time), its splitter accepts no
+model, and ``hf_causal_lm`` says what to install. See ``docs/transformers.md``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from pp_core import PluginError, hookimpl
+from pp_transformers.forward import DecoderAdapter
+from pp_transformers.layout import DecoderLayout, find_layout
+from pp_transformers.loading import checkpoint_index, load_part
+from pp_transformers.splitter import HFDecoderSplitter
+from pp_transformers.tied import sync_tied_gradients, sync_tied_gradients_of
+
+__all__ = [
+    "HFDecoderSplitter",
+    "DecoderAdapter",
+    "DecoderLayout",
+    "find_layout",
+    "hf_causal_lm",
+    "causal_lm_loss",
+    "load_part",
+    "checkpoint_index",
+    "sync_tied_gradients",
+    "sync_tied_gradients_of",
+    "INSTALL",
+    "PP_CORE_UNAVAILABLE",
+]
+
+INSTALL = "pip install 'pp-core[transformers]'"
+
+
+def _missing() -> list[str]:
+    missing = []
+    for name in ("transformers", "safetensors"):
+        try:
+            found = sys.modules[name] is not None if name in sys.modules else \
+                importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+_MISSING = _missing()
+PP_CORE_UNAVAILABLE = (f"{' and '.join(_MISSING)} {'is' if len(_MISSING) == 1 else 'are'} not "
+                       f"installed; {INSTALL}") if _MISSING else None
+"""Why this plugin cannot work here (``pp-core plugins`` shows it), or ``None``."""
+
+
+def hf_causal_lm(config, **kwargs):
+    """The ``hf_causal_lm`` model factory (see :func:`pp_transformers.models.hf_causal_lm`)."""
+    if _missing():
+        raise PluginError(f"model 'hf_causal_lm' needs Hugging Face transformers: "
+                          f"{PP_CORE_UNAVAILABLE or INSTALL}")
+    from pp_transformers.models import hf_causal_lm as build
+
+    return build(config, **kwargs)
+
+
+def causal_lm_loss(logits, labels):
+    """Shifted next-token cross entropy ignoring ``-100`` (``pp_transformers:causal_lm_loss``)."""
+    from pp_transformers.models import causal_lm_loss as loss
+
+    return loss(logits, labels)
+
+
+@hookimpl
+def pp_register_splitters(register):
+    register("hf_decoder", HFDecoderSplitter())
+
+
+@hookimpl
+def pp_register_models(register):
+    register("hf_causal_lm", hf_causal_lm)
