@@ -71,9 +71,10 @@ class Costs:
         return rows
 
     def to_dict(self) -> dict:
-        out = {"F": self.F, "B": self.B, "I": self.I, "W": self.W}
+        out = {"F": _num(self.F), "B": _num(self.B), "I": _num(self.I), "W": _num(self.W)}
         if self.per_stage:
-            out["per_stage"] = {str(s): dict(v) for s, v in self.per_stage.items()}
+            out["per_stage"] = {str(s): {k: _num(x) for k, x in v.items()}
+                                for s, v in self.per_stage.items()}
         return out
 
 
