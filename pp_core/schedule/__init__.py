@@ -22,6 +22,8 @@ from pp_core.schedule.ir import (
 )
 from pp_core.schedule.validate import validate_schedule
 from pp_core.schedule.build import build_schedule
+from pp_core.schedule.simulate import Costs, SimResult, simulate
+from pp_core.schedule.csv_io import read_csv, write_csv
 
 __all__ = [
     "Action",
@@ -44,4 +46,9 @@ __all__ = [
     "stage_to_rank",
     "validate_schedule",
     "build_schedule",
+    "Costs",
+    "SimResult",
+    "simulate",
+    "read_csv",
+    "write_csv",
 ]
