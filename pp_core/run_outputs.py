@@ -1,0 +1,260 @@
+"""Everything a run leaves behind: metrics lines, the Chrome trace, the schedule image, the summary.
+
+:class:`RunRecorder` lives on every rank. It times each pipeline step (and each action, when the
+executor reports per-action times), writes one JSON object per logged step to
+``output.metrics`` on the first rank, and at the end gathers every rank's figures there to write
+the trace of the real run (one process row per rank, one event per action or step), the SVG of the
+schedule, and the summary table: measured bubble per rank next to what the simulator predicts
+for the same schedule with the per-action costs this run measured.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RunRecorder", "peak_memory", "action_timings"]
+
+TRACE_STEPS = 20  # the trace keeps the last this-many steps (a long run's trace stays small)
+
+
+def peak_memory(device: torch.device) -> tuple[int | None, str]:
+    """``(bytes, kind)``: CUDA's max allocated, or the process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda allocated"
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss * (1 if sys.platform == "darwin" else 1024), "process RSS"
+    except ImportError:  # Windows
+        return None, ""
+
+
+def action_timings(pipe) -> list[tuple[str, float, float]] | None:
+    """The last step's ``(action, start, end)`` (perf_counter seconds) if the executor records them.
+
+    Uses ``pipe.last_step_timings`` when the runtime provides it; otherwise None (the trace
+    then shows whole steps and the measured bubble is not available).
+    """
+    timings = getattr(pipe, "last_step_timings", None)
+    if callable(timings):
+        timings = timings()
+    if not timings:
+        return None
+    return [(str(action), float(start), float(end)) for action, start, end in timings]
+
+
+def _is_compute(name: str) -> bool:
+    return any(name.rstrip("0123456789").endswith(kind) for kind in "FBIW") and \
+        "SEND" not in name and "RECV" not in name
+
+
+class RunRecorder:
+    """Per-rank bookkeeping of a run; only the first rank writes files and prints."""
+
+    def __init__(self, spec, ctx, pipe, num_params: int):
+        self.spec, self.ctx, self.pipe, self.num_params = spec, ctx, pipe, num_params
+        self.rank = ctx.rank
+        self.progress = None
+        self.losses: list[float] = []
+        self.steps: list[int] = []
+        self.step_times: list[float] = []
+        self.tokens_per_s: list[float] = []
+        self.eval_loss: float | None = None
+        self.events: list[tuple] = []  # (name, category, start, end, step)
+        self.busy: list[float] = []  # per step: seconds of compute actions
+        self.kind_times: dict[str, list[float]] = {}
+        self.clock_offset = time.time() - time.perf_counter()
+        self.tokens_per_step = 0
+        self.metrics = None
+        path = spec.output["metrics"]
+        if path and self.rank == 0:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            mode = "a" if spec.checkpoint["resume"] else "w"
+            self.metrics = open(path, mode, encoding="utf-8")
+
+    def say(self, text: str) -> None:
+        if self.rank != 0:
+            return
+        if self.progress is not None:
+            self.progress.message(text)
+        else:
+            print(text, flush=True)
+
+    # ------------------------------------------------------------------ per step
+
+    def timed_step(self, pipe, inputs, target):
+        start = time.perf_counter()
+        loss = pipe.step(inputs, target=target)
+        end = time.perf_counter()
+        timings = action_timings(pipe)
+        step = len(self.step_times) + 1
+        if timings is None:
+            self.events.append(("step", "step", start, end, step))
+        else:
+            busy = 0.0
+            for name, t0, t1 in timings:
+                compute = _is_compute(name)
+                self.events.append((name, "compute" if compute else "comm", t0, t1, step))
+                if compute:
+                    busy += t1 - t0
+                    kind = name.rstrip("0123456789")[-1]
+                    self.kind_times.setdefault(kind, []).append(t1 - t0)
+            self.busy.append(busy)
+        self._trim_events(step)
+        return loss
+
+    def _trim_events(self, step: int) -> None:
+        if self.events and self.events[0][4] <= step - TRACE_STEPS:
+            self.events = [e for e in self.events if e[4] > step - TRACE_STEPS]
+
+    def record_step(self, step, loss, step_time, tokens, grad_norm, lr, started) -> None:
+        self.steps.append(step)
+        self.step_times.append(step_time)
+        self.tokens_per_s.append(tokens / step_time if step_time > 0 else 0.0)
+        self.tokens_per_step = tokens
+        if loss is not None:
+            self.losses.append(loss)
+        log_every = self.spec.train["log_every"]
+        if self.metrics and (step % log_every == 0 or step == self.spec.train["steps"]
+                             or len(self.steps) == 1):
+            line = {"step": step, "loss": loss, "tokens_per_s": round(self.tokens_per_s[-1], 2),
+                    "step_time_s": round(step_time, 6), "lr": lr, "grad_norm": grad_norm,
+                    "time": round(started + self.clock_offset, 3)}
+            self.metrics.write(json.dumps(line) + "\n")
+            self.metrics.flush()
+
+    def record_eval(self, step: int, loss: float | None) -> None:
+        self.eval_loss = loss
+        if loss is None:
+            return
+        self.say(f"step {step}: eval loss {loss:.4f}")
+        if self.metrics:
+            self.metrics.write(json.dumps({"step": step, "eval_loss": loss}) + "\n")
+            self.metrics.flush()
+
+    # ------------------------------------------------------------------ end of run
+
+    def _rank_figures(self, sync_calls: int) -> dict[str, Any]:
+        memory, kind = peak_memory(self.ctx.device)
+        steady = list(zip(self.busy, self.step_times))[1:] or list(zip(self.busy, self.step_times))
+        bubble = None
+        if steady:
+            total = sum(t for _, t in steady)
+            bubble = max(0.0, 1.0 - sum(b for b, _ in steady) / total) if total > 0 else None
+        return {
+            "rank": self.rank, "pp_rank": self.ctx.pp_rank, "dp_rank": self.ctx.dp_rank,
+            "stages": list(self.pipe.stage_indices), "bubble_measured": bubble,
+            "peak_memory": memory, "memory_kind": kind, "grad_sync_calls": sync_calls,
+            "kind_times": {k: statistics.fmean(v) for k, v in self.kind_times.items() if v},
+            "events": [(n, c, s + self.clock_offset, e + self.clock_offset, st)
+                       for n, c, s, e, st in self.events],
+        }
+
+    def finish(self, start_step: int, wall_s: float, sync_calls: int) -> dict[str, Any]:
+        """Gather every rank's figures on rank 0, write trace/image/summary; rank 0 returns it."""
+        if self.metrics:
+            self.metrics.close()
+        mine = self._rank_figures(sync_calls)
+        gathered = [None] * self.ctx.world_size if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if self.rank != 0:
+            return {"rank": self.rank, "grad_sync_calls": sync_calls, "stages": mine["stages"]}
+        return self._summarise(gathered, start_step, wall_s)
+
+    def _summarise(self, ranks: list[dict], start_step: int, wall_s: float) -> dict[str, Any]:
+        from pp_core.progress import format_summary
+
+        spec, out = self.spec, self.spec.output
+        schedule = self._schedule()
+        simulated, note = self._simulate(schedule, ranks)
+        for figures in ranks:
+            figures["bubble_simulated"] = None if simulated is None else \
+                simulated[figures["pp_rank"]]
+        if out["trace"]:
+            _write_trace(out["trace"], ranks)
+        if out["schedule_image"] and schedule is not None:
+            from pp_core.schedule.render import render_svg
+            from pp_core.schedule.simulate import simulate
+
+            Path(out["schedule_image"]).parent.mkdir(parents=True, exist_ok=True)
+            Path(out["schedule_image"]).write_text(render_svg(simulate(schedule)))
+        model = spec.model["name"] or spec.model["target"]
+        summary = {
+            "source": spec.source, "model": model, "data": spec.data["name"],
+            "num_params": self.num_params, "schedule": schedule.name if schedule else
+            spec.pipeline["pp_schedule"], "pp_size": self.ctx.pp_size, "dp_size": self.ctx.dp_size,
+            "num_stages": schedule.num_stages if schedule else None,
+            "num_microbatches": spec.pipeline_config().num_microbatches,
+            "first_step": start_step + 1, "last_step": self.steps[-1] if self.steps else start_step,
+            "wall_s": wall_s, "tokens_per_step": self.tokens_per_step, "losses": self.losses,
+            "steps": self.steps, "step_times": self.step_times, "tokens_per_s": self.tokens_per_s,
+            "eval_loss": self.eval_loss, "bubble_note": note,
+            "ranks": [{k: v for k, v in r.items() if k not in ("events", "kind_times")}
+                      for r in ranks],
+            "outputs": {"metrics": out["metrics"], "trace": out["trace"],
+                        "schedule image": out["schedule_image"],
+                        "checkpoints": spec.checkpoint["dir"]},
+        }
+        if out["summary"] and self.steps:
+            print(format_summary(summary), flush=True)
+        return summary
+
+    def _schedule(self):
+        schedule = getattr(self.pipe, "schedule", None)
+        if schedule is not None:
+            return schedule
+        try:
+            from pp_core.preflight import preflight
+
+            return preflight(self.spec).schedule
+        except Exception:  # the summary must not fail a finished run
+            return None
+
+    def _simulate(self, schedule, ranks: list[dict]):
+        """Per pp rank idle share predicted by the simulator, with this run's mean action costs."""
+        if schedule is None:
+            return None, None
+        from pp_core.schedule.simulate import Costs, simulate
+
+        means: dict[str, list[float]] = {}
+        for figures in ranks:
+            for kind, value in figures["kind_times"].items():
+                means.setdefault(kind, []).append(value)
+        measured = {k: statistics.fmean(v) for k, v in means.items() if k in "FBIW"}
+        costs = Costs(**measured) if measured else Costs()
+        note = ("simulated with this run's mean action times (" + ", ".join(
+            f"{k}={v * 1000:.1f} ms" for k, v in sorted(measured.items())) + ")") if measured \
+            else "simulated with unit costs (F=1, B=2, I=1, W=1); per-action times not recorded"
+        result = simulate(schedule, costs)
+        makespan = result.makespan or 1.0
+        return [idle / makespan for idle in result.idle], note
+
+
+def _write_trace(path: str, ranks: list[dict]) -> None:
+    """The real run as Chrome trace JSON: one process per rank, one event per action or step."""
+    events: list[dict] = []
+    origin = min((e[2] for r in ranks for e in r["events"]), default=0.0)
+    for figures in ranks:
+        pid = figures["rank"]
+        label = f"rank {pid} (pp {figures['pp_rank']}, dp {figures['dp_rank']}, stages " \
+                f"{','.join(map(str, figures['stages']))})"
+        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": label}})
+        events.append({"ph": "M", "pid": pid, "name": "process_sort_index",
+                       "args": {"sort_index": pid}})
+        for name, category, start, end, step in figures["events"]:
+            events.append({"name": name, "cat": category, "ph": "X", "pid": pid,
+                           "tid": 0 if category != "comm" else 1,
+                           "ts": round((start - origin) * 1e6, 1),
+                           "dur": round((end - start) * 1e6, 1), "args": {"step": step}})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
