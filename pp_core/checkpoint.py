@@ -23,6 +23,7 @@ import io
 import os
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Iterable
 
@@ -199,8 +200,10 @@ def read_model_state_dict(path) -> dict[str, torch.Tensor]:
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
             state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
-             no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
+                 no_dist=True)
     return {key[len("model."):]: value for key, value in state.items()}
 
 
