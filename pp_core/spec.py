@@ -407,17 +407,33 @@ def _check_combinations(values: dict, problems: list[str]) -> None:
 
 
 def _check_pipeline(pipeline: dict, problems: list[str]) -> None:
-    import re
-
     from pp_core.config import PipelineConfig
 
     try:
         PipelineConfig(**pipeline)
     except ConfigError as exc:
-        match = re.match(r"(\w+)[=:\s]", str(exc))
-        field = match.group(1) if match and match.group(1) in pipeline else None
-        where = f"pipeline.{field}" if field else "pipeline"
-        problems.append(f"{where}: {exc}")
+        problems.append(f"{_config_key(pipeline, str(exc))}: {exc}")
+
+
+def _config_key(pipeline: dict, message: str) -> str:
+    """The ``pipeline.<field>`` a PipelineConfig error is about: the field it names first, or the
+    one field that fails on its own."""
+    import re
+
+    from pp_core.config import PipelineConfig
+
+    mentioned = [(m.start(), m.group(1)) for m in re.finditer(r"\b(\w+)\b", message)
+                 if m.group(1) in pipeline]
+    if mentioned:
+        return f"pipeline.{min(mentioned)[1]}"
+    defaults = PipelineConfig()
+    for name, value in pipeline.items():
+        if value != getattr(defaults, name):
+            try:
+                PipelineConfig(**{name: value})
+            except ConfigError:
+                return f"pipeline.{name}"
+    return "pipeline"
 
 
 def _check_optimizer(optimizer: dict, problems: list[str]) -> None:
