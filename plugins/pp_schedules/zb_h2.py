@@ -1,0 +1,100 @@
+"""ZB-H2: zero bubble with up to ``2p-1`` microbatches in flight (a reconstruction).
+
+Source: Qi et al., "Zero Bubble Pipeline Parallelism" (arXiv:2401.10241) section 2.2, which gives
+ZB-H2 only as a figure; this is the deterministic greedy list scheduler of pp-core's reference
+(docs/reference section 5.7), run once at unit costs. Rank ``r`` warms up with ``2(p-r)-1``
+forwards, the steady state is ``F, I, W`` per microbatch without gaps, and ``W``s slide to the
+tail: span bubble ``(p-1)(F+I-2W)`` (0 at ``F = I = W``), peak ``2p-1``. Valid for any ``m``;
+zero bubble needs ``m >= 2p-1``. Each rank picks its earliest-starting ready action (ties: I, F,
+W); the rank whose pick starts first goes next (ties: lowest rank). A heap keyed by start time
+keeps this ``O(log p)`` per action.
+
+    num_ranks=3, num_stages=3, num_microbatches=5
+    rank 0: 0F0 0F1 0F2 0F3 0F4 0I0 0W0 0I1 0W1 0I2 0W2 0I3 0W3 0I4 0W4
+    rank 1: 1F0 1F1 1F2 1I0 1F3 1I1 1F4 1I2 1W0 1I3 1W1 1I4 1W2 1W3 1W4
+    rank 2: 2F0 2I0 2F1 2I1 2F2 2I2 2F3 2I3 2F4 2I4 2W0 2W1 2W2 2W3 2W4
+"""
+
+import heapq
+
+from pp_core import Action, F, I, ScheduleDef, ScheduleError, W, hookimpl
+
+__all__ = ["zb_h2"]
+
+_I, _F, _W = 0, 1, 2  # tie-break priority of a rank's candidates
+
+
+def zb_h2(num_stages: int, num_microbatches: int, num_ranks: int) -> list[list[Action]]:
+    """Greedy unit-cost list schedule with ``2p-1`` in-flight microbatches per rank."""
+    p, m = num_ranks, num_microbatches
+    if p < 1 or num_stages != p:
+        raise ScheduleError(
+            f"zb_h2 runs one stage per rank, got num_stages={num_stages}, num_ranks={p}; set "
+            f"stages_per_rank=1")
+    if m < 1:
+        raise ScheduleError(f"zb_h2 needs num_microbatches >= 1, got {m}")
+    cap = 2 * p - 1
+    clock = [0] * p
+    f_end = [[] for _ in range(p)]  # f_end[r][k]: end time of F(r, k); likewise i_end
+    i_end = [[] for _ in range(p)]
+    num_w = [0] * p
+    inflight = [0] * p
+    version = [0] * p
+    orders = [[] for _ in range(p)]
+
+    def choice(r):
+        """(start, priority) of rank r's earliest-starting candidate, or None."""
+        best, t = None, clock[r]
+        n_f, n_i = len(f_end[r]), len(i_end[r])
+        if n_i < n_f:
+            ready = f_end[r] if r == p - 1 else i_end[r + 1]
+            if n_i < len(ready):
+                best = (max(t, ready[n_i]), _I)
+        if n_f < m and inflight[r] < cap and (r == 0 or n_f < len(f_end[r - 1])):
+            cand = (max(t, f_end[r - 1][n_f] if r else 0), _F)
+            best = cand if best is None or cand < best else best
+        if num_w[r] < n_i and (best is None or (t, _W) < best):
+            best = (t, _W)
+        return best
+
+    heap = []
+
+    def refresh(r):
+        version[r] += 1
+        best = choice(r)
+        if best is not None:
+            heapq.heappush(heap, (best[0], r, version[r], best[1]))
+
+    for r in range(p):
+        refresh(r)
+    while heap:
+        start, r, ver, kind = heapq.heappop(heap)
+        if ver != version[r]:
+            continue
+        clock[r] = start + 1
+        if kind == _F:
+            orders[r].append(Action(r, F, len(f_end[r])))
+            f_end[r].append(start + 1)
+            inflight[r] += 1
+        elif kind == _I:
+            orders[r].append(Action(r, I, len(i_end[r])))
+            i_end[r].append(start + 1)
+        else:
+            orders[r].append(Action(r, W, num_w[r]))
+            num_w[r] += 1
+            inflight[r] -= 1
+        for q in (r - 1, r, r + 1):
+            if 0 <= q < p:
+                refresh(q)
+    if any(len(order) != 3 * m for order in orders):
+        raise ScheduleError(f"zb_h2 got stuck at num_ranks={p}, num_microbatches={m}; this is a "
+                            f"bug in pp_schedules.zb_h2, please report it")
+    return orders
+
+
+@hookimpl
+def pp_register_schedules(register):
+    register("zb_h2", ScheduleDef(
+        generate=zb_h2, aliases=("zbh2",), placement="loop", stages_per_rank=1,
+        variable_stages_per_rank=False,
+        description="zero bubble ZB-H2 (reconstruction): I/W split, 2p-1 memory, any m"))
