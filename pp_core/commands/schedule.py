@@ -63,6 +63,12 @@ def register(subparsers) -> None:
                              help="write a Chrome/Perfetto trace (JSON) of the timeline")
             sub.add_argument("--timeline", action="store_true",
                              help="include every action's start and end in the JSON")
+            sub.add_argument("--pool-slack", type=int, default=2, metavar="N",
+                             help="spare sets of the receive-buffer pool in the JSON's "
+                                  "recv_buffers figures (default 2)")
+            sub.add_argument("--recv-bytes", type=int, metavar="N",
+                             help="bytes of one received message; adds receive-buffer bytes "
+                                  "with and without the pool to recv_buffers")
         else:
             sub.add_argument("-o", "--output", metavar="FILE", help="CSV file (default: stdout)")
         sub.set_defaults(func=globals()[f"_{name}"])
@@ -158,6 +164,7 @@ def _show(args) -> int:
 def _simulate(args) -> int:
     result = _simulated(args)
     figures = result.to_dict(timeline=args.timeline)
+    figures["recv_buffers"] = _recv_buffers(result.schedule, args)
     if args.trace:
         from pp_core.schedule.trace import chrome_trace
 
@@ -184,6 +191,15 @@ def _simulate(args) -> int:
         if path:
             print(f"wrote {what} to {path}")
     return 0
+
+
+def _recv_buffers(schedule, args) -> dict:
+    """Receive-buffer sets (and bytes) per rank, stage and direction, with and without the pool."""
+    from pp_core.schedule.buffers import recv_buffer_report
+    from pp_core.schedule.lower import lower
+
+    return recv_buffer_report(lower(schedule), slack=args.pool_slack,
+                              bytes_per_set=args.recv_bytes)
 
 
 def _export(args) -> int:
