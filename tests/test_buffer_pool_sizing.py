@@ -185,3 +185,23 @@ def test_receives_of_different_classes_never_share():
     kinds = {(c.stage, c.kind) for c in plan.classes}
     assert len(kinds) == len(plan.classes)
     assert all(c.kind in (RECV_F, RECV_B) for c in plan.classes)
+
+
+def test_schedule_simulate_json_reports_recv_buffers(capsys, tmp_path):
+    from pp_core.cli import main
+
+    code = main(["schedule", "simulate", "gpipe", "--pp", "4", "--microbatches", "16", "--json",
+                 "--pool-slack", "1", "--recv-bytes", "1024"])
+    figures = json.loads(capsys.readouterr().out)
+    assert code == 0
+    program = lower(build_schedule("gpipe", num_ranks=4, num_microbatches=16))
+    assert figures["recv_buffers"] == recv_buffer_report(program, 1, 1024)
+    last = {c["direction"]: c for c in figures["recv_buffers"]["ranks"][3]["classes"]}
+    assert last["F"]["default_bytes"] == 16 * 1024
+    assert last["F"]["pool_bytes"] == (last["F"]["lower_bound"] + 1) * 1024
+    path = tmp_path / "custom.csv"
+    path.write_text(CUSTOM_CSV, newline="")
+    assert main(["schedule", "simulate", "--csv", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recv_buffers"]["slack"] == 2
+    assert main(["schedule", "simulate", "1f1b", "--pp", "2", "-m", "2", "--pool-slack", "-1"]) == 1
+    assert "slack=-1 must be an int >= 0" in capsys.readouterr().err
