@@ -1,0 +1,202 @@
+"""Backward passes of one stage and one microbatch: full (B), input-only (I), weight-only (W).
+
+Zero-bubble schedules split a backward in two: ``I`` computes the gradients of the stage inputs
+(the previous stage is waiting for them), ``W`` later computes the parameter gradients (it only
+fills bubbles). ``W`` must not redo work ``I`` already did.
+
+How the split works. Autograd computes only what the requested inputs need, so ``I`` is
+``autograd.grad(outputs, stage_inputs, retain_graph=True)``: every node on a path from the
+outputs to the inputs runs, and nodes whose only job is a parameter gradient do not. The nodes
+where the parameter side branches off that path - the *boundary* nodes (for ``y = x @ w`` the
+matmul's backward, which gives ``dx`` during ``I`` and ``dw`` during ``W``) - see their incoming
+gradient during ``I``; a pre-hook keeps it. ``W`` then restarts autograd at those nodes with the
+kept gradients and only the parameters as inputs, so nothing on the input path runs again.
+Parameters are grouped by the boundary nodes they hang from, and each group gets its own
+``autograd.backward`` call: one call for several groups would make autograd recompute the input
+path between their boundary nodes (torch's ``stage_backward_weight`` groups the same way). When
+no stage input needs a gradient (the first stage) ``I`` has nothing to do and ``W`` runs the whole
+backward. Non-tensor and non-differentiable inputs are skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+__all__ = ["backward_full", "backward_input", "backward_weight", "WeightGrad"]
+
+
+def _input_grads(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    grads = []
+    for x in inputs:
+        grad = x.grad
+        grads.append(torch.zeros_like(x) if grad is None else grad)
+        x.grad = None
+    return grads
+
+
+def backward_full(outputs: Sequence[torch.Tensor], grads: Optional[Sequence[torch.Tensor]],
+                  inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Accumulate parameter gradients; return the gradient of every tensor in ``inputs``.
+
+    :param outputs: the stage outputs that require grad (the scaled loss on the last stage).
+    :param grads: their gradients (``None`` for a scalar loss).
+    :param inputs: the stage inputs that require grad (leaf tensors made by the runtime).
+    """
+    if outputs:
+        torch.autograd.backward(list(outputs), grads)
+    return _input_grads(inputs)
+
+
+class WeightGrad:
+    """What ``I`` leaves for ``W``: per parameter group, the boundary edges and their gradients."""
+
+    __slots__ = ("groups", "full")
+
+    def __init__(self, groups=None, full=None):
+        self.groups = groups or []
+        self.full = full  # (outputs, grads) when W must run the whole backward
+
+
+def _node_of_leaf(node) -> Optional[torch.Tensor]:
+    return getattr(node, "variable", None)
+
+
+def backward_input(outputs: Sequence[torch.Tensor], grads: Optional[Sequence[torch.Tensor]],
+                   inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], WeightGrad]:
+    """Input gradients only; returns them and the state :func:`backward_weight` needs."""
+    outputs = list(outputs)
+    if not inputs:
+        return [], WeightGrad(full=(outputs, grads))
+    if not outputs:
+        return [torch.zeros_like(x) for x in inputs], WeightGrad()
+    grad_list = list(grads) if grads is not None else [None] * len(outputs)
+    input_ids = {id(x) for x in inputs}
+
+    # 1. the graph below the outputs: parents of every node, the leaf nodes.
+    roots: dict = {}  # node -> [(output_nr, grad)] for outputs that are not leaves
+    for out, grad in zip(outputs, grad_list):
+        if out.grad_fn is not None:
+            roots.setdefault(out.grad_fn, []).append((out.output_nr, grad))
+    parents: dict = {node: [] for node in roots}
+    stack = list(roots)
+    input_nodes, param_nodes = [], []
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            seen = parents.get(child)
+            if seen is None:
+                parents[child] = [node]
+                variable = _node_of_leaf(child)
+                if variable is not None:
+                    (input_nodes if id(variable) in input_ids else param_nodes).append(child)
+                else:
+                    stack.append(child)
+            else:
+                seen.append(node)
+
+    # 2. nodes on a path from an output to an input: they run during I.
+    on_path = set(input_nodes)
+    stack = list(input_nodes)
+    while stack:
+        for parent in parents[stack.pop()]:
+            if parent not in on_path:
+                on_path.add(parent)
+                stack.append(parent)
+
+    # 3. per parameter, walk up to the boundary (on-path nodes) and the output roots it reaches.
+    group_of: dict = {}  # boundary node or root -> group dict
+    groups: list[dict] = []
+    for param_node in param_nodes:
+        boundary, seen, stack = set(), {param_node}, [param_node]
+        while stack:
+            for parent in parents[stack.pop()]:
+                if parent in seen:
+                    continue
+                seen.add(parent)
+                if parent in on_path:
+                    boundary.add(parent)
+                    continue
+                if parent in roots:
+                    boundary.add(parent)
+                stack.append(parent)
+        if not boundary:
+            continue
+        found = {id(group_of[n]): group_of[n] for n in boundary if n in group_of}
+        group = {"params": [param_node.variable], "nodes": set(boundary)}
+        for other in found.values():
+            group["params"] += other["params"]
+            group["nodes"] |= other["nodes"]
+            other["merged"] = True
+        for node in group["nodes"]:
+            group_of[node] = group
+        groups.append(group)
+    groups = [g for g in groups if not g.get("merged")]
+
+    # 4. I: keep what reaches the boundary nodes on the path.
+    captured: dict = {}
+    handles = []
+    for group in groups:
+        for node in group["nodes"]:
+            if node in on_path:
+                handles.append(node.register_prehook(
+                    lambda grad_outputs, node=node: captured.__setitem__(node, grad_outputs)))
+    try:
+        wanted = [x for x in inputs if x.requires_grad]
+        result = torch.autograd.grad(outputs, wanted, grad_list if grads is not None else None,
+                                     retain_graph=True, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    by_id = dict(zip(map(id, wanted), result))
+    input_grads = []
+    for x in inputs:
+        grad = by_id.get(id(x))
+        input_grads.append(torch.zeros_like(x) if grad is None else grad)
+
+    # 5. W's roots: boundary edges with the gradient they saw, plus the outputs they hang from.
+    weight_groups = []
+    for group in groups:
+        edges, edge_grads, clamps = [], [], []
+        for node in group["nodes"]:
+            if node in on_path:
+                kept = captured.get(node)
+                if kept is None:
+                    continue
+                clamps.append((node, kept))
+                for index, grad in enumerate(kept):
+                    if grad is not None:
+                        edges.append(GradientEdge(node, index))
+                        edge_grads.append(grad)
+            else:
+                for output_nr, grad in roots[node]:
+                    edges.append(GradientEdge(node, output_nr))
+                    edge_grads.append(grad)
+        if edges:
+            weight_groups.append((edges, edge_grads, group["params"],
+                                  clamps if len(group["nodes"]) > 1 else None))
+    return input_grads, WeightGrad(weight_groups)
+
+
+def backward_weight(state: WeightGrad) -> None:
+    """Accumulate the parameter gradients ``I`` left pending."""
+    if state.full is not None:
+        outputs, grads = state.full
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        return
+    for edges, grads, params, clamps in state.groups:
+        handles = []
+        if clamps:  # a boundary node below another one must see exactly its kept gradient
+            for node, kept in clamps:
+                handles.append(node.register_prehook(lambda grad_outputs, kept=kept: kept))
+        try:
+            torch.autograd.backward(edges, grads, inputs=params)
+        finally:
+            for handle in handles:
+                handle.remove()
+    state.groups = []

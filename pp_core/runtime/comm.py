@@ -1,0 +1,292 @@
+"""Point-to-point messages between pipeline ranks, and how a failure on one rank reaches the others.
+
+A *message* is what one SEND/RECV pair of the lowered program moves: the tensors a stage hands
+to the next (forward) or the input gradients it hands back (backward). Forward messages may carry
+a small fixed-size *header* (count, dtype, requires-grad flag and shape of every tensor) so that
+shapes can change every step and every microbatch; backward messages never need one (the
+receiver of a gradient knows the shapes of the outputs it sent).
+
+Ordering. NCCL matches point-to-point operations between two ranks in issue order, on one stream
+per pair, so both ranks must issue the operations of a pair in the same order. The lowered
+program guarantees that for whole messages; within a message the payload receive can only be
+posted once its header has arrived. :class:`Mailbox` therefore keeps, per peer, the messages
+whose header is posted but whose payload is not, and *flushes* them (waits for the header, posts
+the payload receives) before anything else is issued to or from that peer, and at the latest
+right before the message is consumed. Without a header the payload is posted at the ``RECV``.
+
+Failures. A rank that fails publishes ``"rank r, stage s, action a: cause"`` under a key of the
+process group's store and then destroys the process group, which closes its connections: peers
+blocked on it fail at once instead of waiting for a timeout, read the published cause and raise
+it. A peer that dies without publishing is reported as lost. ``timeout`` bounds every wait.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+from collections import deque
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pp_core.errors import PipelineError
+
+__all__ = ["TensorMeta", "HEADER_LEN", "encode_header", "decode_header", "P2P", "Incoming",
+           "Mailbox", "PeerFailure"]
+
+HEADER_LEN = 64
+"""Numbers (int64) in a forward header: enough for e.g. 8 tensors of 5 dimensions."""
+
+TAG_HEADER, TAG_FORWARD, TAG_BACKWARD = 1, 2, 3
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+class TensorMeta(NamedTuple):
+    """What a receiver must know to allocate a buffer for one tensor."""
+
+    shape: tuple
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "TensorMeta":
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+
+
+class PeerFailure(Exception):
+    """A wait ended because a peer failed or vanished; ``str()`` is the peer's own report."""
+
+
+def encode_header(metas: Sequence[TensorMeta]) -> list[int]:
+    """``[n, (dtype, requires_grad, ndim, *shape) * n]`` padded with zeros to ``HEADER_LEN``."""
+    values = [len(metas)]
+    for meta in metas:
+        code = _DTYPE_CODE.get(meta.dtype)
+        if code is None:
+            raise PipelineError(f"cannot send a tensor of dtype {meta.dtype} between stages; "
+                                f"supported: {', '.join(str(d) for d in _DTYPES)}")
+        values += [code, int(meta.requires_grad), len(meta.shape), *meta.shape]
+    if len(values) > HEADER_LEN:
+        raise PipelineError(
+            f"the stage output ({len(metas)} tensors, shapes {[m.shape for m in metas]}) needs "
+            f"{len(values)} header numbers, more than HEADER_LEN={HEADER_LEN}; return fewer "
+            f"tensors or fewer dimensions, or set pp_seq_len for static shapes")
+    return values + [0] * (HEADER_LEN - len(values))
+
+
+def decode_header(values: Sequence[int]) -> list[TensorMeta]:
+    count, pos, metas = values[0], 1, []
+    for _ in range(count):
+        code, grad, ndim = values[pos:pos + 3]
+        pos += 3
+        metas.append(TensorMeta(tuple(values[pos:pos + ndim]), _DTYPES[code], bool(grad)))
+        pos += ndim
+    return metas
+
+
+class P2P:
+    """Sends, receives and waits on one process group; turns a peer's failure into an error.
+
+    :param group: the pipeline's process group (``None`` only for a single-rank pipeline).
+    :param timeout: seconds any single wait may take (``None``: the process group's timeout).
+    """
+
+    def __init__(self, group, device: torch.device, timeout: Optional[float], key: str):
+        self.group = group
+        self.device = device
+        self.timeout = None if timeout is None else datetime.timedelta(seconds=float(timeout))
+        self.store = None
+        if group is not None:
+            from torch.distributed.distributed_c10d import _get_process_group_store
+
+            self.store = _get_process_group_store(group)  # kept alive: rank 0 may host it
+        self.error_key = f"pp_core/{key}/error"
+        self.broken: Optional[str] = None
+
+    # -------------------------------------------------------------- operations
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int):
+        return self.group.send([tensor], peer, tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
+        return self.group.recv([tensor], peer, tag)
+
+    def wait(self, work) -> None:
+        """Block until ``work`` is done (on NCCL: until the current stream waits for it)."""
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(self.timeout)
+        except Exception as exc:  # gloo: "Connection closed by peer", timeouts, ...
+            raise PeerFailure(self.peer_report(exc)) from exc
+
+    # -------------------------------------------------------------- failures
+    def peer_report(self, exc: BaseException | None = None) -> str:
+        """What a failed peer published, or a description of the lost connection."""
+        if self.store is not None:
+            try:
+                if self.store.check([self.error_key]):
+                    return self.store.get(self.error_key).decode(errors="replace")
+            except Exception:  # the store's host may be gone too
+                pass
+        cause = f" ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})" if exc else ""
+        return f"a peer rank stopped responding or its process died{cause}"
+
+    def peer_failed(self) -> Optional[str]:
+        """A peer's published failure, if any (one cheap store lookup)."""
+        if self.store is None:
+            return None
+        try:
+            if self.store.check([self.error_key]):
+                return self.store.get(self.error_key).decode(errors="replace")
+        except Exception:
+            return None
+        return None
+
+    def publish_and_abort(self, message: str) -> None:
+        """Tell the peers why this rank stops, then close its connections so none waits on it."""
+        if self.broken is not None:
+            return
+        self.broken = message
+        if self.store is None:
+            return
+        try:
+            if not self.store.check([self.error_key]):
+                self.store.set(self.error_key, message)
+        except Exception:
+            pass
+        group, self.group = self.group, None
+        try:
+            if dist.is_initialized():
+                if group is dist.group.WORLD:
+                    dist.destroy_process_group()
+                else:
+                    dist.destroy_process_group(group)
+        except Exception:
+            pass
+        del group
+        gc.collect()  # pending Work objects hold the connections open
+
+
+class Incoming:
+    """One message being received: header (optional), then one buffer per tensor."""
+
+    __slots__ = ("peer", "tag", "metas", "header", "header_work", "tensors", "works", "lifetime",
+                 "edge")
+
+    def __init__(self, peer: int, tag: int, metas: Optional[list], lifetime: int = -1):
+        self.peer = peer
+        self.tag = tag
+        self.metas = metas
+        self.header = None
+        self.header_work = None
+        self.tensors: Optional[list] = None
+        self.works: list = []
+        self.lifetime = lifetime
+        self.edge = None
+
+
+class Mailbox:
+    """Posts receives in program order and keeps each peer's operations in program order.
+
+    ``allocate(lifetime, metas)`` returns the receive buffers (see ``pp_core.runtime.buffers``);
+    ``edge_metas(message)`` gives the metas of a header-less message whose edge learned them from
+    an earlier header (static shapes).
+    """
+
+    def __init__(self, p2p: P2P, allocate, device: torch.device):
+        self.p2p = p2p
+        self.allocate = allocate
+        self.device = device
+        self.unflushed: dict[int, deque] = {}
+        self.sends: deque = deque()  # (work, tensors) in issue order
+        self.sends_issued = 0
+        self.sends_done = 0
+
+    def post(self, message: Incoming, with_header: bool) -> Incoming:
+        queue = self.unflushed.get(message.peer)
+        if queue:
+            self.flush(message.peer)
+        if with_header:
+            message.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            message.header_work = self.p2p.irecv(message.header, message.peer, TAG_HEADER)
+            self.unflushed.setdefault(message.peer, deque()).append(message)
+        elif message.metas is None:  # metas come from an earlier header on the same edge
+            self.unflushed.setdefault(message.peer, deque()).append(message)
+        else:
+            self._post_payload(message)
+        return message
+
+    def _post_payload(self, message: Incoming) -> None:
+        tensors = self.allocate(message.lifetime, message.metas)
+        message.tensors = tensors
+        message.works = [self.p2p.irecv(t, message.peer, message.tag) for t in tensors]
+
+    def flush(self, peer: int, upto: Optional[Incoming] = None) -> None:
+        """Post the payload of ``peer``'s pending messages, oldest first (up to ``upto``)."""
+        queue = self.unflushed.get(peer)
+        while queue:
+            message = queue[0]
+            if message.header_work is not None:
+                self.p2p.wait(message.header_work)
+                message.header_work = None
+                message.metas = decode_header(message.header.tolist())
+                message.header = None
+                self.header_decoded(message)
+            elif message.metas is None:
+                message.metas = self.edge_metas(message)
+            queue.popleft()
+            self._post_payload(message)
+            if message is upto:
+                return
+
+    def edge_metas(self, message: Incoming) -> list:  # replaced by the executor
+        raise PipelineError("internal error: a header-less message without metas")
+
+    def header_decoded(self, message: Incoming) -> None:  # replaced by the executor
+        pass
+
+    def receive(self, message: Incoming) -> list:
+        """Wait for ``message`` and return its tensors."""
+        if message.tensors is None:
+            self.flush(message.peer, upto=message)
+        for work in message.works:
+            self.p2p.wait(work)
+        message.works = []
+        return message.tensors
+
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int,
+             header: Optional[list] = None) -> None:
+        if self.unflushed.get(peer):
+            self.flush(peer)
+        p2p = self.p2p
+        if header is not None:
+            head = torch.tensor(header, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.sends.append((p2p.isend(head, peer, TAG_HEADER), head))
+            self.sends_issued += 1
+        for tensor in tensors:
+            self.sends.append((p2p.isend(tensor, peer, tag), tensor))
+            self.sends_issued += 1
+
+    def reap(self) -> None:
+        """Forget finished sends, oldest first (never blocks)."""
+        sends = self.sends
+        while sends and sends[0][0].is_completed():
+            sends.popleft()
+            self.sends_done += 1
+
+    def wait_sends(self) -> None:
+        sends = self.sends
+        while sends:
+            work, _ = sends[0]
+            self.p2p.wait(work)
+            sends.popleft()
+            self.sends_done += 1
+
+    def clear(self) -> None:
+        self.unflushed.clear()
+        self.sends.clear()

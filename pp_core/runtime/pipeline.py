@@ -1,0 +1,298 @@
+"""``build_pipeline`` and :class:`Pipeline`: a model split over ranks, run by a lowered schedule.
+
+``build_pipeline(model, config, pp_group=None, device="cpu")`` builds the schedule (a registered
+name or a CSV), lowers it, plans the split, keeps only this rank's model parts (moved to
+``device`` and cast to ``config.dtype``), collects the runtime initializers and the receive-buffer
+allocator - all before any pipeline traffic, so configuration mistakes fail fast and identically
+on every rank. :meth:`Pipeline.step` then runs one training step.
+
+What ``step`` returns: on the rank holding the last stage, the mean of the microbatch losses as a
+detached 0-dim float32 tensor on ``device`` (a tensor, so that CUDA need not synchronise; call
+``.item()`` for a float); ``None`` elsewhere. Gradients are *accumulated* into ``.grad`` like
+``loss.backward()`` does (zero them between steps): the gradient of the sum of the microbatch
+losses, or of their mean when ``scale_grads_in_schedule=True``.
+
+Failures: any exception during a step - on any rank - ends the step on every rank with a
+:class:`~pp_core.PipelineError` naming the rank, stage, action and cause (see
+:mod:`pp_core.runtime.comm`); the process group is destroyed in the process (its point-to-point
+state is undefined after a partial step, as with NCCL's abort), so build a new group and pipeline
+to continue. Each wait is bounded by ``timeout`` seconds (default: ``$PP_CORE_TIMEOUT``, else the
+process group's timeout).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pp_core.config import PipelineConfig
+from pp_core.errors import ConfigError, PipelineError, PPCoreError
+from pp_core.runtime.buffers import make_recv_buffer_allocator
+from pp_core.runtime.comm import P2P, PeerFailure
+from pp_core.runtime.executor import Executor
+from pp_core.runtime.microbatch import merge_microbatches, split_microbatches, to_device
+from pp_core.runtime.stage import Stage
+from pp_core.schedule.ir import Schedule
+from pp_core.schedule.lower import Program, forward_only, lower
+
+__all__ = ["Pipeline", "build_pipeline", "resolve_group"]
+
+_pipeline_ids = itertools.count()
+
+
+def resolve_group(pp_group) -> tuple[Any, int, int]:
+    """``(process group or None, rank, num_ranks)`` for a ProcessGroup, 1-D DeviceMesh or None."""
+    import torch.distributed as dist
+
+    if pp_group is not None and hasattr(pp_group, "get_group") and hasattr(pp_group, "ndim"):
+        if pp_group.ndim != 1:
+            raise ConfigError(f"pp_group is a {pp_group.ndim}-D DeviceMesh; pass its pipeline "
+                              f"dimension, e.g. mesh['pp'], or a ProcessGroup")
+        pp_group = pp_group.get_group()
+    if pp_group is None:
+        if not dist.is_available() or not dist.is_initialized():
+            return None, 0, 1  # a single-process pipeline: every stage on this rank
+        pp_group = dist.group.WORLD
+    return pp_group, dist.get_rank(pp_group), dist.get_world_size(pp_group)
+
+
+def _timeout(value) -> Optional[float]:
+    if value is None:
+        env = os.environ.get("PP_CORE_TIMEOUT")
+        if not env:
+            return None
+        try:
+            value = float(env)
+        except ValueError:
+            raise ConfigError(f"PP_CORE_TIMEOUT={env!r} must be a number of seconds") from None
+    if hasattr(value, "total_seconds"):
+        value = value.total_seconds()
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"timeout={value!r} must be a positive number of seconds")
+    return float(value)
+
+
+class Pipeline:
+    """This rank's stages of a pipelined model, and the programs that train and evaluate it.
+
+    Build it with :func:`build_pipeline`; the constructor takes ready-made parts (one per stage
+    this rank holds, in stage order) for callers that split the model themselves.
+    """
+
+    def __init__(self, model_parts: Sequence[nn.Module], stage_indices: Sequence[int],
+                 schedule: Schedule, config: PipelineConfig, pp_group=None, device="cpu", *,
+                 program: Optional[Program] = None, plugins=None, timeout=None,
+                 initializers=None):
+        group, rank, num_ranks = resolve_group(pp_group)
+        if schedule.num_ranks != num_ranks:
+            raise ConfigError(f"the schedule has {schedule.num_ranks} ranks but the process group "
+                              f"has {num_ranks}; build the schedule for num_ranks={num_ranks}")
+        expected = schedule.stages_of(rank)
+        if tuple(stage_indices) != expected:
+            raise ConfigError(f"rank {rank} holds stages {expected} in schedule "
+                              f"{schedule.name!r}, but stage_indices={tuple(stage_indices)}")
+        if len(model_parts) != len(expected):
+            raise ConfigError(f"rank {rank} holds {len(expected)} stages but got "
+                              f"{len(model_parts)} model parts")
+        if plugins is None:
+            from pp_core.plugins import default_plugins
+
+            plugins = default_plugins()
+        self.config = config
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.group = group
+        self.device = torch.device(device)
+        self.dtype = config.torch_dtype
+        self.schedule = schedule
+        self.program = program if program is not None else lower(schedule)
+        self.stage_indices = tuple(stage_indices)
+        self.model_parts = [part.to(device=self.device, dtype=self.dtype) if self.dtype
+                            else part.to(self.device) for part in model_parts]
+        self.num_stages = schedule.num_stages
+        self.num_microbatches = schedule.num_microbatches
+        if self.num_microbatches != config.num_microbatches:
+            raise ConfigError(
+                f"the schedule runs {self.num_microbatches} microbatches but pp_batch_size="
+                f"{config.pp_batch_size} / pp_microbatch_size={config.pp_microbatch_size} gives "
+                f"{config.num_microbatches}")
+        self.loss_fn = None
+        if config.loss_fn is not None:
+            from pp_core.losses import resolve_loss
+
+            self.loss_fn = resolve_loss(config.loss_fn)
+        if initializers is None:
+            from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
+
+            initializers = collect_pipeline_runtime_initializers(self.model_parts, plugins)
+        self.initializers = list(initializers)
+        self.has_first = 0 in self.stage_indices
+        self.has_last = self.num_stages - 1 in self.stage_indices
+        self.stages = {index: Stage(index, part, schedule.stage_ranks, rank)
+                       for index, part in zip(self.stage_indices, self.model_parts)}
+        group_name = getattr(group, "group_name", "local") if group is not None else "local"
+        self.p2p = P2P(group, self.device, _timeout(timeout), f"{group_name}/{next(_pipeline_ids)}")
+        rank_program = self.program.rank(rank)
+        self.allocator = make_recv_buffer_allocator(plugins, config, rank_program, rank,
+                                                    self.device)
+        self._train = Executor(rank_program, self.stages, self.p2p, self.allocator, train=True,
+                               loss_fn=self.loss_fn, scale=1.0 / self.num_microbatches
+                               if config.scale_grads_in_schedule else 1.0,
+                               initializers=self.initializers, device=self.device,
+                               dtype=self.dtype, static_shapes=config.pp_seq_len is not None)
+        self._eval: Optional[Executor] = None
+        self._plugins = plugins
+
+    # ------------------------------------------------------------------ public
+    def step(self, inputs=None, target=None):
+        """One training step over ``pp_batch_size`` samples; the same call on every rank.
+
+        ``inputs`` are needed on the rank holding the first stage and ``target`` on the rank
+        holding the last one; both may be passed on every rank (SPMD style) and are used only
+        where needed. Returns the mean microbatch loss on the last stage's rank, else ``None``.
+        """
+        self._check_usable()
+        if self.loss_fn is None:
+            self._fail(ConfigError("step() trains, which needs a loss: set PipelineConfig.loss_fn "
+                                   "(a callable, 'cross_entropy', or 'module:attr'), or call "
+                                   "eval_step() for a forward pass"), before_traffic=True)
+        losses, _ = self._run(self._train, inputs, target, need_target=True)
+        if not self.has_last:
+            return None
+        return torch.stack(losses).float().mean()
+
+    def eval_step(self, inputs=None, target=None):
+        """Forward only, without gradients. On the last stage's rank returns the mean microbatch
+        loss when ``target`` is given (and a loss_fn is set), else the last stage's outputs
+        concatenated along dim 0; ``None`` on other ranks."""
+        self._check_usable()
+        if self._eval is None:
+            program = lower(forward_only(self.schedule)).rank(self.rank)
+            allocator = make_recv_buffer_allocator(self._plugins, self.config, program, self.rank,
+                                                   self.device)
+            self._eval = Executor(program, self.stages, self.p2p, allocator, train=False,
+                                  loss_fn=self.loss_fn, initializers=self.initializers,
+                                  device=self.device, dtype=self.dtype,
+                                  static_shapes=self.config.pp_seq_len is not None)
+        losses, outputs = self._run(self._eval, inputs, target, need_target=False)
+        if not self.has_last:
+            return None
+        if losses:
+            return torch.stack(losses).float().mean()
+        return merge_microbatches(outputs)
+
+    # ------------------------------------------------------------------ internals
+    def _check_usable(self) -> None:
+        if self.p2p.broken is not None:
+            raise PipelineError(f"this pipeline stopped after a failure ({self.p2p.broken}); "
+                                f"create a new process group and pipeline to continue")
+
+    def _split(self, value, what: str) -> list:
+        cfg = self.config
+        parts = split_microbatches(value, self.num_microbatches, cfg.pp_batch_size, what)
+        return [to_device(part, self.device, self.dtype if what == "inputs" else None)
+                for part in parts]
+
+    def _prepare(self, inputs, target, need_target: bool):
+        if inputs is None and self.has_first:
+            raise ConfigError(f"rank {self.rank} holds stage 0 but step() got no inputs; pass the "
+                              f"step's batch (pp_batch_size={self.config.pp_batch_size}) here")
+        mb_inputs = None if inputs is None else self._split(inputs, "inputs")
+        mb_targets = None
+        if self.has_last and self.loss_fn is not None:
+            if target is None and need_target:
+                raise ConfigError(
+                    f"rank {self.rank} holds the last stage ({self.num_stages - 1}), whose "
+                    f"loss_fn(output, target) needs a target, but step() got target=None; pass "
+                    f"target=... (it may be passed on every rank)")
+        if target is not None:
+            mb_targets = self._split(target, "target")
+        return mb_inputs, mb_targets
+
+    def _run(self, executor: Executor, inputs, target, need_target: bool):
+        try:
+            mb_inputs, mb_targets = self._prepare(inputs, target, need_target)
+        except PPCoreError as exc:
+            self._fail(exc, before_traffic=True)
+        try:
+            result = executor.run(mb_inputs, mb_targets)
+            failure = self.p2p.peer_failed()
+            if failure is not None:
+                raise PeerFailure(failure)
+            return result
+        except PeerFailure as exc:
+            action = executor.current
+            where = f"at action {action}" if action is not None else "after its last action"
+            message = (f"rank {self.rank} stopped {where} because another rank failed: {exc}")
+            executor.abort()
+            self.p2p.publish_and_abort(str(exc))
+            raise PipelineError(message) from None
+        except Exception as exc:
+            action = executor.current
+            stage = f"stage {action.stage}, action {action}" if action is not None else \
+                "at the end of the step"
+            message = f"rank {self.rank}, {stage}: {type(exc).__name__}: {exc}"
+            executor.abort()
+            self.p2p.publish_and_abort(message)
+            raise PipelineError(message) from exc
+
+    def _fail(self, exc: Exception, before_traffic: bool):
+        """A usage error found before any traffic: tell the peers (they may be waiting), raise."""
+        if self.group is not None:
+            self.p2p.publish_and_abort(f"rank {self.rank} refused the step: {exc}")
+        raise exc
+
+    def __repr__(self) -> str:
+        return (f"Pipeline(rank={self.rank}/{self.num_ranks}, stages={self.stage_indices}, "
+                f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
+
+
+def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, device="cpu", *,
+                   plugins=None, timeout=None) -> Pipeline:
+    """Split ``model`` over the ranks of ``pp_group`` and return this rank's :class:`Pipeline`.
+
+    :param pp_group: a ProcessGroup or a 1-D DeviceMesh; ``None`` = the default group (or a
+        single-process pipeline when torch.distributed is not initialised).
+    :param device: where this rank's parts and tensors live (``"cuda:0"``, ``"cpu"``).
+    :param plugins: a :class:`pp_core.plugins.Plugins`; default: the installed plugins.
+    :param timeout: seconds a single wait may take before the step fails.
+    """
+    if not isinstance(config, PipelineConfig):
+        raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
+    from pp_core.runtime.parts import build_model_parts
+    from pp_core.runtime.split import plan_split
+    from pp_core.schedule.build import build_schedule, resolve_schedule_def
+
+    if plugins is None:
+        from pp_core.plugins import default_plugins
+
+        plugins = default_plugins()
+    group, rank, num_ranks = resolve_group(pp_group)
+    m = config.num_microbatches
+    if config.pp_schedule_csv is not None:
+        csv_schedule = build_schedule(num_ranks=num_ranks, num_microbatches=m,
+                                      csv_path=config.pp_schedule_csv, plugins=plugins)
+        per_rank, variable = csv_schedule.num_stages // num_ranks, False
+    else:
+        csv_schedule = None
+        _, sdef = resolve_schedule_def(config.pp_schedule, plugins)
+        per_rank, variable = sdef.stages_per_rank, sdef.variable_stages_per_rank
+    plan = plan_split(model, config, num_ranks, per_rank, plugins,
+                      variable_stages_per_rank=variable)
+    schedule = csv_schedule or build_schedule(
+        config.pp_schedule, num_ranks=num_ranks, num_microbatches=m,
+        stages_per_rank=plan.stages_per_rank, plugins=plugins)
+    if schedule.num_stages != plan.num_stages:
+        raise ConfigError(f"the split has {plan.num_stages} stages but schedule "
+                          f"{schedule.name!r} runs {schedule.num_stages}; make them agree")
+    program = lower(schedule)
+    stage_indices = schedule.stages_of(rank)
+    parts = build_model_parts(model, plan, stage_indices, config, device=device)
+    return Pipeline(parts, stage_indices, schedule, config, group, device, program=program,
+                    plugins=plugins, timeout=timeout)
