@@ -85,7 +85,8 @@ schedule 't' deadlocks at rank 0 step 1 (0B0): no rank can make progress
   which waits for 0F1 at rank 0 step 2,
   which comes after 0B0 at rank 0 step 1,
   which closes the cycle (back at rank 0 step 1).
-Reorder the actions so every F(s,k) comes after F(s-1,k) and every I/B(s,k) after I/B(s+1,k) can have finished.
+Reorder the actions so every F(s,k) comes after F(s-1,k) and every I/B(s,k) after I/B(s+1,k) \
+can have finished.
 grid (steps 0..3 shown; blocked/bad actions in [brackets]):
 step     0     1     2     3
 rank 0  0F0  [0B0]  0F1   0B1
@@ -140,12 +141,13 @@ def gallery() -> str:
         result = simulate(schedule)
         d = result.to_dict()
         aliases = ", ".join(f"`{a}`" for a in entry.aliases) or "none"
+        placement = sdef.placement if isinstance(sdef.placement, str) else "custom"
         description = (sdef.description or "").strip().splitlines()
         parts.append(f"### {entry.name}\n")
         if description:
             parts.append(description[0] + "\n")
         parts.append(
-            f"Aliases: {aliases}. Placement `{sdef.placement if isinstance(sdef.placement, str) else 'custom'}`, "
+            f"Aliases: {aliases}. Placement `{placement}`, "
             f"{schedule.num_stages // 4} stage(s) per rank"
             f"{' (variable)' if sdef.variable_stages_per_rank else ''}. "
             f"Makespan {d['makespan']}, bubble {d['bubble']} (ratio {result.bubble_ratio:.3f}), "
@@ -191,8 +193,9 @@ def benchmark_section() -> str:
     for (name, p), cells in rows.items():
         out.append(f"| {name} | {formulas.get(name, '')} | {p} | "
                    + " | ".join(cells.get(k, "") for k in (1, 2, 4, 8)) + " |")
-    notes = sorted({f"{r['schedule']}: {r.get('note') or r.get('torch_note')}" for r in report["bubble"]
-                    if r.get("note") or r.get("torch_note")})
+    notes = sorted({f"{r['schedule']} pp={r['pp']} m={r['microbatches']}: "
+                    f"{r.get('note') or r.get('torch_note')}"
+                    for r in report["bubble"] if r.get("note") or r.get("torch_note")})
     if notes:
         out.append("\nNotes:\n")
         out.extend(f"* {n}" for n in notes)

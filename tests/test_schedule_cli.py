@@ -72,7 +72,8 @@ def test_export_stdout_and_file_round_trip(capsys, tmp_path):
     assert code == 0 and out == "0F0,0F1,0B0,0B1\r\n1F0,1B0,1F1,1B1\r\n"
     path = tmp_path / "o.csv"
     run(capsys, "schedule", "export", "Schedule1F1B", "--pp", "4", "-m", "8", "-o", str(path))
-    assert read_csv(path).rows() == next(e for e in SUPPORTED if e["title"] == "1F1B p=4 m=8")["rows"]
+    expected = next(e for e in SUPPORTED if e["title"] == "1F1B p=4 m=8")["rows"]
+    assert read_csv(path).rows() == expected
     code, out, _ = run(capsys, "schedule", "simulate", "--csv", str(path), "--json")
     assert json.loads(out)["makespan"] == 33 and json.loads(out)["schedule"] == "o"
     code, out, _ = run(capsys, "schedule", "show", "--csv", str(path), "--pp", "4", "-m", "8")

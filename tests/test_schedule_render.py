@@ -27,7 +27,8 @@ def test_text_timeline_fractional_costs_use_smaller_slots():
 def test_text_timeline_wide_labels_and_many_ranks():
     text = render_text(simulate(one_f_one_b(11, 11)))
     lines = text.splitlines()
-    assert lines[0].startswith("rank0:  0F0   0F1   ") and lines[10].startswith("rank10: .     .     ")
+    assert lines[0].startswith("rank0:  0F0   0F1   ")
+    assert lines[10].startswith("rank10: .     .     ")
     assert "10F10" in lines[10]
 
 
@@ -50,5 +51,6 @@ def test_svg_is_well_formed_and_complete():
     assert fills.count(COLOURS["I"]) == 33 and fills.count(COLOURS["W"]) == 33
     assert fills.count("url(#idle)") == 4 + 1  # one hatched background per rank + legend
     texts = " ".join(t.text or "" for t in root.iter(f"{ns}text"))
-    assert "makespan 27" in texts and "ratio 0.111" in texts and "peak activations per rank 4 4 4 4" in texts
+    assert "makespan 27" in texts and "ratio 0.111" in texts
+    assert "peak activations per rank 4 4 4 4" in texts
     assert "rank 3" in texts

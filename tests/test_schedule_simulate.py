@@ -36,7 +36,8 @@ def test_reference_worked_examples(example):
     (4, 8, 33, 9, 0.273), (4, 16, 57, 9, 0.158), (8, 32, 117, 21, 0.179)])
 def test_1f1b_table(p, m, makespan, bubble, ratio):
     result = simulate(one_f_one_b(p, m))
-    assert (result.makespan, result.bubble, round(result.bubble_ratio, 3)) == (makespan, bubble, ratio)
+    figures = (result.makespan, result.bubble, round(result.bubble_ratio, 3))
+    assert figures == (makespan, bubble, ratio)
     assert result.peak_activations == [min(m, p - r) for r in range(p)]
     assert result.busy == [3 * m] * p and result.idle == [bubble] * p
 
@@ -100,7 +101,8 @@ def test_activation_bytes():
 def test_idle_cells_do_not_change_the_timing():
     s = one_f_one_b(2, 3)
     padded = Schedule([[None, *s.actions[0]], [None, None, *s.actions[1]]], s.stage_ranks, 3)
-    assert simulate(padded).to_dict() | {"schedule": "x"} == simulate(s).to_dict() | {"schedule": "x"}
+    rename = {"schedule": "x"}
+    assert simulate(padded).to_dict() | rename == simulate(s).to_dict() | rename
 
 
 def test_bad_costs_and_invalid_schedules():

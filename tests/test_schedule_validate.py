@@ -55,7 +55,8 @@ def test_stage_out_of_range():
 def test_incomplete_lists_each_missing_pair():
     s = sched(["0F0 0F1 0B0", "1F0 1B0 1F1 1B1"])
     with pytest.raises(ScheduleError, match=r"incomplete.*\n.*stage 0 microbatch 1 \(rank 0\): "
-                                            r"the backward is missing \(add 0B1, or 0I1 then 0W1\)"):
+                                            r"the backward is missing \(add 0B1, or 0I1 then "
+                                            r"0W1\)"):
         validate_schedule(s)
     s = sched(["0F0 0F1 0B0 0B1", "1F0 1I0 1F1 1B1"])
     with pytest.raises(ScheduleError, match=r"1W0 is missing \(every I needs a later W"):
@@ -170,7 +171,8 @@ def test_validation_is_linear_and_fast():
 
 def _gpipe(num_stages, num_microbatches, num_ranks):
     mbs = range(num_microbatches)
-    return [[Action(r, F, k) for k in mbs] + [Action(r, B, k) for k in mbs] for r in range(num_ranks)]
+    return [[Action(r, F, k) for k in mbs] + [Action(r, B, k) for k in mbs]
+            for r in range(num_ranks)]
 
 
 def _looped(num_stages, num_microbatches, num_ranks):

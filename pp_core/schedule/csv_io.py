@@ -71,7 +71,8 @@ def parse_csv(text: str, format: Format = "auto", name: str = "csv", source: str
     for rank, row in enumerate(csv.reader(io.StringIO(text))):
         rank_actions = []
         for column, cell in enumerate(row):
-            parsed = _parse_cell(cell, format, f"{where}, row {rank} (rank {rank}), column {column}")
+            at = f"{where}, row {rank} (rank {rank}), column {column}"
+            parsed = _parse_cell(cell, format, at)
             if parsed is None:
                 rank_actions.append(None)
             elif parsed == "comm":
@@ -80,7 +81,7 @@ def parse_csv(text: str, format: Format = "auto", name: str = "csv", source: str
                 rank_actions.extend(parsed)
                 split += len(parsed) - 1
         actions.append(rank_actions)
-    schedule = Schedule(actions, _infer_placement(actions, where), _num_microbatches(actions, where),
+    schedule = Schedule(actions, _infer_placement(actions, where), _num_microbatches(actions),
                         name=name)
     if validate:
         try:
@@ -104,8 +105,9 @@ def _parse_cell(cell: str, format: str, where: str):
     if overlap:
         parts = overlap.group(1).split(";")
         if len(parts) != 2:
-            raise ScheduleError(f"{where}: cannot parse {cell!r}: an OVERLAP_F_B cell holds exactly "
-                                f"two actions, '(<forward>;<backward>)OVERLAP_F_B', got {len(parts)}")
+            raise ScheduleError(f"{where}: cannot parse {cell!r}: an OVERLAP_F_B cell holds "
+                                f"exactly two actions, '(<forward>;<backward>)OVERLAP_F_B', "
+                                f"got {len(parts)}")
         return [_compute(part, where, cell) for part in parts]
     if text.startswith("("):
         raise ScheduleError(f"{where}: cannot parse {cell!r}: a cell starting with '(' must be "
@@ -154,7 +156,7 @@ def _infer_placement(actions, where: str) -> tuple[int, ...]:
     return tuple(rank_of[s] for s in range(len(rank_of)))
 
 
-def _num_microbatches(actions, where: str) -> int:
+def _num_microbatches(actions) -> int:
     return 1 + max(a.microbatch for row in actions for a in row if a is not None)
 
 

@@ -236,7 +236,8 @@ def _stage_bytes(activation_bytes, num_stages: int) -> list[float] | None:
     return [float(v) for v in values]
 
 
-def _replay(schedule: Schedule, encoded: list[list[int]], cost, latency: float) -> list[list[float]]:
+def _replay(schedule: Schedule, encoded: list[list[int]], cost,
+            latency: float) -> list[list[float]]:
     """Start time of every encoded action (the schedule is known to be deadlock-free)."""
     stage_ranks = schedule.stage_ranks
     num_ranks = len(encoded)

@@ -1,4 +1,4 @@
-"""Export a simulated timeline as Chrome / Perfetto trace JSON (``chrome://tracing``, ui.perfetto.dev).
+"""Export a simulated timeline as Chrome/Perfetto trace JSON (chrome://tracing, ui.perfetto.dev).
 
 One process (the schedule), one thread per rank, one complete event (``"ph": "X"``) per action.
 The simulator's time unit (one F at the default costs) maps to ``unit_us`` microseconds, so the
@@ -25,7 +25,8 @@ def chrome_trace(result: SimResult, unit_us: float = 1000.0) -> dict:
     """The trace as a JSON-able dict (``{"traceEvents": [...], ...}``)."""
     schedule = result.schedule
     events: list[dict] = [
-        {"ph": "M", "pid": 0, "name": "process_name", "args": {"name": f"schedule {schedule.name}"}},
+        {"ph": "M", "pid": 0, "name": "process_name",
+         "args": {"name": f"schedule {schedule.name}"}},
     ]
     for rank in range(schedule.num_ranks):
         stages = ",".join(map(str, schedule.stages_of(rank)))

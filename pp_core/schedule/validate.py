@@ -159,8 +159,9 @@ def _bad_place(schedule, r, step, action, num_stages, M) -> None:
         raise ScheduleError(f"{where} names stage {s!r}, but the schedule has {num_stages} stages "
                             f"(0..{num_stages - 1})")
     if not isinstance(mb, int) or not 0 <= mb < M:
+        hint = f"set num_microbatches={mb + 1} or " if isinstance(mb, int) and mb >= M else ""
         raise ScheduleError(f"{where} names microbatch {mb!r}, but the schedule has {M} "
-                            f"microbatches (0..{M - 1}); set num_microbatches={mb + 1 if isinstance(mb, int) and mb >= 0 else M} or fix the action")
+                            f"microbatches (0..{M - 1}); {hint}fix the action")
     owner = schedule.stage_ranks[s]
     raise ScheduleError(
         f"{where}: stage {s} is placed on rank {owner}, so its actions must all be on rank "
@@ -173,9 +174,10 @@ def _local_order(schedule: Schedule, r: int, step: int, action: Action, st: int)
     earlier = _find_step(schedule, r, step, s, mb)
     if kind == F:
         if st & _F_BIT:
-            reason = f"is a second forward of stage {s} microbatch {mb} (the first is at {earlier})"
+            reason = (f"is a second forward of stage {s} microbatch {mb} (the first is at "
+                      f"{earlier})")
         else:
-            reason = f"comes after the backward at {earlier}; F must come before I/B on the same rank"
+            reason = f"comes after the backward at {earlier}; F must come before I/B"
     elif kind == W:
         if st & _W_BIT:
             reason = f"is a second W of stage {s} microbatch {mb} (the first is at {earlier})"
