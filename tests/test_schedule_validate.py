@@ -243,3 +243,21 @@ def test_build_errors(plugins):
         build_schedule("even", num_ranks=2, num_microbatches=3, plugins=plugins)
     with pytest.raises(ScheduleError, match=r"needs a schedule name"):
         build_schedule(num_ranks=2, num_microbatches=3, plugins=plugins)
+
+
+def test_build_from_csv(tmp_path, plugins):
+    path = tmp_path / "order.csv"
+    path.write_bytes(b"0F0,0F1,0B0,0B1\r\n1F0,1B0,1F1,1B1\r\n")
+    s = build_schedule("ignored-name", num_ranks=2, num_microbatches=2, csv_path=path,
+                       plugins=plugins)
+    assert s.name == "order" and s.stage_ranks == (0, 1)
+    assert build_schedule(num_ranks=2, num_microbatches=2, csv_path=str(path),
+                          stages_per_rank=1).num_stages == 2
+    with pytest.raises(ScheduleError, match=r"has 2 rows \(one per rank\), but the pipeline has "
+                                            r"num_ranks=4"):
+        build_schedule(num_ranks=4, num_microbatches=2, csv_path=path)
+    with pytest.raises(ScheduleError, match=r"schedules 2 microbatches \(0...1\), but "
+                                            r"num_microbatches=8"):
+        build_schedule(num_ranks=2, num_microbatches=8, csv_path=path)
+    with pytest.raises(ScheduleError, match=r"has 2 stages on 2 ranks, but stages_per_rank=2"):
+        build_schedule(num_ranks=2, num_microbatches=2, csv_path=path, stages_per_rank=2)
