@@ -28,7 +28,7 @@ from torch import nn
 
 from pp_core import ConfigError
 
-__all__ = ["DecoderAdapter", "patch_text_module", "patch_causal_lm", "text_stage_forward"]
+__all__ = ["DecoderAdapter", "GemmaAdapter", "BUILTIN_ADAPTERS", "patch_text_module", "patch_causal_lm", "text_stage_forward"]
 
 _MASK_FUNCTIONS = {
     "full_attention": "create_causal_mask",
@@ -40,7 +40,14 @@ _FIRST_STAGE_ARGS = ("input_ids", "attention_mask", "position_ids")
 
 @functools.lru_cache(maxsize=None)
 def _mask_function(attention_type: str):
-    from transformers import masking_utils
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        import transformers
+
+        raise ConfigError(f"pp_transformers needs transformers>=4.53 (masking_utils), found "
+                          f"{transformers.__version__}; pip install -U 'pp-core[transformers]'"
+                          ) from None
 
     name = _MASK_FUNCTIONS.get(attention_type)
     function = getattr(masking_utils, name, None) if name else None
@@ -82,7 +89,8 @@ class DecoderAdapter:
     def attention_mask(self, text, attention_type, hidden, attention_mask, position_ids):
         """The mask the layers of ``attention_type`` get, built by transformers' own function."""
         function, accepted = _mask_function(attention_type)
-        kwargs = {"config": text.config, "inputs_embeds": hidden,
+        embeds = "inputs_embeds" if "inputs_embeds" in accepted else "input_embeds"  # 4.x name
+        kwargs = {"config": text.config, embeds: hidden,
                   "attention_mask": attention_mask, "position_ids": position_ids}
         for name in ("cache", "past_key_values"):
             if name in accepted:
@@ -115,6 +123,21 @@ class DecoderAdapter:
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+class GemmaAdapter(DecoderAdapter):
+    """Gemma scales embeddings by sqrt(hidden_size): inside the embedding module since
+    transformers 5 (``embed_scale``), in the decoder's forward before."""
+
+    def embed(self, text: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = text.embed_tokens(input_ids)
+        if hasattr(text.embed_tokens, "embed_scale"):
+            return hidden
+        return hidden * torch.tensor(text.config.hidden_size ** 0.5, dtype=hidden.dtype)
+
+
+BUILTIN_ADAPTERS = {"gemma": GemmaAdapter(), "gemma2": GemmaAdapter()}
+"""Adapters the ``hf_decoder`` splitter uses by ``model_type``; every other type gets the default."""
 
 
 def _first_stage_inputs(args, kwargs):

@@ -88,17 +88,38 @@ def _walk_init(module: nn.Module, init, seen: set[int]) -> None:
         init(module)
 
 
+def _refill_rotary(part: nn.Module) -> None:
+    """Recompute rotary tables (non-persistent, so never in a checkpoint) from their config.
+
+    transformers 5 refills them in ``_init_weights``; transformers 4 computes them only in the
+    constructor, so a fresh module is built on the part's device and its buffers copied.
+    """
+    import torch
+
+    for module in {id(m): m for m in part.modules()}.values():
+        if not type(module).__name__.endswith("RotaryEmbedding") or \
+                getattr(module, "config", None) is None or not hasattr(module, "inv_freq"):
+            continue
+        with torch.device(module.inv_freq.device):
+            fresh = type(module)(config=module.config)
+        for name, buffer in fresh.named_buffers(recurse=False):
+            getattr(module, name).copy_(buffer)
+        if hasattr(fresh, "attention_scaling"):
+            module.attention_scaling = fresh.attention_scaling
+
+
 def init_part_weights(part: nn.Module) -> None:
     """Initialise a freshly materialised part with transformers' per-module init, then load.
 
-    Runs each module's ``_init_weights`` (the owning ``PreTrainedModel``'s), which also refills
-    non-persistent buffers such as rotary ``inv_freq``; never re-ties weights. Then, when the
-    model named a checkpoint directory (``pp_checkpoint``), loads this part's tensors from it.
+    Runs each module's ``_init_weights`` (the owning ``PreTrainedModel``'s) and refills rotary
+    tables; never re-ties weights. Then, when the model named a checkpoint directory
+    (``pp_checkpoint``), loads this part's tensors from it.
     """
     import torch
 
     with torch.no_grad():
         _walk_init(part, part._init_weights, set())
+        _refill_rotary(part)
     checkpoint = getattr(part, "pp_checkpoint", None)
     if checkpoint is not None:
         from pp_transformers.loading import load_part

@@ -20,7 +20,7 @@ import sys
 from torch import nn
 
 from pp_core import ConfigError
-from pp_transformers.forward import DecoderAdapter
+from pp_transformers.forward import BUILTIN_ADAPTERS, DecoderAdapter
 from pp_transformers.layout import find_layout, find_text_module, plan_stages
 from pp_transformers.parts import build_part
 
@@ -36,7 +36,7 @@ class HFDecoderSplitter:
     """Splits HF decoders and builds their stages with stage-friendly forwards.
 
     :param adapters: ``{model_type: DecoderAdapter}`` for architectures whose forward differs
-        from Llama's; others use ``default_adapter``. A third-party plugin registers a subclass
+        from Llama's (added to ``BUILTIN_ADAPTERS``); others use ``default_adapter``. A third-party plugin registers a subclass
         (or an instance with more adapters) under its own name with a higher ``priority``.
     """
 
@@ -45,7 +45,7 @@ class HFDecoderSplitter:
 
     def __init__(self, adapters: dict[str, DecoderAdapter] | None = None,
                  default_adapter: DecoderAdapter | None = None):
-        self.adapters = dict(adapters or {})
+        self.adapters = {**BUILTIN_ADAPTERS, **(adapters or {})}
         self.default_adapter = default_adapter or DecoderAdapter()
 
     # ------------------------------------------------------------------ selection
