@@ -28,42 +28,32 @@ def v_schedule(num_stages: int, num_microbatches: int, num_ranks: int) -> list[l
     if m < 1:
         raise ScheduleError(f"v_schedule needs num_microbatches >= 1, got {m}")
     n = max(2 * p - 1, m)
-    return [[Action(*a) for a in _rank_order(r, p, n) if a[2] < m] for r in range(p)]
+    return [_rank_order(r, p, m, n) for r in range(p)]
 
 
-def _rank_order(r: int, p: int, n: int) -> list[tuple]:
-    """Rank ``r``'s handcrafted order for ``n >= 2p-1`` microbatches, as ``(stage, kind, mb)``."""
-    stage, order = (r, 2 * p - 1 - r), []
-    done = {F: [0, 0], I: [0, 0], W: [0, 0]}  # per kind, per chunk: microbatches emitted
-    f, i, w = done[F], done[I], done[W]
-
-    def run(chunk, *kinds):
-        for kind in kinds:
-            order.append((stage[chunk], kind, done[kind][chunk]))
-            done[kind][chunk] += 1
-
-    for _ in range(2 * (p - r) - 1):
-        run(0, F)
-    for _ in range(r):
-        run(1, F)
-        run(0, F)
-    for _ in range(p - r):
-        run(1, F, I, W)
-    while f[1] < f[0] or f[0] < n:
-        if f[0] < n:
-            run(0, F)
-        run(0, I, W)
-        run(1, F, I, W)
-    for _ in range(r):
-        run(0, I)
-        run(1, I)
-    for _ in range(p - r):
-        run(0, I, W)
-    while w[1] < i[1]:
-        run(1, W)
-    while w[0] < i[0]:
-        run(0, W)
-    return order
+def _rank_order(r: int, p: int, m: int, n: int) -> list[Action]:
+    """torch's loops for rank ``r`` over ``n >= 2p-1`` microbatches; those ``>= m`` dropped."""
+    c0, c1 = r, 2 * p - 1 - r
+    f0, i0, w0, f1, i1, w1 = ([Action(stage, kind, k) for k in range(m)] + [None] * (n - m)
+                              for stage in (c0, c1) for kind in (F, I, W))
+    warm = 2 * (p - r) - 1
+    order = f0[:warm]  # chunk-0 forwards, then r (F(c1), F(c0)) pairs
+    for k in range(r):
+        order += [f1[k], f0[warm + k]]
+    for k in range(p - r):  # the turn: (F, I, W) of chunk 1
+        order += [f1[r + k], i1[k], w1[k]]
+    # Steady state, n - p rounds: torch's "while f1 < f0 or f0 < n" with f0 = 2p-1-r, f1 = p,
+    # i0 = 0, i1 = p-r at the start; the last p-r-1 rounds have no chunk-0 forward left.
+    for k in range(n - p):
+        if warm + r + k < n:
+            order.append(f0[warm + r + k])
+        order += [i0[k], w0[k], f1[p + k], i1[p - r + k], w1[p - r + k]]
+    for k in range(r):  # drain: I of both chunks, then I/W of chunk 0, then the W left
+        order += [i0[n - p + k], i1[n - r + k]]
+    for k in range(p - r):
+        order += [i0[n - p + r + k], w0[n - p + k]]
+    order += w1[n - r:] + w0[n - r:]
+    return [a for a in order if a is not None] if n > m else order
 
 
 @hookimpl

@@ -5,9 +5,9 @@ ZB-H2 only as a figure; this is the deterministic greedy list scheduler of pp-co
 (docs/reference section 5.7), run once at unit costs. Rank ``r`` warms up with ``2(p-r)-1``
 forwards, the steady state is ``F, I, W`` per microbatch without gaps, and ``W``s slide to the
 tail: span bubble ``(p-1)(F+I-2W)`` (0 at ``F = I = W``), peak ``2p-1``. Valid for any ``m``;
-zero bubble needs ``m >= 2p-1``. Each rank picks its earliest-starting ready action (ties: I, F,
-W); the rank whose pick starts first goes next (ties: lowest rank). A heap keyed by start time
-keeps this ``O(log p)`` per action.
+zero bubble needs ``m >= 2p-1``. The reference states it as "the rank whose earliest-ready action
+starts first goes next (ties: lowest rank; a rank prefers I, then F, then W)"; with unit costs that
+is a time-stepped replay: at each step every rank, lowest first, runs its ready I, else F, else W.
 
     num_ranks=3, num_stages=3, num_microbatches=5
     rank 0: 0F0 0F1 0F2 0F3 0F4 0I0 0W0 0I1 0W1 0I2 0W2 0I3 0W3 0I4 0W4
@@ -15,13 +15,9 @@ keeps this ``O(log p)`` per action.
     rank 2: 2F0 2I0 2F1 2I1 2F2 2I2 2F3 2I3 2F4 2I4 2W0 2W1 2W2 2W3 2W4
 """
 
-import heapq
-
 from pp_core import Action, F, I, ScheduleDef, ScheduleError, W, hookimpl
 
 __all__ = ["zb_h2"]
-
-_I, _F, _W = 0, 1, 2  # tie-break priority of a rank's candidates
 
 
 def zb_h2(num_stages: int, num_microbatches: int, num_ranks: int) -> list[list[Action]]:
@@ -34,61 +30,34 @@ def zb_h2(num_stages: int, num_microbatches: int, num_ranks: int) -> list[list[A
     if m < 1:
         raise ScheduleError(f"zb_h2 needs num_microbatches >= 1, got {m}")
     cap = 2 * p - 1
-    clock = [0] * p
-    f_end = [[] for _ in range(p)]  # f_end[r][k]: end time of F(r, k); likewise i_end
+    f_end = [[] for _ in range(p)]  # f_end[r][k]: end time of F(r, k); likewise i_end for I
     i_end = [[] for _ in range(p)]
     num_w = [0] * p
-    inflight = [0] * p
-    version = [0] * p
     orders = [[] for _ in range(p)]
-
-    def choice(r):
-        """(start, priority) of rank r's earliest-starting candidate, or None."""
-        best, t = None, clock[r]
-        n_f, n_i = len(f_end[r]), len(i_end[r])
-        if n_i < n_f:
-            ready = f_end[r] if r == p - 1 else i_end[r + 1]
-            if n_i < len(ready):
-                best = (max(t, ready[n_i]), _I)
-        if n_f < m and inflight[r] < cap and (r == 0 or n_f < len(f_end[r - 1])):
-            cand = (max(t, f_end[r - 1][n_f] if r else 0), _F)
-            best = cand if best is None or cand < best else best
-        if num_w[r] < n_i and (best is None or (t, _W) < best):
-            best = (t, _W)
-        return best
-
-    heap = []
-
-    def refresh(r):
-        version[r] += 1
-        best = choice(r)
-        if best is not None:
-            heapq.heappush(heap, (best[0], r, version[r], best[1]))
-
-    for r in range(p):
-        refresh(r)
-    while heap:
-        start, r, ver, kind = heapq.heappop(heap)
-        if ver != version[r]:
-            continue
-        clock[r] = start + 1
-        if kind == _F:
-            orders[r].append(Action(r, F, len(f_end[r])))
-            f_end[r].append(start + 1)
-            inflight[r] += 1
-        elif kind == _I:
-            orders[r].append(Action(r, I, len(i_end[r])))
-            i_end[r].append(start + 1)
-        else:
-            orders[r].append(Action(r, W, num_w[r]))
-            num_w[r] += 1
-            inflight[r] -= 1
-        for q in (r - 1, r, r + 1):
-            if 0 <= q < p:
-                refresh(q)
-    if any(len(order) != 3 * m for order in orders):
-        raise ScheduleError(f"zb_h2 got stuck at num_ranks={p}, num_microbatches={m}; this is a "
-                            f"bug in pp_schedules.zb_h2, please report it")
+    done = t = 0
+    while done < 3 * m * p:
+        if t > 6 * (m + p):
+            raise ScheduleError(f"zb_h2 got stuck at num_ranks={p}, num_microbatches={m}; this "
+                                f"is a bug in pp_schedules.zb_h2, please report it")
+        for r in range(p):  # every rank is free at step t: each action takes one step
+            forwards, backwards = f_end[r], i_end[r]
+            n_f, n_i = len(forwards), len(backwards)
+            grad_in = forwards if r == p - 1 else i_end[r + 1]  # I(r, n_i) needs grad_in[n_i]
+            act_in = f_end[r - 1] if r else None  # F(r, n_f) needs act_in[n_f]
+            if n_i < n_f and n_i < len(grad_in) and grad_in[n_i] <= t:
+                orders[r].append(Action(r, I, n_i))
+                backwards.append(t + 1)
+            elif (n_f < m and n_f - num_w[r] < cap
+                  and (r == 0 or (n_f < len(act_in) and act_in[n_f] <= t))):
+                orders[r].append(Action(r, F, n_f))
+                forwards.append(t + 1)
+            elif num_w[r] < n_i:
+                orders[r].append(Action(r, W, num_w[r]))
+                num_w[r] += 1
+            else:
+                continue
+            done += 1
+        t += 1
     return orders
 
 
