@@ -3,11 +3,12 @@
 Qi et al., "Pipeline Parallelism with Controllable Memory" (arXiv:2405.15362) build a V-placement
 schedule from a repeated *building block*: the slots of ``F(c0), F(c1), I(c1), I(c0)`` of one
 microbatch, repeated every 6 slots. Their procedure (sail-sg ``zbv_greedy.py``,
-``PipelineGraph.create_schedule``; docs/reference section 5.10), reimplemented here:
+``PipelineGraph.create_schedule``; pp-core's schedule reference, section 5.10), reimplemented here:
 
 1. ``put_w``: every empty slot, in time order, takes a pending ``W``;
 2. ``reorder``: take the passes in time order and move each to the earliest free slot after its
-   dependencies that does not raise the rank's peak memory (F +1, I 0, W -1); the stable phase
+   dependencies that keeps the rank's memory within the pipeline's initial peak (F +1, I 0,
+   W -1); the stable phase
    (from rank 0's first ``I(c0)`` to the first last-microbatch ``F(c0)``) is frozen; then squeeze
    (replay at unit cost, each pass as early as its dependencies allow);
 3. drop the ``W``s and ``reorder`` again without them (memory then counts each ``W`` as run in
@@ -26,7 +27,7 @@ its stable stretch repeated; tests check both against each other and the referen
 from bisect import bisect_left
 from itertools import accumulate
 
-from pp_core import Action, F, I, W
+from pp_core import Action, F, I, ScheduleError, W
 
 # Pass codes: 0 F(c0), 1 F(c1), 2 I(c1), 3 I(c0), 4 W (4 = W(c1), 5 = W(c0) when split).
 _KIND_CHUNK = ((F, 0), (F, 1), (I, 1), (I, 0), (W, 1), (W, 0))
@@ -71,6 +72,9 @@ def _actions(order: list, kinds: list, extra: int) -> list[Action]:
             start = i
         if run > best:
             best, cut = run, start
+    if best < 6:
+        raise ScheduleError("pp_schedules._controllable_memory found no stable phase to repeat; "
+                            "this is a bug, please report it with the schedule's sizes")
     period = [(*kinds[c], k) for c, k in order[cut:cut + 6]]
     out = [make((*kinds[c], k)) for c, k in order[:cut]]
     for j in range(extra):
@@ -82,18 +86,17 @@ def _actions(order: list, kinds: list, extra: int) -> list[Action]:
 def _put_w(lists: list[list[int]], split: bool) -> list[list[int]]:
     """W slots of one rank: each empty slot takes a pending W (chunk 1's first when split)."""
     bound = max(ts[-1] for ts in lists)
-    occupied = bytearray(bound + 1)
+    cells = bytearray(bound + 1)  # pass code + 1 at each occupied slot, 0 when empty
     for code, ts in enumerate(lists):
         for t in ts:
-            occupied[t] = code + 1
+            cells[t] = code + 1
     w1, w0, pending1, pending0 = [], [], 0, 0
-    for t, code in enumerate(occupied):
-        if code > 2:
-            if split and code == 4:
-                pending0 += 1
-            else:
-                pending1 += 1
-        elif not code:
+    for t, cell in enumerate(cells):
+        if cell == 4 and split:  # I(c0)
+            pending0 += 1
+        elif cell >= 3:  # I(c1), or any I without split
+            pending1 += 1
+        elif not cell:
             if pending1:
                 w1.append(t)
                 pending1 -= 1
