@@ -8,9 +8,9 @@ microbatch, repeated every 6 slots. Their procedure (sail-sg ``zbv_greedy.py``,
 1. ``put_w``: every empty slot, in time order, takes a pending ``W``;
 2. ``reorder``: take the passes in time order and move each to the earliest free slot after its
    dependencies that keeps the rank's memory within the pipeline's initial peak (F +1, I 0,
-   W -1); the stable phase
-   (from rank 0's first ``I(c0)`` to the first last-microbatch ``F(c0)``) is frozen; then squeeze
-   (replay at unit cost, each pass as early as its dependencies allow);
+   W -1); the stable phase (from rank 0's first ``I(c0)`` to the first last-microbatch
+   ``F(c0)``) is frozen; then squeeze (replay at unit cost, each pass as early as its
+   dependencies allow);
 3. drop the ``W``s and ``reorder`` again without them (memory then counts each ``W`` as run in
    the next empty slot), the warm-up frozen too;
 4. ``put_w`` once more with one ``W`` queue per chunk (chunk 1 first); the per-rank time order is
