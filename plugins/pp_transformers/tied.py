@@ -106,22 +106,10 @@ def _exchange(local: torch.Tensor, rank: int, peers: list[int], group) -> torch.
 
 
 def sync_tied_gradients(pipe) -> int:
-    """:func:`sync_tied_gradients_of` for a pipeline built by ``pp_core.build_pipeline``.
+    """:func:`sync_tied_gradients_of` for a :class:`pp_core.runtime.Pipeline`.
 
-    Call on every rank after ``pipe.step(...)`` and before ``optimizer.step()``.
+    Call on every rank once per optimizer step: after the last ``pipe.step(...)`` and before
+    gradient clipping and ``optimizer.step()``. Returns the number of tied weights synced here.
     """
-    import torch.distributed as dist
-
-    group = getattr(pipe, "pp_group", None)
-    stage_ranks = _stage_ranks(pipe)
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
-    return sync_tied_gradients_of(pipe.model_parts, stage_ranks, rank, group)
-
-
-def _stage_ranks(pipe) -> Sequence[int]:
-    for owner in (pipe, getattr(pipe, "schedule", None)):
-        found = getattr(owner, "stage_ranks", None)
-        if found is not None:
-            return found
-    raise TypeError(f"{type(pipe).__name__} exposes no stage_ranks (stage -> rank); call "
-                    f"sync_tied_gradients_of(parts, stage_ranks, rank, group) instead")
+    return sync_tied_gradients_of(pipe.model_parts, pipe.schedule.stage_ranks, pipe.rank,
+                                  pipe.group)
