@@ -133,13 +133,15 @@ def format_summary(summary: dict[str, Any]) -> str:
     rows = []
     for rank in summary.get("ranks", []):
         rows.append([str(rank["rank"]), ",".join(map(str, rank["stages"])),
-                     _percent(rank.get("bubble_measured")), _percent(rank.get("bubble_simulated")),
+                     _percent(rank.get("bubble_measured")), _percent(rank.get("comm_share")),
+                     _percent(rank.get("bubble_simulated")),
                      format_bytes(rank.get("peak_memory"))
                      + (f" ({rank['memory_kind']})" if rank.get("memory_kind") else "")])
     if rows:
         lines.append("")
         lines.extend("  " + row for row in _table(
-            ["rank", "stages", "bubble (measured)", "bubble (simulated)", "peak memory"],
+            ["rank", "stages", "bubble (measured)", "of it in send/recv", "bubble (simulated)",
+             "peak memory"],
             rows))
         note = summary.get("bubble_note")
         if note:

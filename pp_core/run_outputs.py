@@ -20,9 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RunRecorder", "peak_memory", "action_timings"]
+__all__ = ["RunRecorder", "ActionTimer", "peak_memory"]
 
 TRACE_STEPS = 20  # the trace keeps the last this-many steps (a long run's trace stays small)
+_CATEGORIES = {"F": "forward", "B": "backward", "I": "backward (input grads)",
+               "W": "backward (weight grads)"}
 
 
 def peak_memory(device: torch.device) -> tuple[int | None, str]:
@@ -38,23 +40,53 @@ def peak_memory(device: torch.device) -> tuple[int | None, str]:
         return None, ""
 
 
-def action_timings(pipe) -> list[tuple[str, float, float]] | None:
-    """The last step's ``(action, start, end)`` (perf_counter seconds) if the executor records them.
+class ActionTimer:
+    """Times every action of the pipeline's training program (host clock, ``perf_counter``).
 
-    Uses ``pipe.last_step_timings`` when the runtime provides it; otherwise None (the trace
-    then shows whole steps and the measured bubble is not available).
+    The runtime has no public per-action timing hook yet, so this wraps the executor's action
+    handlers and its mailbox's ``receive`` (the only place a compute action waits for a peer):
+    an action's *busy* time is its duration minus that wait. If the executor's internals are not
+    what it expects, :attr:`enabled` is False and the run records whole steps instead. On CUDA
+    each action is synchronised so the host clock measures the kernels (a small slowdown).
     """
-    timings = getattr(pipe, "last_step_timings", None)
-    if callable(timings):
-        timings = timings()
-    if not timings:
-        return None
-    return [(str(action), float(start), float(end)) for action, start, end in timings]
 
+    def __init__(self, pipe, device: torch.device):
+        executor = getattr(pipe, "_train", None)
+        handlers = getattr(executor, "handlers", None)
+        mailbox = getattr(executor, "mailbox", None)
+        self.enabled = isinstance(handlers, dict) and callable(getattr(mailbox, "receive", None))
+        self.records: list[tuple[Any, float, float, float]] = []
+        self._wait = 0.0
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else None
+        if not self.enabled:
+            return
+        receive = mailbox.receive
 
-def _is_compute(name: str) -> bool:
-    return any(name.rstrip("0123456789").endswith(kind) for kind in "FBIW") and \
-        "SEND" not in name and "RECV" not in name
+        def timed_receive(message):
+            start = time.perf_counter()
+            try:
+                return receive(message)
+            finally:
+                self._wait += time.perf_counter() - start
+
+        mailbox.receive = timed_receive
+        for kind, handler in list(handlers.items()):
+            handlers[kind] = self._wrap(handler)
+
+    def _wrap(self, handler):
+        def timed(action):
+            self._wait = 0.0
+            start = time.perf_counter()
+            handler(action)
+            if self._sync is not None:
+                self._sync()
+            self.records.append((action, start, time.perf_counter(), self._wait))
+        return timed
+
+    def take(self) -> list[tuple[Any, float, float, float]]:
+        """This step's ``(action, start, end, wait)`` records, and forget them."""
+        records, self.records = self.records, []
+        return records
 
 
 class RunRecorder:
@@ -71,9 +103,12 @@ class RunRecorder:
         self.eval_loss: float | None = None
         self.events: list[tuple] = []  # (name, category, start, end, step)
         self.busy: list[float] = []  # per step: seconds of compute actions
+        self.comm: list[float] = []  # per step: seconds in send/receive actions
+        self.pipe_times: list[float] = []  # per step: seconds in Pipeline.step
         self.kind_times: dict[str, list[float]] = {}
         self.clock_offset = time.time() - time.perf_counter()
         self.tokens_per_step = 0
+        self.timer = ActionTimer(pipe, ctx.device)
         self.metrics = None
         path = spec.output["metrics"]
         if path and self.rank == 0:
@@ -95,20 +130,26 @@ class RunRecorder:
         start = time.perf_counter()
         loss = pipe.step(inputs, target=target)
         end = time.perf_counter()
-        timings = action_timings(pipe)
         step = len(self.step_times) + 1
-        if timings is None:
+        self.pipe_times.append(end - start)
+        if not self.timer.enabled:
             self.events.append(("step", "step", start, end, step))
         else:
-            busy = 0.0
-            for name, t0, t1 in timings:
-                compute = _is_compute(name)
-                self.events.append((name, "compute" if compute else "comm", t0, t1, step))
-                if compute:
-                    busy += t1 - t0
-                    kind = name.rstrip("0123456789")[-1]
-                    self.kind_times.setdefault(kind, []).append(t1 - t0)
+            busy = comm = 0.0
+            for action, t0, t1, wait in self.timer.take():
+                kind = action.kind.value
+                if wait > 0:
+                    self.events.append((f"wait {action}", "wait", t0, t0 + wait, step))
+                if kind in "FBIW":
+                    busy += t1 - t0 - wait
+                    self.kind_times.setdefault(f"{action.stage}{kind}", []).append(
+                        t1 - t0 - wait)
+                    self.events.append((str(action), _CATEGORIES[kind], t0 + wait, t1, step))
+                else:
+                    comm += t1 - t0
+                    self.events.append((str(action), "comm", t0 + wait, t1, step))
             self.busy.append(busy)
+            self.comm.append(comm)
         self._trim_events(step)
         return loss
 
@@ -145,14 +186,17 @@ class RunRecorder:
 
     def _rank_figures(self, sync_calls: int) -> dict[str, Any]:
         memory, kind = peak_memory(self.ctx.device)
-        steady = list(zip(self.busy, self.step_times))[1:] or list(zip(self.busy, self.step_times))
-        bubble = None
-        if steady:
-            total = sum(t for _, t in steady)
-            bubble = max(0.0, 1.0 - sum(b for b, _ in steady) / total) if total > 0 else None
+        pairs = list(zip(self.busy, self.pipe_times))
+        steady = pairs[1:] or pairs  # the first step pays for warm-up
+        bubble = comm = None
+        total = sum(t for _, t in steady)
+        if steady and total > 0:
+            bubble = max(0.0, 1.0 - sum(b for b, _ in steady) / total)
+            comm = sum(self.comm[1:] or self.comm) / total
         return {
             "rank": self.rank, "pp_rank": self.ctx.pp_rank, "dp_rank": self.ctx.dp_rank,
             "stages": list(self.pipe.stage_indices), "bubble_measured": bubble,
+            "comm_share": comm,
             "peak_memory": memory, "memory_kind": kind, "grad_sync_calls": sync_calls,
             "kind_times": {k: statistics.fmean(v) for k, v in self.kind_times.items() if v},
             "events": [(n, c, s + self.clock_offset, e + self.clock_offset, st)
@@ -225,15 +269,20 @@ class RunRecorder:
             return None, None
         from pp_core.schedule.simulate import Costs, simulate
 
-        means: dict[str, list[float]] = {}
+        per_stage: dict[int, dict[str, float]] = {}
         for figures in ranks:
-            for kind, value in figures["kind_times"].items():
-                means.setdefault(kind, []).append(value)
-        measured = {k: statistics.fmean(v) for k, v in means.items() if k in "FBIW"}
-        costs = Costs(**measured) if measured else Costs()
-        note = ("simulated with this run's mean action times (" + ", ".join(
-            f"{k}={v * 1000:.1f} ms" for k, v in sorted(measured.items())) + ")") if measured \
-            else "simulated with unit costs (F=1, B=2, I=1, W=1); per-action times not recorded"
+            for key, value in figures["kind_times"].items():
+                per_stage.setdefault(int(key[:-1]), {})[key[-1]] = value
+        per_stage = {s: kinds for s, kinds in per_stage.items() if s < schedule.num_stages}
+        if per_stage:
+            costs = Costs(per_stage=per_stage)
+            shown = ", ".join(f"stage {s}: " + " ".join(f"{k}={v * 1000:.1f}" for k, v in
+                                                        sorted(per_stage[s].items()))
+                              for s in sorted(per_stage))
+            note = f"simulated with this run's mean action times in ms ({shown})"
+        else:
+            costs = Costs()
+            note = "simulated with unit costs (F=1, B=2, I=1, W=1); per-action times not recorded"
         result = simulate(schedule, costs)
         makespan = result.makespan or 1.0
         return [idle / makespan for idle in result.idle], note
@@ -252,7 +301,7 @@ def _write_trace(path: str, ranks: list[dict]) -> None:
                        "args": {"sort_index": pid}})
         for name, category, start, end, step in figures["events"]:
             events.append({"name": name, "cat": category, "ph": "X", "pid": pid,
-                           "tid": 0 if category != "comm" else 1,
+                           "tid": 1 if category in ("comm", "wait") else 0,
                            "ts": round((start - origin) * 1e6, 1),
                            "dur": round((end - start) * 1e6, 1), "args": {"step": step}})
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,7 @@ class GPT(nn.Module):
     def _init_weights(self, num_layers: int) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers)."""
         for name, param in self.named_parameters():
-            if param.dim() < 2:
+            if param.dim() < 2 or param.is_meta:  # a meta model has no values to initialise
                 continue
             std = 0.02
             if name.endswith("proj.weight") or name.endswith("ffn.2.weight"):
