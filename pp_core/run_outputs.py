@@ -212,7 +212,9 @@ class RunRecorder:
         dist.gather_object(mine, gathered, dst=0)
         if self.rank != 0:
             return {"rank": self.rank, "grad_sync_calls": sync_calls, "stages": mine["stages"]}
-        return self._summarise(gathered, start_step, wall_s)
+        summary = self._summarise(gathered, start_step, wall_s)
+        summary["grad_sync_calls"] = sync_calls
+        return summary
 
     def _summarise(self, ranks: list[dict], start_step: int, wall_s: float) -> dict[str, Any]:
         from pp_core.progress import format_summary

@@ -1,0 +1,143 @@
+"""PP x DP training equals one process on the global batch, and dp gradients are reduced once per
+step (not once per microbatch) - counted on the real collectives of a real 4-rank run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pp_core.checkpoint import latest_checkpoint, read_model_state_dict
+from pp_core.data_parallel import GradientSync
+from pp_core.launch import launch
+from pp_core.losses import cross_entropy
+from pp_core.spec import parse_spec
+from pp_core.train import count_tokens, dp_slice, lr_factor
+from pp_models import GPT
+from pp_models.datasets import SyntheticLM
+
+MODEL = {"vocab_size": 32, "dim": 16, "num_layers": 4, "num_heads": 2, "max_seq_len": 8}
+DATA = {"seq_len": 8, "vocab_size": 32, "seed": 3}
+STEPS, PP_BATCH, DP = 3, 4, 2
+
+
+def spec_values(tmp_path) -> dict:
+    return {
+        "model": {"name": "gpt", "args": MODEL},
+        "data": {"name": "synthetic", "args": DATA},
+        "pipeline": {"pp_schedule": "1f1b", "pp_batch_size": PP_BATCH, "pp_microbatch_size": 1,
+                     "loss_fn": "cross_entropy"},
+        "distributed": {"pp_size": 2, "dp_size": DP},
+        "train": {"steps": STEPS, "seed": 7, "warmup_steps": 1, "lr_decay": "cosine",
+                  "grad_clip": 0.5, "optimizer": {"name": "AdamW", "lr": 0.01}},
+        "checkpoint": {"dir": str(tmp_path / "ckpt")},
+        "output": {"progress": "off", "summary": False},
+    }
+
+
+def counting_train(spec):
+    """Train, counting every all_reduce by the ranks of the group it ran on (a spy: the real
+    collective still runs)."""
+    from pp_core.train import train
+
+    counts: dict[tuple, int] = {}
+    real = dist.all_reduce
+
+    def spy(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        counts[ranks] = counts.get(ranks, 0) + 1
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = spy
+    try:
+        result = train(spec)
+    finally:
+        dist.all_reduce = real
+    return {"summary": result, "all_reduce_calls": counts}
+
+
+def reference(steps: int):
+    """One process, the unsplit model, the whole global batch as microbatches of one sample."""
+    torch.manual_seed(7)
+    model = GPT(**MODEL)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = iter(SyntheticLM(batch_size=PP_BATCH * DP, **DATA))
+    train = parse_spec({"model": {"name": "gpt"}, "data": {"name": "synthetic"},
+                        "train": {"steps": steps, "warmup_steps": 1, "lr_decay": "cosine"}}).train
+    losses = []
+    for step in range(1, steps + 1):
+        inputs, target = next(data)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.01 * lr_factor(step, train)
+        optimizer.zero_grad()
+        total = 0.0
+        for x, y in zip(inputs.split(1), target.split(1)):
+            loss = cross_entropy(model(x), y)
+            (loss / len(inputs)).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        losses.append(total / len(inputs))
+    return losses, model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def pp2_dp2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp2dp2")
+    results = launch(parse_spec(spec_values(tmp), "pp2dp2.yaml"), counting_train)
+    return tmp, results
+
+
+def test_pp2_dp2_equals_one_process_on_the_global_batch(pp2_dp2):
+    tmp, results = pp2_dp2
+    losses = results[0]["summary"]["losses"]
+    expected_losses, expected_state = reference(STEPS)
+    assert len(losses) == STEPS and losses[-1] < losses[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses),
+                               rtol=1e-5, atol=1e-6)
+    trained = read_model_state_dict(latest_checkpoint(tmp / "ckpt"))
+    assert sorted(trained) == sorted(expected_state)
+    for name, value in expected_state.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_dp_gradients_are_reduced_once_per_step_not_per_microbatch(pp2_dp2):
+    _, results = pp2_dp2
+    assert sorted(results) == [0, 1, 2, 3]
+    for rank, result in results.items():
+        calls = result["all_reduce_calls"]
+        dp_group = tuple(sorted({rank % 2, rank % 2 + 2}))  # mesh (dp, pp): rank = dp * 2 + pp
+        pp_group = tuple(sorted({rank // 2 * 2, rank // 2 * 2 + 1}))
+        # the tiny model fits one 25 MiB bucket: one all-reduce per step, while the pipeline ran
+        # PP_BATCH = 4 microbatches per step on every rank
+        assert calls[dp_group] == STEPS, calls
+        assert calls[pp_group] == STEPS, calls  # the global gradient norm for clipping
+        assert calls[(0, 1, 2, 3)] == STEPS, calls  # the reported loss
+        assert result["summary"]["grad_sync_calls"] == STEPS
+
+
+def test_gradient_sync_scales_and_buckets():
+    model = GPT(**MODEL)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    sync = GradientSync([model], dp_group=None, dp_size=1, num_microbatches=4,
+                        grads_already_scaled=False, bucket_bytes=4096)
+    assert len(sync.buckets) > 1 and sum(map(len, sync.buckets)) == len(sync.params)
+    sync()
+    assert all(torch.all(p.grad == 0.25) for p in model.parameters())
+    assert sync.calls == 0  # dp_size == 1: nothing to reduce
+
+
+def test_lr_schedule_and_batch_helpers():
+    train = {"warmup_steps": 2, "steps": 10, "lr_decay": "cosine", "min_lr_ratio": 0.1}
+    assert [lr_factor(s, train) for s in (1, 2)] == [0.5, 1.0]
+    assert math.isclose(lr_factor(10, train), 0.1)
+    assert lr_factor(5, {**train, "lr_decay": "constant"}) == 1.0
+    assert math.isclose(lr_factor(6, {**train, "lr_decay": "linear"}), 1 - 0.9 * 0.5)
+    batch = torch.arange(8).reshape(4, 2)
+    assert dp_slice({"x": batch}, 1, 2, 4)["x"].tolist() == [[4, 5], [6, 7]]
+    with pytest.raises(Exception, match=r"expected the global batch size"):
+        dp_slice(batch, 0, 2, 8)
+    assert count_tokens(batch) == 8 and count_tokens(torch.zeros(4, 3, 5)) == 12
