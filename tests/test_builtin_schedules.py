@@ -215,6 +215,48 @@ def test_controllable_memory_repeats_its_stable_phase_exactly(module, p):
             controllable_memory_orders(block, m, repeat_after=m)
 
 
+# torch class -> (our name, stages per rank to try). torch 2.13's Schedule1F1B IR gives its last
+# rank the forwards F1..Fm (its runtime loop is right), so that rank is not compared.
+TORCH_CLASSES = {
+    "GPipe": ("gpipe", (1,)), "1F1B": ("1f1b", (1,)),
+    "Interleaved1F1B": ("interleaved_1f1b", (2, 3)), "LoopedBFS": ("looped_bfs", (2, 3)),
+    "InterleavedZeroBubble": ("zero_bubble", (2, 3)), "ZBVZeroBubble": ("v_schedule", (2,)),
+    "DualPipeV": ("dualpipe_v", (2,)),
+}
+
+
+@pytest.mark.parametrize("torch_name", list(TORCH_CLASSES))
+def test_orders_match_torch_pipeline_order(plugins, torch_name):
+    """Our order equals the ``pipeline_order`` torch builds (idle cells, REDUCE_GRAD dropped,
+    OVERLAP_F_B pairs as their halves); torch refuses exactly the sizes we refuse, except that
+    1f1b also takes m < p."""
+    vis = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
+    name, vs = TORCH_CLASSES[torch_name]
+
+    def cells(action):
+        subs = getattr(action, "sub_actions", None) or ()
+        if subs:
+            return [cell for sub in subs for cell in cells(sub)]
+        return [str(action)] if re.fullmatch(r"\d+[FBIW]\d+", str(action)) else []
+
+    for p, ms in ((3, (1, 2, 5, 6, 7)), (4, (1, 3, 4, 6, 8, 9, 10, 12))):
+        for v in vs:
+            for m in ms:
+                try:
+                    ops = vis.get_schedule_ops(torch_name, p, m, num_stages_per_rank=v)
+                except Exception:  # torch refuses this size (ValueError or AssertionError)
+                    if name != "1f1b":
+                        with pytest.raises(ScheduleError):
+                            build(plugins, name, p, m, v)
+                    continue
+                theirs = [" ".join(c for a in row if a is not None for c in cells(a))
+                          for row in ops]
+                ours = build(plugins, name, p, m, v).rows()
+                if name == "1f1b":
+                    theirs, ours = theirs[:-1], ours[:-1]
+                assert ours == theirs, (torch_name, p, v, m)
+
+
 # ----------------------------------------------------------------------------- figures
 
 # (name, p, m, v) -> (makespan, bubble, span bubble, peak per rank), unit costs F=I=W=1, B=2:
