@@ -1,0 +1,33 @@
+"""Every built-in schedule on 4 gloo ranks (2 stages per rank where the schedule loops or is V)
+equals one process: loss and every gradient, microbatches in {4, 8}, gradient sum and mean."""
+
+from __future__ import annotations
+
+import pytest
+
+from _dist import DistPool
+from _runtime_cases import check, train_case
+
+NUM_RANKS = 4
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "dfs", "zero_bubble", "zb_h2",
+             "v_schedule", "v_half", "v_min", "dualpipe_v"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistPool(NUM_RANKS) as ranks:
+        yield ranks
+
+
+@pytest.mark.parametrize("scale", [False, True], ids=["sum", "mean"])
+@pytest.mark.parametrize("num_microbatches", [NUM_RANKS, 2 * NUM_RANKS])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_matches_one_process_mlp(pool, schedule, num_microbatches, scale):
+    if schedule == "dualpipe_v" and num_microbatches < 2 * NUM_RANKS:
+        pytest.skip("dualpipe_v needs num_microbatches >= 2 * num_ranks")
+    check(pool.run(train_case, schedule, num_microbatches, scale), num_params=16)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zero_bubble", "v_schedule"])
+def test_schedule_matches_one_process_gpt(pool, schedule):
+    check(pool.run(train_case, schedule, NUM_RANKS, False, kind="gpt", layers=8, steps=2))
