@@ -1,4 +1,4 @@
-"""Tiny Hugging Face models for the pp_transformers tests, and tests of the ``hf_causal_lm`` factory.
+"""Tiny Hugging Face models for the pp_transformers tests; tests of the ``hf_causal_lm`` factory.
 
 No network: every model is built from a config in code, with random weights. The helpers here
 are imported by the other ``test_transformers_*`` modules (and by their spawned ranks).

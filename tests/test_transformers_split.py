@@ -1,4 +1,4 @@
-"""The ``hf_decoder`` splitter on one process: plans, parts, patched forwards, tied weights, loading.
+"""The ``hf_decoder`` splitter on one process: plans, parts, forwards, tied weights, loading.
 
 Stages run in sequence here (stage ``s`` called as ``forward(*outputs of s-1)``, exactly as the
 runtime calls them) and must reproduce the unsplit Hugging Face model's loss and every gradient.
@@ -23,7 +23,8 @@ from pp_core.runtime.split import plan_split  # noqa: E402
 from pp_core.testing import plugins_with  # noqa: E402
 from pp_transformers import causal_lm_loss, hf_causal_lm, sync_tied_gradients_of  # noqa: E402
 from pp_transformers.layout import find_layout  # noqa: E402
-from test_transformers_models import ARCHITECTURES, batch, tiny_config, tiny_model  # noqa: E402
+from test_transformers_models import (  # noqa: E402
+    ARCHITECTURES, VOCAB, batch, tiny_config, tiny_model)
 
 PLUGINS = plugins_with("pp_splitters.fqn", "pp_splitters.layers", "pp_splitters.sequential",
                        "pp_transformers")
@@ -255,8 +256,6 @@ def test_vision_language_model_text_stages():
                                rtol=0, atol=1e-5)
 
 
-VOCAB = 64
-
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_meta_model_loads_each_stage_from_a_sharded_checkpoint(tmp_path, tied):
@@ -309,3 +308,34 @@ def test_plugin_stays_out_of_the_way_without_transformers():
     assert out.returncode == 0, out.stderr
     assert "transformers is not installed; pip install 'pp-core[transformers]'" in out.stdout
     assert "PluginError model 'hf_causal_lm' needs Hugging Face transformers" in out.stdout
+
+
+def _docs_plugin():
+    """The third-party example of docs/transformers.md, executed as a plugin module."""
+    import re
+    import types
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "transformers.md").read_text()
+    section = docs.split("### Adding an architecture")[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    module = types.ModuleType("my_pp_arch")
+    exec(compile(code, "docs/transformers.md", "exec"), module.__dict__)
+    return module
+
+
+def test_docs_example_adds_an_architecture_with_a_higher_priority_splitter():
+    plugins = plugins_with("pp_splitters.fqn", "pp_splitters.layers", "pp_transformers",
+                           ("my_pp_arch", _docs_plugin()))
+    model = tiny_model()
+    model.config.model_type = "my_arch"
+    model.config.my_embedding_scale = 2.0
+    inputs, _ = batch()
+    plan = plan_split(model, PipelineConfig(), 2, 1, plugins)
+    assert plan.splitter == "hf_my_arch"
+    parts = build_model_parts(model, plan, [0, 1], PipelineConfig())
+    hidden = parts[0](**inputs)[0]
+    model.config.my_embedding_scale = 1.0
+    assert not torch.allclose(hidden, parts[0](**inputs)[0])  # the adapter's embed ran
+    torch.testing.assert_close(run_chain(parts, inputs), model(**inputs).logits, rtol=0, atol=1e-5)
+    assert plan_split(tiny_model(), PipelineConfig(), 2, 1, plugins).splitter == "hf_decoder"

@@ -1,4 +1,4 @@
-"""Stage-friendly forwards for Hugging Face decoders (``patch_inner_model`` / ``patch_causal_lm_model``).
+"""Stage-friendly forwards for HF decoders (``patch_inner_model``, ``patch_causal_lm_model``).
 
 An HF decoder's own ``forward`` needs every module (it always embeds, always normalises, indexes
 ``self.layers[:n]``) and returns a ``ModelOutput``. On a pipeline stage only some modules exist,
@@ -28,7 +28,8 @@ from torch import nn
 
 from pp_core import ConfigError
 
-__all__ = ["DecoderAdapter", "GemmaAdapter", "BUILTIN_ADAPTERS", "patch_text_module", "patch_causal_lm", "text_stage_forward"]
+__all__ = ["DecoderAdapter", "GemmaAdapter", "BUILTIN_ADAPTERS", "patch_text_module",
+           "patch_causal_lm", "text_stage_forward"]
 
 _MASK_FUNCTIONS = {
     "full_attention": "create_causal_mask",
@@ -137,7 +138,7 @@ class GemmaAdapter(DecoderAdapter):
 
 
 BUILTIN_ADAPTERS = {"gemma": GemmaAdapter(), "gemma2": GemmaAdapter()}
-"""Adapters the ``hf_decoder`` splitter uses by ``model_type``; every other type gets the default."""
+"""Adapters ``hf_decoder`` uses by ``model_type``; every other type gets the default one."""
 
 
 def _first_stage_inputs(args, kwargs):

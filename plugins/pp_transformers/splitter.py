@@ -36,8 +36,9 @@ class HFDecoderSplitter:
     """Splits HF decoders and builds their stages with stage-friendly forwards.
 
     :param adapters: ``{model_type: DecoderAdapter}`` for architectures whose forward differs
-        from Llama's (added to ``BUILTIN_ADAPTERS``); others use ``default_adapter``. A third-party plugin registers a subclass
-        (or an instance with more adapters) under its own name with a higher ``priority``.
+        from Llama's (added to ``BUILTIN_ADAPTERS``); others use ``default_adapter``. A
+        third-party plugin registers a subclass (or an instance with more adapters) under its
+        own name with a higher ``priority``.
     """
 
     name = "hf_decoder"
