@@ -229,6 +229,14 @@ def test_bare_text_model_ends_in_normalised_hidden_states():
                                rtol=0, atol=1e-5)
 
 
+def test_models_with_other_heads_are_refused_with_the_reason():
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_config(transformers_config())
+    with pytest.raises(ConfigError, match="hf_decoder: no `lm_head`"):
+        plan_split(model, PipelineConfig(), 2, 1, PLUGINS)
+
+
 def transformers_config(**extra):
     from transformers import AutoConfig
 

@@ -52,12 +52,23 @@ class HFDecoderSplitter:
     # ------------------------------------------------------------------ selection
 
     def accepts(self, model) -> bool:
-        return _is_hf_model(model) and find_text_module(model) is not None
+        if not _is_hf_model(model):
+            return False
+        if find_text_module(model) is None:
+            return False
+        try:
+            layout = find_layout(model)
+        except ConfigError:  # e.g. an empty `layers`
+            return False
+        return layout.text == "" or layout.head is not None  # a bare decoder, or a causal LM
 
     def rejection(self, model) -> str:
         if not _is_hf_model(model):
             return "not a transformers PreTrainedModel"
-        return "no text module with `embed_tokens` and a `layers` ModuleList"
+        if find_text_module(model) is None:
+            return "no text module with `embed_tokens` and a `layers` ModuleList"
+        return ("no `lm_head`: only causal LMs (and bare decoders) get stage forwards; a "
+                "classification or other head needs its own splitter (docs/transformers.md)")
 
     def adapter(self, model: nn.Module) -> DecoderAdapter:
         """The adapter for ``model``'s (text) ``model_type``."""
