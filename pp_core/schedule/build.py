@@ -7,13 +7,15 @@ lives here with a message that says what to change: the plugin says *how* to ord
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 
 from pp_core.errors import ScheduleError
 from pp_core.schedule.ir import Schedule, ScheduleDef, stage_to_rank
 from pp_core.schedule.validate import validate_schedule
 
-__all__ = ["build_schedule", "resolve_schedule_def"]
+__all__ = ["build_schedule", "resolve_schedule_def", "gc_paused"]
 
 
 def build_schedule(
@@ -56,7 +58,8 @@ def build_schedule(
             f"or pick a schedule that takes {v} stages per rank (e.g. 'interleaved_1f1b')")
     num_stages = num_ranks * v
     stage_ranks = stage_to_rank(sdef.placement, num_stages, num_ranks)
-    actions = sdef.generate(num_stages, num_microbatches, num_ranks)
+    with gc_paused():
+        actions = sdef.generate(num_stages, num_microbatches, num_ranks)
     if not isinstance(actions, (list, tuple)) or len(actions) != num_ranks:
         got = len(actions) if isinstance(actions, (list, tuple)) else type(actions).__name__
         raise ScheduleError(
@@ -69,8 +72,26 @@ def build_schedule(
         num_microbatches=num_microbatches,
         name=canonical,
     )
-    validate_schedule(schedule)
+    with gc_paused():
+        validate_schedule(schedule)
     return schedule
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Pause the cyclic garbage collector while hundreds of thousands of small tuples are made.
+
+    Generating and checking a schedule creates no reference cycles, but every collection the
+    allocations trigger rescans the growing action lists (about half the build time at pp=64,
+    m=1024). Reference counting still frees everything; the collector resumes afterwards.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def resolve_schedule_def(name: str, plugins=None) -> tuple[str, ScheduleDef]:

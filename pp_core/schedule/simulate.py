@@ -26,6 +26,7 @@ from typing import Mapping, Sequence
 
 from pp_core.errors import ScheduleError
 from pp_core.schedule.ir import B, F, I, W, Action, Schedule
+from pp_core.schedule.build import gc_paused
 from pp_core.schedule.validate import encode_validated, raise_deadlock
 
 __all__ = ["Costs", "SimResult", "simulate"]
@@ -179,11 +180,12 @@ def simulate(
     if isinstance(comm_latency, bool) or not isinstance(comm_latency, (int, float)) \
             or comm_latency < 0:
         raise ScheduleError(f"comm_latency must be a number >= 0, got {comm_latency!r}")
-    encoded = encode_validated(schedule, check_deadlock=False)
-    num_stages, M = schedule.num_stages, schedule.num_microbatches
-    cost = costs.table(num_stages)
-    stage_bytes = _stage_bytes(activation_bytes, num_stages)
-    starts = _replay(schedule, encoded, cost, float(comm_latency))
+    stage_bytes = _stage_bytes(activation_bytes, schedule.num_stages)
+    cost = costs.table(schedule.num_stages)
+    with gc_paused():
+        encoded = encode_validated(schedule, check_deadlock=False)
+        starts = _replay(schedule, encoded, cost, float(comm_latency))
+    M = schedule.num_microbatches
     busy, first, last, peaks, peak_bytes = [], [], [], [], []
     uniform = not costs.per_stage
     for row, st in zip(encoded, starts):
