@@ -163,6 +163,7 @@ def load_checkpoint(path, parts, optimizers, process_group=None) -> int:
     Works whatever pipeline layout wrote the checkpoint: the keys are parameter names.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,
@@ -176,9 +177,13 @@ def load_checkpoint(path, parts, optimizers, process_group=None) -> int:
                  planner=SafeLoadPlanner(), process_group=process_group)
     except PipelineError:
         raise
-    except Exception as exc:  # DCP says "Missing key in checkpoint state_dict: ..."
-        raise PipelineError(f"cannot load checkpoint {str(path)!r} into this pipeline: "
-                            f"{type(exc).__name__}: {exc}") from exc
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        failures = getattr(exc, "failures", None) or {}
+        cause = next(iter(failures.values()), exc)
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, stack)
+        raise PipelineError(
+            f"cannot load checkpoint {str(path)!r} into this pipeline: {type(cause).__name__}: "
+            f"{cause}; was it written for this model (model.args)?") from None
     for part, optimizer in zip(parts, optimizers):
         names = set(part.state_dict().keys())
         set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in names})
