@@ -41,11 +41,13 @@ __all__ = [
 ]
 
 
-def build_pipeline(model, config, pp_group=None, device="cpu"):
+def build_pipeline(model, config, pp_group=None, device="cpu", **options):
     """Split ``model`` into this rank's stages and return a :class:`pp_core.runtime.Pipeline`.
 
-    Imported lazily so that ``import pp_core`` stays light (no torch.distributed).
+    ``options`` (``plugins=``, ``timeout=``) are those of
+    :func:`pp_core.runtime.pipeline.build_pipeline`. Imported lazily so that ``import pp_core``
+    stays light (no torch.distributed).
     """
     from pp_core.runtime.pipeline import build_pipeline as _build
 
-    return _build(model, config, pp_group=pp_group, device=device)
+    return _build(model, config, pp_group=pp_group, device=device, **options)
