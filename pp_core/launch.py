@@ -94,15 +94,18 @@ def launch(spec: Spec, entrypoint: Callable | None = None) -> dict[int, Any]:
         rdzv_configs=rdzv_configs, max_restarts=0, monitor_interval=0.1, start_method="spawn",
         local_addr=host if is_loopback(host) else None,
     )
-    quiet = logging.getLogger("torch.distributed.elastic")
-    previous = quiet.level
-    quiet.setLevel(logging.CRITICAL)  # we report a failed rank ourselves, once, below
+    # we report a failed rank ourselves, once, below
+    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    previous = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
     try:
         return elastic_launch(config, rank_main)(_values(spec), entrypoint)
     except ChildFailedError as exc:
         raise PipelineError(_failure_message(exc)) from None
     finally:
-        quiet.setLevel(previous)
+        for logger, level in zip(quiet, previous):
+            logger.setLevel(level)
 
 
 def _values(spec: Spec) -> dict:
@@ -114,14 +117,21 @@ def _values(spec: Spec) -> dict:
 def _failure_message(exc) -> str:
     """The first failed rank's error and traceback (the others were stopped because of it)."""
     rank, failure = exc.get_first_failure()
-    data = failure.message if isinstance(failure.message, dict) else {}
-    message = data.get("message") if data else str(failure.message or "")
-    trace = (data.get("extraInfo") or {}).get("py_callstack", "") if data else ""
-    if not message:
-        message = f"exited with code {failure.exitcode}" + (
-            " (killed by a signal)" if failure.exitcode and failure.exitcode < 0 else "")
+    data = failure.error_file_data or {}
+    recorded = data.get("message") if isinstance(data, dict) else None
+    trace = ""
+    if isinstance(recorded, dict):
+        message = recorded.get("message", "")
+        trace = (recorded.get("extraInfo") or {}).get("py_callstack", "")
+    elif isinstance(recorded, str) and recorded not in ("", "<NONE>", "<N/A>"):
+        message = recorded
+    else:  # no error file: the process died without raising (os._exit, a signal, OOM killer)
+        message = f"the process exited with code {failure.exitcode}"
+        if failure.exitcode is not None and failure.exitcode < 0:
+            message += f" (killed by {failure.signal_name()})"
     others = len(exc.failures) - 1
-    also = f"; {others} other rank(s) stopped" if others > 0 else "; the other ranks were stopped"
+    also = f"; {others} other rank(s) failed too" if others > 0 else \
+        "; the other ranks were stopped"
     text = f"rank {rank} failed: {message}{also}"
     if trace:
         text += "\n" + trace.rstrip()

@@ -102,7 +102,6 @@ def test_missing_sections_and_keys():
     (("distributed.nnodes=2", "distributed.master_port=1", "distributed.rdzv_backend=static"),
      "distributed.node_rank: expected this machine's index"),
     (("distributed.backend=nccl", "distributed.device=cpu"), "found 'nccl' (nccl needs CUDA"),
-    (("train.warmup_steps=10",), "train.warmup_steps: expected at most train.steps=3"),
     (("pipeline.pp_batch_size=6", "pipeline.pp_microbatch_size=4"),
      "pipeline.pp_batch_size: pp_batch_size=6 is not divisible by pp_microbatch_size=4"),
     (("pipeline.loss_fn=cross_entropi",), "pipeline.loss_fn: unknown loss 'cross_entropi'; did "

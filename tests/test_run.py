@@ -1,0 +1,146 @@
+"""``pp-core run`` end to end, as a user runs it: the README's demo (loss falls, summary prints),
+a rank that fails ends the run with its error instead of hanging, two "nodes" meeting through
+torchrun's c10d rendezvous on loopback, and a model from a pip-installed third-party plugin."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pp_core.launch import free_port
+from pp_models import GPT
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {
+    "model": {"name": "gpt", "args": {"vocab_size": 32, "dim": 16, "num_layers": 4,
+                                      "num_heads": 2, "max_seq_len": 8}},
+    "data": {"name": "synthetic", "args": {"seq_len": 8, "vocab_size": 32}},
+    "pipeline": {"pp_schedule": "1f1b", "pp_batch_size": 4, "pp_microbatch_size": 1,
+                 "loss_fn": "cross_entropy"},
+    "distributed": {"pp_size": 2, "dp_size": 1},
+    "train": {"steps": 3, "log_every": 1},
+    "output": {"progress": "plain"},
+}
+
+
+def pp_core(*args, env=None, timeout=240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pp_core", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write_spec(path: Path, values: dict, **sections) -> Path:
+    values = {**values, **sections}
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def test_the_readme_demo_trains_and_prints_a_summary(tmp_path):
+    """What CI runs: the README's main command with a small step count."""
+    out = tmp_path / "demo"
+    result = pp_core("run", "examples/demo.yaml", "--set", "train.steps=16",
+                     "--set", "train.log_every=4", "--set", "train.eval_every=16",
+                     "--set", f"checkpoint.dir={out / 'checkpoints'}",
+                     "--set", f"output.metrics={out / 'metrics.jsonl'}",
+                     "--set", f"output.trace={out / 'trace.json'}",
+                     "--set", f"output.schedule_image={out / 'schedule.svg'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout
+    assert "pp-core run summary: examples/demo.yaml" in text
+    assert "schedule v_schedule, pp 2 x dp 1, 4 stages" in text
+    assert "bubble (measured)" in text and "bubble (simulated)" in text
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [line["loss"] for line in lines if "loss" in line]
+    assert {"step", "loss", "tokens_per_s", "step_time_s"} <= set(lines[0])
+    assert losses[-1] < losses[0] - 1.0, losses  # ln(256) = 5.5 -> visibly lower in 16 steps
+    assert any("eval_loss" in line for line in lines)
+    trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+    names = {event["name"] for event in trace if event["ph"] == "X"}
+    assert {"0F0", "3I0", "1W0"} <= names and {e["pid"] for e in trace} == {0, 1}
+    assert (out / "schedule.svg").read_text().startswith("<svg")
+    assert (out / "checkpoints" / "step_00000016" / ".metadata").is_file()
+
+
+class Exploding(GPT):
+    """Rank 1 raises (``PP_TEST_FAILURE=raise``) or dies without a word (``=exit``)."""
+
+    def forward(self, x):
+        if os.environ.get("RANK") == "1":
+            if os.environ.get("PP_TEST_FAILURE") == "raise":
+                raise RuntimeError("boom from rank 1")
+            if os.environ.get("PP_TEST_FAILURE") == "exit":
+                os._exit(3)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("raise", "RuntimeError: boom from rank 1"),
+    ("exit", "rank 1 failed: the process exited with code 3"),
+])
+def test_a_failing_rank_ends_the_run_with_its_error(tmp_path, mode, expected):
+    model = {"target": "test_run:Exploding", "args": TINY["model"]["args"]}
+    spec = write_spec(tmp_path / "fail.yaml", TINY, model=model)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "PP_CORE_TIMEOUT": "60",
+           "PP_TEST_FAILURE": mode}
+    result = pp_core("run", str(spec), env=env, timeout=120)  # a hang fails here
+    assert result.returncode == 1
+    assert result.stderr.startswith("pp-core: error: rank "), result.stderr[-2000:]
+    assert expected in result.stderr, result.stderr[-2000:]
+
+
+def test_two_nodes_meet_through_torchrun_rendezvous_on_loopback(tmp_path):
+    """Node A is ``pp-core run`` (torch's elastic launcher API), node B is ``torchrun`` whose
+    processes each run ``pp-core run`` as one rank; 2 x 2 ranks form one pp=2 x dp=2 job."""
+    spec = write_spec(tmp_path / "two_nodes.yaml", TINY,
+                      distributed={"pp_size": 2, "dp_size": 2},
+                      output={"progress": "plain", "metrics": str(tmp_path / "m.jsonl")})
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    sets = ["--set", "distributed.nnodes=2", "--set", f"distributed.rdzv_endpoint={endpoint}",
+            "--set", "distributed.rdzv_id=two-nodes"]
+    node_a = subprocess.Popen([sys.executable, "-m", "pp_core", "run", str(spec), *sets],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    node_b = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
+         "-m", "pp_core", "run", str(spec), *sets],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out_a, err_a = node_a.communicate(timeout=240)
+        out_b, err_b = node_b.communicate(timeout=240)
+    finally:
+        for node in (node_a, node_b):
+            if node.poll() is None:
+                node.kill()
+    assert node_a.returncode == 0, err_a[-3000:]
+    assert node_b.returncode == 0, err_b[-3000:]
+    summary = out_a + out_b
+    assert summary.count("pp-core run summary") == 1  # printed by global rank 0 only
+    assert "pp 2 x dp 2" in summary
+    table = summary[summary.index("rank  stages"):]
+    assert all(f"\n  {rank}     " in table for rank in range(4)), table
+    steps = [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def example_plugin_installed():
+    """pip-install the third-party example package, as a user would (no network needed)."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                    "--no-build-isolation", "--disable-pip-version-check",
+                    str(ROOT / "examples" / "pp_example_plugin")],
+                   check=True, capture_output=True, text=True)
+
+
+def test_a_pipeline_names_a_model_from_a_third_party_plugin(example_plugin_installed):
+    result = pp_core("run", "examples/plugin_model.yaml", "--set", "train.steps=4",
+                     "--set", "output.progress=plain")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "example_mlp" in result.stdout and "on example_regression" in result.stdout
+    assert "step 4/4" in result.stdout
