@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pp_buffer_pool import RecvBufferPool
 from pp_core import hookimpl
 from tests._dist import DistPool
 from tests.test_buffer_pool_sizing import CUSTOM_CSV
@@ -82,14 +83,29 @@ class UnsafeAllocator:
         pass
 
 
+class PoolWithoutCopy(RecvBufferPool):
+    """The real pool, slack 0, but ``consume`` frees the buffers without copying them out."""
+
+    def consume(self, lifetime, tensors):
+        self._free(lifetime)
+        return list(tensors)
+
+
 class UnsafePlugin:
+    def __init__(self, kind: str):
+        self.kind = kind
+
     @hookimpl
     def pp_make_recv_buffer_allocator(self, config, program, rank, device):
-        return UnsafeAllocator(program) if config.pp_recv_buffer_pool else None
+        if not config.pp_recv_buffer_pool:
+            return None
+        if self.kind == "ring":
+            return UnsafeAllocator(program)
+        return PoolWithoutCopy(program, device, slack=0)
 
 
 def train(schedule: str, pool: bool, checkpointed: bool, seq_lens, csv_path=None,
-          unsafe: bool = False):
+          unsafe: str = ""):
     """Losses (last stage's rank) and gradients of this rank's parameters, step by step."""
     from pp_core import PipelineConfig
     from pp_core.plugins import load_plugins
@@ -102,7 +118,7 @@ def train(schedule: str, pool: bool, checkpointed: bool, seq_lens, csv_path=None
                             pp_microbatch_size=1, loss_fn=mse_sum, pp_recv_buffer_pool=pool)
     plugins = None
     if unsafe:
-        plugins = load_plugins(plugins=[UnsafePlugin()], disabled=["pp_buffer_pool"])
+        plugins = load_plugins(plugins=[UnsafePlugin(unsafe)], disabled=["pp_buffer_pool"])
     pipe = build_pipeline(make_model(num_stages, checkpointed), config, plugins=plugins)
     history = []
     for inputs, target in batches(seq_lens):
@@ -113,19 +129,21 @@ def train(schedule: str, pool: bool, checkpointed: bool, seq_lens, csv_path=None
                  for index, part in zip(pipe.stage_indices, pipe.model_parts)
                  for name, p in part.named_parameters()}
         history.append((None if loss is None else loss.clone(), grads))
+    # Forward only (its own program, same allocator): the loss, and the outputs themselves.
+    evaluated = [pipe.eval_step(inputs, target=target), pipe.eval_step(inputs)]
+    history.append((evaluated, {}))
     report = pipe.allocator.report() if pool and not unsafe else None
     return history, report
 
 
-def compare(schedules, checkpointed=False, seq_lens=(5,), csv_path=None, unsafe=False):
+def compare(schedules, checkpointed=False, seq_lens=(5,), csv_path=None, unsafe=""):
     """Run with and without the pool on this rank; the first difference found, or None."""
     found = []
     for schedule in schedules:
         plain, _ = train(schedule, False, checkpointed, seq_lens, csv_path)
         pooled, report = train(schedule, True, checkpointed, seq_lens, csv_path, unsafe)
         for step, ((loss_a, grads_a), (loss_b, grads_b)) in enumerate(zip(plain, pooled)):
-            if (loss_a is None) != (loss_b is None) or (
-                    loss_a is not None and not torch.equal(loss_a, loss_b)):
+            if not _equal(loss_a, loss_b):
                 found.append(f"{schedule} step {step}: loss {loss_a} != {loss_b}")
             for name in grads_a:
                 if not torch.equal(grads_a[name], grads_b[name]):
@@ -135,6 +153,14 @@ def compare(schedules, checkpointed=False, seq_lens=(5,), csv_path=None, unsafe=
             if overflow and not unsafe:
                 found.append(f"{schedule}: more sets than planned {overflow}")
     return found, dist.get_rank()
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if a is None or b is None:
+        return a is b
+    return torch.equal(a, b)
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +193,10 @@ def test_csv_schedule_with_the_pool(ranks, tmp_path):
     assert _differences(results) == []
 
 
-def test_an_allocator_that_reuses_live_buffers_is_caught(ranks):
-    results = ranks.run(compare, ["gpipe"], seq_lens=(5,), unsafe=True)
+@pytest.mark.parametrize("unsafe,checkpointed", [("ring", False), ("no_copy", False),
+                                                  ("no_copy", True)])
+def test_reusing_a_buffer_while_its_message_is_in_use_is_caught(ranks, unsafe, checkpointed):
+    """Controls: a ring that ignores lifetimes, and the pool minus its copy-out, both change the
+    gradients - so the equalities above do test that the pool never aliases a live message."""
+    results = ranks.run(compare, ["gpipe"], checkpointed=checkpointed, unsafe=unsafe)
     assert _differences(results), "the comparison cannot see a buffer overwritten while in use"
