@@ -112,6 +112,8 @@ def _mapping(value):
 
 def _choice(*options: str) -> Callable:
     def check(value):
+        if isinstance(value, bool) and "off" in options:  # YAML 1.1 reads `off` as false
+            return "off" if not value else options[0]
         if not isinstance(value, str) or value.lower() not in options:
             guess = difflib.get_close_matches(str(value).lower(), options, n=1)
             hint = f" (did you mean {guess[0]!r}?)" if guess else ""

@@ -144,3 +144,38 @@ def test_a_pipeline_names_a_model_from_a_third_party_plugin(example_plugin_insta
     assert result.returncode == 0, result.stderr[-3000:]
     assert "example_mlp" in result.stdout and "on example_regression" in result.stdout
     assert "step 4/4" in result.stdout
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) of sockets listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            address, _, hexport = local.partition(":")
+            if state == "0A" and int(hexport, 16) == port:  # 0A = LISTEN
+                found.add(address)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
+def test_launcher_stores_listen_on_loopback_only():
+    """torch's TCPStore server binds every interface; inside the launcher it binds 127.0.0.1."""
+    import torch.distributed as dist
+
+    from pp_core.launch import _loopback_stores
+
+    with _loopback_stores():
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        assert _listening_addresses(store.port) == {"0100007F"}  # 127.0.0.1
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        client.set("key", "value")
+        assert store.get("key") == b"value"
+        with pytest.raises(RuntimeError, match=r"cannot listen on 127.0.0.1"):
+            dist.TCPStore("127.0.0.1", store.port, is_master=True, wait_for_workers=False)
+    plain = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert _listening_addresses(plain.port) != {"0100007F"}  # what torch does on its own
