@@ -65,3 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     except PPCoreError as exc:
         print(f"pp-core: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `pp-core ... | head`: the reader left, which is not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
