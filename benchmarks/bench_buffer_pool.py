@@ -1,7 +1,8 @@
 """Receive-buffer memory per stage with and without the pool, for every schedule (pp=4, m=16).
 
 Run by hand: ``python benchmarks/bench_buffer_pool.py [--pp 4] [--microbatches 16] [--slack 2]
-[--seq 256] [--hidden 1024] [--skip-run] [--json FILE] [--markdown FILE]``.
+[--seq 256] [--hidden 1024] [--skip-run] [--json FILE] [--markdown FILE]`` (about 3 minutes on
+2 CPU cores); ``--from-json FILE`` re-prints the tables of a saved run.
 
 Two parts:
 
@@ -303,8 +304,7 @@ def markdown(program_rows, step_rows, args) -> str:
         f"pp={args.pp}, microbatches={m}, slack={slack}. Receive-buffer bytes per stage (both "
         f"directions), pool / torch ({source}; torch = one buffer set per microbatch and "
         f"direction), with the lower bound from the program in brackets (the most receives live "
-        f"at once / torch's sets: no assignment of buffers can do better). A dash: the stage "
-        f"receives nothing (stage 0's forward input is the batch).",
+        f"at once / torch's sets: no assignment of buffers can do better).",
         "",
         "| schedule | " + " | ".join(f"stage {s}" for s in range(width)) + " | all stages |",
         "|---|" + "---|" * (width + 1),
@@ -378,7 +378,16 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-run", action="store_true", help="program figures only")
     parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
+    parser.add_argument("--from-json", metavar="FILE",
+                        help="only print the tables of figures saved earlier with --json")
     args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as saved:
+            figures = json.load(saved)
+        for key in ("pp", "microbatches", "slack", "seq", "hidden"):
+            setattr(args, key, figures[key])
+        print(markdown(figures["program"], figures["steps"], args))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         csv_path = os.path.join(tmp, "bfs_zb.csv")
         with open(csv_path, "w", newline="") as fh:
