@@ -112,6 +112,7 @@ def test_1f1b_needs_no_more_than_nemo_ring(num_ranks, num_microbatches, slack):
         for buffer_class, class_plan in plan.classes.items():
             ring = program.num_stages - buffer_class.stage + slack
             assert class_plan.sets <= ring, (buffer_class, class_plan.sets, ring)
+            assert class_plan.lower_bound == 1  # copy-out: one set per direction suffices
     # Used in place until the backward releases it (no copy-out), a forward receive needs one set
     # more than the activations in flight: the next receive is posted before the oldest backward
     # frees its buffer. That is why NeMo's in-place ring only works with slack >= 1.
