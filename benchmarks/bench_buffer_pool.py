@@ -332,7 +332,8 @@ def markdown(program_rows, step_rows, args) -> str:
         "",
         f"1F1B against NeMo AutoModel's ring of (num_stages - stage + slack) sets per direction:",
         "",
-        "| stage | torch sets | pool sets | pool ratio | NeMo ratio (num_stages - stage + slack) / m |",
+        "| stage | torch sets | pool sets | pool ratio | "
+        "NeMo ratio (num_stages - stage + slack) / m |",
         "|---|---|---|---|---|",
     ]
     for stage in range(num_stages["1f1b"]):

@@ -43,7 +43,8 @@ def _run_program(pool, program, metas_of, use_consume=True):
             delivered[i] = pool.consume(i, tensors) if use_consume else tensors
         for i in by_released.get(index, ()):
             # Everything this receive delivered is still intact until its release.
-            assert all(torch.all(t == float(i + 1)) for t in delivered[i]), program.recv_lifetimes[i]
+            intact = all(torch.all(t == float(i + 1)) for t in delivered[i])
+            assert intact, program.recv_lifetimes[i]
             pool.release(i)
     pool.reset()
     return delivered

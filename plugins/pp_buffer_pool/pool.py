@@ -1,4 +1,4 @@
-"""The receive-buffer pool: a few reusable buffer sets per stage and direction, sized by the program.
+"""The receive-buffer pool: a few reusable buffer sets per stage and direction, sized by program.
 
 torch keeps one receive-buffer set per microbatch and direction alive for the whole run. This
 allocator keeps, per receive class (one stage of this rank, one direction), only as many sets as

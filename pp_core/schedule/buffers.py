@@ -186,9 +186,11 @@ def plan_recv_buffers(program, slack: int = 0, lifetime_end: str = "consumed") -
     return RankBufferPlan(program.rank, slack, lifetime_end, classes)
 
 
-def plan_program(program, slack: int = 0, lifetime_end: str = "consumed") -> list[RankBufferPlan]:
-    """:func:`plan_recv_buffers` for every rank of a whole :class:`~pp_core.schedule.lower.Program`."""
-    return [plan_recv_buffers(program.rank(r), slack, lifetime_end) for r in range(program.num_ranks)]
+def plan_program(program, slack: int = 0,
+                 lifetime_end: str = "consumed") -> list[RankBufferPlan]:
+    """:func:`plan_recv_buffers` for every rank of a :class:`~pp_core.schedule.lower.Program`."""
+    return [plan_recv_buffers(program.rank(r), slack, lifetime_end)
+            for r in range(program.num_ranks)]
 
 
 def recv_buffer_report(program, slack: int = 2,
