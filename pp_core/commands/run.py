@@ -8,6 +8,7 @@ and the schedule), so a mistake is reported before any process starts; then it s
 from __future__ import annotations
 
 import argparse
+import sys
 
 RUN_HELP = """\
 Train the pipeline described in a YAML file (see docs/yaml.md).
@@ -76,7 +77,15 @@ def run_command(args) -> int:
         print(f"pp-core: starting {spec.world_size // dist['nnodes']} rank(s) on this machine "
               f"(pp {dist['pp_size']} x dp {dist['dp_size']}"
               + (f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else "") + ")", flush=True)
-    launch(spec)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        launch(spec)
+    except (KeyboardInterrupt, SignalException) as exc:
+        reason = getattr(exc, "sigval", None)
+        print(f"\npp-core: interrupted{f' by {reason.name}' if reason else ''}; the ranks were "
+              f"stopped", file=sys.stderr)
+        return 130
     return 0
 
 
