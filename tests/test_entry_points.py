@@ -55,3 +55,15 @@ def test_help_teaches():
     out = subprocess.run(["pp-core", "plugins", "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "entry-point group 'pp_core'" in out and "--json" in out
+
+
+def test_plugin_missing_an_optional_dependency_is_listed_as_unavailable_with_the_fix():
+    import types
+
+    from pp_core.commands.plugins import describe
+    from pp_core.testing import plugins_with
+
+    plugin = types.ModuleType("pp_needs_extra")
+    plugin.PP_CORE_UNAVAILABLE = "foo is not installed; pip install 'pp-needs-extra[foo]'"
+    [row] = [r for r in describe(plugins_with(plugin)) if r["name"] == "pp_needs_extra"]
+    assert row["unavailable"] == plugin.PP_CORE_UNAVAILABLE and row["error"] is None

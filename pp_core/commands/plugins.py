@@ -38,14 +38,17 @@ def describe(plugins) -> list[dict]:
             dist, version = "pp-core", _core_version()
         hooks = sorted(h.name for h in plugins.pm.get_hookcallers(_plugin) or [])
         rows[name] = {"name": name, "distribution": dist, "version": version, "hooks": hooks,
-                      "provides": {}, "error": None}
+                      "provides": {}, "error": None,
+                      # a plugin whose optional dependency is missing says so, with the fix
+                      "unavailable": getattr(_plugin, "PP_CORE_UNAVAILABLE", None)}
     registries = []
     for kind in ("schedules", "splitters", "models", "datasets"):
         try:
             registries.append((kind, getattr(plugins, kind)))
         except Exception as exc:  # a clash or a raising plugin: show it, keep listing
             rows.setdefault("<registry>", {"name": f"<{kind}>", "distribution": "", "version": "",
-                                           "hooks": [], "provides": {}, "error": str(exc)})
+                                           "hooks": [], "provides": {}, "error": str(exc),
+                                           "unavailable": None})
     for kind, registry in registries:
         for entry in registry:
             label = entry.name + (f" (aliases: {', '.join(entry.aliases)})" if entry.aliases else "")
@@ -53,7 +56,7 @@ def describe(plugins) -> list[dict]:
     for broken in plugins.broken:
         rows[broken.name] = {"name": broken.name, "distribution": broken.distribution,
                              "version": broken.version, "hooks": [], "provides": {},
-                             "error": broken.message()}
+                             "error": broken.message(), "unavailable": None}
     return list(rows.values())
 
 
@@ -76,6 +79,8 @@ def run(args) -> int:
         if row["error"]:
             print(f"    BROKEN: {row['error']}")
             continue
+        if row["unavailable"]:
+            print(f"    unavailable: {row['unavailable']}")
         for kind, items in row["provides"].items():
             print(f"    {kind}: {', '.join(items)}")
         other = [h for h in row["hooks"] if not h.startswith("pp_register_")]
