@@ -19,6 +19,7 @@ import os
 import queue
 import shutil
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, NamedTuple
 
@@ -104,13 +105,23 @@ class DistPool:
             tasks.put((self._generation, self._store, fn, args, kwargs))
         outcomes: list = [None] * self.world_size
         renew = False
-        for _ in range(self.world_size):
+        deadline = time.monotonic() + self.timeout
+        while any(o is None for o in outcomes):
             try:
-                rank, outcome, healthy = self._results.get(timeout=self.timeout)
+                rank, outcome, healthy = self._results.get(timeout=0.2)
             except queue.Empty:
-                self.close(keep_dir=True)
-                raise RankError(f"{getattr(fn, '__name__', fn)} did not finish on every rank "
-                                f"within {self.timeout} s (a hang); the pool was killed") from None
+                for rank, proc in enumerate(self._procs):
+                    if outcomes[rank] is None and not proc.is_alive():
+                        outcomes[rank] = Outcome(False, None, "ProcessDied",
+                                                 f"rank {rank} exited with code {proc.exitcode}",
+                                                 "")
+                        renew = True
+                if time.monotonic() > deadline:
+                    self.close(keep_dir=True)
+                    raise RankError(f"{getattr(fn, '__name__', fn)} did not finish on every rank "
+                                    f"within {self.timeout} s (a hang); the pool was killed") \
+                        from None
+                continue
             outcomes[rank] = outcome
             renew = renew or not outcome.ok or not healthy
         if renew:

@@ -58,7 +58,12 @@ class TensorMeta(NamedTuple):
 
 
 class PeerFailure(Exception):
-    """A wait ended because a peer failed or vanished; ``str()`` is the peer's own report."""
+    """A wait ended because a peer failed or vanished; ``str()`` is the peer's own report when
+    it published one (``published``), else what this rank observed (a timeout, a lost peer)."""
+
+    def __init__(self, text: str, published: bool = True):
+        super().__init__(text)
+        self.published = published
 
 
 def encode_header(metas: Sequence[TensorMeta]) -> list[int]:
@@ -95,9 +100,12 @@ class P2P:
     :param timeout: seconds any single wait may take (``None``: the process group's timeout).
     """
 
-    def __init__(self, group, device: torch.device, timeout: Optional[float], key: str):
+    def __init__(self, group, device: torch.device, timeout: Optional[float], key: str,
+                 rank: int = 0):
         self.group = group
         self.device = device
+        self.rank = rank
+        self.timeout_s = timeout
         self.timeout = None if timeout is None else datetime.timedelta(seconds=float(timeout))
         self.store = None
         if group is not None:
@@ -109,12 +117,18 @@ class P2P:
 
     # -------------------------------------------------------------- operations
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
-        return self.group.send([tensor], peer, tag)
+        try:
+            return self.group.send([tensor], peer, tag)
+        except Exception as exc:  # gloo: the pair was closed by the peer
+            raise PeerFailure(*self.peer_report(exc, peer)) from exc
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
-        return self.group.recv([tensor], peer, tag)
+        try:
+            return self.group.recv([tensor], peer, tag)
+        except Exception as exc:
+            raise PeerFailure(*self.peer_report(exc, peer)) from exc
 
-    def wait(self, work) -> None:
+    def wait(self, work, peer: int) -> None:
         """Block until ``work`` is done (on NCCL: until the current stream waits for it)."""
         try:
             if self.timeout is None:
@@ -122,19 +136,29 @@ class P2P:
             else:
                 work.wait(self.timeout)
         except Exception as exc:  # gloo: "Connection closed by peer", timeouts, ...
-            raise PeerFailure(self.peer_report(exc)) from exc
+            raise PeerFailure(*self.peer_report(exc, peer)) from exc
 
     # -------------------------------------------------------------- failures
-    def peer_report(self, exc: BaseException | None = None) -> str:
-        """What a failed peer published, or a description of the lost connection."""
+    def peer_report(self, exc: BaseException, peer: int) -> tuple[str, bool]:
+        """What a failed peer published (``(text, True)``); else what this rank saw happen to
+        ``peer`` (``(text, False)``)."""
+        first_line = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        timed_out = "timed out" in first_line.lower() or "timeout" in first_line.lower()
         if self.store is not None:
-            try:
+            try:  # a failing peer publishes before it closes its connections
+                if not timed_out:
+                    self.store.wait([self.error_key], datetime.timedelta(seconds=2))
                 if self.store.check([self.error_key]):
-                    return self.store.get(self.error_key).decode(errors="replace")
-            except Exception:  # the store's host may be gone too
+                    return self.store.get(self.error_key).decode(errors="replace"), True
+            except Exception:  # nothing published (the process died), or the store is gone
                 pass
-        cause = f" ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})" if exc else ""
-        return f"a peer rank stopped responding or its process died{cause}"
+        if timed_out:
+            limit = f"{self.timeout_s:g} s" if self.timeout_s else "the process group's timeout"
+            return (f"rank {self.rank} waited longer than {limit} for rank {peer}, which is stuck "
+                    f"or much slower; raise timeout= (or $PP_CORE_TIMEOUT) if it is just slow "
+                    f"({first_line})"), False
+        return (f"rank {self.rank} lost its connection to rank {peer}, whose process probably "
+                f"died ({type(exc).__name__}: {first_line})"), False
 
     def peer_failed(self) -> Optional[str]:
         """A peer's published failure, if any (one cheap store lookup)."""
@@ -232,7 +256,7 @@ class Mailbox:
         while queue:
             message = queue[0]
             if message.header_work is not None:
-                self.p2p.wait(message.header_work)
+                self.p2p.wait(message.header_work, message.peer)
                 message.header_work = None
                 message.metas = decode_header(message.header.tolist())
                 message.header = None
@@ -255,7 +279,7 @@ class Mailbox:
         if message.tensors is None:
             self.flush(message.peer, upto=message)
         for work in message.works:
-            self.p2p.wait(work)
+            self.p2p.wait(work, message.peer)
         message.works = []
         return message.tensors
 
@@ -266,10 +290,10 @@ class Mailbox:
         p2p = self.p2p
         if header is not None:
             head = torch.tensor(header, dtype=torch.int64).to(self.device, non_blocking=True)
-            self.sends.append((p2p.isend(head, peer, TAG_HEADER), head))
+            self.sends.append((p2p.isend(head, peer, TAG_HEADER), head, peer))
             self.sends_issued += 1
         for tensor in tensors:
-            self.sends.append((p2p.isend(tensor, peer, tag), tensor))
+            self.sends.append((p2p.isend(tensor, peer, tag), tensor, peer))
             self.sends_issued += 1
 
     def reap(self) -> None:
@@ -282,8 +306,8 @@ class Mailbox:
     def wait_sends(self) -> None:
         sends = self.sends
         while sends:
-            work, _ = sends[0]
-            self.p2p.wait(work)
+            work, _, peer = sends[0]
+            self.p2p.wait(work, peer)
             sends.popleft()
             self.sends_done += 1
 

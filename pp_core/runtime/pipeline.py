@@ -105,7 +105,6 @@ class Pipeline:
         self.config = config
         self.rank = rank
         self.num_ranks = num_ranks
-        self.group = group
         self.device = torch.device(device)
         self.dtype = config.torch_dtype
         self.schedule = schedule
@@ -135,7 +134,8 @@ class Pipeline:
         self.stages = {index: Stage(index, part, schedule.stage_ranks, rank)
                        for index, part in zip(self.stage_indices, self.model_parts)}
         group_name = getattr(group, "group_name", "local") if group is not None else "local"
-        self.p2p = P2P(group, self.device, _timeout(timeout), f"{group_name}/{next(_pipeline_ids)}")
+        self.p2p = P2P(group, self.device, _timeout(timeout), f"{group_name}/{next(_pipeline_ids)}",
+                       rank)
         rank_program = self.program.rank(rank)
         self.allocator = make_recv_buffer_allocator(plugins, config, rank_program, rank,
                                                     self.device)
@@ -146,6 +146,11 @@ class Pipeline:
                                dtype=self.dtype, static_shapes=config.pp_seq_len is not None)
         self._eval: Optional[Executor] = None
         self._plugins = plugins
+
+    @property
+    def group(self):
+        """The pipeline's process group (``None`` for one process, or after a failure)."""
+        return self.p2p.group
 
     # ------------------------------------------------------------------ public
     def step(self, inputs=None, target=None):
@@ -227,9 +232,13 @@ class Pipeline:
         except PeerFailure as exc:
             action = executor.current
             where = f"at action {action}" if action is not None else "after its last action"
-            message = (f"rank {self.rank} stopped {where} because another rank failed: {exc}")
+            if exc.published:
+                message = f"rank {self.rank} stopped {where} because another rank failed: {exc}"
+                report = str(exc)
+            else:
+                message = report = f"rank {self.rank} stopped {where}: {exc}"
             executor.abort()
-            self.p2p.publish_and_abort(str(exc))
+            self.p2p.publish_and_abort(report)
             raise PipelineError(message) from None
         except Exception as exc:
             action = executor.current
@@ -242,7 +251,7 @@ class Pipeline:
 
     def _fail(self, exc: Exception, before_traffic: bool):
         """A usage error found before any traffic: tell the peers (they may be waiting), raise."""
-        if self.group is not None:
+        if self.num_ranks > 1:
             self.p2p.publish_and_abort(f"rank {self.rank} refused the step: {exc}")
         raise exc
 
