@@ -19,6 +19,7 @@ non-tensor items load with ``weights_only=True``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -126,6 +127,18 @@ def _check_dir(path: Path) -> None:
 # ----------------------------------------------------------------------------- save / load
 
 
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Without a process group DCP warns that it assumes one process: that is the intent here."""
+    import torch.distributed as dist
+
+    with warnings.catch_warnings():
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to",
+                                    category=UserWarning)
+        yield
+
+
 def _options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -152,8 +165,9 @@ def save_checkpoint(directory, step: int, parts, optimizers, process_group=None)
     import torch.distributed.checkpoint as dcp
 
     path = checkpoint_path(directory, step)
-    dcp.save(_state(parts, optimizers, step), checkpoint_id=str(path),
-             process_group=process_group)
+    with _single_process_quiet():
+        dcp.save(_state(parts, optimizers, step), checkpoint_id=str(path),
+                 process_group=process_group)
     return path
 
 
@@ -173,8 +187,9 @@ def load_checkpoint(path, parts, optimizers, process_group=None) -> int:
     _check_dir(path)
     state = _state(parts, optimizers, 0)
     try:
-        dcp.load(state, checkpoint_id=str(path), storage_reader=SafeReader(str(path)),
-                 planner=SafeLoadPlanner(), process_group=process_group)
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeReader(str(path)),
+                     planner=SafeLoadPlanner(), process_group=process_group)
     except PipelineError:
         raise
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -205,8 +220,7 @@ def read_model_state_dict(path) -> dict[str, torch.Tensor]:
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
             state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.simplefilter("ignore", UserWarning)
+    with _single_process_quiet():
         dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
                  no_dist=True)
     return {key[len("model."):]: value for key, value in state.items()}
