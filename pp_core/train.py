@@ -128,10 +128,15 @@ def _build(spec: Spec, ctx: RankContext):
     cls = getattr(torch.optim, options.pop("name"))
     optimizers = [cls(list(part.parameters()), **options) if any(True for _ in part.parameters())
                   else None for part in pipe.model_parts]
-    for optimizer in optimizers:
-        for group in optimizer.param_groups if optimizer else ():
-            group["initial_lr"] = group["lr"]
     return pipe, optimizers, num_params
+
+
+def _set_lr(optimizers, base_lrs, factor: float) -> float:
+    """Scale every group's learning rate from the YAML's (not a resumed checkpoint's) value."""
+    for optimizer, bases in zip(optimizers, base_lrs):
+        for group, base in zip(optimizer.param_groups if optimizer else (), bases):
+            group["lr"] = base * factor
+    return next((b for bases in base_lrs for b in bases), 0.0) * factor
 
 
 def _dataset(spec: Spec, evaluation: bool = False):
@@ -188,6 +193,7 @@ def train(spec: Spec) -> dict[str, Any]:
     ctx = RankContext(spec)
     pipe, optimizers, num_params = _build(spec, ctx)
     config = spec.pipeline_config()
+    base_lrs = [[g["lr"] for g in o.param_groups] if o else [] for o in optimizers]
     recorder = RunRecorder(spec, ctx, pipe, num_params)
     say = recorder.say
     start_step = _resume_step(spec, pipe, optimizers, ctx, say)
@@ -206,10 +212,7 @@ def train(spec: Spec) -> dict[str, Any]:
         except StopIteration:
             raise PipelineError(f"dataset {spec.data['name']!r} ran out after {step - 1} steps; "
                                 f"train.steps={steps} needs more batches") from None
-        factor = lr_factor(step, train_cfg)
-        for optimizer in optimizers:
-            for group in optimizer.param_groups if optimizer else ():
-                group["lr"] = group["initial_lr"] * factor
+        lr = _set_lr(optimizers, base_lrs, lr_factor(step, train_cfg))
         local_inputs = dp_slice(inputs, ctx.dp_rank, ctx.dp_size, global_batch)
         local_target = dp_slice(target, ctx.dp_rank, ctx.dp_size, global_batch)
         for param in params:
@@ -223,8 +226,7 @@ def train(spec: Spec) -> dict[str, Any]:
                 optimizer.step()
         step_time = time.perf_counter() - t0
         global_loss = _mean_over_dp(None if loss is None else float(loss), ctx)
-        recorder.record_step(step, global_loss, step_time, count_tokens(inputs), grad_norm,
-                             factor * train_cfg["optimizer"].get("lr", 0.0), t0)
+        recorder.record_step(step, global_loss, step_time, count_tokens(inputs), grad_norm, lr, t0)
         progress.update(step, global_loss, count_tokens(inputs) / step_time, step_time)
         if train_cfg["eval_every"] and step % train_cfg["eval_every"] == 0:
             recorder.record_eval(step, _evaluate(spec, pipe, ctx, global_batch))
