@@ -1,0 +1,426 @@
+"""pp-core's runtime against torch.distributed.pipelining, side by side in one run.
+
+Same model (8 residual MLP blocks, hidden 512), weights, data (batch 256, 8 microbatches, MSE)
+and schedule through torch 2.13's schedule classes and through pp-core, on 2 ranks (gloo, one
+thread per rank), the two alternating step by step. Reported per schedule:
+
+* step time: median over the measured steps (each step = slowest rank, from a common barrier),
+  the ratio pp-core / torch (median of the per-pair ratios) and its spread (min..max, IQR);
+* efficiency: the step time pp_core.schedule.simulate predicts from per-stage F/B/I/W costs
+  measured on one process (rank 0 alone, rank 1 idle), divided by the measured step time;
+* first step (torch's includes its shape inference; pp-core's its first headers);
+* peak memory per rank during a step (CPU: growth of the peak resident set over the step,
+  reset through /proc/self/clear_refs; CUDA: max_memory_allocated).
+
+Also the lowering speed (pp=64, 2 stages per rank, 1024 microbatches) and I+W against B.
+
+    python benchmarks/bench_runtime.py [--steps 10] [--schedules 1f1b,gpipe] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+HIDDEN, BLOCKS, BATCH, MICROBATCHES = 512, 8, 256, 8
+# pp-core name, torch class, stages per rank
+SCHEDULES = {
+    "1f1b": ("Schedule1F1B", 1),
+    "gpipe": ("ScheduleGPipe", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2),
+    "zero_bubble": ("ScheduleInterleavedZeroBubble", 2),
+    "v_schedule": ("ScheduleZBVZeroBubble", 2),
+}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.fc1 = nn.Linear(HIDDEN, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(BLOCKS)])
+
+
+def mse(output, target):
+    return ((output - target) ** 2).mean()
+
+
+def stage_ranks(placement, num_stages, num_ranks):
+    from pp_core.schedule.ir import stage_to_rank
+
+    return stage_to_rank(placement, num_stages, num_ranks)
+
+
+def fqns(num_stages):
+    per = BLOCKS // num_stages
+    return [[str(i) for i in range(s * per, (s + 1) * per)] for s in range(num_stages)]
+
+
+def part(model, names):
+    from collections import OrderedDict
+
+    return nn.Sequential(OrderedDict((n, model[int(n)]) for n in names))
+
+
+# ------------------------------------------------------------------------------ memory
+def _status(field):
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakMemory:
+    """Peak memory growth during a block: CUDA allocator stats, else peak RSS (Linux)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as handle:
+                    handle.write("5")
+            except OSError:
+                pass
+            self.base = _status("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.peak = _status("VmHWM") - self.base
+
+
+# ------------------------------------------------------------------------------ builders
+def build_torch(model, name, rank, num_ranks, device):
+    from torch.distributed import pipelining
+
+    cls_name, per_rank = SCHEDULES[name]
+    num_stages = num_ranks * per_rank
+    ranks = stage_ranks("v" if name == "v_schedule" else "loop", num_stages, num_ranks)
+    mine = [s for s in range(num_stages) if ranks[s] == rank]
+    names = fqns(num_stages)
+    stages = [pipelining.PipelineStage(part(model, names[s]).to(device), s, num_stages, device)
+              for s in mine]
+    cls = getattr(pipelining, cls_name)
+    arg = stages if per_rank > 1 else stages[0]
+    kwargs = {} if name == "gpipe" else {}
+    schedule = cls(arg, n_microbatches=MICROBATCHES, loss_fn=mse, scale_grads=False, **kwargs)
+    first, last = 0 in mine, num_stages - 1 in mine
+    modules = [s.submod for s in stages]
+
+    def step(x, y):
+        args = (x,) if first else ()
+        if last:
+            losses = []
+            schedule.step(*args, target=y, losses=losses, return_outputs=False)
+            return torch.stack(losses).mean()
+        schedule.step(*args, return_outputs=False)
+        return None
+
+    return step, modules, mine
+
+
+def build_pp_core(model, name, device):
+    from pp_core import PipelineConfig, build_pipeline
+
+    per_rank = SCHEDULES[name][1]
+    config = PipelineConfig(pp_schedule=name, pp_batch_size=BATCH,
+                            pp_microbatch_size=BATCH // MICROBATCHES, loss_fn=mse,
+                            module_fqns_per_model_part=fqns(dist.get_world_size() * per_rank))
+    pipe = build_pipeline(model, config, device=device)
+    return (lambda x, y: pipe.step(x, target=y)), pipe.model_parts, pipe
+
+
+# ------------------------------------------------------------------------------ costs
+def stage_costs(model, num_stages, device, reps=7):
+    """Median F, B, I, W seconds of one microbatch through each stage, on this process alone."""
+    from pp_core.runtime.backward import backward_full, backward_input, backward_weight
+
+    names = fqns(num_stages)
+    mb = BATCH // MICROBATCHES
+    x0 = torch.randn(mb, HIDDEN, device=device)
+    grad = torch.randn(mb, HIDDEN, device=device)
+    target = torch.randn(mb, HIDDEN, device=device)
+    costs = {}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for s in range(num_stages):
+        module = part(copy.deepcopy(model), names[s]).to(device)
+        samples = {"F": [], "B": [], "I": [], "W": []}
+        for rep in range(reps + 2):
+            for split in (False, True):
+                x = x0.clone().requires_grad_(s > 0)
+                sync()
+                t0 = time.perf_counter()
+                out = module(x)
+                if s == num_stages - 1:
+                    out = mse(out, target)
+                sync()
+                t1 = time.perf_counter()
+                outs, grads = [out], ([grad] if s < num_stages - 1 else None)
+                inputs = [x] if s > 0 else []
+                if split:
+                    _, state = backward_input(outs, grads, inputs)
+                    sync()
+                    t2 = time.perf_counter()
+                    backward_weight(state)
+                    sync()
+                    t3 = time.perf_counter()
+                    if rep >= 2:
+                        samples["I"].append(t2 - t1)
+                        samples["W"].append(t3 - t2)
+                else:
+                    backward_full(outs, grads, inputs)
+                    sync()
+                    t2 = time.perf_counter()
+                    if rep >= 2:
+                        samples["F"].append(t1 - t0)
+                        samples["B"].append(t2 - t1)
+                module.zero_grad(set_to_none=True)
+        costs[s] = {k: statistics.median(v) for k, v in samples.items()}
+    return costs
+
+
+def predicted(name, num_ranks, costs):
+    from pp_core.schedule.build import build_schedule
+    from pp_core.schedule.simulate import Costs, simulate
+
+    per_rank = SCHEDULES[name][1]
+    schedule = build_schedule(name, num_ranks=num_ranks, num_microbatches=MICROBATCHES,
+                              stages_per_rank=per_rank)
+    return simulate(schedule, Costs(per_stage=costs)).makespan
+
+
+# ------------------------------------------------------------------------------ ranks
+def timed(step, x, y, modules, device):
+    for module in modules:
+        module.zero_grad(set_to_none=True)
+    dist.barrier()
+    with PeakMemory(device) as memory:
+        start = time.perf_counter()
+        step(x, y)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    t = torch.tensor([elapsed, float(memory.peak)], dtype=torch.float64)
+    gathered = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t)
+    return max(g[0].item() for g in gathered), [g[1].item() for g in gathered]
+
+
+def worker(rank, num_ranks, store_path, args, results_path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=num_ranks)
+    device = torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
+    model = make_model()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, HIDDEN, generator=generator).to(device)
+    y = torch.randn(BATCH, HIDDEN, generator=generator).to(device)
+    report = {}
+    costs = {}
+    if rank == 0:
+        for num_stages in sorted({num_ranks * SCHEDULES[n][1] for n in args.schedules}):
+            costs[num_stages] = stage_costs(model, num_stages, device)
+    dist.barrier()
+    for name in args.schedules:
+        torch_step, torch_modules, _ = build_torch(copy.deepcopy(model), name, rank, num_ranks,
+                                                   device)
+        pp_step, pp_modules, pipe = build_pp_core(copy.deepcopy(model), name, device)
+        entry = {"torch": [], "pp_core": [], "torch_mem": [], "pp_core_mem": []}
+        # first steps (torch: shape inference; pp-core: first headers), in both orders' favour
+        entry["torch_first"], entry["torch_first_mem"] = timed(torch_step, x, y, torch_modules,
+                                                               device)
+        entry["pp_core_first"], entry["pp_core_first_mem"] = timed(pp_step, x, y, pp_modules,
+                                                                   device)
+        for _ in range(args.warmup):
+            timed(torch_step, x, y, torch_modules, device)
+            timed(pp_step, x, y, pp_modules, device)
+        for i in range(args.steps):
+            order = [("torch", torch_step, torch_modules), ("pp_core", pp_step, pp_modules)]
+            for key, step, modules in (order if i % 2 == 0 else order[::-1]):
+                seconds, memory = timed(step, x, y, modules, device)
+                entry[key].append(seconds)
+                entry[key + "_mem"].append(memory)
+        report[name] = entry
+        del torch_step, pp_step, pipe
+    if rank == 0:
+        for name, entry in report.items():
+            num_stages = num_ranks * SCHEDULES[name][1]
+            entry["predicted"] = predicted(name, num_ranks, costs[num_stages])
+            entry["stage_costs"] = costs[num_stages]
+        with open(results_path, "w") as handle:
+            json.dump(report, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def quantile(values, q):
+    values = sorted(values)
+    index = (len(values) - 1) * q
+    lo = int(index)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (index - lo)
+
+
+def summarise(report):
+    rows = {}
+    for name, e in report.items():
+        ratios = [p / t for p, t in zip(e["pp_core"], e["torch"])]
+        torch_med, pp_med = statistics.median(e["torch"]), statistics.median(e["pp_core"])
+        mem = lambda key: [max(step[r] for step in e[key]) for r in range(len(e[key][0]))]
+        rows[name] = {
+            "torch_class": SCHEDULES[name][0],
+            "torch_step_s": round(torch_med, 4),
+            "pp_core_step_s": round(pp_med, 4),
+            "ratio_median": round(statistics.median(ratios), 3),
+            "ratio_min": round(min(ratios), 3),
+            "ratio_max": round(max(ratios), 3),
+            "ratio_iqr": [round(quantile(ratios, 0.25), 3), round(quantile(ratios, 0.75), 3)],
+            "predicted_step_s": round(e["predicted"], 4),
+            "efficiency_pp_core": round(e["predicted"] / pp_med, 3),
+            "efficiency_torch": round(e["predicted"] / torch_med, 3),
+            "first_step_torch_s": round(e["torch_first"], 4),
+            "first_step_pp_core_s": round(e["pp_core_first"], 4),
+            "peak_mem_torch_mib": [round(m / 2**20, 1) for m in mem("torch_mem")],
+            "peak_mem_pp_core_mib": [round(m / 2**20, 1) for m in mem("pp_core_mem")],
+            "stage_costs_ms": {s: {k: round(v * 1e3, 3) for k, v in c.items()}
+                               for s, c in e["stage_costs"].items()},
+            "steps": len(ratios),
+        }
+    return rows
+
+
+def lowering_speed():
+    from pp_core.schedule.ir import Action, F, I, W, Schedule
+    from pp_core.schedule.lower import lower
+
+    p, v, m = 64, 2, 1024
+    rows = []
+    for r in range(p):
+        stages = [r + i * p for i in range(v)]
+        row = [Action(s, F, k) for s in stages for k in range(m)]
+        row += [a for s in reversed(stages) for k in reversed(range(m))
+                for a in (Action(s, I, k), Action(s, W, k))]
+        rows.append(row)
+    schedule = Schedule(rows, stage_ranks("loop", p * v, p), m, "bfs_split")
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        lower(schedule)
+        times.append(time.perf_counter() - start)
+    return {"num_ranks": p, "stages_per_rank": v, "num_microbatches": m,
+            "compute_actions": sum(len(r) for r in rows), "seconds_min": round(min(times), 3),
+            "seconds_median": round(statistics.median(times), 3)}
+
+
+def split_backward_overhead(reps=40):
+    """CPU time of B and of I + W on one stage (4 blocks, one microbatch), one thread."""
+    from pp_core.runtime.backward import backward_full, backward_input, backward_weight
+
+    torch.set_num_threads(1)
+    stage = part(make_model(), [str(i) for i in range(4)])
+    x0, g = torch.randn(BATCH // MICROBATCHES, HIDDEN), torch.randn(BATCH // MICROBATCHES, HIDDEN)
+    clock = time.thread_time
+
+    def once(split):
+        x = x0.clone().requires_grad_()
+        y = stage(x)
+        start = clock()
+        if split:
+            _, state = backward_input([y], [g], [x])
+            middle = clock()
+            backward_weight(state)
+            return middle - start, clock() - middle
+        backward_full([y], [g], [x])
+        return clock() - start, 0.0
+
+    for _ in range(5):
+        once(True), once(False)
+    b = [once(False)[0] for _ in range(reps)]
+    iw = [once(True) for _ in range(reps)]
+    B = statistics.median(b)
+    I = statistics.median(a for a, _ in iw)
+    W = statistics.median(w for _, w in iw)
+    return {"B_ms": round(B * 1e3, 3), "I_ms": round(I * 1e3, 3), "W_ms": round(W * 1e3, 3),
+            "I_plus_W_over_B": round((I + W) / B, 3)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    num_ranks = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        results_path = os.path.join(tmp, "results.json")
+        mp.spawn(worker, args=(num_ranks, os.path.join(tmp, "store"), args, results_path),
+                 nprocs=num_ranks, join=True)
+        with open(results_path) as handle:
+            report = json.load(handle)
+    result = {
+        "config": {"blocks": BLOCKS, "hidden": HIDDEN, "batch": BATCH,
+                   "microbatches": MICROBATCHES, "ranks": num_ranks, "threads_per_rank": 1,
+                   "device": args.device, "torch": torch.__version__, "steps": args.steps},
+        "schedules": summarise(report),
+        "lowering": lowering_speed(),
+        "split_backward": split_backward_overhead(),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as handle:
+            handle.write(text + "\n")
+    print()
+    header = (f"{'schedule':<18}{'torch s':>9}{'pp-core s':>10}{'ratio':>7}{'spread':>14}"
+              f"{'eff':>6}{'eff(t)':>7}{'first t':>9}{'first pp':>9}{'mem t MiB':>14}"
+              f"{'mem pp MiB':>14}")
+    print(header)
+    for name, r in result["schedules"].items():
+        print(f"{name:<18}{r['torch_step_s']:>9.3f}{r['pp_core_step_s']:>10.3f}"
+              f"{r['ratio_median']:>7.3f}{r['ratio_min']:>7.2f}-{r['ratio_max']:<6.2f}"
+              f"{r['efficiency_pp_core']:>6.2f}{r['efficiency_torch']:>7.2f}"
+              f"{r['first_step_torch_s']:>9.3f}{r['first_step_pp_core_s']:>9.3f}"
+              f"{str(r['peak_mem_torch_mib']):>14}{str(r['peak_mem_pp_core_mib']):>14}")
+    lowering = result["lowering"]
+    print(f"\nlowering pp=64 v=2 m=1024 ({lowering['compute_actions']} compute actions): "
+          f"{lowering['seconds_median']} s")
+    sb = result["split_backward"]
+    print(f"split backward on 4 blocks: B {sb['B_ms']} ms, I {sb['I_ms']} ms, W {sb['W_ms']} ms, "
+          f"(I+W)/B = {sb['I_plus_W_over_B']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
