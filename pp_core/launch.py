@@ -95,6 +95,26 @@ def _loopback_stores():
             setattr(module, name, value)
 
 
+@contextlib.contextmanager
+def _loopback_gloo(enabled: bool):
+    """Workers inherit ``GLOO_SOCKET_IFNAME=lo`` (gloo's sockets on loopback) unless it is set."""
+    if not enabled or "GLOO_SOCKET_IFNAME" in os.environ or not _has_interface("lo"):
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
+def _has_interface(name: str) -> bool:
+    try:
+        return name in {n for _, n in socket.if_nameindex()}
+    except (OSError, AttributeError):  # platforms without if_nameindex
+        return False
+
+
 def _endpoint(dist: dict) -> str:
     if dist["rdzv_endpoint"]:
         return dist["rdzv_endpoint"]
@@ -125,8 +145,6 @@ def launch(spec: Spec, entrypoint: Callable | None = None) -> dict[int, Any]:
     nproc = dist["nproc_per_node"] or spec.world_size // dist["nnodes"]
     endpoint = _endpoint(dist)
     host = endpoint.rsplit(":", 1)[0]
-    if is_loopback(host):  # keep gloo's own sockets on loopback too
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     rdzv_configs: dict[str, Any] = {"timeout": dist["timeout_s"]}
     if dist["rdzv_backend"] == "static":
         rdzv_configs["rank"] = dist["node_rank"] or 0
@@ -143,7 +161,7 @@ def launch(spec: Spec, entrypoint: Callable | None = None) -> dict[int, Any]:
         logger.setLevel(logging.CRITICAL)
     listeners = _loopback_stores() if is_loopback(host) else contextlib.nullcontext()
     try:
-        with listeners:
+        with listeners, _loopback_gloo(is_loopback(host)):
             return elastic_launch(config, rank_main)(_values(spec), entrypoint)
     except ChildFailedError as exc:
         raise PipelineError(_failure_message(exc)) from None
