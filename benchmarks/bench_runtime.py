@@ -33,7 +33,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-HIDDEN, BLOCKS, BATCH, MICROBATCHES = 512, 8, 256, 8
+HIDDEN = int(os.environ.get("BENCH_HIDDEN", 512))
+BLOCKS, BATCH, MICROBATCHES = 8, 256, 8
 # pp-core name, torch class, stages per rank
 SCHEDULES = {
     "1f1b": ("Schedule1F1B", 1),
@@ -148,13 +149,14 @@ def build_torch(model, name, rank, num_ranks, device):
     return step, modules, mine
 
 
-def build_pp_core(model, name, device):
+def build_pp_core(model, name, device, static=False):
     from pp_core import PipelineConfig, build_pipeline
 
     per_rank = SCHEDULES[name][1]
     config = PipelineConfig(pp_schedule=name, pp_batch_size=BATCH,
                             pp_microbatch_size=BATCH // MICROBATCHES, loss_fn=mse,
-                            module_fqns_per_model_part=fqns(dist.get_world_size() * per_rank))
+                            module_fqns_per_model_part=fqns(dist.get_world_size() * per_rank),
+                            pp_seq_len=1 if static else None)
     pipe = build_pipeline(model, config, device=device)
     return (lambda x, y: pipe.step(x, target=y)), pipe.model_parts, pipe
 
@@ -253,7 +255,8 @@ def worker(rank, num_ranks, store_path, args, results_path):
     for name in args.schedules:
         torch_step, torch_modules, _ = build_torch(copy.deepcopy(model), name, rank, num_ranks,
                                                    device)
-        pp_step, pp_modules, pipe = build_pp_core(copy.deepcopy(model), name, device)
+        pp_step, pp_modules, pipe = build_pp_core(copy.deepcopy(model), name, device,
+                                                  args.static)
         entry = {"torch": [], "pp_core": [], "torch_mem": [], "pp_core_mem": []}
         # first steps (torch: shape inference; pp-core: first headers), in both orders' favour
         entry["torch_first"], entry["torch_first_mem"] = timed(torch_step, x, y, torch_modules,
@@ -379,6 +382,8 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--static", action="store_true",
+                        help="give pp-core static shapes (pp_seq_len), as torch assumes")
     parser.add_argument("--json", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]

@@ -260,3 +260,32 @@ def test_single_process_pipeline_without_torch_distributed():
     for part in pipe.model_parts:
         for name, p in part.named_parameters():
             torch.testing.assert_close(p.grad, ref_params[name].grad, atol=1e-6, rtol=1e-5)
+
+
+def traced_step(path):
+    from pp_core.runtime.tracing import write_trace
+
+    torch.manual_seed(0)
+    config = PipelineConfig(pp_schedule="zero_bubble", pp_batch_size=8, pp_microbatch_size=2,
+                            loss_fn=trimmed_cross_entropy)
+    pipe = build_pipeline(ToyLM(), config)
+    pipe.tracing = True
+    ids, mask, pos, target = toy_batch(8, 6, seed=0)
+    pipe.step((ids, mask, pos), target=target)
+    actions = [a for a, *_ in pipe.last_trace]
+    return write_trace(pipe, path), actions
+
+
+def test_trace_of_a_step_with_the_simulators_prediction(pool, tmp_path):
+    import json
+
+    path = str(tmp_path / "trace.json")
+    (summary, actions0), (none, actions1) = pool.run(traced_step, path)
+    assert none is None and "1I0" in actions1 and "0W3" in actions0
+    trace = json.load(open(path))
+    names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] == 0}
+    assert {"0F0", "1I3", "1SEND_B3", "0RECV_B3"} <= names
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}  # measured and predicted
+    assert summary["predicted_makespan_s"] > 0
+    for busy, bubble in zip(summary["measured_busy_s"], summary["measured_bubble_s"]):
+        assert busy > 0 and abs(busy + bubble - summary["measured_makespan_s"]) < 1e-9

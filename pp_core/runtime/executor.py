@@ -18,6 +18,7 @@ message of each stage boundary does, and the shapes it announced are checked on 
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -74,6 +75,7 @@ class Executor:
         self.recv_metas: dict[int, list] = {}  # static shapes: stage -> metas of its input
         self.recv_started: set[int] = set()
         self.sent_metas: dict[int, list] = {}
+        self.trace: Optional[list] = None  # (action, start, end) per action when tracing
         self.handlers = {F: self._forward, B: self._backward, I: self._backward,
                          W: self._weight, SEND_F: self._send_f, RECV_F: self._recv_f,
                          SEND_B: self._send_b, RECV_B: self._recv_b}
@@ -96,16 +98,28 @@ class Executor:
         handlers = self.handlers
         mailbox = self.mailbox
         release_at = self.release_at
+        trace = self.trace
+        clock = time.perf_counter
         for position, action in enumerate(self.program.actions):
             self.current = action
             self.position = position
-            handlers[action.kind](action)
+            if trace is None:
+                handlers[action.kind](action)
+            else:
+                start = clock()
+                handlers[action.kind](action)
+                trace.append((str(action), start, clock()))
             if position in release_at and self.track_release:
                 issued = mailbox.sends_issued
                 self.pending_release += [(issued, index) for index in release_at[position]]
                 self._release(blocking=False)
         self.current = None
-        mailbox.wait_sends()
+        if trace is not None:
+            start = clock()
+            mailbox.wait_sends()
+            trace.append(("wait_sends", start, clock()))
+        else:
+            mailbox.wait_sends()
         self._release(blocking=True)
         reset = getattr(self.allocator, "reset", None)
         if reset is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -146,6 +147,10 @@ class Pipeline:
                                dtype=self.dtype, static_shapes=config.pp_seq_len is not None)
         self._eval: Optional[Executor] = None
         self._plugins = plugins
+        self.tracing = False
+        """Record every action's start and end (see :mod:`pp_core.runtime.tracing`)."""
+        self.last_trace: Optional[list] = None
+        """``[(action, start, end), ...]`` of the last traced step, wall-clock seconds."""
 
     @property
     def group(self):
@@ -224,7 +229,12 @@ class Pipeline:
         except PPCoreError as exc:
             self._fail(exc, before_traffic=True)
         try:
+            executor.trace = [] if self.tracing else None
+            offset = time.time() - time.perf_counter()
             result = executor.run(mb_inputs, mb_targets)
+            if executor.trace is not None:
+                self.last_trace = [(a, s + offset, e + offset) for a, s, e in executor.trace]
+                executor.trace = None
             failure = self.p2p.peer_failed()
             if failure is not None:
                 raise PeerFailure(failure)
