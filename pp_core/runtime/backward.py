@@ -85,7 +85,15 @@ class WeightGrad:
         self.full = full  # (outputs, grads) when W must run the whole backward
 
 
+try:
+    _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # the node of a leaf tensor
+except AttributeError:  # pragma: no cover
+    _ACCUMULATE_GRAD = None
+
+
 def _node_of_leaf(node) -> Optional[torch.Tensor]:
+    if _ACCUMULATE_GRAD is not None:  # a type check: getattr on every node raises and is slow
+        return node.variable if type(node) is _ACCUMULATE_GRAD else None
     return getattr(node, "variable", None)
 
 
