@@ -162,10 +162,11 @@ def build_pp_core(model, name, device, static=False):
 
 
 # ------------------------------------------------------------------------------ costs
-def stage_costs(model, num_stages, device, reps=7):
-    """Median F, B, I, W seconds of one microbatch through each stage, on this process alone."""
+def stage_costs(model, stages, device, reps=7):
+    """Median F, B, I, W seconds of one microbatch through each of ``stages``."""
     from pp_core.runtime.backward import backward_full, backward_input, backward_weight
 
+    num_stages, mine = stages
     names = fqns(num_stages)
     mb = BATCH // MICROBATCHES
     x0 = torch.randn(mb, HIDDEN, device=device)
@@ -173,7 +174,7 @@ def stage_costs(model, num_stages, device, reps=7):
     target = torch.randn(mb, HIDDEN, device=device)
     costs = {}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for s in range(num_stages):
+    for s in mine:
         module = part(copy.deepcopy(model), names[s]).to(device)
         samples = {"F": [], "B": [], "I": [], "W": []}
         for rep in range(reps + 2):
@@ -210,6 +211,24 @@ def stage_costs(model, num_stages, device, reps=7):
     return costs
 
 
+def measure_costs(model, name, rank, num_ranks, device):
+    """Per-stage costs two ways: rank 0 alone for every stage (the other rank idle), and each
+    rank for its own stages while the other rank measures too (the contention of a real run)."""
+    per_rank = SCHEDULES[name][1]
+    num_stages = num_ranks * per_rank
+    ranks = stage_ranks("v" if name == "v_schedule" else "loop", num_stages, num_ranks)
+    alone = None
+    if rank == 0:
+        alone = stage_costs(model, (num_stages, range(num_stages)), device)
+    dist.barrier()
+    mine = stage_costs(model, (num_stages, [s for s in range(num_stages) if ranks[s] == rank]),
+                       device)
+    gathered = [None] * num_ranks
+    dist.all_gather_object(gathered, mine)
+    together = {s: c for costs in gathered for s, c in costs.items()}
+    return alone, together
+
+
 def predicted(name, num_ranks, costs):
     from pp_core.schedule.build import build_schedule
     from pp_core.schedule.simulate import Costs, simulate
@@ -221,23 +240,43 @@ def predicted(name, num_ranks, costs):
 
 
 # ------------------------------------------------------------------------------ ranks
-def timed(step, x, y, modules, device):
+def timed(step, modules, x, y, device, memory=False):
     for module in modules:
         module.zero_grad(set_to_none=True)
     dist.barrier()
-    with PeakMemory(device) as memory:
+    with PeakMemory(device) if memory else _nothing() as peak:
         start = time.perf_counter()
         step(x, y)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-    t = torch.tensor([elapsed, float(memory.peak)], dtype=torch.float64)
+    t = torch.tensor([elapsed, float(getattr(peak, "peak", 0))], dtype=torch.float64)
     gathered = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, t)
     return max(g[0].item() for g in gathered), [g[1].item() for g in gathered]
 
 
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+CONTENDERS = ("torch", "pp_core", "pp_core_static")
+
+
+def build(key, model, name, rank, num_ranks, device):
+    if key == "torch":
+        step, modules, _ = build_torch(model, name, rank, num_ranks, device)
+        return step, modules
+    step, modules, _ = build_pp_core(model, name, device, static=key == "pp_core_static")
+    return step, modules
+
+
 def worker(rank, num_ranks, store_path, args, results_path):
+    """Timing: the three contenders alternate step by step (order rotated every step)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                             world_size=num_ranks)
@@ -247,38 +286,67 @@ def worker(rank, num_ranks, store_path, args, results_path):
     x = torch.randn(BATCH, HIDDEN, generator=generator).to(device)
     y = torch.randn(BATCH, HIDDEN, generator=generator).to(device)
     report = {}
-    costs = {}
-    if rank == 0:
-        for num_stages in sorted({num_ranks * SCHEDULES[n][1] for n in args.schedules}):
-            costs[num_stages] = stage_costs(model, num_stages, device)
-    dist.barrier()
     for name in args.schedules:
-        torch_step, torch_modules, _ = build_torch(copy.deepcopy(model), name, rank, num_ranks,
-                                                   device)
-        pp_step, pp_modules, pipe = build_pp_core(copy.deepcopy(model), name, device,
-                                                  args.static)
-        entry = {"torch": [], "pp_core": [], "torch_mem": [], "pp_core_mem": []}
-        # first steps (torch: shape inference; pp-core: first headers), in both orders' favour
-        entry["torch_first"], entry["torch_first_mem"] = timed(torch_step, x, y, torch_modules,
-                                                               device)
-        entry["pp_core_first"], entry["pp_core_first_mem"] = timed(pp_step, x, y, pp_modules,
-                                                                   device)
+        entry = {"alone": None}
+        entry["alone"], entry["together"] = measure_costs(model, name, rank, num_ranks, device)
+        built = {key: build(key, copy.deepcopy(model), name, rank, num_ranks, device)
+                 for key in CONTENDERS}
+        for key in CONTENDERS:  # first steps: torch's shape inference, pp-core's first headers
+            entry[key + "_first"] = timed(*built[key], x, y, device)[0]
+            entry[key] = []
         for _ in range(args.warmup):
-            timed(torch_step, x, y, torch_modules, device)
-            timed(pp_step, x, y, pp_modules, device)
+            for key in CONTENDERS:
+                timed(*built[key], x, y, device)
         for i in range(args.steps):
-            order = [("torch", torch_step, torch_modules), ("pp_core", pp_step, pp_modules)]
-            for key, step, modules in (order if i % 2 == 0 else order[::-1]):
-                seconds, memory = timed(step, x, y, modules, device)
-                entry[key].append(seconds)
-                entry[key + "_mem"].append(memory)
+            order = CONTENDERS[i % 3:] + CONTENDERS[:i % 3]
+            for key in order:
+                entry[key].append(timed(*built[key], x, y, device)[0])
         report[name] = entry
-        del torch_step, pp_step, pipe
+        del built
     if rank == 0:
         for name, entry in report.items():
-            num_stages = num_ranks * SCHEDULES[name][1]
-            entry["predicted"] = predicted(name, num_ranks, costs[num_stages])
-            entry["stage_costs"] = costs[num_stages]
+            entry["predicted_alone"] = predicted(name, num_ranks, entry["alone"])
+            entry["predicted_together"] = predicted(name, num_ranks, entry["together"])
+        with open(results_path, "w") as handle:
+            json.dump(report, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def memory_worker(rank, num_ranks, store_path, args, results_path):
+    """Peak memory of a step per rank, one framework at a time (run with a low
+    MALLOC_MMAP_THRESHOLD_ so freed tensors leave the resident set at once)."""
+    import gc
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=num_ranks)
+    device = torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
+    model = make_model()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, HIDDEN, generator=generator).to(device)
+    y = torch.randn(BATCH, HIDDEN, generator=generator).to(device)
+    report = {}
+    for name in args.schedules:
+        for key in CONTENDERS:
+            copied = copy.deepcopy(model)
+            gc.collect()
+            dist.barrier()
+            with PeakMemory(device) as peak:  # build + first step + two steps
+                step, modules = build(key, copied, name, rank, num_ranks, device)
+                for _ in range(3):
+                    timed(step, modules, x, y, device)
+            steady = max(timed(step, modules, x, y, device, memory=True)[1][rank]
+                         for _ in range(2))
+            values = torch.tensor([float(peak.peak), steady], dtype=torch.float64)
+            gathered = [torch.zeros_like(values) for _ in range(num_ranks)]
+            dist.all_gather(gathered, values)
+            report.setdefault(name, {})[key] = {
+                "with_first_step": [g[0].item() for g in gathered],
+                "steady_step": [g[1].item() for g in gathered]}
+            del step, modules, copied
+            gc.collect()
+    if rank == 0:
         with open(results_path, "w") as handle:
             json.dump(report, handle)
     dist.barrier()
@@ -293,31 +361,41 @@ def quantile(values, q):
     return values[lo] + (values[hi] - values[lo]) * (index - lo)
 
 
-def summarise(report):
+def summarise(report, memory):
     rows = {}
+    mib = lambda values: [round(v / 2**20, 1) for v in values]
     for name, e in report.items():
-        ratios = [p / t for p, t in zip(e["pp_core"], e["torch"])]
-        torch_med, pp_med = statistics.median(e["torch"]), statistics.median(e["pp_core"])
-        mem = lambda key: [max(step[r] for step in e[key]) for r in range(len(e[key][0]))]
-        rows[name] = {
-            "torch_class": SCHEDULES[name][0],
-            "torch_step_s": round(torch_med, 4),
-            "pp_core_step_s": round(pp_med, 4),
-            "ratio_median": round(statistics.median(ratios), 3),
-            "ratio_min": round(min(ratios), 3),
-            "ratio_max": round(max(ratios), 3),
-            "ratio_iqr": [round(quantile(ratios, 0.25), 3), round(quantile(ratios, 0.75), 3)],
-            "predicted_step_s": round(e["predicted"], 4),
-            "efficiency_pp_core": round(e["predicted"] / pp_med, 3),
-            "efficiency_torch": round(e["predicted"] / torch_med, 3),
-            "first_step_torch_s": round(e["torch_first"], 4),
-            "first_step_pp_core_s": round(e["pp_core_first"], 4),
-            "peak_mem_torch_mib": [round(m / 2**20, 1) for m in mem("torch_mem")],
-            "peak_mem_pp_core_mib": [round(m / 2**20, 1) for m in mem("pp_core_mem")],
-            "stage_costs_ms": {s: {k: round(v * 1e3, 3) for k, v in c.items()}
-                               for s, c in e["stage_costs"].items()},
-            "steps": len(ratios),
-        }
+        torch_med = statistics.median(e["torch"])
+        row = {"torch_class": SCHEDULES[name][0], "steps": len(e["torch"]),
+               "torch_step_s": round(torch_med, 4),
+               "predicted_step_s_alone": round(e["predicted_alone"], 4),
+               "predicted_step_s_together": round(e["predicted_together"], 4),
+               "efficiency_torch": round(e["predicted_alone"] / torch_med, 3),
+               "efficiency_torch_together": round(e["predicted_together"] / torch_med, 3),
+               "first_step_torch_s": round(e["torch_first"], 4),
+               "peak_mem_torch_mib": mib(memory[name]["torch"]["with_first_step"]),
+               "steady_mem_torch_mib": mib(memory[name]["torch"]["steady_step"])}
+        for key in ("pp_core", "pp_core_static"):
+            ratios = [p / t for p, t in zip(e[key], e["torch"])]
+            med = statistics.median(e[key])
+            row.update({
+                f"{key}_step_s": round(med, 4),
+                f"{key}_ratio_median": round(statistics.median(ratios), 3),
+                f"{key}_ratio_min": round(min(ratios), 3),
+                f"{key}_ratio_max": round(max(ratios), 3),
+                f"{key}_ratio_iqr": [round(quantile(ratios, 0.25), 3),
+                                     round(quantile(ratios, 0.75), 3)],
+                f"{key}_efficiency": round(e["predicted_alone"] / med, 3),
+                f"{key}_efficiency_together": round(e["predicted_together"] / med, 3),
+                f"{key}_first_step_s": round(e[key + "_first"], 4),
+                f"{key}_peak_mem_mib": mib(memory[name][key]["with_first_step"]),
+                f"{key}_steady_mem_mib": mib(memory[name][key]["steady_step"]),
+            })
+        row["stage_costs_ms_alone"] = {s: {k: round(v * 1e3, 3) for k, v in c.items()}
+                                       for s, c in e["alone"].items()}
+        row["stage_costs_ms_together"] = {s: {k: round(v * 1e3, 3) for k, v in c.items()}
+                                          for s, c in e["together"].items()}
+        rows[name] = row
     return rows
 
 
@@ -388,17 +466,29 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     num_ranks = 2
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         results_path = os.path.join(tmp, "results.json")
         mp.spawn(worker, args=(num_ranks, os.path.join(tmp, "store"), args, results_path),
                  nprocs=num_ranks, join=True)
         with open(results_path) as handle:
             report = json.load(handle)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "4096"  # freed tensors leave RSS at once
+        try:
+            memory_path = os.path.join(tmp, "memory.json")
+            mp.spawn(memory_worker, args=(num_ranks, os.path.join(tmp, "store_mem"), args,
+                                          memory_path), nprocs=num_ranks, join=True)
+        finally:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        with open(memory_path) as handle:
+            memory = json.load(handle)
     result = {
         "config": {"blocks": BLOCKS, "hidden": HIDDEN, "batch": BATCH,
                    "microbatches": MICROBATCHES, "ranks": num_ranks, "threads_per_rank": 1,
-                   "device": args.device, "torch": torch.__version__, "steps": args.steps},
-        "schedules": summarise(report),
+                   "device": args.device, "torch": torch.__version__, "steps": args.steps,
+                   "cpus": os.cpu_count(), "load_average_before": load_before,
+                   "load_average_after": os.getloadavg()},
+        "schedules": summarise(report, memory),
         "lowering": lowering_speed(),
         "split_backward": split_backward_overhead(),
     }
@@ -408,16 +498,23 @@ def main(argv=None):
         with open(args.json, "w") as handle:
             handle.write(text + "\n")
     print()
-    header = (f"{'schedule':<18}{'torch s':>9}{'pp-core s':>10}{'ratio':>7}{'spread':>14}"
-              f"{'eff':>6}{'eff(t)':>7}{'first t':>9}{'first pp':>9}{'mem t MiB':>14}"
-              f"{'mem pp MiB':>14}")
-    print(header)
+    print(f"{'schedule':<17}{'torch s':>8}{'pp s':>7}{'ratio':>6}{'range':>11}"
+          f"{'static s':>9}{'ratio':>6}{'eff':>5}{'eff2':>5}{'eff t':>6}{'first t/pp/st':>17}"
+          f"{'peak MiB t/pp/st (rank 0, rank 1)':>40}")
     for name, r in result["schedules"].items():
-        print(f"{name:<18}{r['torch_step_s']:>9.3f}{r['pp_core_step_s']:>10.3f}"
-              f"{r['ratio_median']:>7.3f}{r['ratio_min']:>7.2f}-{r['ratio_max']:<6.2f}"
-              f"{r['efficiency_pp_core']:>6.2f}{r['efficiency_torch']:>7.2f}"
-              f"{r['first_step_torch_s']:>9.3f}{r['first_step_pp_core_s']:>9.3f}"
-              f"{str(r['peak_mem_torch_mib']):>14}{str(r['peak_mem_pp_core_mib']):>14}")
+        first = f"{r['first_step_torch_s']:.2f}/{r['pp_core_first_step_s']:.2f}/" \
+                f"{r['pp_core_static_first_step_s']:.2f}"
+        mem = " ".join(f"{a:.0f}/{b:.0f}/{c:.0f}" for a, b, c in zip(
+            r["peak_mem_torch_mib"], r["pp_core_peak_mem_mib"], r["pp_core_static_peak_mem_mib"]))
+        print(f"{name:<17}{r['torch_step_s']:>8.3f}{r['pp_core_step_s']:>7.3f}"
+              f"{r['pp_core_ratio_median']:>6.2f} {r['pp_core_ratio_min']:>4.2f}-"
+              f"{r['pp_core_ratio_max']:<5.2f}{r['pp_core_static_step_s']:>9.3f}"
+              f"{r['pp_core_static_ratio_median']:>6.2f}{r['pp_core_efficiency']:>5.2f}"
+              f"{r['pp_core_efficiency_together']:>5.2f}{r['efficiency_torch']:>6.2f}"
+              f"{first:>17}{mem:>40}")
+    print("ratio = pp-core / torch step time (median of paired ratios, range min-max); static = "
+          "pp_seq_len set; eff = simulated / measured with costs measured alone, eff2 = with "
+          "costs measured while both ranks compute; eff t = torch's")
     lowering = result["lowering"]
     print(f"\nlowering pp=64 v=2 m=1024 ({lowering['compute_actions']} compute actions): "
           f"{lowering['seconds_median']} s")
