@@ -45,8 +45,9 @@ class ToyLM(nn.Module):
     """``layers`` contract: embeddings first, head last; the first stage may trim the padding
     columns of its microbatch, so later stages see a different length per microbatch."""
 
-    def __init__(self, vocab=32, dim=16, num_layers=4, trim=False):
+    def __init__(self, vocab=32, dim=16, num_layers=4, trim=False, pos_kwarg=False):
         super().__init__()
+        self.pos_kwarg = pos_kwarg
         self.embed = nn.Embedding(vocab, dim)
         self.pos_embed = nn.Embedding(32, dim)
         self.layers = nn.ModuleList(ToyBlock(dim) for _ in range(num_layers))
@@ -64,7 +65,7 @@ class ToyLM(nn.Module):
             x = layer(x, mask, pos)
         if self.head is not None:
             return self.head(x)
-        return x, mask, pos
+        return (x, mask) if self.pos_kwarg else (x, mask, pos)
 
 
 def trimmed_cross_entropy(logits, target):
@@ -289,3 +290,32 @@ def test_trace_of_a_step_with_the_simulators_prediction(pool, tmp_path):
     assert summary["predicted_makespan_s"] > 0
     for busy, bubble in zip(summary["measured_busy_s"], summary["measured_bubble_s"]):
         assert busy > 0 and abs(busy + bubble - summary["measured_makespan_s"]) < 1e-9
+
+
+def kwargs_case():
+    """``pos`` reaches every stage as a keyword input instead of crossing stages."""
+    torch.manual_seed(0)
+    model = ToyLM(pos_kwarg=True)
+    ref = copy.deepcopy(model)
+    config = PipelineConfig(pp_schedule="v_schedule", pp_batch_size=8, pp_microbatch_size=2,
+                            loss_fn=trimmed_cross_entropy)
+    pipe = build_pipeline(model, config)
+    ids, mask, pos, target = toy_batch(8, 6, seed=5)
+    loss = pipe.step((ids, mask), target=target, stage_kwargs={"pos": pos})
+    want = 0.0
+    for k in range(4):
+        sl = slice(2 * k, 2 * k + 2)
+        out = ref(ids[sl], mask[sl], pos=pos[sl])
+        step_loss = trimmed_cross_entropy(out, target[sl])
+        step_loss.backward()
+        want += step_loss.item() / 4
+    ref_params = dict(ref.named_parameters())
+    err = max((p.grad - ref_params[n].grad).abs().max().item()
+              for part in pipe.model_parts for n, p in part.named_parameters())
+    return None if loss is None else abs(float(loss) - want), err
+
+
+def test_every_stage_keyword_inputs(pool):
+    results = pool.run(kwargs_case)
+    assert [r[0] for r in results if r[0] is not None][0] < 1e-5
+    assert all(r[1] < 1e-6 for r in results)

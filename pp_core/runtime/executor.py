@@ -81,10 +81,13 @@ class Executor:
                          SEND_B: self._send_b, RECV_B: self._recv_b}
 
     # ------------------------------------------------------------------ step
-    def run(self, mb_inputs: Optional[list], mb_targets: Optional[list]):
+    def run(self, mb_inputs: Optional[list], mb_targets: Optional[list],
+            mb_kwargs: Optional[list] = None):
         """Run the program once. Returns ``(losses, outputs)`` (lists by microbatch; empty when
-        this rank does not hold the last stage)."""
+        this rank does not hold the last stage). ``mb_kwargs``: per microbatch, keyword inputs
+        for every stage."""
         M = self.num_microbatches
+        self.mb_kwargs = mb_kwargs
         self.mb_inputs = mb_inputs
         self.mb_targets = mb_targets
         self.inputs: dict[int, Any] = {}      # key -> stage inputs needing grad
@@ -131,7 +134,7 @@ class Executor:
                                 f"the schedule is incomplete - run validate_schedule() on it")
         losses = [loss for loss in self.losses if loss is not None]
         outputs = [out for out in self.results if out is not None]
-        self.mb_inputs = self.mb_targets = self.losses = self.results = None
+        self.mb_inputs = self.mb_targets = self.mb_kwargs = self.losses = self.results = None
         return losses, outputs
 
     def _release(self, blocking: bool) -> None:
@@ -184,7 +187,7 @@ class Executor:
             for initializer in self.initializers:
                 initializer.prepare(count, self.device)
         with torch.set_grad_enabled(train):
-            output = stage(args)
+            output = stage(args, self.mb_kwargs[mb] if self.mb_kwargs is not None else None)
             if stage.is_last:
                 self._finish(stage_index, mb, key, output)
             else:

@@ -158,24 +158,27 @@ class Pipeline:
         return self.p2p.group
 
     # ------------------------------------------------------------------ public
-    def step(self, inputs=None, target=None):
+    def step(self, inputs=None, target=None, *, stage_kwargs: Optional[dict] = None):
         """One training step over ``pp_batch_size`` samples; the same call on every rank.
 
         ``inputs`` are needed on the rank holding the first stage and ``target`` on the rank
         holding the last one; both may be passed on every rank (SPMD style) and are used only
-        where needed. Returns the mean microbatch loss on the last stage's rank, else ``None``.
+        where needed. ``stage_kwargs`` (a dict, split into microbatches like ``inputs``) are
+        keyword arguments of *every* stage's forward, e.g. ``{"position_ids": ids}``; pass them
+        on every rank. Returns the mean microbatch loss on the last stage's rank, else ``None``.
         """
         self._check_usable()
         if self.loss_fn is None:
             self._fail(ConfigError("step() trains, which needs a loss: set PipelineConfig.loss_fn "
                                    "(a callable, 'cross_entropy', or 'module:attr'), or call "
                                    "eval_step() for a forward pass"), before_traffic=True)
-        losses, _ = self._run(self._train, inputs, target, need_target=True)
+        losses, _ = self._run(self._train, inputs, target, need_target=True,
+                              stage_kwargs=stage_kwargs)
         if not self.has_last:
             return None
         return torch.stack(losses).float().mean()
 
-    def eval_step(self, inputs=None, target=None):
+    def eval_step(self, inputs=None, target=None, *, stage_kwargs: Optional[dict] = None):
         """Forward only, without gradients. On the last stage's rank returns the mean microbatch
         loss when ``target`` is given (and a loss_fn is set), else the last stage's outputs
         concatenated along dim 0; ``None`` on other ranks."""
@@ -188,7 +191,8 @@ class Pipeline:
                                   loss_fn=self.loss_fn, initializers=self.initializers,
                                   device=self.device, dtype=self.dtype,
                                   static_shapes=self.config.pp_seq_len is not None)
-        losses, outputs = self._run(self._eval, inputs, target, need_target=False)
+        losses, outputs = self._run(self._eval, inputs, target, need_target=False,
+                                    stage_kwargs=stage_kwargs)
         if not self.has_last:
             return None
         if losses:
@@ -204,7 +208,7 @@ class Pipeline:
     def _split(self, value, what: str) -> list:
         cfg = self.config
         parts = split_microbatches(value, self.num_microbatches, cfg.pp_batch_size, what)
-        return [to_device(part, self.device, self.dtype if what == "inputs" else None)
+        return [to_device(part, self.device, self.dtype if what != "target" else None)
                 for part in parts]
 
     def _prepare(self, inputs, target, need_target: bool):
@@ -223,15 +227,21 @@ class Pipeline:
             mb_targets = self._split(target, "target")
         return mb_inputs, mb_targets
 
-    def _run(self, executor: Executor, inputs, target, need_target: bool):
+    def _run(self, executor: Executor, inputs, target, need_target: bool, stage_kwargs=None):
         try:
             mb_inputs, mb_targets = self._prepare(inputs, target, need_target)
+            mb_kwargs = None
+            if stage_kwargs is not None:
+                if not isinstance(stage_kwargs, dict):
+                    raise ConfigError(f"stage_kwargs must be a dict of keyword arguments, got "
+                                      f"{type(stage_kwargs).__name__}")
+                mb_kwargs = self._split(stage_kwargs, "stage_kwargs")
         except PPCoreError as exc:
             self._fail(exc, before_traffic=True)
         try:
             executor.trace = [] if self.tracing else None
             offset = time.time() - time.perf_counter()
-            result = executor.run(mb_inputs, mb_targets)
+            result = executor.run(mb_inputs, mb_targets, mb_kwargs)
             if executor.trace is not None:
                 self.last_trace = [(a, s + offset, e + offset) for a, s, e in executor.trace]
                 executor.trace = None

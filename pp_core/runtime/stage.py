@@ -4,12 +4,13 @@ The contract (DESIGN.md, "Stage I/O"): the first stage is called as ``forward(x)
 microbatch, ``forward(*x)`` for a tuple or list, ``forward(**x)`` for a dict; a later stage as
 ``forward(*outs)`` where ``outs`` is the previous stage's output (a tensor, or a tuple of
 tensors). Integer and boolean tensors cross stages without gradients. The last stage's output
-goes to the loss function unchanged.
+goes to the loss function unchanged. Keyword inputs every stage needs (``step(...,
+stage_kwargs={"position_ids": ...})``) are added to every call as ``**kwargs``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -33,15 +34,16 @@ class Stage:
         self.local_prev = self.prev_rank == rank
         self.local_next = self.next_rank == rank
 
-    def __call__(self, inputs: Any) -> Any:
+    def __call__(self, inputs: Any, kwargs: Optional[dict] = None) -> Any:
         module = self.module
+        kwargs = kwargs or {}
         if not self.is_first:
-            return module(*inputs)
+            return module(*inputs, **kwargs)
         if isinstance(inputs, dict):
-            return module(**inputs)
+            return module(**inputs, **kwargs)
         if isinstance(inputs, (tuple, list)):
-            return module(*inputs)
-        return module(inputs)
+            return module(*inputs, **kwargs)
+        return module(inputs, **kwargs)
 
     def __repr__(self) -> str:
         return f"Stage({self.index}, {type(self.module).__name__})"
