@@ -119,8 +119,9 @@ def io_case(kind="tuple", seqs=(8, 6, 7), ragged=False, schedule="1f1b", dtype=N
     pipe = build_pipeline(model, config)
     headers = []
     send = pipe._train.mailbox.send
+    counts = []
     pipe._train.mailbox.send = lambda t, peer, tag, header=None: (
-        headers.append(header is not None), send(t, peer, tag, header))[1]
+        headers.append(header is not None), counts.append(len(t)), send(t, peer, tag, header))[2]
     EVENTS.clear()
     losses, ref_losses, events = [], [], []
     for step, seq in enumerate(seqs):
@@ -141,7 +142,7 @@ def io_case(kind="tuple", seqs=(8, 6, 7), ragged=False, schedule="1f1b", dtype=N
             want = ref_params[name].grad.float()
             err = max(err, ((p.grad.float() - want).abs().max() / (1 + want.abs().max())).item())
     return {"rank": rank, "losses": losses, "ref_losses": ref_losses, "grad_err": err,
-            "events": events, "headers": headers, "stages": pipe.stage_indices,
+            "events": events, "headers": headers, "counts": counts, "stages": pipe.stage_indices,
             "dtype": str(next(pipe.model_parts[0].parameters()).dtype)}
 
 
@@ -319,3 +320,15 @@ def test_every_stage_keyword_inputs(pool):
     results = pool.run(kwargs_case)
     assert [r[0] for r in results if r[0] is not None][0] < 1e-5
     assert all(r[1] < 1e-6 for r in results)
+
+
+def test_dynamic_shapes_predicted_after_two_equal_steps_and_refilled_on_change(pool):
+    """Steps 1-3 at length 8 (step 3 posts payloads with the header), step 4 changes to 6: the
+    sender sends filler of the predicted shapes first; steps 5-6 at 6 are not predicted, 7 is."""
+    seqs = (8, 8, 8, 6, 6, 6, 6)
+    results = pool.run(io_case, seqs=seqs, schedule="1f1b")
+    _assert_matches(results)
+    rank0 = [r for r in results if r["rank"] == 0][0]
+    per_step = [rank0["counts"][4 * i:4 * i + 4] for i in range(len(seqs))]
+    assert per_step[3] == [6] * 4  # 3 tensors of filler, then the 3 real ones
+    assert all(step == [3] * 4 for i, step in enumerate(per_step) if i != 3)

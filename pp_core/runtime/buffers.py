@@ -10,10 +10,12 @@ Protocol, as the executor uses it (``lifetime`` is an index into ``program.recv_
 :mod:`pp_core.schedule.lower` for what ``posted``, ``consumed`` and ``released`` mean):
 
 * ``allocate(lifetime, metas)`` - called once per message, between ``posted`` and ``consumed``
-  (at ``posted`` when shapes are static, later when a header must arrive first); ``metas`` is a
-  list of :class:`pp_core.runtime.comm.TensorMeta` (shape, dtype, requires_grad). Return one
-  contiguous tensor per meta, of exactly that shape and dtype, on the allocator's device. The
-  buffers must not be handed out again before ``release(lifetime)``.
+  (at ``posted`` when shapes are static or predicted, later when a header must arrive first);
+  ``metas`` is a list of :class:`pp_core.runtime.comm.TensorMeta` (shape, dtype,
+  requires_grad). Return one contiguous tensor per meta, of exactly that shape and dtype, on the
+  allocator's device. The buffers must not be handed out again before ``release(lifetime)``.
+  When a predicted shape turns out wrong, the runtime calls ``release(lifetime)`` and then
+  ``allocate`` again for the same lifetime.
 * ``consume(lifetime, tensors)`` (optional) - called when the message has arrived, right before
   the compute at ``consumed``; returns the tensors the runtime uses instead (e.g. copies, which
   lets the allocator reuse the buffers at once). Without it the model gets views of the buffers.

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from pp_core.errors import PipelineError
 
 __all__ = ["TensorMeta", "HEADER_LEN", "encode_header", "decode_header", "P2P", "Incoming",
-           "Mailbox", "PeerFailure"]
+           "Mailbox", "PeerFailure", "ShapeHistory", "same_buffers"]
 
 HEADER_LEN = 64
 """Numbers (int64) in a forward header: enough for e.g. 8 tensors of 5 dimensions."""
@@ -91,6 +91,41 @@ def decode_header(values: Sequence[int]) -> list[TensorMeta]:
         metas.append(TensorMeta(tuple(values[pos:pos + ndim]), _DTYPES[code], bool(grad)))
         pos += ndim
     return metas
+
+
+def same_buffers(a: Optional[Sequence[TensorMeta]], b: Sequence[TensorMeta]) -> bool:
+    """Whether buffers allocated for metas ``a`` can receive metas ``b`` (shape and dtype)."""
+    return a is not None and len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
+
+
+class ShapeHistory:
+    """Shape prediction for headers: a stage boundary whose messages had the same metas, per
+    microbatch, in the last two steps is *stable*; for it, the receiver posts each payload with
+    last step's shapes together with the header instead of after it (no added latency), and the
+    sender, which keeps the same history, sends filler of the predicted shapes ahead of the
+    real payload when its shapes changed after all. Boundaries whose shapes keep changing are
+    never predicted, so they pay neither filler nor a wrong guess."""
+
+    def __init__(self):
+        self.last: dict = {}
+        self.current: dict = {}
+        self.stable: set = set()
+
+    def new_step(self) -> None:
+        for edge, metas in self.current.items():
+            if self.last.get(edge) == metas:
+                self.stable.add(edge)
+            else:
+                self.stable.discard(edge)
+            self.last[edge] = metas
+        self.current = {}
+
+    def predict(self, edge, microbatch) -> Optional[list]:
+        return self.last[edge].get(microbatch) if edge in self.stable else None
+
+    def record(self, edge, microbatch, metas) -> None:
+        self.current.setdefault(edge, {})[microbatch] = metas
 
 
 class P2P:
@@ -200,9 +235,10 @@ class Incoming:
     """One message being received: header (optional), then one buffer per tensor."""
 
     __slots__ = ("peer", "tag", "metas", "header", "header_work", "tensors", "works", "lifetime",
-                 "edge")
+                 "edge", "microbatch", "predicted", "queued")
 
-    def __init__(self, peer: int, tag: int, metas: Optional[list], lifetime: int = -1):
+    def __init__(self, peer: int, tag: int, metas: Optional[list], lifetime: int = -1,
+                 predicted: Optional[list] = None):
         self.peer = peer
         self.tag = tag
         self.metas = metas
@@ -212,6 +248,9 @@ class Incoming:
         self.works: list = []
         self.lifetime = lifetime
         self.edge = None
+        self.microbatch = -1
+        self.predicted = predicted  # shapes to post the payload with before the header is in
+        self.queued = False
 
 
 class Mailbox:
@@ -222,9 +261,10 @@ class Mailbox:
     an earlier header (static shapes).
     """
 
-    def __init__(self, p2p: P2P, allocate, device: torch.device):
+    def __init__(self, p2p: P2P, allocator, device: torch.device):
         self.p2p = p2p
-        self.allocate = allocate
+        self.allocate = allocator.allocate
+        self.release = allocator.release
         self.device = device
         self.unflushed: dict[int, deque] = {}
         self.sends: deque = deque()  # (work, tensors) in issue order
@@ -238,15 +278,19 @@ class Mailbox:
         if with_header:
             message.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
             message.header_work = self.p2p.irecv(message.header, message.peer, TAG_HEADER)
+            if message.predicted is not None:  # both ends predict alike: see ShapeHistory
+                self._post_payload(message, message.predicted)
+            message.queued = True
             self.unflushed.setdefault(message.peer, deque()).append(message)
         elif message.metas is None:  # metas come from an earlier header on the same edge
+            message.queued = True
             self.unflushed.setdefault(message.peer, deque()).append(message)
         else:
-            self._post_payload(message)
+            self._post_payload(message, message.metas)
         return message
 
-    def _post_payload(self, message: Incoming) -> None:
-        tensors = self.allocate(message.lifetime, message.metas)
+    def _post_payload(self, message: Incoming, metas) -> None:
+        tensors = self.allocate(message.lifetime, metas) if metas else []
         message.tensors = tensors
         message.works = [self.p2p.irecv(t, message.peer, message.tag) for t in tensors]
 
@@ -264,7 +308,15 @@ class Mailbox:
             elif message.metas is None:
                 message.metas = self.edge_metas(message)
             queue.popleft()
-            self._post_payload(message)
+            message.queued = False
+            if message.tensors is None:
+                self._post_payload(message, message.metas)
+            elif not same_buffers(message.predicted, message.metas):
+                # mispredicted: the sender sent filler of the predicted shapes first; drain it
+                for work in message.works:
+                    self.p2p.wait(work, message.peer)
+                self.release(message.lifetime)
+                self._post_payload(message, message.metas)
             if message is upto:
                 return
 
@@ -276,7 +328,7 @@ class Mailbox:
 
     def receive(self, message: Incoming) -> list:
         """Wait for ``message`` and return its tensors."""
-        if message.tensors is None:
+        if message.queued:
             self.flush(message.peer, upto=message)
         for work in message.works:
             self.p2p.wait(work, message.peer)

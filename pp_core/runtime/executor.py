@@ -25,8 +25,8 @@ import torch
 
 from pp_core.errors import PipelineError
 from pp_core.runtime.backward import backward_full, backward_input, backward_weight
-from pp_core.runtime.comm import (TAG_BACKWARD, TAG_FORWARD, Incoming, Mailbox, P2P, TensorMeta,
-                                  encode_header)
+from pp_core.runtime.comm import (TAG_BACKWARD, TAG_FORWARD, Incoming, Mailbox, P2P,
+                                  ShapeHistory, TensorMeta, encode_header, same_buffers)
 from pp_core.runtime.microbatch import num_tokens
 from pp_core.runtime.stage import Stage, as_outputs, make_stage_inputs
 from pp_core.schedule.ir import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
@@ -53,7 +53,9 @@ class Executor:
         self.device = device
         self.dtype = dtype
         self.static_shapes = static_shapes
-        self.mailbox = Mailbox(p2p, allocator.allocate, device)
+        self.mailbox = Mailbox(p2p, allocator, device)
+        self.shapes_sent = ShapeHistory()  # dynamic shapes: keyed by the receiving stage
+        self.shapes_received = ShapeHistory()
         self.mailbox.edge_metas = self._edge_metas
         self.mailbox.header_decoded = self._header_decoded
         self.num_microbatches = program.num_microbatches
@@ -88,6 +90,8 @@ class Executor:
         for every stage."""
         M = self.num_microbatches
         self.mb_kwargs = mb_kwargs
+        self.shapes_sent.new_step()
+        self.shapes_received.new_step()
         self.mb_inputs = mb_inputs
         self.mb_targets = mb_targets
         self.inputs: dict[int, Any] = {}      # key -> stage inputs needing grad
@@ -255,8 +259,15 @@ class Executor:
         outs = self.to_send.pop(key)
         metas = [TensorMeta.of(t) for t in outs]
         header = None
+        tensors = [t.detach().contiguous() for t in outs]
         if not self.static_shapes:
             header = encode_header(metas)
+            edge, mb = stage_index + 1, action.microbatch
+            predicted = self.shapes_sent.predict(edge, mb)
+            self.shapes_sent.record(edge, mb, metas)
+            if predicted is not None and not same_buffers(predicted, metas):
+                tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device)
+                           for m in predicted] + tensors  # the receiver posted these shapes
         else:
             known = self.sent_metas.get(stage_index)
             if known is None:
@@ -267,7 +278,6 @@ class Executor:
                     f"stage {stage_index} output changed from {_describe(known)} to "
                     f"{_describe(metas)}, but pp_seq_len is set, which promises static shapes; "
                     f"unset pp_seq_len to let shapes vary, or pad inputs to pp_seq_len")
-        tensors = [t.detach().contiguous() for t in outs]
         self.mailbox.send(tensors, self.stages[stage_index].next_rank, TAG_FORWARD, header)
 
     def _recv_f(self, action) -> None:
@@ -276,13 +286,15 @@ class Executor:
         peer = self.stages[stage_index].prev_rank
         lifetime = self.lifetime_at.get(self.position, -1)
         if not self.static_shapes:
-            message = Incoming(peer, TAG_FORWARD, None, lifetime)
+            predicted = self.shapes_received.predict(stage_index, action.microbatch)
+            message = Incoming(peer, TAG_FORWARD, None, lifetime, predicted)
             header = True
         else:
             header = stage_index not in self.recv_started
             self.recv_started.add(stage_index)
             message = Incoming(peer, TAG_FORWARD, self.recv_metas.get(stage_index), lifetime)
         message.edge = stage_index
+        message.microbatch = action.microbatch
         self.messages[key] = self.mailbox.post(message, header)
 
     def _edge_metas(self, message: Incoming) -> list:
@@ -291,6 +303,8 @@ class Executor:
     def _header_decoded(self, message: Incoming) -> None:
         if self.static_shapes:
             self.recv_metas.setdefault(message.edge, message.metas)
+        else:
+            self.shapes_received.record(message.edge, message.microbatch, message.metas)
 
     def _send_b(self, action) -> None:
         key = action.stage * self.num_microbatches + action.microbatch
