@@ -323,12 +323,16 @@ def test_every_stage_keyword_inputs(pool):
 
 
 def test_dynamic_shapes_predicted_after_two_equal_steps_and_refilled_on_change(pool):
-    """Steps 1-3 at length 8 (step 3 posts payloads with the header), step 4 changes to 6: the
-    sender sends filler of the predicted shapes first; steps 5-6 at 6 are not predicted, 7 is."""
+    """Steps 1-2 at length 8 send a header, then the 3 tensors; step 3 (two equal steps
+    before) sends one packed buffer; step 4 changes to 6: the packed buffer of the predicted
+    size carries the new header and filler, the 3 real tensors follow; step 5 is not predicted
+    (step 4 differed from step 3); steps 6-7 are packed again."""
     seqs = (8, 8, 8, 6, 6, 6, 6)
     results = pool.run(io_case, seqs=seqs, schedule="1f1b")
     _assert_matches(results)
     rank0 = [r for r in results if r["rank"] == 0][0]
-    per_step = [rank0["counts"][4 * i:4 * i + 4] for i in range(len(seqs))]
-    assert per_step[3] == [6] * 4  # 3 tensors of filler, then the 3 real ones
-    assert all(step == [3] * 4 for i, step in enumerate(per_step) if i != 3)
+    counts = [rank0["counts"][4 * i:4 * i + 4] for i in range(len(seqs))]
+    headers = [rank0["headers"][4 * i:4 * i + 4] for i in range(len(seqs))]
+    assert [c[0] for c in counts] == [3, 3, 1, 4, 3, 1, 1]
+    assert [h[0] for h in headers] == [True, True, False, False, True, False, False]
+    assert all(len(set(c)) == 1 and len(set(h)) == 1 for c, h in zip(counts, headers))

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from pp_core.errors import PipelineError
 
 __all__ = ["TensorMeta", "HEADER_LEN", "encode_header", "decode_header", "P2P", "Incoming",
-           "Mailbox", "PeerFailure", "ShapeHistory", "same_buffers"]
+           "Mailbox", "PeerFailure", "ShapeHistory", "same_buffers", "pack", "unpack",
+           "packed_nbytes"]
 
 HEADER_LEN = 64
 """Numbers (int64) in a forward header: enough for e.g. 8 tensors of 5 dimensions."""
@@ -99,13 +100,57 @@ def same_buffers(a: Optional[Sequence[TensorMeta]], b: Sequence[TensorMeta]) -> 
         x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
 
 
+HEADER_BYTES = HEADER_LEN * 8
+_ALIGN = 64
+
+
+def _bytes_meta(size: int) -> TensorMeta:
+    return TensorMeta((size,), torch.uint8, False)
+
+
+def _slots(metas: Sequence[TensorMeta]) -> list[tuple[int, int]]:
+    """(offset, nbytes) of each tensor in a packed message, after the header, 64-byte aligned."""
+    slots, offset = [], HEADER_BYTES
+    for meta in metas:
+        numel = 1
+        for size in meta.shape:
+            numel *= size
+        nbytes = numel * meta.dtype.itemsize
+        slots.append((offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return slots
+
+
+def packed_nbytes(metas: Sequence[TensorMeta]) -> int:
+    slots = _slots(metas)
+    return slots[-1][0] + slots[-1][1] if slots else HEADER_BYTES
+
+
+def pack(header: list[int], tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta],
+         device) -> torch.Tensor:
+    """One uint8 message: the header, then each tensor (``None``: filler) at its slot."""
+    buffer = torch.empty(packed_nbytes(metas), dtype=torch.uint8, device=device)
+    buffer[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+    for tensor, (offset, nbytes) in zip(tensors, _slots(metas)):
+        if tensor is not None and nbytes:
+            buffer[offset:offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
+    """Views of a packed message's tensors (no copy)."""
+    return [buffer[offset:offset + nbytes].view(meta.dtype).view(meta.shape)
+            for meta, (offset, nbytes) in zip(metas, _slots(metas))]
+
+
 class ShapeHistory:
     """Shape prediction for headers: a stage boundary whose messages had the same metas, per
-    microbatch, in the last two steps is *stable*; for it, the receiver posts each payload with
-    last step's shapes together with the header instead of after it (no added latency), and the
-    sender, which keeps the same history, sends filler of the predicted shapes ahead of the
-    real payload when its shapes changed after all. Boundaries whose shapes keep changing are
-    never predicted, so they pay neither filler nor a wrong guess."""
+    microbatch, in the last two steps is *stable*; on it a message travels as one packed buffer
+    (header, then the tensors) whose size both ends know from last step, so the receiver posts
+    it at the ``RECV`` and no separate header is exchanged. If the sender's shapes changed after
+    all, the packed buffer (of the predicted size) carries the new header and filler, and the
+    real tensors follow one by one. Boundaries whose shapes keep changing are never predicted,
+    so they pay neither filler nor a wrong guess."""
 
     def __init__(self):
         self.last: dict = {}
@@ -235,7 +280,7 @@ class Incoming:
     """One message being received: header (optional), then one buffer per tensor."""
 
     __slots__ = ("peer", "tag", "metas", "header", "header_work", "tensors", "works", "lifetime",
-                 "edge", "microbatch", "predicted", "queued")
+                 "edge", "microbatch", "predicted", "queued", "packed")
 
     def __init__(self, peer: int, tag: int, metas: Optional[list], lifetime: int = -1,
                  predicted: Optional[list] = None):
@@ -249,8 +294,9 @@ class Incoming:
         self.lifetime = lifetime
         self.edge = None
         self.microbatch = -1
-        self.predicted = predicted  # shapes to post the payload with before the header is in
+        self.predicted = predicted  # predicted metas: receive header and payload packed in one
         self.queued = False
+        self.packed = None
 
 
 class Mailbox:
@@ -275,11 +321,16 @@ class Mailbox:
         queue = self.unflushed.get(message.peer)
         if queue:
             self.flush(message.peer)
-        if with_header:
+        if with_header and message.predicted is not None:
+            # both ends predict alike (ShapeHistory): header and payload in one message
+            size = packed_nbytes(message.predicted)
+            (message.packed,) = self.allocate(message.lifetime, [_bytes_meta(size)])
+            message.works = [self.p2p.irecv(message.packed, message.peer, message.tag)]
+            message.queued = True
+            self.unflushed.setdefault(message.peer, deque()).append(message)
+        elif with_header:
             message.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
             message.header_work = self.p2p.irecv(message.header, message.peer, TAG_HEADER)
-            if message.predicted is not None:  # both ends predict alike: see ShapeHistory
-                self._post_payload(message, message.predicted)
             message.queued = True
             self.unflushed.setdefault(message.peer, deque()).append(message)
         elif message.metas is None:  # metas come from an earlier header on the same edge
@@ -299,6 +350,23 @@ class Mailbox:
         queue = self.unflushed.get(peer)
         while queue:
             message = queue[0]
+            if message.packed is not None:
+                for work in message.works:
+                    self.p2p.wait(work, message.peer)
+                packed, message.packed, message.works = message.packed, None, []
+                message.metas = decode_header(packed[:HEADER_BYTES].view(torch.int64).tolist())
+                self.header_decoded(message)
+                queue.popleft()
+                message.queued = False
+                if same_buffers(message.predicted, message.metas):
+                    message.tensors = unpack(packed, message.metas)
+                else:  # the sender's shapes changed: the real payload follows, tensor by tensor
+                    del packed
+                    self.release(message.lifetime)
+                    self._post_payload(message, message.metas)
+                if message is upto:
+                    return
+                continue
             if message.header_work is not None:
                 self.p2p.wait(message.header_work, message.peer)
                 message.header_work = None
@@ -309,14 +377,7 @@ class Mailbox:
                 message.metas = self.edge_metas(message)
             queue.popleft()
             message.queued = False
-            if message.tensors is None:
-                self._post_payload(message, message.metas)
-            elif not same_buffers(message.predicted, message.metas):
-                # mispredicted: the sender sent filler of the predicted shapes first; drain it
-                for work in message.works:
-                    self.p2p.wait(work, message.peer)
-                self.release(message.lifetime)
-                self._post_payload(message, message.metas)
+            self._post_payload(message, message.metas)
             if message is upto:
                 return
 

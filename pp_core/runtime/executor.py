@@ -26,7 +26,7 @@ import torch
 from pp_core.errors import PipelineError
 from pp_core.runtime.backward import backward_full, backward_input, backward_weight
 from pp_core.runtime.comm import (TAG_BACKWARD, TAG_FORWARD, Incoming, Mailbox, P2P,
-                                  ShapeHistory, TensorMeta, encode_header, same_buffers)
+                                  ShapeHistory, TensorMeta, encode_header, pack, same_buffers)
 from pp_core.runtime.microbatch import num_tokens
 from pp_core.runtime.stage import Stage, as_outputs, make_stage_inputs
 from pp_core.schedule.ir import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
@@ -265,9 +265,13 @@ class Executor:
             edge, mb = stage_index + 1, action.microbatch
             predicted = self.shapes_sent.predict(edge, mb)
             self.shapes_sent.record(edge, mb, metas)
-            if predicted is not None and not same_buffers(predicted, metas):
-                tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device)
-                           for m in predicted] + tensors  # the receiver posted these shapes
+            if predicted is not None:  # the receiver posted one packed buffer of these shapes
+                if same_buffers(predicted, metas):
+                    tensors = [pack(header, tensors, metas, self.device)]
+                else:
+                    tensors = [pack(header, [None] * len(predicted), predicted,
+                                    self.device)] + tensors
+                header = None
         else:
             known = self.sent_metas.get(stage_index)
             if known is None:
