@@ -11,3 +11,6 @@ fi
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "pip>=23" "setuptools>=68" wheel
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[test,transformers]"
+# The example third-party plugin package, installed as a user would (examples/plugin_model.yaml
+# names its model and dataset).
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps ./examples/pp_example_plugin
