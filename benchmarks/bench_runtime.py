@@ -229,14 +229,33 @@ def measure_costs(model, name, rank, num_ranks, device):
     return alone, together
 
 
-def predicted(name, num_ranks, costs):
+def predicted(name, num_ranks, costs, latency=0.0):
     from pp_core.schedule.build import build_schedule
     from pp_core.schedule.simulate import Costs, simulate
 
     per_rank = SCHEDULES[name][1]
     schedule = build_schedule(name, num_ranks=num_ranks, num_microbatches=MICROBATCHES,
                               stages_per_rank=per_rank)
-    return simulate(schedule, Costs(per_stage=costs)).makespan
+    return simulate(schedule, Costs(per_stage=costs), comm_latency=latency).makespan
+
+
+def one_way_latency(device, reps=50):
+    """Half the median round trip of one microbatch's activation between ranks 0 and 1."""
+    group = dist.group.WORLD
+    buffer = torch.zeros(BATCH // MICROBATCHES, HIDDEN, device=device)
+    rank = dist.get_rank()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            group.send([buffer], 1, 9).wait()
+            group.recv([buffer], 1, 9).wait()
+        elif rank == 1:
+            group.recv([buffer], 0, 9).wait()
+            group.send([buffer], 0, 9).wait()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / 2
 
 
 # ------------------------------------------------------------------------------ ranks
@@ -286,8 +305,9 @@ def worker(rank, num_ranks, store_path, args, results_path):
     x = torch.randn(BATCH, HIDDEN, generator=generator).to(device)
     y = torch.randn(BATCH, HIDDEN, generator=generator).to(device)
     report = {}
+    latency = one_way_latency(device)
     for name in args.schedules:
-        entry = {"alone": None}
+        entry = {"alone": None, "latency": latency}
         entry["alone"], entry["together"] = measure_costs(model, name, rank, num_ranks, device)
         built = {key: build(key, copy.deepcopy(model), name, rank, num_ranks, device)
                  for key in CONTENDERS}
@@ -307,6 +327,8 @@ def worker(rank, num_ranks, store_path, args, results_path):
         for name, entry in report.items():
             entry["predicted_alone"] = predicted(name, num_ranks, entry["alone"])
             entry["predicted_together"] = predicted(name, num_ranks, entry["together"])
+            entry["predicted_latency"] = predicted(name, num_ranks, entry["alone"],
+                                                   entry["latency"])
         with open(results_path, "w") as handle:
             json.dump(report, handle)
     dist.barrier()
@@ -370,6 +392,8 @@ def summarise(report, memory):
                "torch_step_s": round(torch_med, 4),
                "predicted_step_s_alone": round(e["predicted_alone"], 4),
                "predicted_step_s_together": round(e["predicted_together"], 4),
+               "predicted_step_s_with_latency": round(e["predicted_latency"], 4),
+               "one_way_latency_ms": round(e["latency"] * 1e3, 3),
                "efficiency_torch": round(e["predicted_alone"] / torch_med, 3),
                "efficiency_torch_together": round(e["predicted_together"] / torch_med, 3),
                "first_step_torch_s": round(e["torch_first"], 4),
@@ -387,6 +411,7 @@ def summarise(report, memory):
                                      round(quantile(ratios, 0.75), 3)],
                 f"{key}_efficiency": round(e["predicted_alone"] / med, 3),
                 f"{key}_efficiency_together": round(e["predicted_together"] / med, 3),
+                f"{key}_efficiency_with_latency": round(e["predicted_latency"] / med, 3),
                 f"{key}_first_step_s": round(e[key + "_first"], 4),
                 f"{key}_peak_mem_mib": mib(memory[name][key]["with_first_step"]),
                 f"{key}_steady_mem_mib": mib(memory[name][key]["steady_step"]),
@@ -499,7 +524,8 @@ def main(argv=None):
             handle.write(text + "\n")
     print()
     print(f"{'schedule':<17}{'torch s':>8}{'pp s':>7}{'ratio':>6}{'range':>11}"
-          f"{'static s':>9}{'ratio':>6}{'eff':>5}{'eff2':>5}{'eff t':>6}{'first t/pp/st':>17}"
+          f"{'static s':>9}{'ratio':>6}{'eff':>5}{'eff2':>5}{'eff3':>5}{'eff t':>6}"
+          f"{'first t/pp/st':>17}"
           f"{'peak MiB t/pp/st (rank 0, rank 1)':>40}")
     for name, r in result["schedules"].items():
         first = f"{r['first_step_torch_s']:.2f}/{r['pp_core_first_step_s']:.2f}/" \
@@ -510,11 +536,13 @@ def main(argv=None):
               f"{r['pp_core_ratio_median']:>6.2f} {r['pp_core_ratio_min']:>4.2f}-"
               f"{r['pp_core_ratio_max']:<5.2f}{r['pp_core_static_step_s']:>9.3f}"
               f"{r['pp_core_static_ratio_median']:>6.2f}{r['pp_core_efficiency']:>5.2f}"
-              f"{r['pp_core_efficiency_together']:>5.2f}{r['efficiency_torch']:>6.2f}"
+              f"{r['pp_core_efficiency_together']:>5.2f}"
+              f"{r['pp_core_efficiency_with_latency']:>5.2f}{r['efficiency_torch']:>6.2f}"
               f"{first:>17}{mem:>40}")
     print("ratio = pp-core / torch step time (median of paired ratios, range min-max); static = "
           "pp_seq_len set; eff = simulated / measured with costs measured alone, eff2 = with "
-          "costs measured while both ranks compute; eff t = torch's")
+          "costs measured while both ranks compute, eff3 = costs alone plus the measured one-way "
+          "latency per hand-over; eff t = torch's (costs alone)")
     lowering = result["lowering"]
     print(f"\nlowering pp=64 v=2 m=1024 ({lowering['compute_actions']} compute actions): "
           f"{lowering['seconds_median']} s")
