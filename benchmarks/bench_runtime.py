@@ -162,8 +162,9 @@ def build_pp_core(model, name, device, static=False):
 
 
 # ------------------------------------------------------------------------------ costs
-def stage_costs(model, stages, device, reps=7):
-    """Median F, B, I, W seconds of one microbatch through each of ``stages``."""
+def stage_costs(model, stages, device, reps=16):
+    """Median F, B, I, W seconds of one microbatch through each of ``stages``; gradients are
+    zeroed (set to None) every ``MICROBATCHES`` microbatches, as in a step."""
     from pp_core.runtime.backward import backward_full, backward_input, backward_weight
 
     num_stages, mine = stages
@@ -206,17 +207,16 @@ def stage_costs(model, stages, device, reps=7):
                     if rep >= 2:
                         samples["F"].append(t1 - t0)
                         samples["B"].append(t2 - t1)
+            if rep % MICROBATCHES == 0:
                 module.zero_grad(set_to_none=True)
         costs[s] = {k: statistics.median(v) for k, v in samples.items()}
     return costs
 
 
-def measure_costs(model, name, rank, num_ranks, device):
+def measure_costs(model, num_stages, rank, num_ranks, device):
     """Per-stage costs two ways: rank 0 alone for every stage (the other rank idle), and each
     rank for its own stages while the other rank measures too (the contention of a real run)."""
-    per_rank = SCHEDULES[name][1]
-    num_stages = num_ranks * per_rank
-    ranks = stage_ranks("v" if name == "v_schedule" else "loop", num_stages, num_ranks)
+    ranks = stage_ranks("loop", num_stages, num_ranks)
     alone = None
     if rank == 0:
         alone = stage_costs(model, (num_stages, range(num_stages)), device)
@@ -306,9 +306,11 @@ def worker(rank, num_ranks, store_path, args, results_path):
     y = torch.randn(BATCH, HIDDEN, generator=generator).to(device)
     report = {}
     latency = one_way_latency(device)
+    costs = {n: measure_costs(model, n, rank, num_ranks, device)
+             for n in sorted({num_ranks * SCHEDULES[s][1] for s in args.schedules})}
     for name in args.schedules:
-        entry = {"alone": None, "latency": latency}
-        entry["alone"], entry["together"] = measure_costs(model, name, rank, num_ranks, device)
+        entry = {"latency": latency}
+        entry["alone"], entry["together"] = costs[num_ranks * SCHEDULES[name][1]]
         built = {key: build(key, copy.deepcopy(model), name, rank, num_ranks, device)
                  for key in CONTENDERS}
         for key in CONTENDERS:  # first steps: torch's shape inference, pp-core's first headers
