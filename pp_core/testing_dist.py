@@ -1,0 +1,165 @@
+"""Run test functions on N local gloo ranks: the processes are spawned once, many cases inside.
+
+For plugin authors and pp-core's own tests (``from pp_core.testing import DistPool``): test a
+schedule, splitter or initializer end to end on real ranks in a few lines::
+
+    pool = DistPool(2)                      # two ranks, one gloo process group
+    results = pool.run(check_1f1b, 4)       # check_1f1b(4) on every rank; its returns, by rank
+    outcomes = pool.run_outcomes(fails)     # per-rank Outcome(ok, value, error, message)
+    pool.close()
+
+``fn`` must be importable by name (a module-level function of the test module). Each rank runs
+with ``torch.set_num_threads(1)`` and a default process group over a ``FileStore`` (no ports).
+When a case leaves a rank with an error or without its process group (a failing pipeline
+destroys its group on purpose), every rank gets a fresh group before the next case. A case that
+does not finish within ``timeout`` seconds kills the pool (a hang is a test failure, never a
+stuck suite); the next case starts a new one.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, NamedTuple
+
+import torch.multiprocessing as mp
+
+__all__ = ["DistPool", "Outcome", "RankError"]
+
+
+class Outcome(NamedTuple):
+    ok: bool
+    value: Any
+    error: str  # exception type name ("" when ok)
+    message: str  # str(exception) ("" when ok)
+    traceback: str
+
+
+class RankError(AssertionError):
+    """One or more ranks raised; the message holds every failing rank's traceback."""
+
+
+def _worker(rank: int, world_size: int, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    generation = None
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        gen, store_path, fn, args, kwargs = task
+        try:
+            if generation != gen or not dist.is_initialized():
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                                        world_size=world_size)
+                generation = gen
+            value = fn(*args, **kwargs)
+            outcome = Outcome(True, value, "", "", "")
+        except BaseException as exc:  # report everything, keep serving
+            outcome = Outcome(False, None, type(exc).__name__, str(exc), traceback.format_exc())
+        healthy = dist.is_initialized()
+        try:
+            results.put((rank, outcome, healthy))
+        except Exception as exc:  # an unpicklable return value
+            results.put((rank, Outcome(False, None, type(exc).__name__, str(exc), ""), healthy))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class DistPool:
+    """``world_size`` spawned ranks sharing one gloo process group (renewed after a failure)."""
+
+    def __init__(self, world_size: int, timeout: float = 120.0):
+        self.world_size = world_size
+        self.timeout = timeout
+        self._dir = tempfile.mkdtemp(prefix="pp_core_dist_")
+        self._generation = 0
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, self._tasks[r],
+                                                         self._results), daemon=True)
+                       for r in range(self.world_size)]
+        for proc in self._procs:
+            proc.start()
+        self._renew()
+
+    def _renew(self) -> None:
+        self._generation += 1
+        self._store = os.path.join(self._dir, f"store{self._generation}")
+
+    def run_outcomes(self, fn: Callable, *args, **kwargs) -> list[Outcome]:
+        """Run ``fn(*args, **kwargs)`` on every rank; each rank's :class:`Outcome`, by rank."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close(keep_dir=True)
+            self._start()
+        for tasks in self._tasks:
+            tasks.put((self._generation, self._store, fn, args, kwargs))
+        outcomes: list = [None] * self.world_size
+        renew = False
+        deadline = time.monotonic() + self.timeout
+        while any(o is None for o in outcomes):
+            try:
+                rank, outcome, healthy = self._results.get(timeout=0.2)
+            except queue.Empty:
+                for rank, proc in enumerate(self._procs):
+                    if outcomes[rank] is None and not proc.is_alive():
+                        outcomes[rank] = Outcome(False, None, "ProcessDied",
+                                                 f"rank {rank} exited with code {proc.exitcode}",
+                                                 "")
+                        renew = True
+                if time.monotonic() > deadline:
+                    self.close(keep_dir=True)
+                    raise RankError(f"{getattr(fn, '__name__', fn)} did not finish on every rank "
+                                    f"within {self.timeout} s (a hang); the pool was killed") \
+                        from None
+                continue
+            outcomes[rank] = outcome
+            renew = renew or not outcome.ok or not healthy
+        if renew:
+            self._renew()
+        return outcomes
+
+    def run(self, fn: Callable, *args, **kwargs) -> list:
+        """Run ``fn`` on every rank and return the values by rank; raise if any rank raised."""
+        outcomes = self.run_outcomes(fn, *args, **kwargs)
+        failed = [(r, o) for r, o in enumerate(outcomes) if not o.ok]
+        if failed:
+            text = "\n".join(f"--- rank {r}: {o.error}: {o.message}\n{o.traceback}"
+                             for r, o in failed)
+            raise RankError(f"{getattr(fn, '__name__', fn)} failed on rank(s) "
+                            f"{[r for r, _ in failed]}:\n{text}")
+        return [o.value for o in outcomes]
+
+    def close(self, keep_dir: bool = False) -> None:
+        for tasks, proc in zip(getattr(self, "_tasks", []), self._procs):
+            if proc.is_alive():
+                try:
+                    tasks.put(None)
+                except Exception:
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs = []
+        if not keep_dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "DistPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
