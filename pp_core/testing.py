@@ -20,7 +20,16 @@ import pluggy
 from pp_core.errors import PluginError
 from pp_core.plugins import ENTRY_POINT_GROUP, Plugins, make_plugin_manager
 
-__all__ = ["plugin_manager", "plugins_with", "installed_entry_point"]
+__all__ = ["plugin_manager", "plugins_with", "installed_entry_point", "DistPool"]
+
+
+def __getattr__(name):
+    # Lazy: DistPool (pp_core.testing_dist) imports torch; plugin-manager tests need not.
+    if name in ("DistPool", "Outcome", "RankError"):
+        from pp_core import testing_dist
+
+        return getattr(testing_dist, name)
+    raise AttributeError(f"module 'pp_core.testing' has no attribute {name!r}")
 
 
 def installed_entry_point(name: str) -> metadata.EntryPoint:
