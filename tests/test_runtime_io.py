@@ -336,3 +336,21 @@ def test_dynamic_shapes_predicted_after_two_equal_steps_and_refilled_on_change(p
     assert [c[0] for c in counts] == [3, 3, 1, 4, 3, 1, 1]
     assert [h[0] for h in headers] == [True, True, False, False, True, False, False]
     assert all(len(set(c)) == 1 and len(set(h)) == 1 for c, h in zip(counts, headers))
+
+
+def mesh_case():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (NUM_RANKS,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    config = PipelineConfig(pp_schedule="gpipe", pp_batch_size=4, pp_microbatch_size=2,
+                            loss_fn=trimmed_cross_entropy)
+    pipe = build_pipeline(ToyLM(), config, pp_group=mesh["pp"])
+    ids, mask, pos, target = toy_batch(4, 5, seed=1)
+    loss = pipe.step((ids, mask, pos), target=target)
+    return pipe.stage_indices, None if loss is None else float(loss)
+
+
+def test_pp_group_may_be_a_device_mesh(pool):
+    (stages0, loss0), (stages1, loss1) = pool.run(mesh_case)
+    assert (stages0, stages1) == ((0,), (1,)) and loss0 is None and loss1 > 0

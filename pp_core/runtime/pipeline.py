@@ -109,7 +109,12 @@ class Pipeline:
         self.device = torch.device(device)
         self.dtype = config.torch_dtype
         self.schedule = schedule
-        self.program = program if program is not None else lower(schedule)
+        if program is None:  # a schedule made by hand: check it as build_schedule would
+            from pp_core.schedule.validate import validate_schedule
+
+            validate_schedule(schedule)
+            program = lower(schedule)
+        self.program = program
         self.stage_indices = tuple(stage_indices)
         self.model_parts = [part.to(device=self.device, dtype=self.dtype) if self.dtype
                             else part.to(self.device) for part in model_parts]
