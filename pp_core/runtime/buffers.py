@@ -11,7 +11,7 @@ Protocol, as the executor uses it (``lifetime`` is an index into ``program.recv_
 
 * ``allocate(lifetime, metas)`` - called once per message, between ``posted`` and ``consumed``
   (at ``posted`` when shapes are static or predicted, later when a header must arrive first);
-  ``metas`` is a list of :class:`pp_core.runtime.comm.TensorMeta` (shape, dtype,
+  ``metas`` is a list of :class:`pp_core.runtime.wire.TensorMeta` (shape, dtype,
   requires_grad). Return one contiguous tensor per meta, of exactly that shape and dtype, on the
   allocator's device. The buffers must not be handed out again before ``release(lifetime)``.
   When a predicted shape turns out wrong, the runtime calls ``release(lifetime)`` and then

@@ -9,7 +9,7 @@ receiver of a gradient knows the shapes of the outputs it sent).
 Ordering. NCCL matches point-to-point operations between two ranks in issue order, on one stream
 per pair, so both ranks must issue the operations of a pair in the same order. The lowered
 program guarantees that for whole messages; within a message the payload receive can only be
-posted once its header has arrived. :class:`Mailbox` therefore keeps, per peer, the messages
+posted once its header has arrived (message formats: :mod:`pp_core.runtime.wire`). :class:`Mailbox` therefore keeps, per peer, the messages
 whose header is posted but whose payload is not, and *flushes* them (waits for the header, posts
 the payload receives) before anything else is issued to or from that peer, and at the latest
 right before the message is consumed. Without a header the payload is posted at the ``RECV``.
@@ -25,37 +25,16 @@ from __future__ import annotations
 import datetime
 import gc
 from collections import deque
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from pp_core.errors import PipelineError
+from pp_core.runtime.wire import (HEADER_BYTES, HEADER_LEN, TAG_HEADER, TensorMeta, _bytes_meta,
+                                  decode_header, packed_nbytes, same_buffers, unpack)
 
-__all__ = ["TensorMeta", "HEADER_LEN", "encode_header", "decode_header", "P2P", "Incoming",
-           "Mailbox", "PeerFailure", "ShapeHistory", "same_buffers", "pack", "unpack",
-           "packed_nbytes"]
-
-HEADER_LEN = 64
-"""Numbers (int64) in a forward header: enough for e.g. 8 tensors of 5 dimensions."""
-
-TAG_HEADER, TAG_FORWARD, TAG_BACKWARD = 1, 2, 3
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
-
-
-class TensorMeta(NamedTuple):
-    """What a receiver must know to allocate a buffer for one tensor."""
-
-    shape: tuple
-    dtype: torch.dtype
-    requires_grad: bool
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> "TensorMeta":
-        return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+__all__ = ["P2P", "Incoming", "Mailbox", "PeerFailure", "TensorMeta"]  # TensorMeta: from wire
 
 
 class PeerFailure(Exception):
@@ -65,112 +44,6 @@ class PeerFailure(Exception):
     def __init__(self, text: str, published: bool = True):
         super().__init__(text)
         self.published = published
-
-
-def encode_header(metas: Sequence[TensorMeta]) -> list[int]:
-    """``[n, (dtype, requires_grad, ndim, *shape) * n]`` padded with zeros to ``HEADER_LEN``."""
-    values = [len(metas)]
-    for meta in metas:
-        code = _DTYPE_CODE.get(meta.dtype)
-        if code is None:
-            raise PipelineError(f"cannot send a tensor of dtype {meta.dtype} between stages; "
-                                f"supported: {', '.join(str(d) for d in _DTYPES)}")
-        values += [code, int(meta.requires_grad), len(meta.shape), *meta.shape]
-    if len(values) > HEADER_LEN:
-        raise PipelineError(
-            f"the stage output ({len(metas)} tensors, shapes {[m.shape for m in metas]}) needs "
-            f"{len(values)} header numbers, more than HEADER_LEN={HEADER_LEN}; return fewer "
-            f"tensors or fewer dimensions, or set pp_seq_len for static shapes")
-    return values + [0] * (HEADER_LEN - len(values))
-
-
-def decode_header(values: Sequence[int]) -> list[TensorMeta]:
-    count, pos, metas = values[0], 1, []
-    for _ in range(count):
-        code, grad, ndim = values[pos:pos + 3]
-        pos += 3
-        metas.append(TensorMeta(tuple(values[pos:pos + ndim]), _DTYPES[code], bool(grad)))
-        pos += ndim
-    return metas
-
-
-def same_buffers(a: Optional[Sequence[TensorMeta]], b: Sequence[TensorMeta]) -> bool:
-    """Whether buffers allocated for metas ``a`` can receive metas ``b`` (shape and dtype)."""
-    return a is not None and len(a) == len(b) and all(
-        x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))
-
-
-HEADER_BYTES = HEADER_LEN * 8
-_ALIGN = 64
-
-
-def _bytes_meta(size: int) -> TensorMeta:
-    return TensorMeta((size,), torch.uint8, False)
-
-
-def _slots(metas: Sequence[TensorMeta]) -> list[tuple[int, int]]:
-    """(offset, nbytes) of each tensor in a packed message, after the header, 64-byte aligned."""
-    slots, offset = [], HEADER_BYTES
-    for meta in metas:
-        numel = 1
-        for size in meta.shape:
-            numel *= size
-        nbytes = numel * meta.dtype.itemsize
-        slots.append((offset, nbytes))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    return slots
-
-
-def packed_nbytes(metas: Sequence[TensorMeta]) -> int:
-    slots = _slots(metas)
-    return slots[-1][0] + slots[-1][1] if slots else HEADER_BYTES
-
-
-def pack(header: list[int], tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta],
-         device) -> torch.Tensor:
-    """One uint8 message: the header, then each tensor (``None``: filler) at its slot."""
-    buffer = torch.empty(packed_nbytes(metas), dtype=torch.uint8, device=device)
-    buffer[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
-    for tensor, (offset, nbytes) in zip(tensors, _slots(metas)):
-        if tensor is not None and nbytes:
-            buffer[offset:offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
-    return buffer
-
-
-def unpack(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
-    """Views of a packed message's tensors (no copy)."""
-    return [buffer[offset:offset + nbytes].view(meta.dtype).view(meta.shape)
-            for meta, (offset, nbytes) in zip(metas, _slots(metas))]
-
-
-class ShapeHistory:
-    """Shape prediction for headers: a stage boundary whose messages had the same metas, per
-    microbatch, in the last two steps is *stable*; on it a message travels as one packed buffer
-    (header, then the tensors) whose size both ends know from last step, so the receiver posts
-    it at the ``RECV`` and no separate header is exchanged. If the sender's shapes changed after
-    all, the packed buffer (of the predicted size) carries the new header and filler, and the
-    real tensors follow one by one. Boundaries whose shapes keep changing are never predicted,
-    so they pay neither filler nor a wrong guess."""
-
-    def __init__(self):
-        self.last: dict = {}
-        self.current: dict = {}
-        self.stable: set = set()
-
-    def new_step(self) -> None:
-        for edge, metas in self.current.items():
-            if self.last.get(edge) == metas:
-                self.stable.add(edge)
-            else:
-                self.stable.discard(edge)
-            self.last[edge] = metas
-        self.current = {}
-
-    def predict(self, edge, microbatch) -> Optional[list]:
-        return self.last[edge].get(microbatch) if edge in self.stable else None
-
-    def record(self, edge, microbatch, metas) -> None:
-        self.current.setdefault(edge, {})[microbatch] = metas
 
 
 class P2P:

@@ -25,8 +25,9 @@ import torch
 
 from pp_core.errors import PipelineError
 from pp_core.runtime.backward import backward_full, backward_input, backward_weight
-from pp_core.runtime.comm import (TAG_BACKWARD, TAG_FORWARD, Incoming, Mailbox, P2P,
-                                  ShapeHistory, TensorMeta, encode_header, pack, same_buffers)
+from pp_core.runtime.comm import Incoming, Mailbox, P2P
+from pp_core.runtime.wire import (TAG_BACKWARD, TAG_FORWARD, ShapeHistory, TensorMeta,
+                                  encode_header, pack, same_buffers)
 from pp_core.runtime.microbatch import num_tokens
 from pp_core.runtime.stage import Stage, as_outputs, make_stage_inputs
 from pp_core.schedule.ir import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
