@@ -27,6 +27,7 @@ __all__ = [
     "pp_register_datasets",
     "pp_runtime_initializers",
     "pp_make_recv_buffer_allocator",
+    "pp_pipeline_step",
 ]
 
 PROJECT_NAME = "pp_core"
@@ -131,4 +132,27 @@ def pp_make_recv_buffer_allocator(
     Calling: first non-``None`` result wins; with none, the runtime allocates one buffer per
     microbatch and direction, as torch does. Built-in: ``pp_buffer_pool`` (when
     ``pp_recv_buffer_pool=True``).
+    """
+
+
+@hookspec(firstresult=True)
+def pp_pipeline_step(pipeline: Any, training: bool) -> Optional[Any]:
+    """Wrap every ``Pipeline.step`` (``training=True``) and ``eval_step`` (``False``) on each rank.
+
+    :param pipeline: the :class:`pp_core.runtime.Pipeline` running the step (its
+        ``model_parts``, ``stage_indices``, ``schedule``, ``rank``, ``group``).
+    :param training: whether the step runs backward.
+
+    Implement it only as ``@hookimpl(wrapper=True)``: code before ``result = yield`` runs before
+    the step's first action, code after it once the step's last action is done (gradients
+    complete); ``result`` is what the step returns on this rank, and the wrapper must
+    ``return result``. If the step fails, ``yield`` raises. A plain (non-wrapper)
+    implementation is refused: it could replace the step.
+    Use it for work that spans stages once per step — summing the gradients of weights tied
+    across stages (``pp_transformers`` does), counting, timing. A wrapper may talk to the
+    pipeline's peers over ``pipeline.group``; it runs on every rank, so every rank must agree on
+    what it sends.
+
+    Calling: every implementation runs, on every rank, nested around the step (the last
+    registered outermost).
     """

@@ -279,6 +279,26 @@ class Plugins:
                 found.extend((impl.plugin_name, item) for item in result)
         return found
 
+    def run_step(self, pipeline, training: bool, step: Callable[[], Any]) -> Any:
+        """Run ``step()`` inside every ``pp_pipeline_step`` wrapper; return what it returned."""
+        hook = self.pm.hook.pp_pipeline_step
+        impls = hook.get_hookimpls()
+        if not impls:
+            return step()
+        for impl in impls:
+            if not (impl.wrapper or impl.hookwrapper):
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r} implements pp_pipeline_step without "
+                    f"wrapper=True; write @hookimpl(wrapper=True) and 'result = yield' around "
+                    f"the step, then 'return result'"
+                )
+
+        def run(pipeline, training):
+            return step()
+
+        # call_extra adds the step itself as the innermost implementation, for this call only
+        return hook.call_extra([run], {"pipeline": pipeline, "training": training})
+
     def recv_buffer_allocator(self, config, program, rank, device):
         return self.pm.hook.pp_make_recv_buffer_allocator(
             config=config, program=program, rank=rank, device=device

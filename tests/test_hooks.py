@@ -108,3 +108,28 @@ def test_hook_pp_make_recv_buffer_allocator_first_result_wins():
     assert plugins.recv_buffer_allocator(config=None, program=None, rank=0, device="cpu") is sentinel
     doc_plugin = _plugin_from_doc("pp_make_recv_buffer_allocator(config, program, rank, device)")
     assert plugins_with(doc_plugin).recv_buffer_allocator(None, None, 0, "cpu") is None
+
+
+def test_hook_pp_pipeline_step_wraps_the_step_and_sees_its_result():
+    plugin = _plugin_from_doc("pp_pipeline_step(pipeline, training)")
+    plugins = plugins_with(plugin)
+
+    class FakePipeline:  # run_step only hands it to the wrappers
+        rank = 3
+
+    assert plugins.run_step(FakePipeline(), True, lambda: 1.5) == 1.5
+    [(rank, training, seconds)] = plugin.pp_pipeline_step.__globals__["STEP_TIMES"]
+    assert (rank, training) == (3, True) and seconds >= 0
+
+
+def test_hook_pp_pipeline_step_refuses_a_plain_implementation():
+    from pp_core import PluginError
+
+    class Plain:
+        @hookimpl
+        def pp_pipeline_step(self, pipeline, training):
+            return "not the step"
+
+    with pytest.raises(PluginError, match=r"plugin 'Plain' implements pp_pipeline_step without "
+                                          r"wrapper=True"):
+        plugins_with(Plain()).run_step(None, True, lambda: None)
