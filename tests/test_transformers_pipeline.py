@@ -23,10 +23,16 @@ ATOL = 1e-5
 
 
 def _step_and_compare(schedule, num_layers, extra, batch_size=8, microbatch_size=2,
-                      model_type="llama", steps=1):
-    """On every rank: one (or more) pipelined step(s) vs the unsplit model; max |diff| found."""
+                      model_type="llama", steps=1, accumulate=False):
+    """On every rank: one (or more) pipelined step(s) vs the unsplit model; max |diff| found.
+
+    Tied embeddings are summed by the plugin's pp_pipeline_step wrapper inside ``step`` — no
+    extra call. With ``accumulate`` the gradients are not zeroed between steps, so after step k
+    they must be k times the reference's (a contribution counted twice would show).
+    """
     from pp_core import PipelineConfig, build_pipeline
-    from pp_transformers import causal_lm_loss, sync_tied_gradients
+    from pp_transformers import causal_lm_loss
+    from pp_transformers.tied import tied_groups
     from test_transformers_models import batch, reference_step, tiny_model
 
     reference = tiny_model(model_type, num_layers, **extra)
@@ -36,13 +42,16 @@ def _step_and_compare(schedule, num_layers, extra, batch_size=8, microbatch_size
     pipe = build_pipeline(model, config)
     inputs, labels = batch(batch_size)
     worst = 0.0
+    synced = len([g for g in tied_groups(pipe.model_parts) if g.local])
     for step in range(steps):
-        for part in pipe.model_parts:
-            part.zero_grad(set_to_none=True)
+        if not accumulate:
+            for part in pipe.model_parts:
+                part.zero_grad(set_to_none=True)
         loss = pipe.step(inputs, target=labels)
-        synced = sync_tied_gradients(pipe)
         expected_loss, grads = reference_step(reference, inputs, labels,
                                               config.num_microbatches)
+        if accumulate:
+            grads = {name: grad * (step + 1) for name, grad in grads.items()}
         if loss is not None:
             torch.testing.assert_close(loss, expected_loss, rtol=0, atol=ATOL)
             worst = max(worst, (loss - expected_loss).abs().item())
@@ -114,6 +123,12 @@ def test_pp2_matches_the_unsplit_model(pool2, schedule, num_layers, extra):
 
 def test_pp2_qwen2_two_steps(pool2):
     pool2.run(_step_and_compare, "1f1b", 4, {}, model_type="qwen2", steps=2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "v_schedule"])
+def test_tied_gradients_accumulate_over_steps_without_double_counting(pool2, schedule):
+    pool2.run(_step_and_compare, schedule, 4, {"tie_word_embeddings": True}, steps=2,
+              accumulate=True)
 
 
 CASES_4 = [

@@ -17,7 +17,7 @@ from pp_transformers.forward import DecoderAdapter
 from pp_transformers.layout import DecoderLayout, find_layout
 from pp_transformers.loading import checkpoint_index, load_part
 from pp_transformers.splitter import HFDecoderSplitter
-from pp_transformers.tied import sync_tied_gradients, sync_tied_gradients_of
+from pp_transformers.tied import pp_pipeline_step, sync_tied_gradients, sync_tied_gradients_of
 
 __all__ = [
     "HFDecoderSplitter",

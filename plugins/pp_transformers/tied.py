@@ -9,9 +9,9 @@ optimizer step; this module does the same with point-to-point messages between j
 stages are on one rank (V placement). Afterwards both copies hold the unsplit model's gradient,
 bit for bit, so any element-wise optimizer step keeps them identical.
 
-Call it **once per optimizer step**, after the last backward and before ``optimizer.step()``:
-it sums what each copy accumulated, so calling it twice (or between accumulation steps) would
-count a contribution twice.
+``Pipeline.step`` does it for you: the ``pp_pipeline_step`` wrapper below notes each copy's
+gradient before the step and, after it, exchanges only what the step added, so gradients
+accumulated over several steps (no ``zero_grad`` in between) are never counted twice.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["TiedGroup", "tied_groups", "sync_tied_gradients", "sync_tied_gradients_of"]
+from pp_core import hookimpl
+
+__all__ = ["TiedGroup", "tied_groups", "grad_baseline", "sync_tied_gradients",
+           "sync_tied_gradients_of", "pp_pipeline_step"]
 
 
 class TiedGroup:
@@ -57,30 +60,38 @@ def _grad(param: nn.Parameter) -> torch.Tensor:
 
 
 def sync_tied_gradients_of(model_parts: Sequence[nn.Module], stage_ranks: Sequence[int],
-                           rank: int, group=None) -> int:
+                           rank: int, group=None, baseline: dict | None = None) -> int:
     """Sum the gradients of every tied weight over the stages holding it; return how many.
 
     :param stage_ranks: ``stage_ranks[s]`` is the rank (in ``group``) that holds stage ``s``.
     :param rank: this process's rank in ``group``.
     :param group: the pipeline's process group (``None``: the default group).
+    :param baseline: ``{id(param): grad before the step or None}`` from :func:`grad_baseline`;
+        only what each copy gained since then is exchanged and summed, so gradients accumulated
+        over earlier steps are not counted twice. ``None``: sum the whole gradients.
     Every rank of the pipeline may call it; ranks holding no tied weight return at once.
     """
     count = 0
     for tied in tied_groups(model_parts):
         if not tied.local:
             continue
-        local = _grad(tied.local[0])
-        for param in tied.local[1:]:
-            local = local + _grad(param)
+        before = [None if baseline is None else baseline.get(id(p)) for p in tied.local]
+        local = None
+        for param, old in zip(tied.local, before):
+            gained = _grad(param) if old is None else _grad(param) - old
+            local = gained if local is None else local + gained
         peers = sorted({stage_ranks[s] for s in tied.stages} - {rank})
-        if peers:
-            total = _exchange(local, rank, peers, group)
-        else:
-            total = local
-        for param in tied.local:
-            param.grad = total.clone() if param is not tied.local[0] else total
+        total = _exchange(local, rank, peers, group) if peers else local
+        for param, old in zip(tied.local, before):
+            param.grad = total.clone() if old is None else old + total
         count += 1
     return count
+
+
+def grad_baseline(model_parts: Sequence[nn.Module]) -> dict:
+    """``{id(param): copy of its grad, or None}`` for every local copy of a tied weight."""
+    return {id(p): None if p.grad is None else p.grad.detach().clone()
+            for tied in tied_groups(model_parts) for p in tied.local}
 
 
 def _exchange(local: torch.Tensor, rank: int, peers: list[int], group) -> torch.Tensor:
@@ -105,11 +116,21 @@ def _exchange(local: torch.Tensor, rank: int, peers: list[int], group) -> torch.
     return total
 
 
-def sync_tied_gradients(pipe) -> int:
+def sync_tied_gradients(pipe, baseline: dict | None = None) -> int:
     """:func:`sync_tied_gradients_of` for a :class:`pp_core.runtime.Pipeline`.
 
-    Call on every rank once per optimizer step: after the last ``pipe.step(...)`` and before
-    gradient clipping and ``optimizer.step()``. Returns the number of tied weights synced here.
+    ``Pipeline.step`` already does this through the ``pp_pipeline_step`` hook below; call it
+    yourself only for gradients produced outside ``step``.
     """
     return sync_tied_gradients_of(pipe.model_parts, pipe.schedule.stage_ranks, pipe.rank,
-                                  pipe.group)
+                                  pipe.group, baseline)
+
+
+@hookimpl(wrapper=True)
+def pp_pipeline_step(pipeline, training):
+    """Sum this step's gradient contributions of tied weights across the stages holding them."""
+    baseline = grad_baseline(pipeline.model_parts) if training else None
+    result = yield
+    if baseline:
+        sync_tied_gradients(pipeline, baseline)
+    return result

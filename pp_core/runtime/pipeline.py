@@ -177,11 +177,13 @@ class Pipeline:
             self._fail(ConfigError("step() trains, which needs a loss: set PipelineConfig.loss_fn "
                                    "(a callable, 'cross_entropy', or 'module:attr'), or call "
                                    "eval_step() for a forward pass"), before_traffic=True)
-        losses, _ = self._run(self._train, inputs, target, need_target=True,
-                              stage_kwargs=stage_kwargs)
-        if not self.has_last:
-            return None
-        return torch.stack(losses).float().mean()
+        def run():
+            losses, _ = self._run(self._train, inputs, target, need_target=True,
+                                  stage_kwargs=stage_kwargs)
+            return torch.stack(losses).float().mean() if self.has_last else None
+
+        # plugins' pp_pipeline_step wrappers (e.g. tied-weight gradient sums) run around it
+        return self._plugins.run_step(self, True, run)
 
     def eval_step(self, inputs=None, target=None, *, stage_kwargs: Optional[dict] = None):
         """Forward only, without gradients. On the last stage's rank returns the mean microbatch
@@ -196,13 +198,14 @@ class Pipeline:
                                   loss_fn=self.loss_fn, initializers=self.initializers,
                                   device=self.device, dtype=self.dtype,
                                   static_shapes=self.config.pp_seq_len is not None)
-        losses, outputs = self._run(self._eval, inputs, target, need_target=False,
-                                    stage_kwargs=stage_kwargs)
-        if not self.has_last:
-            return None
-        if losses:
-            return torch.stack(losses).float().mean()
-        return merge_microbatches(outputs)
+        def run():
+            losses, outputs = self._run(self._eval, inputs, target, need_target=False,
+                                        stage_kwargs=stage_kwargs)
+            if not self.has_last:
+                return None
+            return torch.stack(losses).float().mean() if losses else merge_microbatches(outputs)
+
+        return self._plugins.run_step(self, False, run)
 
     # ------------------------------------------------------------------ internals
     def _check_usable(self) -> None:
