@@ -12,7 +12,8 @@ does. Warm-up ``(v-1)p + 2(p-1-r)`` forwards; loop placement, ``v >= 2`` stages 
     rank 1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
 """
 
-from pp_core import Action, B, F, ScheduleDef, ScheduleError, hookimpl
+from pp_core import Action, ScheduleDef, ScheduleError, hookimpl
+from pp_schedules._interleaved import interleaved_1f1b_orders, loop_chunks
 
 __all__ = ["dfs"]
 
@@ -20,12 +21,7 @@ __all__ = ["dfs"]
 def dfs(num_stages: int, num_microbatches: int, num_ranks: int) -> list[list[Action]]:
     """Megatron's depth-first order: groups of ``p`` microbatches, each through every chunk."""
     p, m = num_ranks, num_microbatches
-    v = num_stages // p if p >= 1 else 0
-    if p < 1 or v < 2 or num_stages != v * p:
-        raise ScheduleError(
-            f"dfs needs a whole number >= 2 of stages per rank, got num_stages={num_stages} on "
-            f"num_ranks={num_ranks}; set stages_per_rank >= 2, or use '1f1b' for one stage per "
-            f"rank")
+    v = loop_chunks("dfs", num_stages, num_ranks)
     if m < 1 or m % p:
         lower, upper = (m // p) * p, (m // p + 1) * p
         nearest = f"{lower} or {upper}" if lower else f"{upper}"
@@ -33,21 +29,7 @@ def dfs(num_stages: int, num_microbatches: int, num_ranks: int) -> list[list[Act
             f"dfs needs num_microbatches to be a multiple of num_ranks={p} (groups of p "
             f"microbatches, Megatron's rule), got {m}; nearest valid: {nearest} "
             f"('interleaved_1f1b' accepts more counts)")
-    # Virtual microbatch k -> (microbatch, chunk): group g visits chunk 0, 1, ..., v-1.
-    table = [(k, c) for lo in range(0, m, p) for c in range(v) for k in range(lo, lo + p)]
-    total = v * m
-    orders = []
-    for r in range(p):
-        fwd = [Action(c * p + r, F, k) for k, c in table]
-        bwd = [Action((v - 1 - c) * p + r, B, k) for k, c in table]
-        warmup = min(total, (v - 1) * p + 2 * (p - 1 - r))
-        order = fwd[:warmup]
-        for j in range(total - warmup):
-            order.append(fwd[j + warmup])
-            order.append(bwd[j])
-        order.extend(bwd[total - warmup:])
-        orders.append(order)
-    return orders
+    return interleaved_1f1b_orders(p, v, m, group=p)
 
 
 @hookimpl

@@ -13,51 +13,25 @@ group size is torch's ``N = m // (m // p)`` (= ``p``, Megatron's default, when `
     rank 1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
 """
 
-from pp_core import Action, B, F, ScheduleDef, ScheduleError, hookimpl
+from pp_core import Action, ScheduleDef, ScheduleError, hookimpl
+from pp_schedules._interleaved import (interleaved_1f1b_orders, loop_chunks, nearest_torch_groups,
+                                        torch_group_fits)
 
 __all__ = ["interleaved_1f1b"]
-
-
-def _valid(m: int, p: int) -> bool:
-    return m >= 1 and m % max(1, m // p) == 0
 
 
 def interleaved_1f1b(num_stages: int, num_microbatches: int,
                      num_ranks: int) -> list[list[Action]]:
     """The Megatron/torch interleaved order with torch's automatic group size ``N``."""
     p, m = num_ranks, num_microbatches
-    v = num_stages // p if p >= 1 else 0
-    if p < 1 or v < 2 or num_stages != v * p:
-        raise ScheduleError(
-            f"interleaved_1f1b needs a whole number >= 2 of stages per rank, got "
-            f"num_stages={num_stages} on num_ranks={num_ranks}; set stages_per_rank >= 2, or "
-            f"use '1f1b' for one stage per rank")
-    if not _valid(m, p):
-        lower = next((k for k in range(m - 1, 0, -1) if _valid(k, p)), None)
-        upper = next(k for k in range(max(m + 1, 1), m + p + 2) if _valid(k, p))
-        nearest = f"{lower} or {upper}" if lower else f"{upper}"
+    v = loop_chunks("interleaved_1f1b", num_stages, num_ranks)
+    if not torch_group_fits(m, p):
         raise ScheduleError(
             f"interleaved_1f1b needs num_microbatches to be a multiple of "
             f"max(1, num_microbatches // num_ranks) (torch's rule: groups of "
             f"N = m // (m // p) microbatches), got num_microbatches={m} with num_ranks={p}; "
-            f"nearest valid: {nearest}")
-    group = m // max(1, m // p)
-    # Virtual microbatch k -> (microbatch, chunk): each group visits chunk 0, 1, ..., v-1.
-    table = [(k, c) for lo in range(0, m, group) for c in range(v)
-             for k in range(lo, min(lo + group, m))]
-    total = v * m
-    orders = []
-    for r in range(p):
-        fwd = [Action(c * p + r, F, k) for k, c in table]
-        bwd = [Action((v - 1 - c) * p + r, B, k) for k, c in table]
-        warmup = min(total, (v - 1) * group + 2 * (p - 1 - r))
-        order = fwd[:warmup]
-        for j in range(total - warmup):
-            order.append(fwd[j + warmup])
-            order.append(bwd[j])
-        order.extend(bwd[total - warmup:])
-        orders.append(order)
-    return orders
+            f"nearest valid: {nearest_torch_groups(m, p)}")
+    return interleaved_1f1b_orders(p, v, m, group=m // max(1, m // p))
 
 
 @hookimpl

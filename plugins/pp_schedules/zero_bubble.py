@@ -14,12 +14,9 @@ looped generalisation (Megatron's interleaved table, one warm-up forward per hop
 """
 
 from pp_core import Action, F, I, ScheduleDef, ScheduleError, W, hookimpl
+from pp_schedules._interleaved import chunk_table, nearest_torch_groups, torch_group_fits
 
 __all__ = ["zero_bubble"]
-
-
-def _valid(m: int, p: int) -> bool:
-    return m >= 1 and m % max(1, m // p) == 0
 
 
 def zero_bubble(num_stages: int, num_microbatches: int, num_ranks: int) -> list[list[Action]]:
@@ -32,18 +29,14 @@ def zero_bubble(num_stages: int, num_microbatches: int, num_ranks: int) -> list[
             f"on num_ranks={num_ranks}; set stages_per_rank to 1 (ZB-H1) or more (interleaved)")
     if m < 1:
         raise ScheduleError(f"zero_bubble needs num_microbatches >= 1, got {m}")
-    if v > 1 and not _valid(m, p):
-        lower = next((k for k in range(m - 1, 0, -1) if _valid(k, p)), None)
-        upper = next(k for k in range(m + 1, m + p + 2) if _valid(k, p))
-        nearest = f"{lower} or {upper}" if lower else f"{upper}"
+    if v > 1 and not torch_group_fits(m, p):
         raise ScheduleError(
             f"zero_bubble with {v} stages per rank needs num_microbatches to be a multiple of "
             f"max(1, num_microbatches // num_ranks) (torch's interleaved rule), got "
-            f"num_microbatches={m} with num_ranks={p}; nearest valid: {nearest} (or use one "
-            f"stage per rank, which takes any count)")
+            f"num_microbatches={m} with num_ranks={p}; nearest valid: "
+            f"{nearest_torch_groups(m, p)} (or use one stage per rank, which takes any count)")
     group = m // max(1, m // p)
-    table = [(k, c) for lo in range(0, m, group) for c in range(v)
-             for k in range(lo, min(lo + group, m))]
+    table = chunk_table(m, v, group)
     total = v * m
     orders = []
     for r in range(p):
