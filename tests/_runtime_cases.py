@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 
+import pytest
 import torch
 from torch import nn
 
@@ -135,3 +136,17 @@ def check(results: list, atol: float = 1e-6, num_params: int | None = None) -> N
     assert len(names) == len(set(names)), "a parameter is held by two ranks"
     if num_params is not None:
         assert len(names) == num_params
+
+
+# ------------------------------------------------ shared by the 2- and 4-rank schedule test modules
+# (two modules, not one parametrised over the rank count, so that each keeps one pool of its size)
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "dfs", "zero_bubble", "zb_h2",
+             "v_schedule", "v_half", "v_min", "dualpipe_v"]
+
+
+def check_schedule_mlp(pool, schedule: str, num_microbatches: int, scale: bool) -> None:
+    """One MLP step of ``schedule`` on every rank of ``pool``, checked against one process."""
+    if schedule == "dualpipe_v" and num_microbatches < 2 * pool.world_size:
+        pytest.skip("dualpipe_v needs num_microbatches >= 2 * num_ranks")
+    check(pool.run(train_case, schedule, num_microbatches, scale), num_params=16)

@@ -11,11 +11,9 @@ from __future__ import annotations
 import pytest
 
 from _dist import DistPool
-from _runtime_cases import TORCH_ZB_CSV, check, train_case
+from _runtime_cases import TORCH_ZB_CSV, SCHEDULES, check, check_schedule_mlp, train_case
 
 NUM_RANKS = 2
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "dfs", "zero_bubble", "zb_h2",
-             "v_schedule", "v_half", "v_min", "dualpipe_v"]
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +26,7 @@ def pool():
 @pytest.mark.parametrize("num_microbatches", [NUM_RANKS, 2 * NUM_RANKS])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_schedule_matches_one_process_mlp(pool, schedule, num_microbatches, scale):
-    if schedule == "dualpipe_v" and num_microbatches < 2 * NUM_RANKS:
-        pytest.skip("dualpipe_v needs num_microbatches >= 2 * num_ranks")
-    check(pool.run(train_case, schedule, num_microbatches, scale), num_params=16)
+    check_schedule_mlp(pool, schedule, num_microbatches, scale)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
