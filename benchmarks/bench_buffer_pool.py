@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 
+from _common import proc_status, reset_peak
 from pp_core import hookimpl
 
 MIB = 1024 * 1024
@@ -86,19 +87,6 @@ def program_figures(num_ranks: int, num_microbatches: int, slack: int, csv_path:
 
 
 # ============================================================================ part 2
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
 
 
 class TorchLikeAllocator:
@@ -206,17 +194,17 @@ def _run_case(name, mode, args, csv_path):
     target = torch.randn(args.microbatches, args.seq, args.hidden, generator=generator)
     gc.collect()
     dist.barrier()
-    before = _status("VmRSS")
+    before = proc_status("VmRSS")
     pipe.step(inputs, target=target)  # first step: allocators fill up
     if mode == "fresh":
         pipe.allocator.bytes_per_step = 0
     gc.collect()
     dist.barrier()
-    _reset_peak()
+    reset_peak()
     start = time.perf_counter()
     pipe.step(inputs, target=target)
     seconds = time.perf_counter() - start
-    peak = _status("VmHWM") - before
+    peak = proc_status("VmHWM") - before
     allocator = pipe.allocator
     per_stage: dict = {}
     if mode == "pool":

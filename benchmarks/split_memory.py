@@ -24,6 +24,7 @@ import tracemalloc
 import torch
 from torch import nn
 
+from _common import proc_status, reset_peak
 from pp_core import PipelineConfig
 from pp_core.runtime.parts import build_model_parts, prune_model
 from pp_core.runtime.split import plan_split
@@ -47,28 +48,15 @@ class Model(nn.Module):
         return self.output(self.norm(h)) if self.output is not None else h
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-
-
 def _measure(build):
     gc.collect()
-    before = _status("VmRSS")
-    _reset_peak()
+    before = proc_status("VmRSS")
+    reset_peak()
     tracemalloc.start()
     result = build()
     _, python_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    peak = _status("VmHWM")
+    peak = proc_status("VmHWM")
     return result, (peak - before) / MIB, python_peak / MIB
 
 
