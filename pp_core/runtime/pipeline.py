@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import traceback
 from typing import Any, Optional, Sequence
 
 import torch
@@ -266,6 +267,7 @@ class Pipeline:
             else:
                 message = report = f"rank {self.rank} stopped {where}: {exc}"
             executor.abort()
+            traceback.clear_frames(exc.__traceback__)  # its frames hold pending operations
             self.p2p.publish_and_abort(report)
             raise PipelineError(message) from None
         except Exception as exc:
@@ -274,6 +276,7 @@ class Pipeline:
                 "at the end of the step"
             message = f"rank {self.rank}, {stage}: {type(exc).__name__}: {exc}"
             executor.abort()
+            traceback.clear_frames(exc.__traceback__)  # its frames hold pending operations
             self.p2p.publish_and_abort(message)
             raise PipelineError(message) from exc
 
