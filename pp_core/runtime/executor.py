@@ -26,8 +26,8 @@ import torch
 from pp_core.errors import PipelineError
 from pp_core.runtime.backward import backward_full, backward_input, backward_weight
 from pp_core.runtime.comm import Incoming, Mailbox, P2P
-from pp_core.runtime.wire import (TAG_BACKWARD, TAG_FORWARD, ShapeHistory, TensorMeta,
-                                  encode_header, pack, same_buffers)
+from pp_core.runtime.wire import (TAG_BACKWARD, TAG_FIXUP, TAG_FORWARD, TAG_PACKED, ShapeHistory,
+                                  TensorMeta, encode_header, pack, same_buffers)
 from pp_core.runtime.microbatch import num_tokens
 from pp_core.runtime.stage import Stage, as_outputs, make_stage_inputs
 from pp_core.schedule.ir import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
@@ -59,6 +59,7 @@ class Executor:
         self.shapes_received = ShapeHistory()
         self.mailbox.edge_metas = self._edge_metas
         self.mailbox.header_decoded = self._header_decoded
+        self.mailbox.has_edge_metas = lambda message: message.edge in self.recv_metas
         self.num_microbatches = program.num_microbatches
         self.current = None  # the action being run, for error messages
         actions = program.actions
@@ -261,6 +262,7 @@ class Executor:
         metas = [TensorMeta.of(t) for t in outs]
         header = None
         tensors = [t.detach().contiguous() for t in outs]
+        peer = self.stages[stage_index].next_rank
         if not self.static_shapes:
             header = encode_header(metas)
             edge, mb = stage_index + 1, action.microbatch
@@ -268,11 +270,13 @@ class Executor:
             self.shapes_sent.record(edge, mb, metas)
             if predicted is not None:  # the receiver posted one packed buffer of these shapes
                 if same_buffers(predicted, metas):
-                    tensors = [pack(header, tensors, metas, self.device)]
-                else:
-                    tensors = [pack(header, [None] * len(predicted), predicted,
-                                    self.device)] + tensors
-                header = None
+                    self.mailbox.send([pack(header, tensors, metas, self.device)], peer,
+                                      TAG_PACKED)
+                    return
+                self.mailbox.send([pack(header, [None] * len(predicted), predicted,
+                                        self.device)] + tensors, peer,
+                                  (TAG_PACKED,) + (TAG_FIXUP,) * len(tensors))
+                return
         else:
             known = self.sent_metas.get(stage_index)
             if known is None:
@@ -283,7 +287,7 @@ class Executor:
                     f"stage {stage_index} output changed from {_describe(known)} to "
                     f"{_describe(metas)}, but pp_seq_len is set, which promises static shapes; "
                     f"unset pp_seq_len to let shapes vary, or pad inputs to pp_seq_len")
-        self.mailbox.send(tensors, self.stages[stage_index].next_rank, TAG_FORWARD, header)
+        self.mailbox.send(tensors, peer, TAG_FORWARD, header)
 
     def _recv_f(self, action) -> None:
         stage_index = action.stage
@@ -292,7 +296,8 @@ class Executor:
         lifetime = self.lifetime_at.get(self.position, -1)
         if not self.static_shapes:
             predicted = self.shapes_received.predict(stage_index, action.microbatch)
-            message = Incoming(peer, TAG_FORWARD, None, lifetime, predicted)
+            message = Incoming(peer, TAG_FORWARD if predicted is None else TAG_PACKED, None,
+                               lifetime, predicted)
             header = True
         else:
             header = stage_index not in self.recv_started

@@ -16,13 +16,17 @@ import torch
 from pp_core.errors import PipelineError
 
 __all__ = ["TensorMeta", "HEADER_LEN", "HEADER_BYTES", "TAG_HEADER", "TAG_FORWARD",
-           "TAG_BACKWARD", "encode_header", "decode_header", "same_buffers", "packed_nbytes",
+           "TAG_BACKWARD", "TAG_PACKED", "TAG_FIXUP", "encode_header", "decode_header", "same_buffers", "packed_nbytes",
            "pack", "unpack", "ShapeHistory"]
 
 HEADER_LEN = 64
 """Numbers (int64) in a forward header: enough for e.g. 8 tensors of 5 dimensions."""
 
 TAG_HEADER, TAG_FORWARD, TAG_BACKWARD = 1, 2, 3
+TAG_PACKED, TAG_FIXUP = 4, 5
+"""Packed messages, and the real tensors that follow a packed message whose predicted shapes
+were wrong. Every kind of message has its own tag so that a backend that matches by tag (gloo)
+never pairs a receive with a send of another kind, whatever order the two ends post them in."""
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
