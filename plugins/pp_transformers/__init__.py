@@ -17,7 +17,7 @@ from pp_transformers.forward import DecoderAdapter
 from pp_transformers.layout import DecoderLayout, find_layout
 from pp_transformers.loading import checkpoint_index, load_part
 from pp_transformers.splitter import HFDecoderSplitter
-from pp_transformers.tied import pp_pipeline_step, sync_tied_gradients, sync_tied_gradients_of
+from pp_transformers.tied import grad_baseline, sync_tied_gradients, sync_tied_gradients_of
 
 __all__ = [
     "HFDecoderSplitter",
@@ -81,3 +81,13 @@ def pp_register_splitters(register):
 @hookimpl
 def pp_register_models(register):
     register("hf_causal_lm", hf_causal_lm)
+
+
+@hookimpl(wrapper=True)
+def pp_pipeline_step(pipeline, training):
+    """Sum this step's gradient contributions of tied weights across the stages holding them."""
+    baseline = grad_baseline(pipeline.model_parts) if training else None
+    result = yield
+    if baseline:
+        sync_tied_gradients(pipeline, baseline)
+    return result

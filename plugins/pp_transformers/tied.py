@@ -9,7 +9,7 @@ optimizer step; this module does the same with point-to-point messages between j
 stages are on one rank (V placement). Afterwards both copies hold the unsplit model's gradient,
 bit for bit, so any element-wise optimizer step keeps them identical.
 
-``Pipeline.step`` does it for you: the ``pp_pipeline_step`` wrapper below notes each copy's
+``Pipeline.step`` does it for you: the plugin's ``pp_pipeline_step`` wrapper notes each copy's
 gradient before the step and, after it, exchanges only what the step added, so gradients
 accumulated over several steps (no ``zero_grad`` in between) are never counted twice.
 """
@@ -21,10 +21,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from pp_core import hookimpl
 
 __all__ = ["TiedGroup", "tied_groups", "grad_baseline", "sync_tied_gradients",
-           "sync_tied_gradients_of", "pp_pipeline_step"]
+           "sync_tied_gradients_of"]
 
 
 class TiedGroup:
@@ -119,18 +118,8 @@ def _exchange(local: torch.Tensor, rank: int, peers: list[int], group) -> torch.
 def sync_tied_gradients(pipe, baseline: dict | None = None) -> int:
     """:func:`sync_tied_gradients_of` for a :class:`pp_core.runtime.Pipeline`.
 
-    ``Pipeline.step`` already does this through the ``pp_pipeline_step`` hook below; call it
+    ``Pipeline.step`` already does this (``pp_transformers.pp_pipeline_step``); call it
     yourself only for gradients produced outside ``step``.
     """
     return sync_tied_gradients_of(pipe.model_parts, pipe.schedule.stage_ranks, pipe.rank,
                                   pipe.group, baseline)
-
-
-@hookimpl(wrapper=True)
-def pp_pipeline_step(pipeline, training):
-    """Sum this step's gradient contributions of tied weights across the stages holding them."""
-    baseline = grad_baseline(pipeline.model_parts) if training else None
-    result = yield
-    if baseline:
-        sync_tied_gradients(pipeline, baseline)
-    return result
