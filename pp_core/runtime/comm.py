@@ -276,6 +276,14 @@ class Mailbox:
             if message is upto:
                 return
 
+    def poll(self) -> None:
+        """Post the payload of every pending message whose header has arrived (never blocks):
+        the executor calls it between actions, so that the sender's data moves while this rank
+        computes instead of when the message is consumed (first steps, shapes that change)."""
+        for peer, queue in self.unflushed.items():
+            if queue:
+                self.flush(peer, blocking=False)
+
     def _arrived(self, message: Incoming) -> bool:
         if message.packed is not None:
             return all(work.is_completed() for work in message.works)

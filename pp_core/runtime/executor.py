@@ -118,6 +118,8 @@ class Executor:
                 start = clock()
                 handlers[action.kind](action)
                 trace.append((str(action), start, clock()))
+            if mailbox.unflushed and not mailbox.ordered:
+                mailbox.poll()
             if position in release_at and self.track_release:
                 issued = mailbox.sends_issued
                 self.pending_release += [(issued, index) for index in release_at[position]]
