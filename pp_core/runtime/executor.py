@@ -79,6 +79,8 @@ class Executor:
         self.recv_metas: dict[int, list] = {}  # static shapes: stage -> metas of its input
         self.recv_started: set[int] = set()
         self.sent_metas: dict[int, list] = {}
+        self.prepost = True
+        self.preposted: set = set()
         self.trace: Optional[list] = None  # (action, start, end) per action when tracing
         self.handlers = {F: self._forward, B: self._backward, I: self._backward,
                          W: self._weight, SEND_F: self._send_f, RECV_F: self._recv_f,
@@ -106,6 +108,9 @@ class Executor:
         self.results: list = [None] * M
         handlers = self.handlers
         mailbox = self.mailbox
+        self.preposted = set()
+        if self.prepost and not mailbox.ordered and not self.track_release:
+            self._prepost_forward()
         release_at = self.release_at
         trace = self.trace
         clock = time.perf_counter
@@ -144,6 +149,25 @@ class Executor:
         outputs = [out for out in self.results if out is not None]
         self.mb_inputs = self.mb_targets = self.mb_kwargs = self.losses = self.results = None
         return losses, outputs
+
+    def _prepost_forward(self) -> None:
+        """Tag-matching backends: post, at the start of the step, every forward receive whose
+        size is known (a predicted packed message, or static shapes after the first step), so
+        that senders never wait for the receiver to reach its ``RECV``. Receives of one tag are
+        still posted in program order, which is all tag matching needs. All or none: a
+        message posted later would queue behind later ones and wait for them when consumed."""
+        recvs = [(position, action) for position, action in enumerate(self.program.actions)
+                 if action.kind is RECV_F]
+        for _, action in recvs:
+            if self.static_shapes:
+                if action.stage not in self.recv_metas:
+                    return
+            elif self.shapes_received.predict(action.stage, action.microbatch) is None:
+                return
+        for position, action in recvs:
+            self.position = position
+            self._recv_f(action)
+            self.preposted.add(position)
 
     def _release(self, blocking: bool) -> None:
         mailbox = self.mailbox
@@ -292,6 +316,8 @@ class Executor:
         self.mailbox.send(tensors, peer, TAG_FORWARD, header)
 
     def _recv_f(self, action) -> None:
+        if self.position in self.preposted:
+            return
         stage_index = action.stage
         key = stage_index * self.num_microbatches + action.microbatch
         peer = self.stages[stage_index].prev_rank
