@@ -35,6 +35,8 @@ from pp_core.schedule.lower import RankProgram
 
 __all__ = ["Executor"]
 
+_FIRST_BACKWARD_TAG = 64  # above the tags of pp_core.runtime.wire
+
 
 class Executor:
     """Runs one rank's program for one step (training) or one forward pass (evaluation)."""
@@ -79,8 +81,11 @@ class Executor:
         self.recv_metas: dict[int, list] = {}  # static shapes: stage -> metas of its input
         self.recv_started: set[int] = set()
         self.sent_metas: dict[int, list] = {}
-        self.prepost = True
+        self.prepost = True  # post receives before their RECV where the backend allows it
+        self.prepost_backward = True
+        self.prepost_b = False
         self.preposted: set = set()
+        self.preposted_b: set = set()
         self.trace: Optional[list] = None  # (action, start, end) per action when tracing
         self.handlers = {F: self._forward, B: self._backward, I: self._backward,
                          W: self._weight, SEND_F: self._send_f, RECV_F: self._recv_f,
@@ -109,7 +114,10 @@ class Executor:
         handlers = self.handlers
         mailbox = self.mailbox
         self.preposted = set()
-        if self.prepost and not mailbox.ordered and not self.track_release:
+        self.preposted_b = set()
+        early = self.prepost and not mailbox.ordered and not self.track_release
+        self.prepost_b = early and self.prepost_backward
+        if early:
             self._prepost_forward()
         release_at = self.release_at
         trace = self.trace
@@ -227,6 +235,9 @@ class Executor:
                 self.to_send[key] = outs
                 if train:
                     self.outputs[key] = [t for t in outs if t.requires_grad]
+                    if self.prepost_b and not stage.local_next:
+                        self._post_recv_b(stage_index, key, -1)
+                        self.preposted_b.add(key)
         if train and not stage.is_first:
             needs = [t for t in args if t.requires_grad]
             self.inputs[key] = needs
@@ -349,16 +360,29 @@ class Executor:
         grads = self.grads_back.pop(key)
         if grads:
             tensors = [g.detach().contiguous() for g in grads]
-            self.mailbox.send(tensors, self.stages[action.stage].prev_rank, TAG_BACKWARD)
+            self.mailbox.send(tensors, self.stages[action.stage].prev_rank,
+                              self._backward_tag(key - self.num_microbatches))
+
+    def _backward_tag(self, key: int) -> int:
+        """The tag of the gradient message for the outputs of ``key`` (stage * M + microbatch):
+        on tag-matching backends one tag per message, so its receive may be posted at any time
+        (``_forward`` posts it as soon as the outputs exist); NCCL ignores tags."""
+        return TAG_BACKWARD if self.mailbox.ordered else _FIRST_BACKWARD_TAG + key
 
     def _recv_b(self, action) -> None:
         key = action.stage * self.num_microbatches + action.microbatch
+        if key in self.preposted_b:
+            self.preposted_b.discard(key)
+            return
+        self._post_recv_b(action.stage, key, self.lifetime_at.get(self.position, -1))
+
+    def _post_recv_b(self, stage_index: int, key: int, lifetime: int) -> None:
         outputs = self.outputs.get(key)
         if not outputs:
             return
         metas = [TensorMeta(tuple(t.shape), t.dtype, False) for t in outputs]
-        lifetime = self.lifetime_at.get(self.position, -1)
-        message = Incoming(self.stages[action.stage].next_rank, TAG_BACKWARD, metas, lifetime)
+        message = Incoming(self.stages[stage_index].next_rank, self._backward_tag(key), metas,
+                           lifetime)
         self.messages[-1 - key] = self.mailbox.post(message, False)
 
 
