@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradientSync", "clip_grad_norm"]
+__all__ = ["GradientSync", "clip_grad_norm", "tied_copies"]
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 
@@ -76,17 +76,41 @@ class GradientSync:
                 offset += count
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None, pp_group) -> float:
+def tied_copies(model_parts, stage_indices) -> set[int]:
+    """``id``s of this rank's parameters that are extra copies of a weight tied across stages.
+
+    A splitter that unties a shared weight (``pp_transformers``: ``embed_tokens`` / ``lm_head``)
+    marks each part with ``pp_tied_parameters`` (``{local name: every name of the weight}``) and
+    ``pp_tied_stages`` (``{names: stages holding a copy}``). The copy on the lowest stage stands
+    for the weight; the others are skipped when norms are summed, so the norm is the unsplit
+    model's.
+    """
+    extra = set()
+    for part, stage in zip(model_parts, stage_indices):
+        holders = getattr(part, "pp_tied_stages", {})
+        named = dict(part.named_parameters(remove_duplicate=False))
+        for name, names in getattr(part, "pp_tied_parameters", {}).items():
+            stages = holders.get(names, ())
+            if stages and stage != min(stages):
+                extra.add(id(named[name]))
+    return extra
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None, pp_group,
+                   skip: set[int] = frozenset()) -> float:
     """The global gradient norm over every pipeline stage; clips to ``max_norm`` when given.
 
     Each pipeline rank holds different parameters, so squared norms are summed over the pp group
-    (after the dp all-reduce every dp replica holds the same gradients).
+    (after the dp all-reduce every dp replica holds the same gradients). Parameters whose ``id``
+    is in ``skip`` (extra copies of tied weights, see :func:`tied_copies`) are clipped but not
+    counted.
     """
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in grads:
-        squares += grad.detach().double().pow(2).sum()
+    for param in params:
+        if param.grad is not None and id(param) not in skip:
+            squares += param.grad.detach().double().pow(2).sum()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(squares, group=pp_group)
     norm = math.sqrt(float(squares))

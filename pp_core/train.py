@@ -185,7 +185,7 @@ def _evaluate(spec: Spec, pipe, ctx: RankContext, global_batch: int) -> float | 
 def train(spec: Spec) -> dict[str, Any]:
     """Run this rank's part of the pipeline; rank 0 returns the summary (see ``format_summary``)."""
     from pp_core.checkpoint import save_checkpoint
-    from pp_core.data_parallel import GradientSync, clip_grad_norm
+    from pp_core.data_parallel import GradientSync, clip_grad_norm, tied_copies
     from pp_core.progress import Progress
     from pp_core.run_outputs import RunRecorder
 
@@ -201,6 +201,7 @@ def train(spec: Spec) -> dict[str, Any]:
     sync = GradientSync(pipe.model_parts, ctx.dp_group, ctx.dp_size, config.num_microbatches,
                         config.scale_grads_in_schedule)
     params = [p for part in pipe.model_parts for p in part.parameters()]
+    counted_once = tied_copies(pipe.model_parts, pipe.stage_indices)
     batches = _batches(_dataset(spec), start_step)
     global_batch = spec.global_batch_size
     progress = Progress(steps, start_step, spec.output["progress"] if ctx.rank == 0 else "off",
@@ -220,7 +221,7 @@ def train(spec: Spec) -> dict[str, Any]:
         t0 = time.perf_counter()
         loss = recorder.timed_step(pipe, local_inputs, local_target)
         sync()
-        grad_norm = clip_grad_norm(params, train_cfg["grad_clip"], ctx.pp_group)
+        grad_norm = clip_grad_norm(params, train_cfg["grad_clip"], ctx.pp_group, counted_once)
         for optimizer in optimizers:
             if optimizer is not None:
                 optimizer.step()

@@ -347,3 +347,22 @@ def test_docs_example_adds_an_architecture_with_a_higher_priority_splitter():
     assert not torch.allclose(hidden, parts[0](**inputs)[0])  # the adapter's embed ran
     torch.testing.assert_close(run_chain(parts, inputs), model(**inputs).logits, rtol=0, atol=1e-5)
     assert plan_split(tiny_model(), PipelineConfig(), 2, 1, plugins).splitter == "hf_decoder"
+
+
+def test_gradient_norm_counts_a_tied_weight_once():
+    """pp-core run's clipping norm over split tied parts equals the unsplit model's norm."""
+    from pp_core.data_parallel import clip_grad_norm, tied_copies
+
+    reference = tiny_model(tie_word_embeddings=True)
+    model = copy.deepcopy(reference)
+    _, parts = build(model, 3)
+    inputs, labels = batch()
+    causal_lm_loss(run_chain(parts, inputs), labels).backward()
+    sync_tied_gradients_of(parts, [0, 0, 0], rank=0)
+    causal_lm_loss(reference(**inputs).logits, labels).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item()
+    params = [p for part in parts for p in part.parameters()]
+    skip = tied_copies(parts, range(len(parts)))
+    assert len(skip) == 1  # lm_head's copy on the last stage
+    assert clip_grad_norm(params, None, None, skip) == pytest.approx(expected, rel=1e-6)
+    assert clip_grad_norm(params, None, None) > expected  # counted twice without it
