@@ -59,7 +59,16 @@ def build_schedule(
     num_stages = num_ranks * v
     stage_ranks = stage_to_rank(sdef.placement, num_stages, num_ranks)
     with gc_paused():
-        actions = sdef.generate(num_stages, num_microbatches, num_ranks)
+        try:
+            actions = sdef.generate(num_stages, num_microbatches, num_ranks)
+        except ScheduleError:
+            raise
+        except Exception as exc:
+            raise ScheduleError(
+                f"schedule {canonical!r}: its generator failed for num_stages={num_stages}, "
+                f"num_microbatches={num_microbatches}, num_ranks={num_ranks} with "
+                f"{type(exc).__name__}: {exc} (this is a bug in the plugin that registered "
+                f"{canonical!r})") from exc
     if not isinstance(actions, (list, tuple)) or len(actions) != num_ranks:
         got = len(actions) if isinstance(actions, (list, tuple)) else type(actions).__name__
         raise ScheduleError(
