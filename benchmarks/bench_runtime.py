@@ -297,16 +297,21 @@ def build(key, model, name, rank, num_ranks, device):
     return step, modules
 
 
-def worker(rank, num_ranks, store_path, args, results_path):
-    """Timing: the three contenders alternate step by step (order rotated every step)."""
+def join_and_make_data(rank, num_ranks, store_path, args):
+    """One thread, the gloo group, this rank's device, the model and the step's batch (seeded)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                             world_size=num_ranks)
     device = torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
-    model = make_model()
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, HIDDEN, generator=generator).to(device)
     y = torch.randn(BATCH, HIDDEN, generator=generator).to(device)
+    return device, make_model(), x, y
+
+
+def worker(rank, num_ranks, store_path, args, results_path):
+    """Timing: the three contenders alternate step by step (order rotated every step)."""
+    device, model, x, y = join_and_make_data(rank, num_ranks, store_path, args)
     report = {}
     latency = one_way_latency(device)
     costs = {n: measure_costs(model, n, rank, num_ranks, device)
@@ -345,14 +350,7 @@ def memory_worker(rank, num_ranks, store_path, args, results_path):
     MALLOC_MMAP_THRESHOLD_ so freed tensors leave the resident set at once)."""
     import gc
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=num_ranks)
-    device = torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
-    model = make_model()
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(BATCH, HIDDEN, generator=generator).to(device)
-    y = torch.randn(BATCH, HIDDEN, generator=generator).to(device)
+    device, model, x, y = join_and_make_data(rank, num_ranks, store_path, args)
     report = {}
     for name in args.schedules:
         for key in CONTENDERS:
