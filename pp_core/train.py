@@ -197,6 +197,7 @@ def train(spec: Spec) -> dict[str, Any]:
     recorder = RunRecorder(spec, ctx, pipe, num_params)
     say = recorder.say
     start_step = _resume_step(spec, pipe, optimizers, ctx, say)
+    recorder.open_metrics(start_step)
     train_cfg, steps = spec.train, spec.train["steps"]
     sync = GradientSync(pipe.model_parts, ctx.dp_group, ctx.dp_size, config.num_microbatches,
                         config.scale_grads_in_schedule)
