@@ -155,12 +155,12 @@ def _mean_over_dp(value: float | None, ctx: RankContext) -> float | None:
 
 
 def _resume_step(spec: Spec, pipe, optimizers, ctx: RankContext, say) -> int:
-    from pp_core.checkpoint import latest_checkpoint, load_checkpoint
+    from pp_core.checkpoint import load_checkpoint, resume_checkpoint
 
     resume = spec.checkpoint["resume"]
     if not resume:
         return 0
-    path = latest_checkpoint(spec.checkpoint["dir"]) if resume is True else resume
+    path = resume_checkpoint(spec.checkpoint["dir"], resume)
     if path is None:
         say(f"checkpoint.resume: no checkpoint in {spec.checkpoint['dir']!r} yet; starting at "
             f"step 0")
