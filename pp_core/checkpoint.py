@@ -328,7 +328,8 @@ def _cause(exc: BaseException) -> BaseException:
 def _is_damage(cause: BaseException) -> bool:
     """Whether a load failed on the files (missing, short, garbled), not on the model's keys."""
     return isinstance(cause, (OSError, EOFError, pickle.UnpicklingError)) or any(
-        text in str(cause) for text in ("PytorchStreamReader", "unexpected EOF", "invalid load key"))
+        text in str(cause)
+        for text in ("PytorchStreamReader", "unexpected EOF", "invalid load key"))
 
 
 def read_model_state_dict(path) -> dict[str, torch.Tensor]:

@@ -163,6 +163,9 @@ def _show(args) -> int:
 
 
 def _simulate(args) -> int:
+    if args.pool_slack < 0:  # checked here too: the text table skips the receive-buffer figures
+        raise ScheduleError(f"--pool-slack: slack={args.pool_slack} must be an int >= 0 (spare "
+                            f"receive-buffer sets per stage and direction)")
     result = _simulated(args)
     figures = result.to_dict(timeline=args.timeline)
     if args.json or args.output:  # the text table does not show them; lowering every rank costs
