@@ -3,6 +3,7 @@
     python benchmarks/bench_schedules.py                 # everything (a few minutes)
     python benchmarks/bench_schedules.py --skip-torch    # pp-core only (seconds)
     python benchmarks/bench_schedules.py --json out.json --torch-timeout 120
+    python benchmarks/bench_schedules.py --scale-only    # (c) alone (about a minute)
 
 (a) Bubble table: every built-in schedule at pp in {2,4,8}, m in {pp,2pp,4pp,8pp}, default
     stages per rank, unit costs (F=I=W=1, B=2, no communication): pp-core's simulated bubble
@@ -15,6 +16,12 @@
     per rank where the schedule takes 2); linear growth over m = 256, 512, 1024; torch's
     Interleaved1F1B (m=256, 1024) and ZBVZeroBubble (m=1024) construction + lowering
     (``_prepare_schedule_with_comms``), each in a subprocess with a timeout.
+
+(c) Scale in pp: ``pp-core schedule simulate 1f1b --pp P --microbatches 1`` for P = 8k, 16k,
+    32k, 100k as a user runs it (a fresh process: start-up and plugin loading included, and the
+    same command at pp=2 for that start-up alone), and inside it build (generate + validate),
+    simulate, and the figures and table (``to_dict`` + every rank's stages); also lower +
+    receive-buffer report, which ``simulate --json`` adds.
 
 torch's schedule classes only read ``num_stages``/``group_size``/``group_rank`` from their stages,
 so they are built on ``mock.create_autospec(PipelineStage)`` objects exactly as torch's own
@@ -240,6 +247,56 @@ def growth(names: list[str], p: int) -> list[dict]:
     return out
 
 
+# ----------------------------------------------------------------------------- (c) scale in pp
+
+SCALE_PP = (8_000, 16_000, 32_000, 100_000)
+
+
+def _command_s(p: int) -> tuple[float, float]:
+    """Wall and CPU seconds (user + system) of the command in a fresh process: on a shared
+    machine the CPU time is the steadier figure."""
+    import resource
+
+    cmd = [sys.executable, "-m", "pp_core", "schedule", "simulate", "1f1b", "--pp", str(p),
+           "--microbatches", "1"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return round(wall, 3), round(cpu, 3)
+
+
+def scale(pps=SCALE_PP) -> list[dict]:
+    from pp_core.schedule.buffers import recv_buffer_report
+
+    lower = _lower()
+    default_plugins()  # loaded once, as the command does before its work
+    startup, startup_cpu = _command_s(2)
+    rows = []
+    for p in pps:
+        wall, cpu = _command_s(p)
+        row = {"pp": p, "command_s": wall, "command_cpu_s": cpu, "startup_s": startup,
+               "startup_cpu_s": startup_cpu}
+        t0 = time.perf_counter()
+        schedule = build_schedule("1f1b", num_ranks=p, num_microbatches=1)
+        t1 = time.perf_counter()
+        result = simulate(schedule)
+        t2 = time.perf_counter()
+        result.to_dict()
+        for rank in range(p):
+            schedule.stages_of(rank)
+        t3 = time.perf_counter()
+        row.update(build_s=round(t1 - t0, 3), simulate_s=round(t2 - t1, 3),
+                   figures_s=round(t3 - t2, 3), work_s=round(t3 - t0, 3))
+        if lower is not None:
+            recv_buffer_report(lower(schedule))
+            row["json_extra_s"] = round(time.perf_counter() - t3, 3)
+        rows.append(row)
+    return rows
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -266,11 +323,24 @@ def main(argv=None) -> int:
     parser.add_argument("--torch-timeout", type=float, default=60.0,
                         help="seconds allowed per torch construction+lowering (default 60)")
     parser.add_argument("--json", metavar="FILE", help="also write the JSON here")
+    parser.add_argument("--scale-only", action="store_true",
+                        help="only (c): simulate 1f1b at pp 8k..100k")
     parser.add_argument("--torch-time", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.torch_time:
         cls, p, m, v = args.torch_time
         _torch_time(cls, int(p), int(m), int(v))
+        return 0
+    scale_columns = ["pp", "command_s", "command_cpu_s", "startup_s", "startup_cpu_s", "build_s",
+                     "simulate_s", "figures_s", "work_s", "json_extra_s"]
+    if args.scale_only:
+        report = {"scale": scale()}
+        text = json.dumps(report, indent=1)
+        if args.json:
+            Path(args.json).write_text(text + "\n")
+        print(text)
+        print()
+        print(_table(report["scale"], scale_columns))
         return 0
     names = default_plugins().schedules.names()
     with_torch = not args.skip_torch
@@ -278,6 +348,7 @@ def main(argv=None) -> int:
     report["bubble"] = bubble_table(names, with_torch)
     report["compile"] = compile_speed(names, 64, 1024)
     report["growth"] = growth(["interleaved_1f1b", "zero_bubble", "v_schedule"], 64)
+    report["scale"] = scale()
     if with_torch:
         t = args.torch_timeout
         report["torch_compile"] = [
@@ -308,6 +379,8 @@ def main(argv=None) -> int:
                                      "validate_s", "lower_s", "total_s", "note"]))
     print()
     print(_table(report["growth"], ["schedule", "microbatches", "actions", "total_s"]))
+    print()
+    print(_table(report["scale"], scale_columns))
     if with_torch:
         print()
         print(_table(report["torch_compile"], ["torch_class", "pp", "microbatches", "construct_s",

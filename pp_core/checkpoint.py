@@ -11,6 +11,14 @@ A checkpoint is a DCP directory ``<dir>/step_00000100`` holding
 Because every key is a parameter name, a checkpoint written with one pipeline layout loads into
 any other (pp=4 -> pp=2, or the unsplit model): each rank asks DCP for the keys its parts hold.
 
+Crash-safe: a checkpoint is written beside its final place (``step_00000100.tmp-<id>``); once
+every rank has finished, rank 0 moves an existing ``step_00000100`` aside, renames the new one in,
+points the ``latest`` file at it (written to a temporary file, then ``os.replace``) and only then
+removes the old one. A process killed at any instant leaves the previous checkpoint of that step
+intact and ``latest`` naming a complete checkpoint; leftovers (``*.tmp-*``, ``*.old-*``) are never
+taken for a checkpoint. A checkpoint that is incomplete or corrupt all the same (copied in part,
+truncated) is refused with one message naming its directory.
+
 Safe by default: a checkpoint from elsewhere is data. DCP's reader unpickles its ``.metadata``
 file and ``torch.load``\\ s non-tensor items with ``weights_only=False``; here the metadata goes
 through an unpickler that only admits DCP's own metadata classes and torch dtypes/sizes, and
@@ -24,6 +32,8 @@ import io
 import os
 import pickle
 import re
+import shutil
+import uuid
 import warnings
 from pathlib import Path
 from typing import Iterable
@@ -33,11 +43,14 @@ from torch import nn
 
 from pp_core.errors import PipelineError
 
-__all__ = ["checkpoint_path", "latest_checkpoint", "save_checkpoint", "load_checkpoint",
+__all__ = ["checkpoint_path", "latest_checkpoint", "resume_checkpoint", "save_checkpoint",
+           "load_checkpoint",
            "read_model_state_dict", "load_into_model", "export_checkpoint", "SafeReader",
            "SafeLoadPlanner"]
 
 _STEP_DIR = re.compile(r"step_(\d{8})$")
+LATEST = "latest"
+"""The file in a checkpoint directory naming the checkpoint saved last (``step_00000100``)."""
 
 
 def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
@@ -45,13 +58,44 @@ def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
     return Path(directory) / f"step_{step:08d}"
 
 
+def _complete(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file()  # DCP writes .metadata last
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest step (DCP writes ``.metadata`` last), or None."""
+    """The checkpoint saved last in ``directory``, or None.
+
+    That is the one the ``latest`` file names; if a save was killed between moving the old
+    checkpoint of a step aside and renaming the new one in, the old one (``step_N.old-<id>``);
+    without a ``latest`` file (older directories), the complete ``step_N`` with the highest step.
+    Half-written saves (``step_N.tmp-<id>``) are never returned.
+    """
     root = Path(directory)
     if not root.is_dir():
         return None
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / ".metadata").is_file()]
+    pointer = root / LATEST
+    name = pointer.read_text(encoding="utf-8", errors="replace").strip() \
+        if pointer.is_file() else ""
+    if _STEP_DIR.match(name):
+        if _complete(root / name):
+            return root / name
+        aside = sorted(p for p in root.glob(f"{name}.old-*") if _complete(p))
+        if aside:
+            return aside[-1]
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and _complete(p)]
     return max(found, key=lambda p: p.name) if found else None
+
+
+def resume_checkpoint(directory, resume) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` names (``True``: the latest in ``directory``) after
+    checking that it is complete, or None to start fresh (``True`` and nothing saved yet)."""
+    if not resume:
+        return None
+    path = (latest_checkpoint(directory) if directory else None) if resume is True \
+        else Path(resume)
+    if path is not None:
+        _check_dir(path)
+    return path
 
 
 # ----------------------------------------------------------------------------- safe reading
@@ -118,10 +162,41 @@ def _reader_classes():
 SafeReader, SafeLoadPlanner = _reader_classes()
 
 
-def _check_dir(path: Path) -> None:
+def _check_dir(path: Path):
+    """The metadata of the checkpoint at ``path``, after checking that every file it names is
+    there in full; otherwise one :class:`PipelineError` naming the directory."""
+    if not path.exists():
+        raise PipelineError(f"checkpoint {str(path)!r} does not exist; pass a step_NNNNNNNN "
+                            f"directory written by pp-core run, or the checkpoint.dir holding it")
     if not (path / ".metadata").is_file():
-        raise PipelineError(f"{str(path)!r} is not a complete checkpoint (no .metadata file); "
-                            f"pass a step_NNNNNNNN directory written by pp-core run")
+        raise PipelineError(f"{str(path)!r} is not a complete checkpoint (no .metadata file: a "
+                            f"save that was interrupted, or not a checkpoint); pass a "
+                            f"step_NNNNNNNN directory written by pp-core run")
+    try:
+        metadata = SafeReader(str(path)).read_metadata()
+    except PipelineError:
+        raise
+    except Exception as exc:  # truncated or garbled pickle: EOFError, UnpicklingError, ...
+        raise _corrupt(path, f"its .metadata cannot be read ({type(exc).__name__}: "
+                             f"{str(exc)[:200]})") from None
+    sizes: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        sizes[name] = max(sizes.get(name, 0), int(getattr(info, "offset", 0))
+                          + int(getattr(info, "length", 0)))
+    for name, needed in sorted(sizes.items()):
+        file = path / name
+        if not file.is_file():
+            raise _corrupt(path, f"its data file {name} is missing")
+        if file.stat().st_size < needed:
+            raise _corrupt(path, f"its data file {name} is truncated ({file.stat().st_size} of "
+                                 f"at least {needed} bytes)")
+    return metadata
+
+
+def _corrupt(path: Path, why: str) -> PipelineError:
+    return PipelineError(f"checkpoint {str(path)!r} is incomplete or corrupt: {why}; resume or "
+                         f"export from another step_NNNNNNNN directory, or delete this one")
 
 
 # ----------------------------------------------------------------------------- save / load
@@ -161,14 +236,50 @@ def _state(parts: Iterable[nn.Module], optimizers: Iterable, step: int) -> dict:
 
 
 def save_checkpoint(directory, step: int, parts, optimizers, process_group=None) -> Path:
-    """Save this rank's parts and optimizers at ``<directory>/step_<step>`` (collective)."""
+    """Save this rank's parts and optimizers at ``<directory>/step_<step>`` (collective).
+
+    Written beside and renamed into place (see the module docstring): a crash at any instant
+    leaves the previous checkpoint intact and ``latest`` naming a complete one.
+    """
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     path = checkpoint_path(directory, step)
+    distributed = dist.is_available() and dist.is_initialized()
+    token = [uuid.uuid4().hex[:12]]
+    if distributed:  # one staging directory for all ranks, named by rank 0
+        dist.broadcast_object_list(token, group=process_group, group_src=0)
+    staging = path.with_name(f"{path.name}.tmp-{token[0]}")
     with _single_process_quiet():
-        dcp.save(_state(parts, optimizers, step), checkpoint_id=str(path),
+        dcp.save(_state(parts, optimizers, step), checkpoint_id=str(staging),
                  process_group=process_group)
+    if distributed:
+        dist.barrier(group=process_group)  # every rank's shards are on disk
+    if not distributed or dist.get_rank(process_group) == 0:
+        _publish(staging, path, token[0])
+    if distributed:
+        dist.barrier(group=process_group)  # nobody reads or saves again before it is in place
     return path
+
+
+def _publish(staging: Path, path: Path, token: str) -> None:
+    """Rename the finished ``staging`` checkpoint to ``path``, point ``latest`` at it, then drop
+    the checkpoint it replaces and the leftovers of earlier saves of this step that were killed."""
+    aside = path.with_name(f"{path.name}.old-{token}")
+    if path.exists():
+        os.rename(path, aside)
+    os.rename(staging, path)
+    pointer = path.parent / f".{LATEST}.tmp-{token}"
+    with open(pointer, "w", encoding="utf-8") as fh:
+        fh.write(path.name + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(pointer, path.parent / LATEST)
+    for leftover in [aside, *path.parent.glob(f"{path.name}.tmp-*"),
+                     *path.parent.glob(f"{path.name}.old-*")]:
+        if leftover.is_dir():
+            (leftover / ".metadata").unlink(missing_ok=True)  # never complete-looking again
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def load_checkpoint(path, parts, optimizers, process_group=None) -> int:
@@ -193,12 +304,12 @@ def load_checkpoint(path, parts, optimizers, process_group=None) -> int:
     except PipelineError:
         raise
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-        failures = getattr(exc, "failures", None) or {}
-        cause = next(iter(failures.values()), exc)
-        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, stack)
+        cause = _cause(exc)
+        if _is_damage(cause):
+            raise _corrupt(path, f"{type(cause).__name__}: {str(cause)[:200]}") from None
         raise PipelineError(
             f"cannot load checkpoint {str(path)!r} into this pipeline: {type(cause).__name__}: "
-            f"{cause}; was it written for this model (model.args)?") from None
+            f"{str(cause)[:300]}; was it written for this model (model.args)?") from None
     for part, optimizer in zip(parts, optimizers):
         names = set(part.state_dict().keys())
         set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in names})
@@ -207,22 +318,41 @@ def load_checkpoint(path, parts, optimizers, process_group=None) -> int:
     return int(state["trainer"]["step"])
 
 
+def _cause(exc: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's ``CheckpointException``, else ``exc``."""
+    failures = getattr(exc, "failures", None) or {}
+    cause = next(iter(failures.values()), exc)
+    return cause[0] if isinstance(cause, tuple) else cause  # (exception, stack)
+
+
+def _is_damage(cause: BaseException) -> bool:
+    """Whether a load failed on the files (missing, short, garbled), not on the model's keys."""
+    return isinstance(cause, (OSError, EOFError, pickle.UnpicklingError)) or any(
+        text in str(cause)
+        for text in ("PytorchStreamReader", "unexpected EOF", "invalid load key"))
+
+
 def read_model_state_dict(path) -> dict[str, torch.Tensor]:
     """Every ``model.*`` tensor of a checkpoint, under its original name, on the CPU (no PG)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(path)
-    _check_dir(path)
-    reader = SafeReader(str(path))
-    metadata = reader.read_metadata()
+    metadata = _check_dir(path)
     state = {}
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
             state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    with _single_process_quiet():
-        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
-                 no_dist=True)
+    try:
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
+                     no_dist=True)
+    except PipelineError:
+        raise
+    except (Exception, CheckpointException) as exc:
+        cause = _cause(exc)
+        raise _corrupt(path, f"{type(cause).__name__}: {str(cause)[:200]}") from None
     return {key[len("model."):]: value for key, value in state.items()}
 
 
@@ -235,14 +365,18 @@ def export_checkpoint(path, output) -> Path:
     """Write a checkpoint's weights as one ``state_dict`` file: ``.safetensors`` or torch ``.pt``."""
     output = Path(output)
     state = read_model_state_dict(path)
-    output.parent.mkdir(parents=True, exist_ok=True)
     if output.suffix == ".safetensors":
         try:
             from safetensors.torch import save_file
         except ImportError:
             raise PipelineError("writing .safetensors needs the safetensors package; "
                                 "pip install safetensors, or export to a .pt file") from None
-        save_file({k: v.contiguous() for k, v in state.items()}, str(output))
-    else:
-        torch.save(state, output)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        if output.suffix == ".safetensors":
+            save_file({k: v.contiguous() for k, v in state.items()}, str(output))
+        else:
+            torch.save(state, output)
+    except OSError as exc:
+        raise PipelineError(f"cannot write {str(output)!r}: {exc.strerror or exc}") from None
     return output

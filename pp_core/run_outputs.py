@@ -11,6 +11,7 @@ for the same schedule with the per-action costs this run measured.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -109,12 +110,7 @@ class RunRecorder:
         self.clock_offset = time.time() - time.perf_counter()
         self.tokens_per_step = 0
         self.timer = ActionTimer(pipe, ctx.device)
-        self.metrics = None
-        path = spec.output["metrics"]
-        if path and self.rank == 0:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            mode = "a" if spec.checkpoint["resume"] else "w"
-            self.metrics = open(path, mode, encoding="utf-8")
+        self.metrics = None  # opened by open_metrics once the first step is known
 
     def say(self, text: str) -> None:
         if self.rank != 0:
@@ -123,6 +119,24 @@ class RunRecorder:
             self.progress.message(text)
         else:
             print(text, flush=True)
+
+    def open_metrics(self, start_step: int) -> None:
+        """Open ``output.metrics`` on the first rank for a run that continues after
+        ``start_step``: the lines of later steps (a resumed run is about to write them again)
+        are dropped, so every step appears once; a fresh run starts an empty file."""
+        path = self.spec.output["metrics"]
+        if not path or self.rank != 0:
+            return
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if start_step and path.is_file():
+            kept = _metrics_lines_up_to(path, start_step)
+            staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            staging.write_text("".join(kept), encoding="utf-8")
+            os.replace(staging, path)
+            self.metrics = open(path, "a", encoding="utf-8")
+        else:
+            self.metrics = open(path, "w", encoding="utf-8")
 
     # ------------------------------------------------------------------ per step
 
@@ -288,6 +302,21 @@ class RunRecorder:
         result = simulate(schedule, costs)
         makespan = result.makespan or 1.0
         return [idle / makespan for idle in result.idle], note
+
+
+def _metrics_lines_up_to(path: Path, step: int) -> list[str]:
+    """The lines of a metrics file for steps ``<= step`` (a torn last line is dropped too)."""
+    kept = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int) \
+                    and record["step"] <= step and line.endswith("\n"):
+                kept.append(line)
+    return kept
 
 
 def _write_trace(path: str, ranks: list[dict]) -> None:

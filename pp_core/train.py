@@ -155,12 +155,12 @@ def _mean_over_dp(value: float | None, ctx: RankContext) -> float | None:
 
 
 def _resume_step(spec: Spec, pipe, optimizers, ctx: RankContext, say) -> int:
-    from pp_core.checkpoint import latest_checkpoint, load_checkpoint
+    from pp_core.checkpoint import load_checkpoint, resume_checkpoint
 
     resume = spec.checkpoint["resume"]
     if not resume:
         return 0
-    path = latest_checkpoint(spec.checkpoint["dir"]) if resume is True else resume
+    path = resume_checkpoint(spec.checkpoint["dir"], resume)
     if path is None:
         say(f"checkpoint.resume: no checkpoint in {spec.checkpoint['dir']!r} yet; starting at "
             f"step 0")
@@ -197,6 +197,7 @@ def train(spec: Spec) -> dict[str, Any]:
     recorder = RunRecorder(spec, ctx, pipe, num_params)
     say = recorder.say
     start_step = _resume_step(spec, pipe, optimizers, ctx, say)
+    recorder.open_metrics(start_step)
     train_cfg, steps = spec.train, spec.train["steps"]
     sync = GradientSync(pipe.model_parts, ctx.dp_group, ctx.dp_size, config.num_microbatches,
                         config.scale_grads_in_schedule)

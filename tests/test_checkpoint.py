@@ -3,6 +3,7 @@ model, ``pp-core export`` writes one state_dict, and loading never unpickles arb
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -41,12 +42,15 @@ def runs(tmp_path_factory):
     """A: pp=4 for 4 steps; B: pp=4 resumed from A's step 2; C: pp=2 resumed from A's step 2."""
     tmp = tmp_path_factory.mktemp("ckpt")
     a_dir, b_dir, c_dir = tmp / "a", tmp / "b", tmp / "c"
-    a = run(f"checkpoint.dir={a_dir}", f"output.metrics={tmp / 'a.jsonl'}")
+    a = run(f"checkpoint.dir={a_dir}", f"output.metrics={tmp / 'a.jsonl'}", "train.log_every=1")
     shutil.copytree(checkpoint_path(a_dir, 2), checkpoint_path(b_dir, 2))
-    b = run(f"checkpoint.dir={b_dir}", "checkpoint.resume=true")  # picks b/step_2, the latest
+    shutil.copy(tmp / "a.jsonl", tmp / "b.jsonl")  # B continues A's metrics file from step 2
+    b = run(f"checkpoint.dir={b_dir}", "checkpoint.resume=true",  # picks b/step_2, the latest
+            f"output.metrics={tmp / 'b.jsonl'}", "train.log_every=1")
     c = run("distributed.pp_size=2", f"checkpoint.dir={c_dir}",
             f"checkpoint.resume={checkpoint_path(a_dir, 2)}")
-    return {"dirs": (a_dir, b_dir, c_dir), "losses": (a, b, c)}
+    return {"dirs": (a_dir, b_dir, c_dir), "losses": (a, b, c),
+            "metrics": (tmp / "a.jsonl", tmp / "b.jsonl")}
 
 
 def test_resume_continues_exactly(runs):
@@ -57,6 +61,15 @@ def test_resume_continues_exactly(runs):
     final_a = read_model_state_dict(checkpoint_path(a_dir, 4))
     final_b = read_model_state_dict(checkpoint_path(b_dir, 4))
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+def test_a_resumed_run_writes_each_step_of_the_metrics_file_once(runs):
+    a, b, _ = runs["losses"]
+    a_lines, b_lines = (path.read_text().splitlines() for path in runs["metrics"])
+    steps = [json.loads(line)["step"] for line in b_lines]
+    assert steps == [1, 2, 3, 4]  # not 1, 2, 3, 4, 3, 4
+    assert b_lines[:2] == a_lines[:2]  # the steps before the checkpoint are kept as written
+    assert [json.loads(line)["loss"] for line in b_lines[2:]] == b
 
 
 def test_a_pp4_checkpoint_loads_at_pp2(runs):
@@ -89,7 +102,8 @@ def test_a_pp4_checkpoint_loads_into_the_unsplit_model_and_exports(runs, tmp_pat
 
 def test_checkpoint_layout_and_latest(tmp_path, runs):
     a_dir = runs["dirs"][0]
-    assert sorted(p.name for p in a_dir.iterdir()) == ["step_00000002", "step_00000004"]
+    assert sorted(p.name for p in a_dir.iterdir()) == ["latest", "step_00000002", "step_00000004"]
+    assert (a_dir / "latest").read_text() == "step_00000004\n"
     assert latest_checkpoint(a_dir).name == "step_00000004"
     (tmp_path / "step_00000009").mkdir()  # no .metadata: an interrupted save is ignored
     assert latest_checkpoint(tmp_path) is None

@@ -113,3 +113,12 @@ def test_help_has_examples():
     out = subprocess.run([sys.executable, "-m", "pp_core", "schedule", "simulate", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "--cost-w" in out and "--csv FILE" in out and "pp-core schedule export" in out
+
+
+def test_show_refuses_a_text_timeline_too_large_to_draw(capsys, tmp_path):
+    svg = tmp_path / "s.svg"
+    code, out, err = run(capsys, "schedule", "show", "1f1b", "--pp", "2000", "--microbatches",
+                         "1", "-o", str(svg))  # 2,000 rows of up to 6,000 slots
+    assert code == 1 and out == "" and not svg.exists()
+    assert err.startswith("pp-core: error: the text timeline of 1f1b at pp=2000") \
+        and err.count("\n") == 1 and "use 'pp-core schedule simulate'" in err, err

@@ -141,3 +141,41 @@ def test_chrome_trace(tmp_path):
     path = tmp_path / "t.json"
     write_chrome_trace(result, path)
     assert json.loads(path.read_text())["traceEvents"][0]["ph"] == "M"
+
+
+class _CountingPlacement(tuple):
+    """``stage_ranks`` that counts how often something walks through all of it."""
+
+    def __iter__(self):
+        self.scans += 1
+        return super().__iter__()
+
+
+def _scans_to_simulate_and_report(pp: int) -> int:
+    from pp_core.schedule.build import build_schedule
+    from pp_core.schedule.render import caption
+
+    schedule = build_schedule("1f1b", num_ranks=pp, num_microbatches=1)
+    schedule.stage_ranks = placement = _CountingPlacement(schedule.stage_ranks)
+    placement.scans = 0
+    result = simulate(schedule)
+    result.to_dict()
+    caption(result)
+    chrome_trace(result)
+    for rank in range(pp):  # what the simulate table prints per rank
+        schedule.stages_of(rank)
+    return placement.scans
+
+
+def test_simulate_scans_the_stage_placement_a_fixed_number_of_times_whatever_pp():
+    """Asking each rank's stages used to scan every stage per call: quadratic in pp (pp=32,000
+    took 76 s). The per-rank map is built once, so the scans do not grow with pp."""
+    small, large = _scans_to_simulate_and_report(100), _scans_to_simulate_and_report(1000)
+    assert small == large <= 4
+
+
+def test_stages_of_follows_a_new_placement():
+    schedule = Schedule([[parse_action("0F0")], [parse_action("1F0")]], (0, 1), 1)
+    assert [schedule.stages_of(r) for r in (0, 1, 2)] == [(0,), (1,), ()]
+    schedule.stage_ranks = (1, 0)
+    assert [schedule.stages_of(r) for r in (0, 1)] == [(1,), (0,)]

@@ -71,7 +71,10 @@ def _checked(args):
 def run_command(args) -> int:
     from pp_core.launch import launch, started_by_torchrun
 
+    from pp_core.checkpoint import resume_checkpoint
+
     spec, _ = _checked(args)
+    resume_checkpoint(spec.checkpoint["dir"], spec.checkpoint["resume"])  # before any rank starts
     if not started_by_torchrun():
         dist = spec.distributed
         print(f"pp-core: starting {spec.world_size // dist['nnodes']} rank(s) on this machine "

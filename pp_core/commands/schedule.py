@@ -146,25 +146,30 @@ def _show(args) -> int:
     from pp_core.schedule.render import caption, render_svg, render_text
 
     result = _simulated(args)
+    timeline = render_text(result)  # refuses a timeline too large to draw before writing files
     if args.output:
         _write(args.output, render_svg(result))
     if args.json:
         figures = result.to_dict()
         figures["rows"] = result.schedule.rows()
-        figures["timeline_text"] = render_text(result).splitlines()
+        figures["timeline_text"] = timeline.splitlines()
         print(json.dumps(figures, indent=2))
         return 0
     print(caption(result))
-    print(render_text(result))
+    print(timeline)
     if args.output:
         print(f"wrote {args.output}")
     return 0
 
 
 def _simulate(args) -> int:
+    if args.pool_slack < 0:  # checked here too: the text table skips the receive-buffer figures
+        raise ScheduleError(f"--pool-slack: slack={args.pool_slack} must be an int >= 0 (spare "
+                            f"receive-buffer sets per stage and direction)")
     result = _simulated(args)
     figures = result.to_dict(timeline=args.timeline)
-    figures["recv_buffers"] = _recv_buffers(result.schedule, args)
+    if args.json or args.output:  # the text table does not show them; lowering every rank costs
+        figures["recv_buffers"] = _recv_buffers(result.schedule, args)
     if args.trace:
         from pp_core.schedule.trace import chrome_trace
 

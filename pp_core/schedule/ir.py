@@ -200,7 +200,22 @@ class Schedule:
         return len(self.stage_ranks)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(s for s, r in enumerate(self.stage_ranks) if r == rank)
+        """The stages ``rank`` holds, in order.
+
+        The per-rank map is built once per ``stage_ranks`` (one pass over the stages), so asking
+        for every rank is linear in the number of stages, not quadratic.
+        """
+        return self._stages_by_rank().get(rank, ())
+
+    def _stages_by_rank(self) -> dict[int, tuple[int, ...]]:
+        cached = self.__dict__.get("_stage_map")
+        if cached is None or cached[0] is not self.stage_ranks:  # built for another placement
+            by_rank: dict[int, list[int]] = {}
+            for stage, rank in enumerate(self.stage_ranks):
+                by_rank.setdefault(rank, []).append(stage)
+            cached = (self.stage_ranks, {r: tuple(stages) for r, stages in by_rank.items()})
+            self.__dict__["_stage_map"] = cached
+        return cached[1]
 
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a is not None]

@@ -15,9 +15,14 @@ from __future__ import annotations
 import math
 from xml.sax.saxutils import escape
 
+from pp_core.errors import ScheduleError
 from pp_core.schedule.simulate import SimResult
 
-__all__ = ["render_text", "render_svg", "caption", "COLOURS"]
+__all__ = ["render_text", "render_svg", "caption", "COLOURS", "MAX_TEXT_SLOTS"]
+
+MAX_TEXT_SLOTS = 2_000_000
+"""The most time slots (over all ranks) a text timeline draws: beyond it no terminal shows it and
+the text alone grows quadratically (pp ranks x a makespan of about 3 pp slots for 1F1B)."""
 
 COLOURS = {"F": "#4c8bf5", "B": "#f08c3c", "I": "#e8c23a", "W": "#57b86a"}
 _KIND_NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
@@ -39,6 +44,14 @@ def _quantum(result: SimResult) -> tuple[float, bool]:
 def render_text(result: SimResult) -> str:
     """The reference-style timeline, one line per rank (slots of ``quantum`` time units)."""
     q, _exact = _quantum(result)
+    slots = [round(row[-1][2] / q) if row else 0 for row in result.timeline]
+    if sum(slots) > MAX_TEXT_SLOTS:
+        s = result.schedule
+        raise ScheduleError(
+            f"the text timeline of {s.name} at pp={s.num_ranks}, microbatches="
+            f"{s.num_microbatches} would be {len(slots)} rows of up to {max(slots):,} slots "
+            f"({sum(slots):,} in all; pp-core draws at most {MAX_TEXT_SLOTS:,}); use 'pp-core "
+            f"schedule simulate' for the figures, or its --trace FILE for a zoomable timeline")
     labels = [str(a) for row in result.timeline for a, _, _ in row]
     width = max(3, max(map(len, labels), default=3)) + 1
     num_ranks = len(result.timeline)
