@@ -30,7 +30,14 @@ class PipelineError(PPCoreError, RuntimeError):
 def quoted(value, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters: every message that quotes user input uses it,
     so a 20-byte file cannot produce a 90 MB message."""
-    return shorten(repr(value), limit)
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else \
+            f"{value[:limit - 20]!r}... ({len(value):,} chars)"
+    import reprlib
+
+    bounded = reprlib.Repr()  # cost bounded too: a shared alias list may hold 10**9 items
+    bounded.maxstring = bounded.maxother = bounded.maxlong = limit
+    return shorten(bounded.repr(value), limit)
 
 
 def shorten(text: str, limit: int = 300) -> str:
