@@ -160,3 +160,21 @@ def test_a_missing_optional_dependency_names_the_extra(tmp_path):
     assert "model.name: model 'hf_causal_lm' needs Hugging Face transformers" in found.stderr
     assert "pip install 'pp-core[transformers]'" in found.stderr
     assert "Traceback" not in found.stderr
+
+
+def test_run_refuses_an_unwritable_checkpoint_dir_before_starting_ranks(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    path = tmp_path / "pipe.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    code = cli.main(["run", str(path), "--set", f"checkpoint.dir={blocker}/ckpt"])
+    out = capsys.readouterr()
+    assert code == 1 and "starting" not in out.out, out
+    assert out.err.count("\n") == 1 and f"checkpoint.dir: cannot create '{blocker}/ckpt': " \
+        f"'{blocker}' is a file, not a directory; choose another path" in out.err, out.err
+
+
+def test_validate_help_says_it_calls_the_code_a_file_names(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["validate", "--help"])
+    assert "validate imports and calls the code the file names" in capsys.readouterr().out
