@@ -208,8 +208,15 @@ def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
     """Every output path can be written (nothing is created); an existing file gets a note."""
     resume = bool(spec.checkpoint["resume"])
     directory = spec.checkpoint["dir"]
-    if directory is not None:
-        _check_path("checkpoint.dir", Path(directory), True, problems)
+    if directory is not None and _check_path("checkpoint.dir", Path(directory), True, problems) \
+            and not resume and any(Path(directory).glob("step_*")):
+        from pp_core.checkpoint import latest_checkpoint  # (imports torch's DCP: seconds)
+
+        latest = latest_checkpoint(directory)
+        if latest is not None:
+            notes.append(f"checkpoint.dir: {quoted(directory)} holds checkpoints up to "
+                         f"{latest.name}; this run starts at step 0 and replaces those it "
+                         f"saves again (checkpoint.resume: true continues from {latest.name})")
     for name in ("metrics", "trace", "schedule_image"):
         path = spec.output[name]
         if path is None:

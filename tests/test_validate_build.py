@@ -178,3 +178,15 @@ def test_validate_help_says_it_calls_the_code_a_file_names(capsys):
     with pytest.raises(SystemExit):
         cli.main(["validate", "--help"])
     assert "validate imports and calls the code the file names" in capsys.readouterr().out
+
+
+def test_a_checkpoint_dir_with_an_earlier_run_is_named(tmp_path, capsys):
+    step = tmp_path / "ckpt" / "step_00000020"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    code, text = validate(tmp_path, capsys, f"checkpoint.dir={tmp_path}/ckpt")
+    assert code == 0, text
+    assert "holds checkpoints up to step_00000020; this run starts at step 0" in text, text
+    code, text = validate(tmp_path, capsys, f"checkpoint.dir={tmp_path}/ckpt",
+                          "checkpoint.resume=true")
+    assert code == 0 and "holds checkpoints" not in text, text
