@@ -80,7 +80,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     path, sep, raw = text.partition("=")
     keys = path.strip().split(".")
     if not sep or not all(keys):
-        raise SpecError([f"--set {quoted(text)}: expected key.path=value, e.g. --set train.steps=10"])
+        raise SpecError([f"--set {quoted(text)}: expected key.path=value, e.g. --set "
+                         f"train.steps=10"])
     from pp_core.spec_yaml import YamlProblem, load_yaml_text
 
     try:

@@ -124,13 +124,14 @@ def _parse_cell(cell: str, format: str, where: str):
                                 f"got {len(parts)}")
         return [_compute(part, where, cell) for part in parts]
     if text.startswith("("):
-        raise ScheduleError(f"{where}: cannot parse {quoted(cell)}: a cell starting with '(' must be "
-                            f"'(<action>;<action>)OVERLAP_F_B'")
+        raise ScheduleError(f"{where}: cannot parse {quoted(cell)}: a cell starting with '(' "
+                            f"must be '(<action>;<action>)OVERLAP_F_B'")
     if _COMM_RE.fullmatch(text):
         if format == "compute_only":
             raise ScheduleError(
-                f"{where}: {quoted(text)} is a communication action, but format='compute_only' allows "
-                f"only F/B/I/W cells; read torch's compute_comms dumps with format='auto' or "
+                f"{where}: {quoted(text)} is a communication action, but "
+                f"format='compute_only' allows only F/B/I/W cells; read torch's compute_comms "
+                f"dumps with format='auto' or "
                 f"'compute_comms' (their comm cells are dropped and re-derived by lowering)")
         return "comm"
     return [_compute(text, where, cell)]
@@ -185,7 +186,8 @@ def _infer_placement(actions, where: str) -> tuple[int, ...]:
     missing = sorted(set(range(max(rank_of) + 1)) - set(rank_of))
     if missing:
         raise ScheduleError(
-            f"{where}: stage(s) {shorten(', '.join(map(str, missing)), 200)} appear in no row, but stage "
+            f"{where}: stage(s) {shorten(', '.join(map(str, missing)), 200)} appear in no row, "
+            f"but stage "
             f"{max(rank_of)} does; stages must be numbered 0..{max(rank_of)} without gaps")
     return tuple(rank_of[s] for s in range(len(rank_of)))
 
