@@ -116,7 +116,7 @@ def test_help_has_examples():
 
 @pytest.mark.parametrize("option, value", [
     ("--cost-b", "nan"), ("--cost-f", "-1"), ("--comm-latency", "inf"),
-    ("--activation-bytes", "nan"), ("--recv-bytes", "-5"), ("--pool-slack", "-1"),
+    ("--activation-bytes", "nan"), ("--recv-bytes", "-5"),
 ])
 def test_non_finite_or_negative_numbers_are_refused(capsys, option, value):
     with pytest.raises(SystemExit) as info:

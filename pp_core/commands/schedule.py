@@ -63,7 +63,7 @@ def register(subparsers) -> None:
                              help="write a Chrome/Perfetto trace (JSON) of the timeline")
             sub.add_argument("--timeline", action="store_true",
                              help="include every action's start and end in the JSON")
-            sub.add_argument("--pool-slack", type=_amount(int), default=2, metavar="N",
+            sub.add_argument("--pool-slack", type=int, default=2, metavar="N",
                              help="spare sets of the receive-buffer pool in the JSON's "
                                   "recv_buffers figures (default 2)")
             sub.add_argument("--recv-bytes", type=_amount(int), metavar="N",
