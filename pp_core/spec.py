@@ -208,13 +208,25 @@ def _check_combinations(values: dict, problems: list[str]) -> None:
     _check_optimizer(values["train"]["optimizer"], problems)
 
 
+MAX_MICROBATCHES = 16_384
+"""Microbatches per step a pipeline file may ask for: each is a forward and a backward on every
+stage, and the schedule holds actions for all of them (100,000 took 35 s to validate; 10**9 never
+finished). Far beyond any real step."""
+
+
 def _check_pipeline(pipeline: dict, problems: list[str]) -> None:
     from pp_core.config import PipelineConfig
 
     try:
-        PipelineConfig(**pipeline)
+        config = PipelineConfig(**pipeline)
     except ConfigError as exc:
         problems.append(f"{_config_key(pipeline, str(exc))}: {exc}")
+        return
+    if config.num_microbatches > MAX_MICROBATCHES:
+        problems.append(f"pipeline.pp_batch_size: pp_batch_size / pp_microbatch_size = "
+                        f"{config.pp_batch_size:,} / {config.pp_microbatch_size:,} = "
+                        f"{config.num_microbatches:,} microbatches per step, more than "
+                        f"{MAX_MICROBATCHES:,}; use a larger pp_microbatch_size")
 
 
 def _config_key(pipeline: dict, message: str) -> str:

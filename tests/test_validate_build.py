@@ -190,3 +190,9 @@ def test_a_checkpoint_dir_with_an_earlier_run_is_named(tmp_path, capsys):
     code, text = validate(tmp_path, capsys, f"checkpoint.dir={tmp_path}/ckpt",
                           "checkpoint.resume=true")
     assert code == 0 and "holds checkpoints" not in text, text
+
+
+def test_more_microbatches_than_any_step_needs_are_refused_at_once(tmp_path, capsys):
+    code, text = validate(tmp_path, capsys, "pipeline.pp_batch_size=1000000000")
+    assert code == 1 and "pipeline.pp_batch_size: pp_batch_size / pp_microbatch_size = " \
+        "1,000,000,000 / 1 = 1,000,000,000 microbatches per step, more than 16,384" in text, text
