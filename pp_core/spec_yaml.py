@@ -22,28 +22,22 @@ class YamlProblem(ValueError):
     """The text is not a pipeline file pp-core will read; the message is one line."""
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """A SafeLoader that refuses a key given twice in one mapping, naming the key and lines."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen: dict = {}
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=True)
-                line = key_node.start_mark.line + 1
-                try:
-                    first = seen.get(key)
-                    seen.setdefault(key, line)
-                except TypeError:  # an unhashable key: SafeLoader reports it itself
-                    continue
-                if first is not None and key != "<<":
-                    raise YamlProblem(f"line {line}: key {quoted(key)} is given twice in one "
-                                      f"mapping (first on line {first}); keep one")
-        return super().construct_mapping(node, deep)
+def _check_keys(node) -> None:
+    """Refuse a key given twice in one mapping (YAML's last-wins would hide the first)."""
+    seen: dict = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+            continue
+        key, line = (key_node.tag, key_node.value), key_node.start_mark.line + 1
+        if key in seen:
+            raise YamlProblem(f"line {line}: key {quoted(key_node.value)} is given twice in one "
+                              f"mapping (first on line {seen[key]}); keep one")
+        seen[key] = line
 
 
 def _check_size(root) -> None:
-    """Refuse a document whose aliases expand beyond MAX_NODES nodes or nest beyond MAX_DEPTH.
+    """Refuse a document whose aliases expand beyond MAX_NODES nodes or nest beyond MAX_DEPTH,
+    or that gives a key twice in one mapping.
 
     Walks the composed node graph (aliases share nodes, so composing is cheap) counting each
     shared node once per use, with the expanded size of every node memoised: linear in the
@@ -66,13 +60,15 @@ def _check_size(root) -> None:
                                   f"expand to more than {MAX_NODES:,} values; a pipeline file "
                                   f"needs a few dozen")
         elif id(node) not in sizes:
+            if isinstance(node, yaml.MappingNode):
+                _check_keys(node)
             stack.append((node, depth, True))
             stack.extend((c, depth + 1, False) for c in children if id(c) not in sizes)
 
 
 def load_yaml_text(text: str):
     """Parse one YAML document with the checks above; raises :class:`YamlProblem`."""
-    loader = _StrictLoader(text)
+    loader = yaml.SafeLoader(text)
     try:
         root = loader.get_single_node()
         if root is None:

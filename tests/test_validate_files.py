@@ -55,6 +55,12 @@ def test_aliases_that_stay_small_still_work(tmp_path):
     assert load_spec(path).data["eval_args"] == {"seq_len": 16}
 
 
+def test_a_merge_key_may_be_overridden_without_counting_as_a_duplicate(tmp_path):
+    path = tmp_path / "pipe.yaml"
+    path.write_text(GOOD + "train: {<<: &t {steps: 3, log_every: 1}, steps: 5}\n")
+    assert load_spec(path).train["steps"] == 5 and load_spec(path).train["log_every"] == 1
+
+
 def test_a_set_override_is_read_the_same_way():
     from pp_core.spec import parse_override
 
