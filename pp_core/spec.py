@@ -9,7 +9,8 @@ mistakes into one :class:`SpecError` whose lines read::
     pipe.yaml: train.steps: expected a positive int, found 'ten' (str)
 
 Checks that need the installed plugins (model and dataset names, the schedule, the split) live in
-:mod:`pp_core.preflight`. YAML is parsed with ``yaml.safe_load``: it builds plain data only, but a
+:mod:`pp_core.preflight`. YAML is parsed by :mod:`pp_core.spec_yaml` (a ``yaml.SafeLoader`` that
+also refuses duplicate keys, alias bombs, deep nesting and non-UTF-8 bytes): plain data only, but a
 ``"module:attr"`` value (``model.target``, ``pipeline.loss_fn``) *imports code* when the
 pipeline is built.
 """
