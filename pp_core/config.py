@@ -123,7 +123,7 @@ class PipelineConfig:
             raise ConfigError(
                 f"pp_batch_size={self.pp_batch_size} is not divisible by "
                 f"pp_microbatch_size={self.pp_microbatch_size}; use pp_batch_size="
-                f"{lower or self.pp_microbatch_size} or {lower + self.pp_microbatch_size}, or a "
+                + (f"{lower} or " if lower else "") + f"{lower + self.pp_microbatch_size}, or a "
                 f"pp_microbatch_size that divides {self.pp_batch_size}"
             )
         if self.layers_per_stage is not None:
@@ -147,8 +147,9 @@ class PipelineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         self._check_fqns()
-        if self.dtype is not None:
-            resolve_dtype(self.dtype)
+        if self.dtype is not None and not resolve_dtype(self.dtype).is_floating_point:
+            raise ConfigError(f"dtype={self.dtype!r} is not a floating-point dtype; parameters "
+                              f"and activations need one: use 'float32', 'bfloat16' or 'float16'")
         if self.loss_fn is not None:
             if isinstance(self.loss_fn, str) and ":" not in self.loss_fn:
                 if "." in self.loss_fn:  # kedro-style guess: a dotted path meant as module:attr

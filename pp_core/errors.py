@@ -3,7 +3,8 @@
 Each message names the thing that is wrong (YAML key, plugin, schedule action, stage) and the fix.
 """
 
-__all__ = ["PPCoreError", "PluginError", "ScheduleError", "ConfigError", "PipelineError"]
+__all__ = ["PPCoreError", "PluginError", "ScheduleError", "ConfigError", "PipelineError", "quoted",
+           "shorten"]
 
 
 class PPCoreError(Exception):
@@ -24,3 +25,21 @@ class ConfigError(PPCoreError, ValueError):
 
 class PipelineError(PPCoreError, RuntimeError):
     """The runtime failed: a rank raised, a peer died, or the model cannot be split as asked."""
+
+
+def quoted(value, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: every message that quotes user input uses it,
+    so a 20-byte file cannot produce a 90 MB message."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else \
+            f"{value[:limit - 20]!r}... ({len(value):,} chars)"
+    import reprlib
+
+    bounded = reprlib.Repr()  # cost bounded too: a shared alias list may hold 10**9 items
+    bounded.maxstring = bounded.maxother = bounded.maxlong = limit
+    return shorten(bounded.repr(value), limit)
+
+
+def shorten(text: str, limit: int = 300) -> str:
+    """``text`` cut to about ``limit`` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text):,} chars)"

@@ -57,6 +57,20 @@ def disabled_plugin_names(environ: dict | None = None) -> set[str]:
     return {name.strip() for name in value.split(",") if name.strip()}
 
 
+def _warn_unknown_disabled(blocked: set[str]) -> None:
+    """A name in $PP_CORE_DISABLE_PLUGINS that no plugin has disables nothing: say so, with the
+    closest name and the known ones, rather than leave the user believing it worked."""
+    known = [ep.name for ep in _entry_points()]
+    for name in sorted(blocked - set(known)):
+        import warnings
+
+        guess = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {guess[0]!r}? " if guess else ""
+        warnings.warn(f"{DISABLE_ENV}: no installed plugin is named {name!r}, so it disables "
+                      f"nothing; {hint}installed plugins: {', '.join(known) or 'none'}",
+                      UserWarning, stacklevel=3)
+
+
 def _entry_points() -> list[metadata.EntryPoint]:
     return sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
 
@@ -93,6 +107,7 @@ def make_plugin_manager(
     for name in blocked:
         pm.set_blocked(name)
     if entry_points:
+        _warn_unknown_disabled(blocked)
         for ep in _entry_points():
             if ep.name in blocked or pm.get_plugin(ep.name) is not None:
                 continue

@@ -17,7 +17,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pp_core.errors import PPCoreError
+from pp_core.errors import ConfigError, PPCoreError, quoted
 from pp_core.spec import Spec, SpecError
 
 __all__ = ["Preflight", "preflight", "model_factory", "dataset_factory", "dataset_args",
@@ -46,7 +46,13 @@ def model_factory(spec: Spec, plugins=None) -> Callable:
     if spec.model["target"] is not None:
         from pp_core.config import resolve_callable
 
-        return resolve_callable(spec.model["target"], "model.target")
+        target = resolve_callable(spec.model["target"], "model.target")
+        if not (inspect.isclass(target) or inspect.isfunction(target)):
+            raise ConfigError(f"model.target={quoted(spec.model['target'])} names a "
+                              f"{type(target).__name__}, not a class or a Python function; "
+                              f"validate and run call it with model.args, so name your model's "
+                              f"class or factory function")
+        return target
     return _plugins(plugins).models.get(spec.model["name"])
 
 
@@ -115,8 +121,14 @@ def _check_args(where: str, factory: Callable, args: dict, problems: list[str]) 
                             f"its arguments: {', '.join(names) or 'none'}")
 
 
-def preflight(spec: Spec, plugins=None, *, build: bool = True) -> Preflight:
-    """Check names, arguments, batch sizes, the split and the schedule; raise one SpecError."""
+def preflight(spec: Spec, plugins=None, *, build: bool = True,
+              run_checks: bool = True) -> Preflight:
+    """Check names, arguments, batch sizes, the split and the schedule; raise one SpecError.
+
+    With ``run_checks`` it also builds what a rank builds (datasets and a batch, the optimizer,
+    the resume path, the output paths: :mod:`pp_core.preflight_build`), so that what would fail
+    after the ranks start is refused before.
+    """
     plugins = _plugins(plugins)
     problems: list[str] = []
     result = Preflight()
@@ -144,10 +156,19 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True) -> Preflight:
         if not torch.cuda.is_available():
             problems.append("distributed.device: expected a device this machine has, found "
                             "'cuda' but torch.cuda.is_available() is False; use device: cpu")
+    if run_checks:
+        from pp_core.preflight_build import check_local_ranks, check_outputs
+
+        check_outputs(spec, problems, result.notes)
+        check_local_ranks(spec, problems)
     if problems:
         raise SpecError(problems, spec.source)
     if build:
-        _plan_and_schedule(spec, plugins, model_fn, result, problems)
+        model = _plan_and_schedule(spec, plugins, model_fn, result, problems)
+        if run_checks and not problems:
+            from pp_core.preflight_build import check_build
+
+            check_build(spec, model, data_fn, problems, result.notes)
     if problems:
         raise SpecError(problems, spec.source)
     return result
@@ -185,8 +206,9 @@ def _skip_init():
             setattr(torch.nn.init, name, fn)
 
 
-def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: list[str]) -> None:
-    """Plan the split on the meta device, then build + validate the schedule with its sizes."""
+def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: list[str]):
+    """Plan the split on the meta device, then build + validate the schedule with its sizes;
+    returns the meta model (``None`` where it could not be built)."""
     import torch
 
     from pp_core.errors import ScheduleError
@@ -198,15 +220,25 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
         sdef = schedule_def_for(spec, plugins)
     except ScheduleError as exc:
         problems.append(f"pipeline.pp_schedule: {exc}")
-        return
+        return None
     stages_per_rank = sdef.stages_per_rank if sdef is not None else None
-    try:
-        with torch.device("meta"), _skip_init():
-            model = model_fn(**spec.model["args"])
-    except Exception as exc:  # a factory that cannot build on meta: check the rest anyway
-        result.notes.append(f"split not checked: the model could not be built on the meta "
-                            f"device ({type(exc).__name__}: {exc})")
-        model = None
+    if sdef is None:  # a CSV determines its stage count: derive stages_per_rank as run does
+        try:
+            csv_schedule = build_schedule(num_ranks=num_ranks,
+                                          num_microbatches=config.num_microbatches,
+                                          csv_path=spec.pipeline["pp_schedule_csv"],
+                                          plugins=plugins)
+        except ScheduleError as exc:
+            problems.append(f"pipeline.pp_schedule_csv: {exc} (pp_size={num_ranks}, "
+                            f"microbatches = pp_batch_size / pp_microbatch_size = "
+                            f"{config.num_microbatches})")
+            return None
+        stages_per_rank = csv_schedule.num_stages // num_ranks
+    from pp_core.preflight_build import build_meta_model
+
+    model = build_meta_model(spec, model_fn, problems, result.notes)
+    if problems:
+        return None
     if model is not None:
         from pp_core.runtime.split import plan_split
 
@@ -217,7 +249,7 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
             stages_per_rank = result.plan.stages_per_rank
         except PPCoreError as exc:
             problems.append(f"pipeline: cannot split the model: {exc}")
-            return
+            return model
     try:
         result.schedule = build_schedule(
             spec.pipeline["pp_schedule"], num_ranks=num_ranks,
@@ -228,3 +260,4 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
             "pipeline.pp_schedule"
         problems.append(f"{key}: {exc} (pp_size={num_ranks}, microbatches = pp_batch_size / "
                         f"pp_microbatch_size = {config.num_microbatches})")
+    return model

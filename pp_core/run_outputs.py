@@ -275,7 +275,7 @@ class RunRecorder:
         try:
             from pp_core.preflight import preflight
 
-            return preflight(self.spec).schedule
+            return preflight(self.spec, run_checks=False).schedule
         except Exception:  # the summary must not fail a finished run
             return None
 

@@ -9,7 +9,8 @@ mistakes into one :class:`SpecError` whose lines read::
     pipe.yaml: train.steps: expected a positive int, found 'ten' (str)
 
 Checks that need the installed plugins (model and dataset names, the schedule, the split) live in
-:mod:`pp_core.preflight`. YAML is parsed with ``yaml.safe_load``: it builds plain data only, but a
+:mod:`pp_core.preflight`. YAML is parsed by :mod:`pp_core.spec_yaml` (a ``yaml.SafeLoader`` that
+also refuses duplicate keys, alias bombs, deep nesting and non-UTF-8 bytes): plain data only, but a
 ``"module:attr"`` value (``model.target``, ``pipeline.loss_fn``) *imports code* when the
 pipeline is built.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from pp_core.errors import ConfigError
+from pp_core.errors import ConfigError, quoted
 from pp_core.spec_schema import REQUIRED_SECTIONS, SCHEMA, Key, Mismatch, describe_value
 
 __all__ = ["Key", "SCHEMA", "REQUIRED_SECTIONS", "Spec", "SpecError", "load_spec",
@@ -77,16 +78,17 @@ class Spec:
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"train.steps=10"`` -> ``(["train", "steps"], 10)``; the value is parsed as YAML."""
-    import yaml
-
     path, sep, raw = text.partition("=")
     keys = path.strip().split(".")
     if not sep or not all(keys):
-        raise SpecError([f"--set {text!r}: expected key.path=value, e.g. --set train.steps=10"])
+        raise SpecError([f"--set {quoted(text)}: expected key.path=value, e.g. --set "
+                         f"train.steps=10"])
+    from pp_core.spec_yaml import YamlProblem, load_yaml_text
+
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise SpecError([f"--set {text!r}: the value is not valid YAML ({exc})"]) from None
+        value = load_yaml_text(raw) if raw.strip() else None
+    except YamlProblem as exc:
+        raise SpecError([f"--set {quoted(text)}: the value is not valid YAML ({exc})"]) from None
     return keys, value
 
 
@@ -102,7 +104,7 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
                 child = node[key] = {}
             if not isinstance(child, dict):
                 where = ".".join(keys[: depth + 1])
-                raise SpecError([f"--set {text!r}: {where} is {describe_value(child)}, not a "
+                raise SpecError([f"--set {quoted(text)}: {where} is {describe_value(child)}, not a "
                                  f"mapping, so it has no key {keys[depth + 1]!r}"])
             node = child
         node[keys[-1]] = value
@@ -202,22 +204,35 @@ def _check_combinations(values: dict, problems: list[str]) -> None:
     if dist["backend"] == "nccl" and dist["device"] == "cpu":
         problems.append("distributed.backend: expected 'gloo' or 'auto' with device: cpu, "
                         "found 'nccl' (nccl needs CUDA tensors)")
-    _check_pipeline(values["pipeline"], problems)
+    if not any(p.startswith("pipeline.") for p in problems):  # defaults in for bad keys mislead
+        _check_pipeline(values["pipeline"], problems)
     _check_optimizer(values["train"]["optimizer"], problems)
+
+
+MAX_MICROBATCHES = 16_384
+"""Microbatches per step a pipeline file may ask for: each is a forward and a backward on every
+stage, and the schedule holds actions for all of them (100,000 took 35 s to validate; 10**9 never
+finished). Far beyond any real step."""
 
 
 def _check_pipeline(pipeline: dict, problems: list[str]) -> None:
     from pp_core.config import PipelineConfig
 
     try:
-        PipelineConfig(**pipeline)
+        config = PipelineConfig(**pipeline)
     except ConfigError as exc:
         problems.append(f"{_config_key(pipeline, str(exc))}: {exc}")
+        return
+    if config.num_microbatches > MAX_MICROBATCHES:
+        problems.append(f"pipeline.pp_batch_size: pp_batch_size / pp_microbatch_size = "
+                        f"{config.pp_batch_size:,} / {config.pp_microbatch_size:,} = "
+                        f"{config.num_microbatches:,} microbatches per step, more than "
+                        f"{MAX_MICROBATCHES:,}; use a larger pp_microbatch_size")
 
 
 def _config_key(pipeline: dict, message: str) -> str:
     """The ``pipeline.<field>`` a PipelineConfig error is about: the field it names first, or the
-    one field that fails on its own."""
+    one field whose default, put back, makes the config valid."""
     import re
 
     from pp_core.config import PipelineConfig
@@ -230,9 +245,10 @@ def _config_key(pipeline: dict, message: str) -> str:
     for name, value in pipeline.items():
         if value != getattr(defaults, name):
             try:
-                PipelineConfig(**{name: value})
+                PipelineConfig(**{**pipeline, name: getattr(defaults, name)})
             except ConfigError:
-                return f"pipeline.{name}"
+                continue
+            return f"pipeline.{name}"
     return "pipeline"
 
 
@@ -279,15 +295,15 @@ def _check_optimizer(optimizer: dict, problems: list[str]) -> None:
 
 def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> Spec:
     """Read ``path``, apply ``--set`` overrides, and check everything that needs no plugin."""
-    import yaml
+    from pp_core.spec_yaml import YamlProblem, read_yaml
 
     file = Path(path)
     if not file.is_file():
-        raise SpecError([f"no such file {str(file)!r}"], str(file))
+        raise SpecError([f"no such file {quoted(str(file))}"], str(file))
     try:
-        data = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as exc:
-        raise SpecError([f"not valid YAML: {exc}"], str(file)) from None
+        data = read_yaml(file.read_bytes())
+    except YamlProblem as exc:
+        raise SpecError([str(exc)], str(file)) from None
     if data is not None and not isinstance(data, dict):
         raise SpecError([f"expected a mapping with sections {', '.join(SCHEMA)}, found "
                          f"{describe_value(data)}"], str(file))

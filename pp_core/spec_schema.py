@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -25,22 +26,24 @@ class Mismatch(Exception):
 
 
 def describe_value(value: Any) -> str:
-    """``'ten' (str)``: the value as found, with its YAML-visible type."""
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
+    """``'ten' (str)``: the value as found (cut short), with its YAML-visible type."""
+    from pp_core.errors import quoted
+
+    return f"{quoted(value, 60)} ({type(value).__name__})"
 
 
 # ----------------------------------------------------------------------------- checkers
 
 
-def _int(minimum: int | None = None) -> Callable:
+def _int(minimum: int | None = None, maximum: int | None = None) -> Callable:
     word = {0: "an int >= 0", 1: "a positive int"}.get(minimum, "an int")
+    if maximum is not None:
+        word = f"an int in [{minimum}, {maximum}]"
 
     def check(value):
         if isinstance(value, bool) or not isinstance(value, int) or \
-                (minimum is not None and value < minimum):
+                (minimum is not None and value < minimum) or \
+                (maximum is not None and value > maximum):
             raise Mismatch(word)
         return value
     return check
@@ -55,11 +58,11 @@ def _float(minimum: float | None = None, maximum: float | None = None) -> Callab
             try:
                 value = float(value)
             except ValueError:
-                raise Mismatch(f"a number{bounds}") from None
+                raise Mismatch(f"a finite number{bounds}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                (minimum is not None and value < minimum) or \
+                not math.isfinite(value) or (minimum is not None and value < minimum) or \
                 (maximum is not None and value > maximum):
-            raise Mismatch(f"a number{bounds}")
+            raise Mismatch(f"a finite number{bounds}")
         return float(value)
     return check
 
@@ -191,7 +194,7 @@ SCHEMA: dict[str, list[Key]] = {
             "learning-rate shape after warm-up"),
         Key("min_lr_ratio", _float(0.0, 1.0), 0.1, "final lr / peak lr for linear or cosine"),
         Key("grad_clip", _optional(_float(0.0)), None, "clip the global gradient norm to this"),
-        Key("seed", _int(0), 0, "model initialisation and data order"),
+        Key("seed", _int(0, 2**64 - 1), 0, "model initialisation and data order"),
         Key("log_every", _int(1), 10, "steps between metric lines"),
         Key("eval_every", _optional(_int(1)), None, "steps between evaluations (data.eval_args)"),
         Key("eval_steps", _int(1), 2, "batches per evaluation"),

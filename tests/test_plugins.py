@@ -147,3 +147,13 @@ def test_plugin_manager_factory_has_no_shared_state():
     first, second = plugins_with(), plugins_with()
     assert first.pm is not second.pm
     assert isinstance(first, Plugins)
+
+
+def test_an_unknown_disabled_name_is_named_with_the_known_ones(monkeypatch):
+    monkeypatch.setenv("PP_CORE_DISABLE_PLUGINS", "pp_schedules.gpipe, pp_schedules.gpip3")
+    with pytest.warns(UserWarning, match=r"PP_CORE_DISABLE_PLUGINS: no installed plugin is named "
+                                         r"'pp_schedules.gpip3', so it disables nothing; did you "
+                                         r"mean 'pp_schedules.gpipe'\? installed plugins: .*"
+                                         r"pp_schedules.gpipe") as caught:
+        plugins = load_plugins()
+    assert len(caught) == 1 and "gpipe" not in plugins.schedules

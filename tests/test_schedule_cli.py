@@ -88,7 +88,6 @@ def test_export_stdout_and_file_round_trip(capsys, tmp_path):
     (["show"], "name a schedule"),
     (["show", "gpipe", "--pp", "2", "-m", "2", "-v", "2"], "runs exactly 1 stage(s) per rank"),
     (["show", "gpipe", "--pp", "0", "-m", "2"], "num_ranks must be an integer >= 1, got 0"),
-    (["simulate", "gpipe", "--pp", "2", "-m", "2", "--cost-b", "-1"], "cost B must be a number"),
     (["show", "1f1b", "--csv", "x.csv"], "give a schedule NAME or --csv FILE, not both"),
     (["export", "--csv", "missing.csv"], "'missing.csv' does not exist"),
 ])
@@ -122,3 +121,16 @@ def test_show_refuses_a_text_timeline_too_large_to_draw(capsys, tmp_path):
     assert code == 1 and out == "" and not svg.exists()
     assert err.startswith("pp-core: error: the text timeline of 1f1b at pp=2000") \
         and err.count("\n") == 1 and "use 'pp-core schedule simulate'" in err, err
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--cost-b", "nan"), ("--cost-f", "-1"), ("--comm-latency", "inf"),
+    ("--activation-bytes", "nan"), ("--recv-bytes", "-5"),
+])
+def test_non_finite_or_negative_numbers_are_refused(capsys, option, value):
+    with pytest.raises(SystemExit) as info:
+        main(["schedule", "simulate", "1f1b", "--pp", "2", "--microbatches", "4",
+              f"{option}={value}"])
+    _, err = capsys.readouterr()
+    assert info.value.code == 2
+    assert f"argument {option}: expected " in err and f">= 0, found '{value}'" in err, err

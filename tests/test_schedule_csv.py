@@ -190,3 +190,20 @@ def test_overlap_note_in_validation_errors():
 def test_write_is_torch_format():
     s = Schedule([[parse_action("0F0"), None, parse_action("0B0")]], (0,), 1)
     assert format_csv(s) == "0F0,,0B0\r\n"
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"9999999F0,9999999B0", "9999999F0 names stage 9,999,999, but the file holds 2 action(s)"),
+    (b"99999999F0", "99999999F0 names stage 99,999,999, but the file holds 1 action(s)"),
+    (b"0F9999999,0B9999999", "0F9999999 names microbatch 9,999,999, but the file holds 2"),
+    (b"9" * 5000 + b"F0", "its stage number has 5,000 digits"),
+    (b"0F0,\xe90B0", "line 1: byte 0xe9 is not UTF-8 text"),
+    (b"\x00\x01\x02", "holds NUL bytes: a binary file, not CSV text"),
+    (b"0F0,\"" + b"x" * 200_000 + b"\"", "not CSV text (field larger than field limit"),
+])
+def test_hostile_csv_files_get_one_short_message(tmp_path, content, message):
+    path = tmp_path / "bad.csv"
+    path.write_bytes(content)
+    with pytest.raises(ScheduleError) as info:
+        read_csv(path)
+    assert message in str(info.value) and len(str(info.value)) < 600, str(info.value)[:600]

@@ -66,7 +66,7 @@ def test_wrong_types_say_expected_and_found():
     assert any(p.startswith("distributed.backend: expected one of 'auto', 'gloo', 'nccl'")
                and "found 'mpi' (str)" in p for p in found)
     assert "output.summary: expected true or false, found 'maybe' (str)" in found
-    assert any(p.startswith("train.grad_clip: expected a number") for p in found)
+    assert any(p.startswith("train.grad_clip: expected a finite number") for p in found)
     assert "pipeline.pp_batch_size: expected a positive int, found 1.5 (float)" in found
 
 

@@ -8,6 +8,7 @@ and the schedule), so a mistake is reported before any process starts; then it s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 RUN_HELP = """\
@@ -26,6 +27,17 @@ A YAML 'module:attr' value (model.target, pipeline.loss_fn) imports and runs
 that module's code: only run pipeline files you trust.
 """
 
+VALIDATE_HELP = """\
+Check a pipeline file without starting a process: every key, the plugins it
+names, the model split (planned on the meta device, no memory), the schedule
+for these sizes, and what each rank would build: the datasets and one batch,
+the optimizer, the resume path and every output path (nothing is written).
+
+validate imports and calls the code the file names: model.target is called
+with model.args, and a 'module:attr' loss_fn runs on one microbatch. Only
+validate pipeline files you trust.
+"""
+
 SET_HELP = ("override a key, e.g. --set train.steps=10 --set pipeline.pp_schedule=gpipe "
             "(the value is parsed as YAML; repeatable)")
 
@@ -40,8 +52,7 @@ def register(subparsers) -> None:
 
     validate = subparsers.add_parser(
         "validate", help="check a YAML pipeline without running it",
-        description="Check a pipeline file: every key, the plugins it names, the model split "
-                    "(planned on the meta device, no memory) and the schedule for these sizes.")
+        description=VALIDATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     validate.add_argument("pipeline", metavar="PIPELINE.yaml")
     validate.add_argument("--set", dest="overrides", action="append", default=[],
                           metavar="KEY.PATH=VALUE", help=SET_HELP)
@@ -71,10 +82,10 @@ def _checked(args):
 def run_command(args) -> int:
     from pp_core.launch import launch, started_by_torchrun
 
-    from pp_core.checkpoint import resume_checkpoint
-
-    spec, _ = _checked(args)
-    resume_checkpoint(spec.checkpoint["dir"], spec.checkpoint["resume"])  # before any rank starts
+    spec, found = _checked(args)
+    if not started_by_torchrun() or os.environ.get("RANK") == "0":  # once, not once per rank
+        for note in found.notes:
+            print(f"pp-core: note: {note}", flush=True)
     if not started_by_torchrun():
         dist = spec.distributed
         print(f"pp-core: starting {spec.world_size // dist['nnodes']} rank(s) on this machine "

@@ -66,12 +66,30 @@ def register(subparsers) -> None:
             sub.add_argument("--pool-slack", type=int, default=2, metavar="N",
                              help="spare sets of the receive-buffer pool in the JSON's "
                                   "recv_buffers figures (default 2)")
-            sub.add_argument("--recv-bytes", type=int, metavar="N",
+            sub.add_argument("--recv-bytes", type=_amount(int), metavar="N",
                              help="bytes of one received message; adds receive-buffer bytes "
                                   "with and without the pool to recv_buffers")
         else:
             sub.add_argument("-o", "--output", metavar="FILE", help="CSV file (default: stdout)")
         sub.set_defaults(func=globals()[f"_{name}"])
+
+
+def _amount(kind):
+    """An argparse type for costs, latencies and byte counts: a finite number >= 0 (``nan``
+    would print "makespan nan", ``-5`` negative byte counts)."""
+    def parse(text: str):
+        import math
+
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < 0:
+            word = "an int" if kind is int else "a finite number"
+            raise argparse.ArgumentTypeError(f"expected {word} >= 0, found {text[:40]!r}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
 
 
 def _add_common(sub) -> None:
@@ -83,11 +101,11 @@ def _add_common(sub) -> None:
     sub.add_argument("--stages-per-rank", "-v", type=int, metavar="V",
                      help="stages per rank (default: the schedule's own)")
     for kind, default in (("f", 1.0), ("b", 2.0), ("i", 1.0), ("w", 1.0)):
-        sub.add_argument(f"--cost-{kind}", type=float, default=default, metavar="X",
+        sub.add_argument(f"--cost-{kind}", type=_amount(float), default=default, metavar="X",
                          help=f"time of one {kind.upper()} action (default {default:g})")
-    sub.add_argument("--comm-latency", type=float, default=0.0, metavar="X",
+    sub.add_argument("--comm-latency", type=_amount(float), default=0.0, metavar="X",
                      help="added to every hand-off between different ranks (default 0)")
-    sub.add_argument("--activation-bytes", type=float, metavar="N",
+    sub.add_argument("--activation-bytes", type=_amount(float), metavar="N",
                      help="bytes one stage keeps per microbatch; adds peak bytes per rank")
     sub.add_argument("--json", action="store_true", help="print JSON instead of text")
 

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pp_core.errors import ScheduleError
+from pp_core.errors import ScheduleError, quoted, shorten
 from pp_core.schedule.ir import COMPUTE_KINDS, Schedule, parse_action
 from pp_core.schedule.validate import validate_schedule
 
@@ -51,9 +51,16 @@ def read_csv(path_or_text: str | os.PathLike, format: Format = "auto",
             and ("," not in path_or_text or os.path.exists(path_or_text))):
         path = Path(path_or_text)
         if not path.is_file():
-            raise ScheduleError(f"schedule CSV {str(path)!r} does not exist (or is not a file)")
-        with open(path, newline="", encoding="utf-8") as fh:
-            text = fh.read()
+            raise ScheduleError(f"schedule CSV {quoted(str(path))} does not exist (or is not a "
+                                f"file)")
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data[:exc.start].count(b"\n") + 1
+            raise ScheduleError(f"schedule CSV {quoted(str(path))}, line {line}: byte "
+                                f"0x{data[exc.start]:02x} is not UTF-8 text; a schedule CSV is "
+                                f"text such as '0F0,0B0' (is it a CSV file?)") from None
         return parse_csv(text, format=format, name=path.stem, source=str(path),
                          validate=validate)
     if not isinstance(path_or_text, str):
@@ -66,9 +73,15 @@ def parse_csv(text: str, format: Format = "auto", name: str = "csv", source: str
     """Parse CSV text (see :func:`read_csv`); ``source`` names it in error messages."""
     if format not in _FORMATS:
         raise ScheduleError(f"unknown CSV format {format!r}; use one of {', '.join(_FORMATS)}")
-    where = f"schedule CSV {source!r}" if source else "schedule CSV"
+    where = f"schedule CSV {quoted(source)}" if source else "schedule CSV"
+    if "\x00" in text:
+        raise ScheduleError(f"{where} holds NUL bytes: a binary file, not CSV text")
     actions, dropped, split = [], 0, 0
-    for rank, row in enumerate(csv.reader(io.StringIO(text))):
+    try:
+        rows = list(csv.reader(io.StringIO(text)))
+    except csv.Error as exc:
+        raise ScheduleError(f"{where}: not CSV text ({shorten(str(exc), 200)})") from None
+    for rank, row in enumerate(rows):
         rank_actions = []
         for column, cell in enumerate(row):
             at = f"{where}, row {rank} (rank {rank}), column {column}"
@@ -81,6 +94,7 @@ def parse_csv(text: str, format: Format = "auto", name: str = "csv", source: str
                 rank_actions.extend(parsed)
                 split += len(parsed) - 1
         actions.append(rank_actions)
+    _check_bounds(actions, where)
     schedule = Schedule(actions, _infer_placement(actions, where), _num_microbatches(actions),
                         name=name)
     if validate:
@@ -105,18 +119,19 @@ def _parse_cell(cell: str, format: str, where: str):
     if overlap:
         parts = overlap.group(1).split(";")
         if len(parts) != 2:
-            raise ScheduleError(f"{where}: cannot parse {cell!r}: an OVERLAP_F_B cell holds "
+            raise ScheduleError(f"{where}: cannot parse {quoted(cell)}: an OVERLAP_F_B cell holds "
                                 f"exactly two actions, '(<forward>;<backward>)OVERLAP_F_B', "
                                 f"got {len(parts)}")
         return [_compute(part, where, cell) for part in parts]
     if text.startswith("("):
-        raise ScheduleError(f"{where}: cannot parse {cell!r}: a cell starting with '(' must be "
-                            f"'(<action>;<action>)OVERLAP_F_B'")
+        raise ScheduleError(f"{where}: cannot parse {quoted(cell)}: a cell starting with '(' "
+                            f"must be '(<action>;<action>)OVERLAP_F_B'")
     if _COMM_RE.fullmatch(text):
         if format == "compute_only":
             raise ScheduleError(
-                f"{where}: {text!r} is a communication action, but format='compute_only' allows "
-                f"only F/B/I/W cells; read torch's compute_comms dumps with format='auto' or "
+                f"{where}: {quoted(text)} is a communication action, but "
+                f"format='compute_only' allows only F/B/I/W cells; read torch's compute_comms "
+                f"dumps with format='auto' or "
                 f"'compute_comms' (their comm cells are dropped and re-derived by lowering)")
         return "comm"
     return [_compute(text, where, cell)]
@@ -128,8 +143,28 @@ def _compute(text: str, where: str, cell: str):
     except ScheduleError as exc:
         raise ScheduleError(f"{where}: {exc}") from None
     if action.kind not in COMPUTE_KINDS:  # pragma: no cover - comm cells are caught before
-        raise ScheduleError(f"{where}: {cell!r} is not a compute action")
+        raise ScheduleError(f"{where}: {quoted(cell)} is not a compute action")
     return action
+
+
+def _check_bounds(actions, where: str) -> None:
+    """Refuse indices the file itself rules out, before anything is sized by them.
+
+    Stages are numbered 0..S-1 without gaps and every microbatch 0..M-1 is run forward, so a
+    file of N actions has S <= N and M <= N: a larger index is a typo, and sizing a message or a
+    table by it (``9999999F0``) would cost gigabytes.
+    """
+    count = sum(a is not None for row in actions for a in row)
+    for rank, row in enumerate(actions):
+        for action in row:
+            if action is None:
+                continue
+            for what, index in (("stage", action.stage), ("microbatch", action.microbatch)):
+                if index >= count:
+                    raise ScheduleError(
+                        f"{where}, row {rank}: {action} names {what} {index:,}, but the file "
+                        f"holds {count} action(s); {what}s are numbered from 0 and each needs "
+                        f"an action, so no {what} number can reach {count}")
 
 
 def _infer_placement(actions, where: str) -> tuple[int, ...]:
@@ -151,7 +186,8 @@ def _infer_placement(actions, where: str) -> tuple[int, ...]:
     missing = sorted(set(range(max(rank_of) + 1)) - set(rank_of))
     if missing:
         raise ScheduleError(
-            f"{where}: stage(s) {', '.join(map(str, missing))} appear in no row, but stage "
+            f"{where}: stage(s) {shorten(', '.join(map(str, missing)), 200)} appear in no row, "
+            f"but stage "
             f"{max(rank_of)} does; stages must be numbered 0..{max(rank_of)} without gaps")
     return tuple(rank_of[s] for s in range(len(rank_of)))
 

@@ -14,7 +14,7 @@ import enum
 import re
 from typing import NamedTuple
 
-from pp_core.errors import ScheduleError
+from pp_core.errors import ScheduleError, quoted
 
 __all__ = [
     "ActionKind",
@@ -90,6 +90,9 @@ _KIND_ALTERNATION = "|".join(sorted((re.escape(k.value) for k in ActionKind), ke
 _ACTION_RE = re.compile(rf"(\d+)({_KIND_ALTERNATION})(\d+)")
 
 
+MAX_INDEX_DIGITS = 9  # stage and microbatch numbers: a billion is beyond any real schedule
+
+
 def parse_action(text: str) -> Action:
     """Parse ``"2F0"`` strictly: the whole string must be ``<stage><kind><microbatch>``.
 
@@ -98,6 +101,12 @@ def parse_action(text: str) -> Action:
     stripped = text.strip()
     match = _ACTION_RE.fullmatch(stripped)
     if match:
+        for group, what in ((1, "stage"), (3, "microbatch")):
+            if len(match.group(group)) > MAX_INDEX_DIGITS:
+                raise ScheduleError(
+                    f"cannot parse action {quoted(text)}: its {what} number has "
+                    f"{len(match.group(group)):,} digits; no schedule has more than "
+                    f"{MAX_INDEX_DIGITS} digits' worth of {what}s")
         return Action(int(match.group(1)), ActionKind(match.group(2)), int(match.group(3)))
     digits = re.match(r"\d*", stripped).end()
     if digits == 0:
@@ -118,7 +127,7 @@ def parse_action(text: str) -> Action:
                 reason = "unexpected trailing characters"
                 position = mb.end()
     raise ScheduleError(
-        f"cannot parse action {text!r}: {reason} at position {position}; "
+        f"cannot parse action {quoted(text)}: {reason} at position {position}; "
         f"write actions as <stage><kind><microbatch>, e.g. '2F0' or '1I3'"
     )
 
