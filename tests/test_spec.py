@@ -187,6 +187,17 @@ def test_checkpoint_dir_null_turns_a_files_checkpoints_off():
         "checkpoint.resume: needs checkpoint.dir, found checkpoint.dir unset; add "
         "checkpoint.dir: <path>"]
 
+def test_pp_schedule_null_with_a_csv_validates_and_without_one_is_named(tmp_path):
+    csv = tmp_path / "order.csv"
+    cli.main(["schedule", "export", "gpipe", "--pp", "2", "-m", "4", "-o", str(csv)])
+    spec = spec_with("pipeline.pp_schedule=null", f"pipeline.pp_schedule_csv={csv}")
+    checked = preflight(spec)
+    assert spec.pipeline_config().pp_schedule is None
+    assert checked.schedule.num_stages == 2 and checked.plan.num_stages == 2
+    assert problems_of("pipeline.pp_schedule=null") == [
+        "pipeline.pp_schedule: pp_schedule=None needs pp_schedule_csv: set one of the two, a "
+        "schedule name such as pp_schedule='1f1b' or a compute-only CSV file as pp_schedule_csv"]
+
 def test_file_errors(tmp_path):
     with pytest.raises(SpecError, match=r"no such file"):
         load_spec(tmp_path / "missing.yaml")
