@@ -31,6 +31,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from pp_core._torch_compat import dcp_metadata_path, set_state_dict_item
 from pp_core.errors import PipelineError
 
 __all__ = ["checkpoint_path", "latest_checkpoint", "save_checkpoint", "load_checkpoint",
@@ -91,7 +92,7 @@ def _reader_classes():
         """A FileSystemReader whose metadata is read by :class:`_MetadataUnpickler`."""
 
         def read_metadata(self, *args, **kwargs):
-            path = self._get_metadata_path(kwargs.get("rank"))
+            path = dcp_metadata_path(self, kwargs.get("rank"))
             with self.fs.create_stream(path, "rb") as stream:
                 metadata = _MetadataUnpickler(stream).load()
             if getattr(metadata, "storage_meta", None) is None:
@@ -105,10 +106,8 @@ def _reader_classes():
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             loaded = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
-                from torch.distributed.checkpoint._traverse import set_element
-
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
-                            loaded)
+                set_state_dict_item(self.original_state_dict,
+                                    self.mappings[read_item.dest_index.fqn], loaded)
             else:
                 self.state_dict[read_item.dest_index.fqn] = loaded
 

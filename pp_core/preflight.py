@@ -11,7 +11,6 @@ training processes so that what ``pp-core validate`` checks is exactly what ``pp
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import inspect
 from dataclasses import dataclass, field
@@ -164,31 +163,11 @@ def _check_batch(spec: Spec, problems: list[str]) -> None:
                 f"batch), found {size}; leave it out and pp-core fills it in")
 
 
-@contextlib.contextmanager
-def _skip_init():
-    """Make ``torch.nn.init``'s in-place initialisers no-ops while a meta model is built.
-
-    Meta tensors hold no values, so initialising them is pointless, and the first ``normal_`` on
-    the meta device costs seconds (torch imports its decompositions for it).
-    """
-    import torch
-
-    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")
-             and callable(getattr(torch.nn.init, n))]
-    saved = {n: getattr(torch.nn.init, n) for n in names}
-    try:
-        for name in names:
-            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.nn.init, name, fn)
-
-
 def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: list[str]) -> None:
     """Plan the split on the meta device, then build + validate the schedule with its sizes."""
     import torch
 
+    from pp_core._torch_compat import nn_init_skipped
     from pp_core.errors import ScheduleError
     from pp_core.schedule.build import build_schedule
 
@@ -201,7 +180,7 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
         return
     stages_per_rank = sdef.stages_per_rank if sdef is not None else None
     try:
-        with torch.device("meta"), _skip_init():
+        with torch.device("meta"), nn_init_skipped():
             model = model_fn(**spec.model["args"])
     except Exception as exc:  # a factory that cannot build on meta: check the rest anyway
         result.notes.append(f"split not checked: the model could not be built on the meta "
