@@ -20,6 +20,7 @@ non-tensor items load with ``weights_only=True``.
 from __future__ import annotations
 
 import contextlib
+import enum
 import io
 import os
 import pickle
@@ -65,10 +66,21 @@ _ALLOWED = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "P
             ("builtins", "slice")}
 
 
+def _enum_member(cls, name: str):
+    """``getattr(cls, name)`` for an enum member only: how Python 3.11.0 to 3.11.x (Debian 12's
+    3.11.2 among them) pickle enum members, such as those in DCP's metadata."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
+        return cls[name]
+    raise PipelineError(f"checkpoint metadata calls getattr({cls!r}, {name!r}); pp-core only "
+                        f"admits it for a member of one of DCP's enums, so it refuses this file")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits DCP metadata classes, torch dtypes/sizes/layouts and plain containers, nothing else."""
 
     def find_class(self, module: str, name: str):
+        if module in ("builtins", "__builtin__") and name == "getattr":
+            return _enum_member  # its arguments went through find_class too
         allowed = (module, name) in _ALLOWED or (
             module in _ALLOWED_MODULES and isinstance(
                 getattr(__import__(module, fromlist=[name]), name, None), type))
