@@ -28,6 +28,7 @@ non-tensor items load with ``weights_only=True``.
 from __future__ import annotations
 
 import contextlib
+import enum
 import io
 import os
 import pickle
@@ -41,6 +42,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from pp_core._torch_compat import dcp_metadata_path, set_state_dict_item
 from pp_core.errors import PipelineError
 
 __all__ = ["checkpoint_path", "latest_checkpoint", "resume_checkpoint", "save_checkpoint",
@@ -108,10 +110,21 @@ _ALLOWED = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "P
             ("builtins", "slice")}
 
 
+def _enum_member(cls, name: str):
+    """``getattr(cls, name)`` for an enum member only: how Python 3.11.0 to 3.11.x (Debian 12's
+    3.11.2 among them) pickle enum members, such as those in DCP's metadata."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
+        return cls[name]
+    raise PipelineError(f"checkpoint metadata calls getattr({cls!r}, {name!r}); pp-core only "
+                        f"admits it for a member of one of DCP's enums, so it refuses this file")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits DCP metadata classes, torch dtypes/sizes/layouts and plain containers, nothing else."""
 
     def find_class(self, module: str, name: str):
+        if module in ("builtins", "__builtin__") and name == "getattr":
+            return _enum_member  # its arguments went through find_class too
         allowed = (module, name) in _ALLOWED or (
             module in _ALLOWED_MODULES and isinstance(
                 getattr(__import__(module, fromlist=[name]), name, None), type))
@@ -135,7 +148,7 @@ def _reader_classes():
         """A FileSystemReader whose metadata is read by :class:`_MetadataUnpickler`."""
 
         def read_metadata(self, *args, **kwargs):
-            path = self._get_metadata_path(kwargs.get("rank"))
+            path = dcp_metadata_path(self, kwargs.get("rank"))
             with self.fs.create_stream(path, "rb") as stream:
                 metadata = _MetadataUnpickler(stream).load()
             if getattr(metadata, "storage_meta", None) is None:
@@ -149,10 +162,8 @@ def _reader_classes():
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             loaded = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
-                from torch.distributed.checkpoint._traverse import set_element
-
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
-                            loaded)
+                set_state_dict_item(self.original_state_dict,
+                                    self.mappings[read_item.dest_index.fqn], loaded)
             else:
                 self.state_dict[read_item.dest_index.fqn] = loaded
 

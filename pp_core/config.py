@@ -79,8 +79,9 @@ class PipelineConfig:
 
     ``pp_batch_size`` samples per step are split into ``pp_batch_size // pp_microbatch_size``
     microbatches. ``pp_schedule`` names a schedule plugin (case-insensitive, torch's names are
-    aliases) unless ``pp_schedule_csv`` gives a compute-only CSV. ``layers_per_stage``,
-    ``round_virtual_stages_to_pp_multiple`` and ``module_fqns_per_model_part`` steer the split.
+    aliases) unless ``pp_schedule_csv`` gives a compute-only CSV, which overrides it (then
+    ``pp_schedule`` may be None). ``layers_per_stage``, ``round_virtual_stages_to_pp_multiple``
+    and ``module_fqns_per_model_part`` steer the split.
     ``patch_inner_model`` / ``patch_causal_lm_model`` make Hugging Face decoders stage-friendly.
     ``patch_stage_backward_maybe_with_nosync`` syncs data-parallel gradients once per step.
     ``dtype`` is the dtype of the model parts and of the tensors sent between stages.
@@ -90,7 +91,7 @@ class PipelineConfig:
     ``pp_recv_buffer_pool_slack`` spare buffer sets.
     """
 
-    pp_schedule: str = "1f1b"
+    pp_schedule: Optional[str] = "1f1b"
     pp_schedule_csv: Optional[str] = None
     pp_microbatch_size: int = 1
     pp_batch_size: int = 1
@@ -108,10 +109,16 @@ class PipelineConfig:
     pp_recv_buffer_pool_slack: int = 2
 
     def __post_init__(self) -> None:
-        if not isinstance(self.pp_schedule, str) or not self.pp_schedule.strip():
+        if self.pp_schedule is None:
+            if self.pp_schedule_csv is None:
+                raise ConfigError(
+                    "pp_schedule=None needs pp_schedule_csv: set one of the two, a schedule name "
+                    "such as pp_schedule='1f1b' or a compute-only CSV file as pp_schedule_csv"
+                )
+        elif not isinstance(self.pp_schedule, str) or not self.pp_schedule.strip():
             raise ConfigError(
-                f"pp_schedule={self.pp_schedule!r} must be a schedule name such as '1f1b'; "
-                f"run 'pp-core plugins' to list the installed schedules"
+                f"pp_schedule={self.pp_schedule!r} must be a schedule name such as '1f1b' (or "
+                f"None with pp_schedule_csv); run 'pp-core plugins' to list the installed schedules"
             )
         if self.pp_schedule_csv is not None and not isinstance(self.pp_schedule_csv, (str, bytes)) \
                 and not hasattr(self.pp_schedule_csv, "__fspath__"):

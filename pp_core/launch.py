@@ -55,47 +55,6 @@ def rank_main(spec_values: dict, entrypoint: Callable | None = None) -> Any:
 
 
 @contextlib.contextmanager
-def _loopback_stores():
-    """Make every TCPStore server this launcher creates listen on its (loopback) host only.
-
-    torch's TCPStore server binds every interface whatever host it is given; the elastic agent
-    creates two (the c10d rendezvous store and the store it shares with the workers). While this
-    context is active, a server-side TCPStore for a loopback host is handed a socket already
-    bound to that address (``master_listen_fd``), so nothing listens beyond this machine.
-    """
-    import torch.distributed as dist
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
-
-    real = dist.TCPStore
-
-    class LoopbackTCPStore(real):
-        def __init__(self, host_name, port, *args, **kwargs):
-            is_master = kwargs.get("is_master", args[1] if len(args) > 1 else False)
-            if is_master and is_loopback(str(host_name)) and \
-                    kwargs.get("master_listen_fd") is None:
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                try:
-                    sock.bind(("127.0.0.1" if host_name == "localhost" else host_name, port))
-                    sock.listen(128)
-                except OSError as exc:  # torch's callers expect RuntimeError (port in use)
-                    sock.close()
-                    raise RuntimeError(f"cannot listen on {host_name}:{port}: {exc}") from None
-                port = sock.getsockname()[1]
-                kwargs["master_listen_fd"] = sock.detach()  # the store owns the socket now
-            super().__init__(host_name, port, *args, **kwargs)
-
-    targets = [(dist, "TCPStore"), (c10d_rendezvous_backend, "TCPStore")]
-    saved = [(module, name, getattr(module, name)) for module, name in targets]
-    try:
-        for module, name in targets:
-            setattr(module, name, LoopbackTCPStore)
-        yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
-
-
-@contextlib.contextmanager
 def _loopback_gloo(enabled: bool):
     """Workers inherit ``GLOO_SOCKET_IFNAME=lo`` (gloo's sockets on loopback) unless it is set."""
     if not enabled or "GLOO_SOCKET_IFNAME" in os.environ or not _has_interface("lo"):
@@ -141,6 +100,8 @@ def launch(spec: Spec, entrypoint: Callable | None = None) -> dict[int, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from pp_core._torch_compat import tcp_stores_listening_on_their_host
+
     dist = spec.distributed
     nproc = dist["nproc_per_node"] or spec.world_size // dist["nnodes"]
     endpoint = _endpoint(dist)
@@ -159,7 +120,8 @@ def launch(spec: Spec, entrypoint: Callable | None = None) -> dict[int, Any]:
     previous = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.CRITICAL)
-    listeners = _loopback_stores() if is_loopback(host) else contextlib.nullcontext()
+    listeners = tcp_stores_listening_on_their_host(is_loopback) if is_loopback(host) else \
+        contextlib.nullcontext()  # else torch's TCPStore servers listen on every interface
     try:
         with listeners, _loopback_gloo(is_loopback(host)):
             return elastic_launch(config, rank_main)(_values(spec), entrypoint)

@@ -11,7 +11,6 @@ training processes so that what ``pp-core validate`` checks is exactly what ``pp
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import inspect
 from dataclasses import dataclass, field
@@ -185,32 +184,9 @@ def _check_batch(spec: Spec, problems: list[str]) -> None:
                 f"batch), found {size}; leave it out and pp-core fills it in")
 
 
-@contextlib.contextmanager
-def _skip_init():
-    """Make ``torch.nn.init``'s in-place initialisers no-ops while a meta model is built.
-
-    Meta tensors hold no values, so initialising them is pointless, and the first ``normal_`` on
-    the meta device costs seconds (torch imports its decompositions for it).
-    """
-    import torch
-
-    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")
-             and callable(getattr(torch.nn.init, n))]
-    saved = {n: getattr(torch.nn.init, n) for n in names}
-    try:
-        for name in names:
-            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.nn.init, name, fn)
-
-
 def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: list[str]):
     """Plan the split on the meta device, then build + validate the schedule with its sizes;
     returns the meta model (``None`` where it could not be built)."""
-    import torch
-
     from pp_core.errors import ScheduleError
     from pp_core.schedule.build import build_schedule
 

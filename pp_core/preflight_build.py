@@ -37,11 +37,11 @@ def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]
     """The model built on the meta device, or ``None`` (a problem or a note says why)."""
     import torch
 
-    from pp_core.preflight import _skip_init
+    from pp_core._torch_compat import nn_init_skipped
 
     key = "model.target" if spec.model["target"] is not None else "model.name"
     try:
-        with torch.device("meta"), _skip_init():
+        with torch.device("meta"), nn_init_skipped():
             model = model_fn(**spec.model["args"])
     except PPCoreError as exc:  # e.g. a missing optional dependency, named with its extra
         problems.append(f"{key}: {exc}")

@@ -144,7 +144,8 @@ def parse_spec(data: Any, source: str = "pipeline") -> Spec:
             problems.append(f"{section}: expected a mapping of keys, found {describe_value(raw)}")
             raw = {}
         values[section] = _check_section(section, keys, raw, problems)
-    _check_combinations(values, problems)
+    _check_combinations(values, problems,
+                        checkpoints_off=_explicit_null(data, "checkpoint", "dir"))
     if problems:
         raise SpecError(problems, source)
     return Spec(values, source)
@@ -174,8 +175,19 @@ def _check_section(section: str, keys: list[Key], raw: dict, problems: list[str]
     return out
 
 
-def _check_combinations(values: dict, problems: list[str]) -> None:
-    """Combinations no single key can judge: both/neither, implied keys, divisibility."""
+def _explicit_null(data: dict, section: str, key: str) -> bool:
+    """Whether ``section.key: null`` was written out (in the file or a ``--set``), not left out."""
+    raw = data.get(section)
+    return isinstance(raw, dict) and key in raw and raw[key] is None
+
+
+def _check_combinations(values: dict, problems: list[str], checkpoints_off: bool = False) -> None:
+    """Combinations no single key can judge: both/neither, implied keys, divisibility.
+
+    ``checkpoints_off``: ``checkpoint.dir: null`` was written out (``--set checkpoint.dir=null``
+    turns a file's checkpoints off), so ``checkpoint.every`` is moot; an ``every`` with no ``dir``
+    at all is a forgotten ``dir``.
+    """
     model, dist = values["model"], values["distributed"]
     if (model["name"] is None) == (model["target"] is None):
         found = "both" if model["name"] else "neither"
@@ -183,7 +195,8 @@ def _check_combinations(values: dict, problems: list[str]) -> None:
                         f"model.target ('module:callable'), found {found}")
     ckpt = values["checkpoint"]
     if ckpt["dir"] is None:
-        for name, value in (("every", ckpt["every"]), ("resume", ckpt["resume"] is True)):
+        for name, value in (("every", ckpt["every"] and not checkpoints_off),
+                            ("resume", ckpt["resume"] is True)):
             if value:
                 problems.append(f"checkpoint.{name}: needs checkpoint.dir, found "
                                 f"checkpoint.dir unset; add checkpoint.dir: <path>")

@@ -142,10 +142,8 @@ def _pipeline_keys() -> list[Key]:
             check = _int(0 if f.name.endswith("slack") else 1)
         elif f.name in ("layers_per_stage", "pp_seq_len"):
             check = _optional(_int(1))
-        elif f.name in ("pp_schedule",):
-            check = _str
-        elif f.name in ("pp_schedule_csv",):
-            check = _optional(_str)
+        elif f.name in ("pp_schedule", "pp_schedule_csv"):
+            check = _optional(_str)  # both None: PipelineConfig says one is needed
         elif f.name == "round_virtual_stages_to_pp_multiple":
             check = _optional(_choice("up", "down"))
         else:

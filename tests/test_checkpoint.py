@@ -3,8 +3,11 @@ model, ``pp-core export`` writes one state_dict, and loading never unpickles arb
 
 from __future__ import annotations
 
+import enum
+import io
 import json
 import os
+import pathlib
 import pickle
 import shutil
 
@@ -127,6 +130,37 @@ def test_single_process_round_trip_and_mismatch(tmp_path):
     with pytest.raises(PipelineError, match=r"cannot load checkpoint .* into this pipeline"):
         load_checkpoint(path, [bigger], [torch.optim.AdamW(bigger.parameters())])
 
+
+class _GetattrExploit:
+    def __reduce__(self):
+        return (getattr, (pathlib.Path, "write_text"))  # then a call could write any file
+
+class _Python3112Pickler(pickle.Pickler):
+    """Pickles enum members as Python 3.11.0 to 3.11.x do: ``getattr(cls, name)``."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def test_metadata_pickled_by_python_3_11_2_loads(tmp_path):
+    """Debian 12's Python (3.11.2) pickles DCP's enum members through builtins.getattr; the safe
+    reader admits that for enum members only, and not to reach anything else."""
+    torch.manual_seed(0)
+    model = GPT(**MODEL)
+    path = save_checkpoint(tmp_path, 1, [model], [None])
+    metadata = pickle.loads((path / ".metadata").read_bytes())  # the test's own file: trusted
+    buffer = io.BytesIO()
+    _Python3112Pickler(buffer).dump(metadata)
+    assert b"getattr" in buffer.getvalue()
+    (path / ".metadata").write_bytes(buffer.getvalue())
+    loaded = read_model_state_dict(path)
+    assert all(torch.equal(loaded[name], value) for name, value in model.state_dict().items())
+    (path / ".metadata").write_bytes(pickle.dumps(_GetattrExploit()))
+    with pytest.raises(PipelineError, match=r"calls getattr\(<class 'pathlib.Path'>, "
+                                            r"'write_text'\); pp-core only admits it for a member"):
+        read_model_state_dict(path)
 
 class _Exploit:
     def __reduce__(self):

@@ -55,6 +55,14 @@ def test_invalid_values_are_named_with_the_fix(kwargs, pattern):
         PipelineConfig(**kwargs)
 
 
+def test_pp_schedule_none_needs_the_csv_that_overrides_it():
+    config = PipelineConfig(pp_schedule=None, pp_schedule_csv="order.csv")
+    assert (config.pp_schedule, config.pp_schedule_csv) == (None, "order.csv")
+    with pytest.raises(ConfigError, match=r"^pp_schedule=None needs pp_schedule_csv: set one of "
+                                          r"the two, a schedule name such as pp_schedule='1f1b' "
+                                          r"or a compute-only CSV file as pp_schedule_csv$"):
+        PipelineConfig(pp_schedule=None)
+
 def test_dtype_accepts_names_and_dtypes():
     assert PipelineConfig(dtype="bfloat16").torch_dtype is torch.bfloat16
     assert PipelineConfig(dtype="torch.float16").torch_dtype is torch.float16

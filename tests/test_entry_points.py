@@ -7,6 +7,8 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+from _cli import PP_CORE
+
 ROOT = Path(__file__).resolve().parents[1]
 REFRESH = "run `pip install -e .` to refresh the installed entry points"
 
@@ -52,7 +54,7 @@ def test_help_teaches():
     for command in ("run", "schedule", "plugins"):
         assert command in out
     assert "examples:" in out and "PP_CORE_DISABLE_PLUGINS" in out
-    out = subprocess.run(["pp-core", "plugins", "--help"], capture_output=True, text=True,
+    out = subprocess.run([PP_CORE, "plugins", "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "entry-point group 'pp_core'" in out and "--json" in out
 
@@ -67,3 +69,13 @@ def test_plugin_missing_an_optional_dependency_is_listed_as_unavailable_with_the
     plugin.PP_CORE_UNAVAILABLE = "foo is not installed; pip install 'pp-needs-extra[foo]'"
     [row] = [r for r in describe(plugins_with(plugin)) if r["name"] == "pp_needs_extra"]
     assert row["unavailable"] == plugin.PP_CORE_UNAVAILABLE and row["error"] is None
+
+
+def test_no_test_runs_pp_core_from_path():
+    """A bare "pp-core" in a test's command line is found on PATH, whichever installation that
+    is (a fresh clone's scripts/test.sh has none there): run tests/_cli.PP_CORE instead."""
+    bare = re.compile(r"""[\[(]\s*["']pp-core["']\s*,""")
+    offenders = [f"{path.name}:{number}" for path in sorted((ROOT / "tests").glob("*.py"))
+                 for number, line in enumerate(path.read_text().splitlines(), 1)
+                 if bare.search(line)]
+    assert not offenders, f"tests running pp-core from PATH: {offenders}; use _cli.PP_CORE"

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from _cli import PP_CORE
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "examples" / "pp_example_plugin"
 
@@ -27,7 +29,7 @@ def run(*args):
 
 
 def test_pp_core_plugins_lists_the_installed_package(installed):
-    rows = {row["name"]: row for row in json.loads(run("pp-core", "plugins", "--json"))}
+    rows = {row["name"]: row for row in json.loads(run(PP_CORE, "plugins", "--json"))}
     example = rows["example"]
     assert (example["distribution"], example["version"]) == ("pp-example-plugin", "0.1.0")
     assert example["provides"] == {"models": ["example_mlp"], "datasets": ["example_regression"]}

@@ -167,9 +167,10 @@ def test_launcher_stores_listen_on_loopback_only():
     """torch's TCPStore server binds every interface; inside the launcher it binds 127.0.0.1."""
     import torch.distributed as dist
 
-    from pp_core.launch import _loopback_stores
+    from pp_core._torch_compat import tcp_stores_listening_on_their_host
+    from pp_core.launch import is_loopback
 
-    with _loopback_stores():
+    with tcp_stores_listening_on_their_host(is_loopback):
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         assert _listening_addresses(store.port) == {"0100007F"}  # 127.0.0.1
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False)

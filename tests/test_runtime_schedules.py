@@ -34,6 +34,7 @@ def test_schedule_matches_one_process_gpt(pool, schedule):
     check(pool.run(train_case, schedule, 2 * NUM_RANKS, False, kind="gpt", layers=4, steps=2))
 
 
-@pytest.mark.parametrize("scale", [False, True], ids=["sum", "mean"])
-def test_torch_written_csv_schedule(pool, scale):
-    check(pool.run(train_case, "ignored", 4, scale, csv_text=TORCH_ZB_CSV), num_params=16)
+@pytest.mark.parametrize("name, scale", [("ignored", False), (None, True)],
+                         ids=["a-name-the-csv-overrides-sum", "no-name-mean"])
+def test_torch_written_csv_schedule(pool, name, scale):
+    check(pool.run(train_case, name, 4, scale, csv_text=TORCH_ZB_CSV), num_params=16)

@@ -71,7 +71,9 @@ def test_export_stdout_and_file_round_trip(capsys, tmp_path):
     code, out, _ = run(capsys, "schedule", "export", "1f1b", "--pp", "2", "-m", "2")
     assert code == 0 and out == "0F0,0F1,0B0,0B1\r\n1F0,1B0,1F1,1B1\r\n"
     path = tmp_path / "o.csv"
-    run(capsys, "schedule", "export", "Schedule1F1B", "--pp", "4", "-m", "8", "-o", str(path))
+    code, out, _ = run(capsys, "schedule", "export", "Schedule1F1B", "--pp", "4", "-m", "8",
+                       "-o", str(path))
+    assert code == 0 and out == f"wrote {path}: 1f1b, pp=4, microbatches=8 (4 rows, one per rank)\n"
     expected = next(e for e in SUPPORTED if e["title"] == "1F1B p=4 m=8")["rows"]
     assert read_csv(path).rows() == expected
     code, out, _ = run(capsys, "schedule", "simulate", "--csv", str(path), "--json")

@@ -174,6 +174,30 @@ def test_overrides_create_and_replace(tmp_path):
         load_spec(path, ["train.stesp=1"])
 
 
+def test_checkpoint_dir_null_turns_a_files_checkpoints_off():
+    """docs/yaml.md's own example, ``--set checkpoint.dir=null``, on the demo (which saves every
+    250 steps): no checkpoints, no error. ``every`` with no ``dir`` at all is still refused."""
+    spec = load_spec(ROOT / "examples" / "demo.yaml", ["checkpoint.dir=null"])
+    assert spec.checkpoint["dir"] is None  # train() saves nothing without a dir
+    assert "--set checkpoint.dir=null" in (ROOT / "docs" / "yaml.md").read_text()
+    assert problems_of("checkpoint.every=5") == [
+        "checkpoint.every: needs checkpoint.dir, found checkpoint.dir unset; add checkpoint.dir: "
+        "<path>"]
+    assert problems_of("checkpoint.dir=null", "checkpoint.resume=true") == [
+        "checkpoint.resume: needs checkpoint.dir, found checkpoint.dir unset; add "
+        "checkpoint.dir: <path>"]
+
+def test_pp_schedule_null_with_a_csv_validates_and_without_one_is_named(tmp_path):
+    csv = tmp_path / "order.csv"
+    cli.main(["schedule", "export", "gpipe", "--pp", "2", "-m", "4", "-o", str(csv)])
+    spec = spec_with("pipeline.pp_schedule=null", f"pipeline.pp_schedule_csv={csv}")
+    checked = preflight(spec)
+    assert spec.pipeline_config().pp_schedule is None
+    assert checked.schedule.num_stages == 2 and checked.plan.num_stages == 2
+    assert problems_of("pipeline.pp_schedule=null") == [
+        "pipeline.pp_schedule: pp_schedule=None needs pp_schedule_csv: set one of the two, a "
+        "schedule name such as pp_schedule='1f1b' or a compute-only CSV file as pp_schedule_csv"]
+
 def test_file_errors(tmp_path):
     with pytest.raises(SpecError, match=r"no such file"):
         load_spec(tmp_path / "missing.yaml")

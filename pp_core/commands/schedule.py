@@ -228,9 +228,15 @@ def _recv_buffers(schedule, args) -> dict:
 def _export(args) -> int:
     from pp_core.schedule.csv_io import format_csv
 
-    text = format_csv(_schedule(args))
+    schedule = _schedule(args)
+    text = format_csv(schedule)
     if args.output:
         _write(args.output, text)
+        stages = f", {schedule.num_stages} stages" if schedule.num_stages != schedule.num_ranks \
+            else ""
+        print(f"wrote {args.output}: {schedule.name}, pp={schedule.num_ranks}{stages}, "
+              f"microbatches={schedule.num_microbatches} ({schedule.num_ranks} rows, one per "
+              f"rank)")
     else:
         sys.stdout.write(text)
     return 0

@@ -25,13 +25,10 @@ from typing import Optional, Sequence
 import torch
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["backward_full", "backward_input", "backward_weight", "WeightGrad"]
+from pp_core._torch_compat import ACCUMULATE_GRAD as _ACCUMULATE_GRAD
+from pp_core._torch_compat import engine_run_backward as _engine
 
-try:  # the engine entry point under torch.autograd.backward/grad, without their argument
-    # normalisation (~80 us per call with GradientEdge roots: a third of a small W's time)
-    from torch.autograd.graph import _engine_run_backward as _engine
-except ImportError:  # pragma: no cover - older torch: the public API does the same
-    _engine = None
+__all__ = ["backward_full", "backward_input", "backward_weight", "WeightGrad"]
 
 
 def _grads_or_ones(outputs, grads):
@@ -83,12 +80,6 @@ class WeightGrad:
     def __init__(self, groups=None, full=None):
         self.groups = groups or []
         self.full = full  # (outputs, grads) when W must run the whole backward
-
-
-try:
-    _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # the node of a leaf tensor
-except AttributeError:  # pragma: no cover
-    _ACCUMULATE_GRAD = None
 
 
 def _node_of_leaf(node) -> Optional[torch.Tensor]:

@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from pp_core._torch_compat import process_group_store
 from pp_core.errors import PipelineError
 from pp_core.runtime.wire import (HEADER_BYTES, HEADER_LEN, TAG_FIXUP, TAG_HEADER, TensorMeta,
                                   _bytes_meta, decode_header, packed_nbytes, same_buffers, unpack)
@@ -68,9 +69,7 @@ class P2P:
         self.timeout = None if timeout is None else datetime.timedelta(seconds=float(timeout))
         self.store = None
         if group is not None:
-            from torch.distributed.distributed_c10d import _get_process_group_store
-
-            self.store = _get_process_group_store(group)  # kept alive: rank 0 may host it
+            self.store = process_group_store(group)  # kept alive: rank 0 may host it
         self.error_key = f"pp_core/{key}/error"
         self.broken: Optional[str] = None
         self.ordered = _matches_in_order(group)

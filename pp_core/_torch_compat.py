@@ -1,0 +1,141 @@
+"""Every private torch internal pp-core relies on, in one place.
+
+The rest of pp-core uses torch's public API only. What follows reaches behind it, either for
+speed or because torch offers no public way; each shim says what it is for, what it does when
+torch lacks the internal, and the torch releases it was checked on. A torch release that moves
+one of them breaks here, not across the code base.
+
+"Checked on" names the releases where the shim ran: 2.13.0 and 2.14.1 ran the whole suite; 2.11
+ran every schedule against the unsplit model on 2 CPU ranks (the runtime's shims only). A new
+release: run the suite on it, then add it here, to ``pyproject.toml``'s range and to README.
+
+Nothing here imports ``torch.distributed`` at import time (importing :mod:`pp_core.runtime` must
+not); those shims import on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["engine_run_backward", "ACCUMULATE_GRAD", "process_group_store", "set_state_dict_item",
+           "dcp_metadata_path", "tcp_stores_listening_on_their_host", "nn_init_skipped"]
+
+# -------------------------------------------------------------------------- autograd (backward.py)
+
+try:  # The engine entry point under torch.autograd.backward/grad, without their argument
+    # normalisation (~80 us per call with GradientEdge roots: a third of a small W's time).
+    # Signature (roots, grads, retain_graph, create_graph, inputs, *, allow_unreachable,
+    # accumulate_grad); checked on 2.11, 2.13, 2.14. Missing: None, and backward.py calls the
+    # public torch.autograd.backward/grad, which do the same, slower.
+    from torch.autograd.graph import _engine_run_backward as engine_run_backward
+except ImportError:  # pragma: no cover - a torch without it
+    engine_run_backward = None
+
+# The autograd node type of a leaf tensor (its ``.variable`` is the leaf). backward.py tells leaf
+# nodes apart by type, since ``getattr(node, "variable")`` raises, slowly, on every other node.
+# Checked on 2.11, 2.13, 2.14. Missing: None, and backward.py falls back to that getattr.
+ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
+
+# ---------------------------------------------------------------------------------- c10d (comm.py)
+
+
+def process_group_store(group):
+    """The key-value store behind ``group``, where a failing rank publishes why it failed so
+    its peers can say it (:mod:`pp_core.runtime.comm`). torch has no public getter; this is
+    ``distributed_c10d._get_process_group_store``, checked on 2.11, 2.13, 2.14."""
+    from torch.distributed.distributed_c10d import _get_process_group_store
+
+    return _get_process_group_store(group)
+
+
+# ----------------------------------------------------------------------------- DCP (checkpoint.py)
+
+
+def set_state_dict_item(state_dict: dict, path, value) -> None:
+    """Put ``value`` at a flattened key's ``path`` in a nested state dict, as DCP's own load
+    planner does (``torch.distributed.checkpoint._traverse.set_element``; checked on 2.13,
+    2.14). Used by the safe load planner of :mod:`pp_core.checkpoint`."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(state_dict, path, value)
+
+
+def dcp_metadata_path(reader, rank: Optional[int]):
+    """The path of a ``FileSystemReader``'s ``.metadata`` file (its private
+    ``_get_metadata_path``; checked on 2.13, 2.14), which the safe reader of
+    :mod:`pp_core.checkpoint` opens itself so it can unpickle with an allow-list."""
+    return reader._get_metadata_path(rank)
+
+
+# ---------------------------------------------------------------------------- launcher (launch.py)
+
+
+@contextlib.contextmanager
+def tcp_stores_listening_on_their_host(local: Callable[[str], bool]):
+    """Make every server-side TCPStore created meanwhile for a host ``local(host)`` accepts
+    listen on that address only.
+
+    torch's TCPStore server binds every interface whatever host it is given; the elastic agent
+    creates two (the c10d rendezvous store and the store it shares with the workers). Here a
+    server for such a host is handed a socket already bound to it (the ``master_listen_fd``
+    argument), by replacing ``TCPStore`` where the agent looks it up: ``torch.distributed`` and
+    ``torch.distributed.elastic.rendezvous.c10d_rendezvous_backend``. Checked on 2.13, 2.14.
+    """
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    real = dist.TCPStore
+
+    class LocalTCPStore(real):
+        def __init__(self, host_name, port, *args, **kwargs):
+            is_master = kwargs.get("is_master", args[1] if len(args) > 1 else False)
+            if is_master and local(str(host_name)) and kwargs.get("master_listen_fd") is None:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    sock.bind(("127.0.0.1" if host_name == "localhost" else host_name, port))
+                    sock.listen(128)
+                except OSError as exc:  # torch's callers expect RuntimeError (port in use)
+                    sock.close()
+                    raise RuntimeError(f"cannot listen on {host_name}:{port}: {exc}") from None
+                port = sock.getsockname()[1]
+                kwargs["master_listen_fd"] = sock.detach()  # the store owns the socket now
+            super().__init__(host_name, port, *args, **kwargs)
+
+    targets = [(dist, "TCPStore"), (c10d_rendezvous_backend, "TCPStore")]
+    saved = [(module, name, getattr(module, name)) for module, name in targets]
+    try:
+        for module, name in targets:
+            setattr(module, name, LocalTCPStore)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+# -------------------------------------------------------------------------- nn.init (preflight.py)
+
+
+@contextlib.contextmanager
+def nn_init_skipped():
+    """Make ``torch.nn.init``'s in-place initialisers (the public names ending in ``_``) no-ops
+    while a model is built on the meta device.
+
+    Meta tensors hold no values, so initialising them is pointless, and the first ``normal_`` on
+    the meta device costs seconds (torch imports its decompositions for it). Modules call the
+    initialisers through the ``torch.nn.init`` module, so replacing its attributes reaches them.
+    Checked on 2.13, 2.14.
+    """
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")
+             and callable(getattr(torch.nn.init, n))]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for name in names:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
