@@ -185,6 +185,21 @@ def _skip_init():
             setattr(torch.nn.init, name, fn)
 
 
+def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
+    """``train.activation_checkpointing`` / ``train.compile`` act per block: the model needs some."""
+    from pp_core.parallel import find_blocks
+
+    wanted = [key for key, on in (("activation_checkpointing",
+                                   spec.train["activation_checkpointing"]["mode"] != "none"),
+                                  ("compile", spec.train["compile"]["enabled"])) if on]
+    if not wanted:
+        return
+    try:
+        find_blocks(model)
+    except PPCoreError as exc:
+        problems.append(f"train.{wanted[0]}: {exc}")
+
+
 def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: list[str]) -> None:
     """Plan the split on the meta device, then build + validate the schedule with its sizes."""
     import torch
@@ -208,6 +223,7 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
                             f"device ({type(exc).__name__}: {exc})")
         model = None
     if model is not None:
+        _check_blocks(spec, model, problems)
         from pp_core.runtime.split import plan_split
 
         try:
