@@ -141,8 +141,12 @@ def activation_checkpointing_of(spec: Spec, model) -> dict:
     (one recompute per block with split backward), does it.
     """
     setting = dict(spec.train["activation_checkpointing"])
-    if getattr(model, "is_gradient_checkpointing", False):
-        model.gradient_checkpointing_disable()
+    new_name = hasattr(type(model), "is_activation_checkpointing")  # transformers >= 5
+    on = getattr(model, "is_activation_checkpointing" if new_name else
+                 "is_gradient_checkpointing", False)
+    if on:
+        getattr(model, "activation_checkpointing_disable" if new_name else
+                "gradient_checkpointing_disable")()
         if setting["mode"] == "none":
             setting["mode"] = "full"
     return setting

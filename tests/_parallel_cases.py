@@ -85,3 +85,28 @@ def matrix_case(schedule: str, ac: str, compiled: str | None, pool: bool,
         abs(total / num_microbatches)
     return {"grad_err": worst, "loss_err": loss_err, "calls": calls,
             "num_microbatches": num_microbatches}
+
+
+def hf_case(schedule: str, ac: str, backend: str | None) -> dict:
+    """A tiny tied-embedding Llama through the same helpers; worst |grad diff| vs unsplit."""
+    from pp_transformers import causal_lm_loss
+    from test_transformers_models import batch, reference_step, tiny_model
+
+    reference = tiny_model("llama", 4, tie_word_embeddings=True)
+    model = copy.deepcopy(reference)
+    config = PipelineConfig(pp_schedule=schedule, pp_batch_size=8, pp_microbatch_size=2,
+                            loss_fn=causal_lm_loss)
+    pipe = build_pipeline(model, config)
+    keys = [list(part.state_dict()) for part in pipe.model_parts]
+    apply_activation_checkpointing(pipe.model_parts, ac)
+    if backend:
+        apply_compile(pipe.model_parts, backend=backend)
+    assert keys == [list(part.state_dict()) for part in pipe.model_parts], "FQNs changed"
+    inputs, labels = batch(8)
+    loss = pipe.step(inputs, target=labels)
+    expected, grads = reference_step(reference, inputs, labels, config.num_microbatches)
+    worst = 0.0
+    for part in pipe.model_parts:
+        for name, param in part.named_parameters(remove_duplicate=False):
+            worst = max(worst, (param.grad - grads[name]).abs().max().item())
+    return {"worst": worst, "loss_err": None if loss is None else abs(float(loss - expected))}
