@@ -154,3 +154,43 @@ def test_hf_tied_llama_with_ac_and_compile_on_a_v_schedule():
             for result in results:
                 assert result["worst"] <= 1e-5, (ac, backend, result)
                 assert result["loss_err"] is None or result["loss_err"] <= 1e-5
+
+
+def _split_backward_calls(wrap) -> int:
+    from pp_core.runtime.backward import backward_input, backward_weight
+
+    torch.manual_seed(0)
+    block = Counted()
+    wrap(block)
+    x = torch.randn(2, 4, requires_grad=True)
+    out = block(x)
+    _, state = backward_input([out], [torch.ones_like(out)], [x])
+    backward_weight(state)
+    return block.calls
+
+
+def test_split_backward_recomputes_a_checkpointed_block_once_torch_checkpoint_twice():
+    from torch.utils.checkpoint import checkpoint
+
+    from pp_core.parallel import checkpoint_block
+
+    def torch_wrap(block):
+        inner = block.forward
+        block.forward = lambda x: checkpoint(inner, x, use_reentrant=False)
+
+    assert _split_backward_calls(checkpoint_block) == 2  # forward + one recompute
+    assert _split_backward_calls(torch_wrap) == 3  # forward + one per graph task (I, then W)
+
+
+def test_recompute_runs_in_the_forwards_autocast_state():
+    torch.manual_seed(0)
+    model, reference = Layered(), Layered()
+    reference.load_state_dict(model.state_dict())
+    apply_activation_checkpointing([model], "full")
+    x = torch.randn(2, 4)
+    for module in (model, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(x)
+        out.float().sum().backward()
+    for (name, a), (_, b) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name

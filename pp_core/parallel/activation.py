@@ -82,6 +82,8 @@ class _Frame:
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.rng = torch.get_rng_state()
         self.devices, self.device_states = get_device_states(*args)
+        self.autocast = [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                         if torch.is_autocast_enabled(device)]
         self.recompute_context = contextlib.nullcontext
         self.forward_context = contextlib.nullcontext()
         if selective:
@@ -114,9 +116,13 @@ class _Frame:
             torch.set_rng_state(self.rng)
             if self.devices:
                 set_device_states(self.devices, self.device_states)
-            with torch.enable_grad(), self.recompute_context(), \
-                    torch.autograd.graph.saved_tensors_hooks(
-                        lambda t: recomputed.append(t) or len(recomputed) - 1, _no_unpack):
+            with contextlib.ExitStack() as stack:  # the forward's autocast state, not backward's
+                for device, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(device, dtype=dtype))
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(self.recompute_context())
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: recomputed.append(t) or len(recomputed) - 1, _no_unpack))
                 self.fn(*args, **self.kwargs)
         if len(recomputed) != self.count:
             raise PipelineError(
