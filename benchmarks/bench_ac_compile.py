@@ -7,7 +7,9 @@ each rank one thread. Per configuration (AC none / full / selective, each eager 
 * step time: median over the measured steps, after warm-up steps (the compiled first step
   includes compilation and is reported apart);
 * peak memory per rank: growth of the peak resident set over one step (``/proc/self/status``,
-  reset through ``clear_refs``), i.e. what the step's activations and gradients cost;
+  reset through ``clear_refs``), i.e. what the step's activations and gradients cost; the ranks
+  run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the resident set and it
+  follows live memory (without it glibc keeps freed memory and the growth says little);
 * forward calls per block per microbatch (eager only: compiled code runs no Python forward),
   for pp-core's checkpointing and, as the alternative, ``torch.utils.checkpoint``
   (non-reentrant) wrapped around each block by hand.
@@ -105,6 +107,7 @@ def main() -> None:
     parser.add_argument("--schedule", default="v_schedule")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the ranks
     from pp_core.testing import DistPool
 
     rows = []
