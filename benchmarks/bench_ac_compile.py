@@ -14,6 +14,10 @@ each rank one thread. Per configuration (AC none / full / selective, each eager 
   for pp-core's checkpointing and, as the alternative, ``torch.utils.checkpoint``
   (non-reentrant) wrapped around each block by hand.
 
+Also, on one process (fresh per mode), the memory a split backward holds: the demo's 4 blocks
+run 4 microbatches' forwards, then every ``I``, then every ``W``; the resident set after each
+phase, relative to before (``held``).
+
     python benchmarks/bench_ac_compile.py [--steps 6] [--schedule v_schedule] [--json out.json]
 """
 
@@ -100,13 +104,48 @@ def run_config(schedule: str, ac: str, compiled: bool, steps: int, warmup: int) 
             "peak_mib": max(peaks) / 2 ** 20, "forward_calls_per_block_per_mb": calls}
 
 
+def held(mode: str) -> dict:
+    """Resident MiB after the forwards, the I passes and the W passes (second of two rounds)."""
+    import gc
+
+    from pp_core.parallel import apply_activation_checkpointing
+    from pp_core.runtime.backward import backward_input, backward_weight
+    from pp_models.gpt import GPT
+
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*GPT(**MODEL).layers.values())
+    apply_activation_checkpointing([blocks], mode)
+    xs = [torch.randn(MICROBATCH, SEQ, MODEL["dim"]) for _ in range(4)]
+    result = {}
+    for _ in range(2):
+        base = proc_status("VmRSS")
+        inputs = [x.clone().requires_grad_() for x in xs]
+        outputs = [blocks(x) for x in inputs]
+        result["after_forwards"] = proc_status("VmRSS") - base
+        states = [backward_input([o], [torch.ones_like(o)], [x])[1]
+                  for o, x in zip(outputs, inputs)]
+        del outputs
+        gc.collect()
+        result["after_I"] = proc_status("VmRSS") - base
+        for state in states:
+            backward_weight(state)
+        del states
+        gc.collect()
+        result["after_W"] = proc_status("VmRSS") - base
+    return {k: round(v / 2 ** 20, 1) for k, v in result.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--schedule", default="v_schedule")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--held", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.held:
+        print(json.dumps(held(args.held)))
+        return
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the ranks
     from pp_core.testing import DistPool
 
@@ -132,6 +171,16 @@ def main() -> None:
               f"{1000 * row['step_s']:.0f} ms | {1000 * row['first_step_s']:.0f} ms | "
               f"{' / '.join(f'{m:.1f} MiB' for m in row['peak_mib_per_rank'])} | "
               f"{'-' if calls is None else f'{calls:g}'} |")
+    import subprocess
+
+    print("\n| AC | held after 4 forwards | after their I | after their W |\n|---|---|---|---|")
+    for mode in ("none", "full", "selective"):
+        out = subprocess.run([sys.executable, __file__, "--held", mode], capture_output=True,
+                             text=True, env=os.environ, check=True).stdout
+        figures = json.loads(out.strip().splitlines()[-1])
+        rows.append({"held": mode, **figures})
+        print(f"| {mode} | {figures['after_forwards']} MiB | {figures['after_I']} MiB | "
+              f"{figures['after_W']} MiB |")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2)

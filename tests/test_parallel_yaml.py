@@ -194,3 +194,39 @@ def test_recompute_runs_in_the_forwards_autocast_state():
         out.float().sum().backward()
     for (name, a), (_, b) in zip(reference.named_parameters(), model.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+class Remembers(nn.Module):
+    """Keeps a weak reference to the activation it saves for backward, on every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen = []
+
+    def forward(self, x):
+        hidden = self.lin(x)
+        self.seen.append(__import__("weakref").ref(hidden))
+        return torch.tanh(hidden) * hidden
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["B", "I+W"])
+def test_recomputed_activations_are_freed_after_backward(split):
+    import gc
+
+    from pp_core.parallel import checkpoint_block
+    from pp_core.runtime.backward import backward_full, backward_input, backward_weight
+
+    block = checkpoint_block(Remembers())
+    x = torch.randn(2, 4, requires_grad=True)
+    out = block(x)
+    if split:
+        _, state = backward_input([out], [torch.ones_like(out)], [x])
+        backward_weight(state)
+        del state
+    else:
+        backward_full([out], [torch.ones_like(out)], [x])
+    del out
+    gc.collect()
+    assert len(block.seen) == 2  # forward + recompute
+    assert all(ref() is None for ref in block.seen), "a recomputed activation outlived backward"

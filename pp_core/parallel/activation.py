@@ -121,8 +121,9 @@ class _Frame:
                     stack.enter_context(torch.autocast(device, dtype=dtype))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(self.recompute_context())
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
-                    lambda t: recomputed.append(t) or len(recomputed) - 1, _no_unpack))
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(  # detached: a
+                    # kept tensor must not hold the recompute's graph, whose hooks hold the list
+                    lambda t: recomputed.append(t.detach()) or len(recomputed) - 1, _no_unpack))
                 self.fn(*args, **self.kwargs)
         if len(recomputed) != self.count:
             raise PipelineError(
