@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -26,6 +27,15 @@ class Gated(nn.Module):
     def forward(self, x):
         value, gate = self.up(x).chunk(2, -1)
         return x + self.down(value * torch.sigmoid(gate))
+
+
+@pytest.fixture(autouse=True)
+def donation_on():
+    """torch's default, whatever an earlier test (pp_core.parallel.apply_compile) set."""
+    from torch._functorch import config
+
+    with config.patch(donated_buffer=True):
+        yield
 
 
 def _stage():
