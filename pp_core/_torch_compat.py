@@ -22,7 +22,8 @@ from typing import Callable, Optional
 import torch
 
 __all__ = ["engine_run_backward", "ACCUMULATE_GRAD", "process_group_store", "set_state_dict_item",
-           "dcp_metadata_path", "tcp_stores_listening_on_their_host", "nn_init_skipped"]
+           "dcp_metadata_path", "tcp_stores_listening_on_their_host", "nn_init_skipped",
+           "donated_buffers_on", "donated_buffers_off", "disable_donated_buffers"]
 
 # -------------------------------------------------------------------------- autograd (backward.py)
 
@@ -139,3 +140,37 @@ def nn_init_skipped():
     finally:
         for name, fn in saved.items():
             setattr(torch.nn.init, name, fn)
+
+
+# ------------------------------------------ compiled backward (backward.py, parallel/compile.py)
+# ``torch._functorch.config.donated_buffer``: when on, a torch.compile'd backward may free
+# ("donate") its saved buffers and then refuses ``retain_graph=True``, which the split backward's
+# input pass needs (pytorch#161904). Checked on 2.13. Missing: donation cannot be asked about or
+# turned off, so these say "off" and do nothing.
+
+
+def donated_buffers_on() -> bool:
+    """Whether compiled backwards may donate their buffers (torch's default: yes)."""
+    try:
+        from torch._functorch import config
+    except ImportError:  # pragma: no cover - a torch without it
+        return False
+    return bool(config.donated_buffer)
+
+
+def donated_buffers_off():
+    """A context in which compiled backwards keep their buffers (for a retained backward pass)."""
+    try:
+        from torch._functorch import config
+    except ImportError:  # pragma: no cover - a torch without it
+        return contextlib.nullcontext()
+    return config.patch(donated_buffer=False)
+
+
+def disable_donated_buffers() -> None:
+    """Turn buffer donation off for the process (every compile from here on)."""
+    try:
+        from torch._functorch import config
+    except ImportError:  # pragma: no cover - a torch without it
+        return
+    config.donated_buffer = False

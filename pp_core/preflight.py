@@ -184,6 +184,21 @@ def _check_batch(spec: Spec, problems: list[str]) -> None:
                 f"batch), found {size}; leave it out and pp-core fills it in")
 
 
+def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
+    """``train.activation_checkpointing`` / ``train.compile`` act per block: the model needs some."""
+    from pp_core.parallel import find_blocks
+
+    wanted = [key for key, on in (("activation_checkpointing",
+                                   spec.train["activation_checkpointing"]["mode"] != "none"),
+                                  ("compile", spec.train["compile"]["enabled"])) if on]
+    if not wanted:
+        return
+    try:
+        find_blocks(model)
+    except PPCoreError as exc:
+        problems.append(f"train.{wanted[0]}: {exc}")
+
+
 def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: list[str]):
     """Plan the split on the meta device, then build + validate the schedule with its sizes;
     returns the meta model (``None`` where it could not be built)."""
@@ -216,6 +231,7 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
     if problems:
         return None
     if model is not None:
+        _check_blocks(spec, model, problems)
         from pp_core.runtime.split import plan_split
 
         try:

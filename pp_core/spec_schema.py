@@ -118,6 +118,33 @@ def _anything(value):
     return value
 
 
+def _activation_checkpointing(value):
+    """``{mode: none|full|selective, every: N}``; a bare mode string is accepted too."""
+    if isinstance(value, str) or value is None or isinstance(value, bool):
+        value = {"mode": "none" if not value else value}
+    expected = "a mapping {mode: none | full | selective, every: a positive int}"
+    if not isinstance(value, dict) or set(value) - {"mode", "every"}:
+        raise Mismatch(expected)
+    mode = value.get("mode", "full")
+    every = value.get("every", 1)
+    if not isinstance(mode, str) or mode.lower() not in ("none", "full", "selective") or \
+            isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise Mismatch(expected)
+    return {"mode": mode.lower(), "every": every}
+
+
+def _compile(value):
+    """``{enabled: bool, ...torch.compile keyword arguments}``; ``true``/``false`` alone too."""
+    if isinstance(value, bool) or value is None:
+        return {"enabled": bool(value)}
+    allowed = {"enabled", "mode", "fullgraph", "dynamic", "backend", "options"}
+    if not isinstance(value, dict) or set(value) - allowed or \
+            not isinstance(value.get("enabled", True), bool):
+        raise Mismatch(f"true, false, or a mapping with keys {', '.join(sorted(allowed))} "
+                       f"(enabled: a bool; the others go to torch.compile)")
+    return {"enabled": True, **value}
+
+
 @dataclass(frozen=True)
 class Key:
     """One key of the schema: its checker, its default, and one line of documentation."""
@@ -196,6 +223,11 @@ SCHEMA: dict[str, list[Key]] = {
         Key("log_every", _int(1), 10, "steps between metric lines"),
         Key("eval_every", _optional(_int(1)), None, "steps between evaluations (data.eval_args)"),
         Key("eval_steps", _int(1), 2, "batches per evaluation"),
+        Key("activation_checkpointing", _activation_checkpointing,
+            {"mode": "none", "every": 1}, "{mode: none | full | selective, every: N} per block "
+            "(docs/composition.md)"),
+        Key("compile", _compile, {"enabled": False}, "{enabled: bool, mode, fullgraph, "
+            "dynamic, backend}: torch.compile each block (docs/composition.md)"),
     ],
     "checkpoint": [
         Key("dir", _optional(_str), None, "where checkpoints go (one step_NNNNNNNN dir each)"),

@@ -122,13 +122,44 @@ def _build(spec: Spec, ctx: RankContext):
     torch.manual_seed(spec.train["seed"])
     model = model_factory(spec)(**spec.model["args"])
     num_params = sum(p.numel() for p in model.parameters())
+    checkpointing = activation_checkpointing_of(spec, model)
     pipe = build_pipeline(model, spec.pipeline_config(), pp_group=ctx.pp_mesh, device=ctx.device)
     del model
+    apply_parallelisms(pipe.model_parts, checkpointing, spec.train["compile"])
     options = dict(spec.train["optimizer"])
     cls = getattr(torch.optim, options.pop("name"))
     optimizers = [cls(list(part.parameters()), **options) if any(True for _ in part.parameters())
                   else None for part in pipe.model_parts]
     return pipe, optimizers, num_params
+
+
+def activation_checkpointing_of(spec: Spec, model) -> dict:
+    """``train.activation_checkpointing``, with a Hugging Face model's own switch folded in.
+
+    ``model.gradient_checkpointing_enable()`` (or a config that turns it on) asks for the same
+    thing as ``mode: full``; HF's own wrapper is turned off so that one mechanism, pp-core's
+    (one recompute per block with split backward), does it.
+    """
+    setting = dict(spec.train["activation_checkpointing"])
+    new_name = hasattr(type(model), "is_activation_checkpointing")  # transformers >= 5
+    on = getattr(model, "is_activation_checkpointing" if new_name else
+                 "is_gradient_checkpointing", False)
+    if on:
+        getattr(model, "activation_checkpointing_disable" if new_name else
+                "gradient_checkpointing_disable")()
+        if setting["mode"] == "none":
+            setting["mode"] = "full"
+    return setting
+
+
+def apply_parallelisms(parts, checkpointing: dict, compile_options: dict) -> None:
+    """AC, then compile, on this rank's parts (:mod:`pp_core.parallel`; FSDP would come last)."""
+    from pp_core.parallel import apply_activation_checkpointing, apply_compile
+
+    apply_activation_checkpointing(parts, checkpointing["mode"], checkpointing["every"])
+    options = dict(compile_options)
+    if options.pop("enabled"):
+        apply_compile(parts, **options)
 
 
 def _set_lr(optimizers, base_lrs, factor: float) -> float:

@@ -122,9 +122,22 @@ def validate_command(args) -> int:
         print(f"  schedule {found.schedule.name}: {found.schedule.num_stages} stages, "
               f"simulated bubble {100 * result.bubble_ratio:.1f}% at unit costs, peak "
               f"activations per rank {result.peak_activations}")
+    print(f"  {_parallelisms(spec)}")
     for note in found.notes:
         print(f"  note: {note}")
     return 0
+
+
+def _parallelisms(spec) -> str:
+    """``activation checkpointing full (every block), compile on (mode default)``."""
+    ac, compiled = spec.train["activation_checkpointing"], spec.train["compile"]
+    every = "every block" if ac["every"] == 1 else f"every {ac['every']}th block"
+    text = "activation checkpointing " + ("off" if ac["mode"] == "none" else
+                                          f"{ac['mode']} ({every})")
+    options = ", ".join(f"{k} {v}" for k, v in compiled.items() if k != "enabled")
+    text += ", compile " + (f"on ({options or 'torch defaults'})" if compiled["enabled"]
+                            else "off")
+    return text + "; with the schedule: supported (docs/composition.md)"
 
 
 def export_command(args) -> int:

@@ -16,6 +16,19 @@ Parameters are grouped by the boundary nodes they hang from, and each group gets
 path between their boundary nodes (torch's ``stage_backward_weight`` groups the same way). When
 no stage input needs a gradient (the first stage) ``I`` has nothing to do and ``W`` runs the whole
 backward. Non-tensor and non-differentiable inputs are skipped.
+
+Fused boundary nodes. Some nodes compute every gradient whenever they run, whatever autograd
+asked for: the backward of a ``torch.compile``d region (``CompiledFunctionBackward``, one node
+for the whole compiled block) and custom ``autograd.Function``s. Re-running such a node in ``W``
+would redo its whole backward, and torch refuses to re-run a compiled backward that was built
+with donated buffers (its saved tensors are reused in place; pytorch#161904). So ``I`` also keeps
+what each boundary node gave its parameter side (a post-hook); when every boundary node of a
+group gave all of it, ``W`` restarts below them, at the parameter-side edges, and the fused
+node runs exactly once. ``I`` runs with ``torch._functorch.config.donated_buffer`` off: that
+switch only lifts torch's refusal to run a donated compiled backward with ``retain_graph=True``
+(and compiles a backward built during ``I`` without donation), which is safe because the node
+never runs again. A group that mixes fused and ordinary nodes re-runs them all (correct when
+donation is off); with donation on it is refused with a message saying what to do.
 """
 
 from __future__ import annotations
@@ -26,7 +39,9 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from pp_core._torch_compat import ACCUMULATE_GRAD as _ACCUMULATE_GRAD
+from pp_core._torch_compat import donated_buffers_off, donated_buffers_on
 from pp_core._torch_compat import engine_run_backward as _engine
+from pp_core.errors import PipelineError
 
 __all__ = ["backward_full", "backward_input", "backward_weight", "WeightGrad"]
 
@@ -161,17 +176,22 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Optional[Sequence[tor
         groups.append(group)
     groups = [g for g in groups if not g.get("merged")]
 
-    # 4. I: keep what reaches the boundary nodes on the path.
+    # 4. I: keep what reaches the boundary nodes on the path, and what they give the parameters.
     captured: dict = {}
+    gave: dict = {}  # boundary node -> [(GradientEdge, grad)] on its parameter side
     handles = []
     for group in groups:
         for node in group["nodes"]:
             if node in on_path:
                 handles.append(node.register_prehook(
                     lambda grad_outputs, node=node: captured.__setitem__(node, grad_outputs)))
+                handles.append(node.register_hook(
+                    lambda grad_inputs, grad_outputs, node=node:
+                    _keep_parameter_side(node, grad_inputs, on_path, gave)))
     try:
         wanted = [x for x in inputs if x.requires_grad]
-        result = _run(outputs, grad_list, wanted, retain_graph=True, accumulate_grad=False)
+        with donated_buffers_off():
+            result = _run(outputs, grad_list, wanted, retain_graph=True, accumulate_grad=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -181,9 +201,16 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Optional[Sequence[tor
         grad = by_id.get(id(x))
         input_grads.append(torch.zeros_like(x) if grad is None else grad)
 
-    # 5. W's roots: boundary edges with the gradient they saw, plus the outputs they hang from.
+    # 5. W's roots: boundary edges with the gradient they saw, plus the outputs they hang from;
+    # below the boundary when every boundary node of the group already gave its parameter side.
     weight_groups = []
     for group in groups:
+        if all(node in gave for node in group["nodes"]):
+            edges = [edge for node in group["nodes"] for edge, _ in gave[node]]
+            edge_grads = [grad for node in group["nodes"] for _, grad in gave[node]]
+            weight_groups.append((edges, edge_grads, group["params"], None))
+            continue
+        _check_rerun([node for node in group["nodes"] if node in gave], group["params"])
         edges, edge_grads, clamps = [], [], []
         for node in group["nodes"]:
             if node in on_path:
@@ -203,6 +230,37 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Optional[Sequence[tor
             weight_groups.append((edges, edge_grads, group["params"],
                                   clamps if len(group["nodes"]) > 1 else None))
     return input_grads, WeightGrad(weight_groups)
+
+
+def _keep_parameter_side(node, grad_inputs, on_path, gave) -> None:
+    """Post-hook of a boundary node during ``I``: keep its parameter-side gradients when it
+    computed all of them (a fused node, see the module docstring)."""
+    kept = []
+    computes_all = type(node).__name__ == "CompiledFunctionBackward"  # None: no gradient
+    for (child, input_nr), grad in zip(node.next_functions, grad_inputs):
+        if child is None or child in on_path or (grad is None and computes_all):
+            continue
+        if grad is None:
+            return
+        kept.append((GradientEdge(child, input_nr), grad))
+    if kept:
+        gave[node] = kept
+
+
+def _check_rerun(fused: list, params: list) -> None:
+    """Refuse to run a compiled backward a second time while torch may have donated its buffers."""
+    compiled = [node for node in fused if type(node).__name__ == "CompiledFunctionBackward"]
+    if not compiled:
+        return
+    if donated_buffers_on():
+        shapes = ", ".join(str(tuple(p.shape)) for p in params[:4])
+        raise PipelineError(
+            f"split backward (I/W) would run a torch.compile'd backward twice: parameters of "
+            f"shapes {shapes} are used both inside a compiled region and outside it, and the "
+            f"compiled backward may have donated its buffers; compile the module that uses them "
+            f"as a whole, turn torch's buffer donation off (functorch config donated_buffer="
+            f"False) before the first step (pp_core.parallel.apply_compile does), or use a "
+            f"schedule without split backward (1f1b, interleaved_1f1b)")
 
 
 def backward_weight(state: WeightGrad) -> None:

@@ -1,0 +1,54 @@
+"""``torch.compile`` per block, in place, after activation checkpointing (as torchtitan does).
+
+Each block is compiled with ``nn.Module.compile`` (parameter names do not change). A block that
+:mod:`pp_core.parallel.activation` checkpointed is compiled around ``torch.utils.checkpoint``
+with the same policy, which the compiler understands: the recompute then lives inside the
+block's one compiled backward. Compiled blocks and split backward (zero-bubble, V schedules):
+torch fuses a block's backward into one node that computes input and weight gradients together,
+so for a compiled block ``W`` has nothing left to compute (:mod:`pp_core.runtime.backward`).
+``torch._functorch.config.donated_buffer`` is turned off for the process, torch's documented
+switch for backward passes that retain the graph, as ``I`` does. Order with the other wrappers:
+activation checkpointing, then compile, then FSDP.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterable
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pp_core._torch_compat import disable_donated_buffers
+from pp_core.parallel.activation import checkpoint_mode, selective_contexts
+from pp_core.parallel.blocks import find_blocks
+
+__all__ = ["apply_compile"]
+
+
+def _compile_checkpointed(block: nn.Module, mode: str, original) -> None:
+    kwargs = {"context_fn": selective_contexts} if mode == "selective" else {}
+
+    @functools.wraps(original)
+    def forward(*args, **kw):
+        return checkpoint(original, *args, use_reentrant=False, **kwargs, **kw)
+
+    block.forward = forward
+
+
+def apply_compile(parts: Iterable[nn.Module], **options) -> list[str]:
+    """Compile every block of each part in place with ``block.compile(**options)``.
+
+    :param options: ``torch.compile`` keyword arguments (``mode``, ``fullgraph``, ``dynamic``,
+        ``backend``, ...). Returns the FQNs of the compiled blocks.
+    """
+    disable_donated_buffers()
+    done = []
+    for part in parts:
+        for fqn, block in find_blocks(part):
+            checkpointed = checkpoint_mode(block)
+            if checkpointed is not None:
+                _compile_checkpointed(block, *checkpointed)
+            block.compile(**options)
+            done.append(fqn)
+    return done
