@@ -199,7 +199,8 @@ def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str):
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     # we report a failed rank ourselves, once, below
-    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    quiet = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+             if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
     previous = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.CRITICAL)

@@ -288,3 +288,13 @@ def test_a_stuck_rank_is_reported_with_the_seconds_waited_and_the_key():
     assert "rank 0 waited longer than 3 s for rank 1, which is stuck or much slower; if it is " \
            "just slow, raise distributed.timeout_s" in message, message
     assert "Traceback" not in message  # pp-core's own error says all
+
+
+def test_validate_refuses_a_one_node_host_this_machine_cannot_resolve(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    result = subprocess.run([sys.executable, "-m", "pp_core", "validate", str(path), "--set",
+                             "distributed.master_addr=no-such-host.invalid"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "distributed.master_addr: cannot resolve 'no-such-host.invalid'" in result.stderr
