@@ -237,11 +237,20 @@ def _free_port() -> int:
     return prepare_endpoint(distributed()).port
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_ends_a_waiting_run_at_once_with_its_exit_code(tmp_path, sig, code):
-    process = start(tmp_path, "distributed.nnodes=2", f"distributed.master_port={_free_port()}")
-    assert process.stdout.readline().startswith("pp-core: starting 1 rank(s)")
-    time.sleep(1)  # in the rendezvous, waiting for the other node
+@pytest.mark.parametrize("sig, phase, code", [
+    (signal.SIGINT, "rendezvous", 130),  # waiting for a node that does not come
+    (signal.SIGTERM, "training", 143),  # was 130, as if it were Ctrl-C
+])
+def test_a_signal_ends_the_run_at_once_with_its_exit_code(tmp_path, sig, phase, code):
+    if phase == "rendezvous":
+        process = start(tmp_path, "distributed.nnodes=2", f"distributed.master_port={_free_port()}")
+        assert process.stdout.readline().startswith("pp-core: starting 1 rank(s)")
+        time.sleep(1)
+    else:
+        process = start(tmp_path, "train.steps=100000", "train.log_every=1",
+                        "output.progress=plain")
+        assert process.stdout.readline().startswith("pp-core: starting 2 rank(s)")
+        assert process.stdout.readline().split()[:2] == ["step", "1/100000"]
     sent = time.monotonic()
     process.send_signal(sig)
     returncode, _, err = finish(process, timeout=30)
