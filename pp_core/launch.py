@@ -8,8 +8,10 @@ several machines every node runs the same command with ``distributed.nnodes`` an
 each one runs ``pp-core run`` as a single rank (detected by ``RANK``/``WORLD_SIZE``).
 
 A rank that raises or dies makes the agent stop the others (``max_restarts=0``), and
-:func:`launch` raises :class:`~pp_core.PipelineError` with that rank's error and traceback
-instead of hanging.
+:func:`launch` raises :class:`~pp_core.PipelineError` with that rank's error (and traceback,
+unless pp-core raised it) instead of hanging. Before any process starts, the device
+(:mod:`pp_core.devices`), the rendezvous endpoint (:mod:`pp_core.rendezvous`) and
+``$PP_CORE_TIMEOUT`` are checked; torch's launcher files go to a temp dir removed afterwards.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-from pp_core.devices import local_ranks
+from pp_core.devices import choose, local_ranks
 from pp_core.errors import ConfigError, PipelineError
 from pp_core.rendezvous import prepare_endpoint
 from pp_core.spec import Spec
@@ -131,10 +133,7 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
     :param announce: called with one line (ranks, device and why) once every check passed,
         just before the processes start.
     When this process is itself a rank (started by torchrun), it just runs that rank.
-    Before any process starts: ``$PP_CORE_TIMEOUT``, the device for this machine's ranks
-    (:mod:`pp_core.devices`) and the rendezvous endpoint (:mod:`pp_core.rendezvous`) are checked.
     """
-    from pp_core.devices import choose
     from pp_core.runtime.pipeline import _timeout as timeout_from_env
 
     timeout_from_env(None)  # a bad $PP_CORE_TIMEOUT fails here, not in every rank
