@@ -8,8 +8,10 @@ several machines every node runs the same command with ``distributed.nnodes`` an
 each one runs ``pp-core run`` as a single rank (detected by ``RANK``/``WORLD_SIZE``).
 
 A rank that raises or dies makes the agent stop the others (``max_restarts=0``), and
-:func:`launch` raises :class:`~pp_core.PipelineError` with that rank's error and traceback
-instead of hanging.
+:func:`launch` raises :class:`~pp_core.PipelineError` with that rank's error (and traceback,
+unless pp-core raised it) instead of hanging. Before any process starts, the device
+(:mod:`pp_core.devices`), the rendezvous endpoint (:mod:`pp_core.rendezvous`) and
+``$PP_CORE_TIMEOUT`` are checked; torch's launcher files go to a temp dir removed afterwards.
 """
 
 from __future__ import annotations
@@ -18,12 +20,19 @@ import contextlib
 import logging
 import os
 import socket
+import tempfile
+import threading
 from typing import Any, Callable
 
+from pp_core.devices import choose, local_ranks
 from pp_core.errors import ConfigError, PipelineError
+from pp_core.rendezvous import prepare_endpoint
 from pp_core.spec import Spec
 
 __all__ = ["launch", "started_by_torchrun", "free_port", "rank_main", "is_loopback"]
+
+SHUTDOWN_TIMEOUT_S = 5
+"""Seconds a rank gets to exit after SIGTERM before SIGKILL (a stopped rank never exits)."""
 
 
 def started_by_torchrun(environ=None) -> bool:
@@ -74,20 +83,19 @@ def _has_interface(name: str) -> bool:
         return False
 
 
-def _endpoint(dist: dict) -> str:
-    if dist["rdzv_endpoint"]:
-        return dist["rdzv_endpoint"]
-    port = dist["master_port"] if dist["master_port"] else free_port(dist["master_addr"])
-    return f"{dist['master_addr']}:{port}"
-
-
-def launch(spec: Spec, entrypoint: Callable | None = None) -> dict[int, Any]:
+def launch(spec: Spec, entrypoint: Callable | None = None,
+           announce: Callable[[str], None] | None = None) -> dict[int, Any]:
     """Run the pipeline on this machine's ranks; returns each local rank's return value.
 
     :param entrypoint: a picklable ``entrypoint(spec)`` to run on every rank instead of
         :func:`pp_core.train.train` (tests use it to inspect a rank from inside).
+    :param announce: called with one line (ranks, device and why) once every check passed,
+        just before the processes start.
     When this process is itself a rank (started by torchrun), it just runs that rank.
     """
+    from pp_core.runtime.pipeline import _timeout as timeout_from_env
+
+    timeout_from_env(None)  # a bad $PP_CORE_TIMEOUT fails here, not in every rank
     if started_by_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != spec.world_size:
@@ -97,26 +105,62 @@ def launch(spec: Spec, entrypoint: Callable | None = None) -> dict[int, Any]:
                 f"{spec.world_size}; pass --nnodes/--nproc-per-node that multiply to "
                 f"{spec.world_size}")
         return {int(os.environ.get("LOCAL_RANK", 0)): rank_main(_values(spec), entrypoint)}
+    dist = spec.distributed
+    nproc = local_ranks(dist)
+    choice = choose(spec)
+    with _signals_raise():  # SIGTERM during the checks or the rendezvous ends us cleanly too
+        endpoint = prepare_endpoint(dist)
+        if announce is not None:
+            node = f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else ""
+            announce(f"starting {nproc} rank(s) on this machine (pp {dist['pp_size']} x dp "
+                     f"{dist['dp_size']}{node}) on {choice.device} ({choice.reason})")
+        with _launch_temp_dir() as logs:
+            return _elastic_launch(spec, entrypoint, nproc, endpoint, logs)
+
+
+@contextlib.contextmanager
+def _launch_temp_dir():
+    """One temporary directory for what torch's launcher leaves behind, removed afterwards.
+
+    The agent makes a ``torchelastic_*`` log directory per run and ``torch.multiprocessing``
+    a ``pytorch-errorfile-*`` per failed rank, in the temp dir, and never removes them; so while
+    the ranks run, this process's temp dir is this one (the ranks' own is unchanged).
+    """
+    previous = tempfile.tempdir
+    with tempfile.TemporaryDirectory(prefix="pp-core-launch-") as path:
+        tempfile.tempdir = path
+        try:
+            yield path
+        finally:
+            tempfile.tempdir = previous
+
+
+def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from pp_core._torch_compat import tcp_stores_listening_on_their_host
 
     dist = spec.distributed
-    nproc = dist["nproc_per_node"] or spec.world_size // dist["nnodes"]
-    endpoint = _endpoint(dist)
-    host = endpoint.rsplit(":", 1)[0]
-    rdzv_configs: dict[str, Any] = {"timeout": dist["timeout_s"]}
+    host = endpoint.host
     if dist["rdzv_backend"] == "static":
-        rdzv_configs["rank"] = dist["node_rank"] or 0
+        rdzv_configs: dict[str, Any] = {"timeout": dist["timeout_s"],
+                                        "rank": dist["node_rank"] or 0}
+    else:  # the c10d handler reads join_timeout (not timeout); is_host: we know, torch guesses
+        rdzv_configs = {"join_timeout": dist["timeout_s"], "is_host": endpoint.is_host}
     config = LaunchConfig(
         min_nodes=dist["nnodes"], max_nodes=dist["nnodes"], nproc_per_node=nproc,
-        run_id=dist["rdzv_id"], rdzv_backend=dist["rdzv_backend"], rdzv_endpoint=endpoint,
+        run_id=dist["rdzv_id"], rdzv_backend=dist["rdzv_backend"], rdzv_endpoint=str(endpoint),
         rdzv_configs=rdzv_configs, max_restarts=0, monitor_interval=0.1, start_method="spawn",
         local_addr=host if is_loopback(host) else None,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # not a /tmp/torchelastic_* per run
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     # we report a failed rank ourselves, once, below
-    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    quiet = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+             if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
     previous = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.CRITICAL)
@@ -127,9 +171,55 @@ def launch(spec: Spec, entrypoint: Callable | None = None) -> dict[int, Any]:
             return elastic_launch(config, rank_main)(_values(spec), entrypoint)
     except ChildFailedError as exc:
         raise PipelineError(_failure_message(exc)) from None
+    except RendezvousError as exc:
+        raise PipelineError(_rendezvous_message(exc, endpoint, dist)) from None
     finally:
         for logger, level in zip(quiet, previous):
             logger.setLevel(level)
+
+
+def _rendezvous_message(exc, endpoint, dist: dict) -> str:
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    keys = endpoint.address_key if endpoint.address_key == endpoint.port_key else \
+        f"{endpoint.address_key}/{endpoint.port_key}"
+    if isinstance(exc, RendezvousTimeoutError):
+        return (f"the rendezvous at {endpoint} did not complete within distributed.timeout_s = "
+                f"{dist['timeout_s']} s: expected {dist['nnodes']} nodes; start pp-core run (or "
+                f"torchrun) on every node with the same {keys} and distributed.rdzv_id, or "
+                f"raise distributed.timeout_s")
+    cause = exc.__cause__ or exc.__context__
+    detail = str(cause).splitlines()[0] if cause is not None and str(cause) else str(exc)
+    return f"the rendezvous at {endpoint} failed ({detail}); check {keys}"
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """Make SIGTERM, SIGHUP and SIGQUIT raise ``SignalException`` (as torch's agent does while the
+    ranks run) so that cleanup runs and ``pp-core run`` exits 128 + the signal's number; every
+    handler (SIGINT too, which the agent replaces and never restores) is put back afterwards."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    def raise_signal(signum, frame):
+        sigval = signal.Signals(signum)
+        raise SignalException(f"pp-core got {sigval.name}", sigval=sigval)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+               if hasattr(signal, name)]
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    for sig in signals:
+        if sig != signal.SIGINT:  # Ctrl-C stays a KeyboardInterrupt until the agent takes over
+            signal.signal(sig, raise_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _values(spec: Spec) -> dict:
@@ -139,7 +229,8 @@ def _values(spec: Spec) -> dict:
 
 
 def _failure_message(exc) -> str:
-    """The first failed rank's error and traceback (the others were stopped because of it)."""
+    """The first failed rank's error, and its traceback unless pp-core raised it (the others
+    were stopped because of it)."""
     rank, failure = exc.get_first_failure()
     data = failure.error_file_data or {}
     recorded = data.get("message") if isinstance(data, dict) else None
@@ -157,6 +248,18 @@ def _failure_message(exc) -> str:
     also = f"; {others} other rank(s) failed too" if others > 0 else \
         "; the other ranks were stopped"
     text = f"rank {rank} failed: {message}{also}"
-    if trace:
+    if trace and not _own_error(message):  # pp-core's own messages say all; a traceback is noise
         text += "\n" + trace.rstrip()
     return text
+
+
+def _own_error(message: str) -> bool:
+    """Whether a rank's recorded ``"Type: text"`` is one of pp-core's error types."""
+    from pp_core.errors import PPCoreError
+
+    def names(cls):
+        yield cls.__name__
+        for sub in cls.__subclasses__():
+            yield from names(sub)
+
+    return message.split(":", 1)[0] in set(names(PPCoreError))

@@ -16,6 +16,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pp_core.devices import choose as choose_device
+from pp_core.devices import resolve_device
 from pp_core.errors import ConfigError, PPCoreError, quoted
 from pp_core.spec import Spec, SpecError
 
@@ -81,19 +83,6 @@ def dataset_args(spec: Spec, factory: Callable, evaluation: bool = False) -> dic
     return args
 
 
-def resolve_device(spec: Spec) -> tuple[str, str]:
-    """``(device type, backend)`` after ``auto``: cuda + nccl when CUDA is usable, else cpu + gloo."""
-    import torch
-
-    device = spec.distributed["device"]
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend = spec.distributed["backend"]
-    if backend == "auto":
-        backend = "nccl" if device == "cuda" else "gloo"
-    return device, backend
-
-
 def schedule_def_for(spec: Spec, plugins=None):
     """The schedule's :class:`ScheduleDef` (``None`` for a CSV schedule)."""
     if spec.pipeline["pp_schedule_csv"]:
@@ -148,13 +137,10 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
     if spec.pipeline["loss_fn"] is None:
         problems.append("pipeline.loss_fn: expected a loss for the last stage, found none; "
                         "e.g. loss_fn: cross_entropy, or 'module:attr'")
-    device, _ = resolve_device(spec)
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            problems.append("distributed.device: expected a device this machine has, found "
-                            "'cuda' but torch.cuda.is_available() is False; use device: cpu")
+    try:
+        choose_device(spec)
+    except PPCoreError as exc:
+        problems.append(str(exc))
     if run_checks:
         from pp_core.preflight_build import check_local_ranks, check_outputs
 

@@ -114,6 +114,34 @@ def _resume(value):
     raise Mismatch("true, false, or the path of a checkpoint directory")
 
 
+def _address(value):
+    from pp_core.rendezvous import address_problem
+
+    problem = address_problem(_str(value))
+    if problem is not None:
+        raise Mismatch(problem)
+    return value
+
+
+def _port(value):
+    from pp_core.rendezvous import port_problem
+
+    problem = port_problem(value)
+    if problem is not None:
+        raise Mismatch(problem)
+    return value
+
+
+def _endpoint(value):
+    from pp_core.rendezvous import split_endpoint
+
+    try:
+        split_endpoint(_str(value))
+    except ValueError as exc:
+        raise Mismatch(str(exc)) from None
+    return value
+
+
 def _anything(value):
     return value
 
@@ -197,16 +225,18 @@ SCHEMA: dict[str, list[Key]] = {
         Key("pp_size", _int(1), 2, "pipeline ranks (stages are spread over them)"),
         Key("dp_size", _int(1), 1, "data-parallel replicas of the whole pipeline"),
         Key("backend", _choice("auto", "gloo", "nccl"), "auto", "auto: nccl on CUDA, else gloo"),
-        Key("device", _choice("auto", "cpu", "cuda"), "auto", "auto: cuda when available"),
+        Key("device", _choice("auto", "cpu", "cuda"), "auto",
+            "auto: cuda when every rank on the machine gets a GPU of its own, else cpu"),
         Key("nnodes", _int(1), 1, "machines taking part; each runs the same command"),
         Key("nproc_per_node", _optional(_int(1)), None, "ranks per machine; default "
             "pp_size * dp_size / nnodes"),
         Key("node_rank", _optional(_int(0)), None, "this machine's index (static rendezvous)"),
-        Key("master_addr", _str, "127.0.0.1", "address of the rendezvous host; loopback unless "
+        Key("master_addr", _address, "127.0.0.1", "address of the rendezvous host; loopback unless "
             "you name another"),
-        Key("master_port", _optional(_int(0)), None, "its port; default a free port (one node)"),
+        Key("master_port", _optional(_port), None, "its port; default a free port (one node)"),
         Key("rdzv_backend", _choice("c10d", "static"), "c10d", "torchrun's rendezvous backend"),
-        Key("rdzv_endpoint", _optional(_str), None, "host:port; default master_addr:master_port"),
+        Key("rdzv_endpoint", _optional(_endpoint), None,
+            "host:port; default master_addr:master_port"),
         Key("rdzv_id", _str, "pp-core", "the job id every node passes"),
         Key("timeout_s", _int(1), 300, "rendezvous and process-group timeout in seconds"),
     ],

@@ -123,7 +123,11 @@ def _build(spec: Spec, ctx: RankContext):
     model = model_factory(spec)(**spec.model["args"])
     num_params = sum(p.numel() for p in model.parameters())
     checkpointing = activation_checkpointing_of(spec, model)
-    pipe = build_pipeline(model, spec.pipeline_config(), pp_group=ctx.pp_mesh, device=ctx.device)
+    # each wait is bounded by distributed.timeout_s (so a stuck peer's message says how long),
+    # unless $PP_CORE_TIMEOUT sets it for every pipeline
+    timeout = None if os.environ.get("PP_CORE_TIMEOUT") else spec.distributed["timeout_s"]
+    pipe = build_pipeline(model, spec.pipeline_config(), pp_group=ctx.pp_mesh, device=ctx.device,
+                          timeout=timeout)
     del model
     apply_parallelisms(pipe.model_parts, checkpointing, spec.train["compile"])
     options = dict(spec.train["optimizer"])

@@ -28,7 +28,7 @@ BASE = {
     "data": {"name": "synthetic", "args": {"seq_len": 8, "vocab_size": 32}},
     "pipeline": {"pp_schedule": "1f1b", "pp_batch_size": 4, "pp_microbatch_size": 1,
                  "loss_fn": "cross_entropy"},
-    "distributed": {"pp_size": 4},
+    "distributed": {"pp_size": 4, "device": "cpu"},
     "train": {"steps": 4, "optimizer": {"name": "AdamW", "lr": 0.01}, "lr_decay": "linear"},
     "checkpoint": {"every": 2},
     "output": {"progress": "off", "summary": False},

@@ -23,7 +23,7 @@ TINY = {
     "data": {"name": "synthetic", "args": {"seq_len": 8, "vocab_size": 32}},
     "pipeline": {"pp_schedule": "1f1b", "pp_batch_size": 4, "pp_microbatch_size": 1,
                  "loss_fn": "cross_entropy"},
-    "distributed": {"pp_size": 2, "dp_size": 1},
+    "distributed": {"pp_size": 2, "dp_size": 1, "device": "cpu"},  # the same on a GPU machine
     "train": {"steps": 3, "log_every": 1},
     "output": {"progress": "plain"},
 }
@@ -48,9 +48,11 @@ def test_the_readme_demo_trains_and_prints_a_summary(tmp_path):
                      "--set", f"checkpoint.dir={out / 'checkpoints'}",
                      "--set", f"output.metrics={out / 'metrics.jsonl'}",
                      "--set", f"output.trace={out / 'trace.json'}",
-                     "--set", f"output.schedule_image={out / 'schedule.svg'}")
+                     "--set", f"output.schedule_image={out / 'schedule.svg'}",
+                     env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # cpu on a GPU machine too
     assert result.returncode == 0, result.stderr[-3000:]
     text = result.stdout
+    assert "starting 2 rank(s) on this machine (pp 2 x dp 1) on cpu (auto: no GPU)" in text
     assert "pp-core run summary: examples/demo.yaml" in text
     assert "schedule v_schedule, pp 2 x dp 1, 4 stages" in text
     assert "bubble (measured)" in text and "bubble (simulated)" in text
@@ -85,19 +87,24 @@ class Exploding(GPT):
 def test_a_failing_rank_ends_the_run_with_its_error(tmp_path, mode, expected):
     model = {"target": "test_run:Exploding", "args": TINY["model"]["args"]}
     spec = write_spec(tmp_path / "fail.yaml", TINY, model=model)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "PP_CORE_TIMEOUT": "60",
-           "PP_TEST_FAILURE": mode}
+           "PP_TEST_FAILURE": mode, "TMPDIR": str(temp)}
     result = pp_core("run", str(spec), env=env, timeout=120)  # a hang fails here
     assert result.returncode == 1
     assert result.stderr.startswith("pp-core: error: rank "), result.stderr[-2000:]
     assert expected in result.stderr, result.stderr[-2000:]
+    # torch's launcher leaves a torchelastic_* log dir per run and an error file per failed rank
+    left = [p.name for p in temp.iterdir() if p.name.startswith(("torchelastic_", "pytorch-"))]
+    assert left == []
 
 
 def test_two_nodes_meet_through_torchrun_rendezvous_on_loopback(tmp_path):
     """Node A is ``pp-core run`` (torch's elastic launcher API), node B is ``torchrun`` whose
     processes each run ``pp-core run`` as one rank; 2 x 2 ranks form one pp=2 x dp=2 job."""
     spec = write_spec(tmp_path / "two_nodes.yaml", TINY,
-                      distributed={"pp_size": 2, "dp_size": 2},
+                      distributed={"pp_size": 2, "dp_size": 2, "device": "cpu"},
                       output={"progress": "plain", "metrics": str(tmp_path / "m.jsonl")})
     endpoint = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
@@ -140,6 +147,7 @@ def example_plugin_installed():
 
 def test_a_pipeline_names_a_model_from_a_third_party_plugin(example_plugin_installed):
     result = pp_core("run", "examples/plugin_model.yaml", "--set", "train.steps=4",
+                     "--set", "distributed.device=cpu",
                      "--set", "output.progress=plain")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "example_mlp" in result.stdout and "on example_regression" in result.stdout

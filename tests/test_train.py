@@ -29,7 +29,7 @@ def spec_values(tmp_path) -> dict:
         "data": {"name": "synthetic", "args": DATA},
         "pipeline": {"pp_schedule": "1f1b", "pp_batch_size": PP_BATCH, "pp_microbatch_size": 1,
                      "loss_fn": "cross_entropy"},
-        "distributed": {"pp_size": 2, "dp_size": DP},
+        "distributed": {"pp_size": 2, "dp_size": DP, "device": "cpu"},
         "train": {"steps": STEPS, "seed": 7, "warmup_steps": 1, "lr_decay": "cosine",
                   "grad_clip": 0.5, "optimizer": {"name": "AdamW", "lr": 0.01}},
         "checkpoint": {"dir": str(tmp_path / "ckpt")},

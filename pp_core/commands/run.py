@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 RUN_HELP = """\
@@ -86,25 +87,28 @@ def run_command(args) -> int:
     if not started_by_torchrun() or os.environ.get("RANK") == "0":  # once, not once per rank
         for note in found.notes:
             print(f"pp-core: note: {note}", flush=True)
-    if not started_by_torchrun():
-        dist = spec.distributed
-        print(f"pp-core: starting {spec.world_size // dist['nnodes']} rank(s) on this machine "
-              f"(pp {dist['pp_size']} x dp {dist['dp_size']}"
-              + (f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else "") + ")", flush=True)
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing import SignalException
 
     try:
-        launch(spec)
+        launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True))
     except (KeyboardInterrupt, SignalException) as exc:
-        reason = getattr(exc, "sigval", None)
-        print(f"\npp-core: interrupted{f' by {reason.name}' if reason else ''}; the ranks were "
-              f"stopped", file=sys.stderr)
-        return 130
+        reason = getattr(exc, "sigval", None) or signal.SIGINT
+        print(f"\npp-core: interrupted by {reason.name}; the ranks were stopped", file=sys.stderr)
+        return 128 + int(reason)  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
     return 0
 
 
 def validate_command(args) -> int:
+    from pp_core.errors import ConfigError
+    from pp_core.rendezvous import resolve
+    from pp_core.spec import SpecError
+
     spec, found = _checked(args)
+    if spec.distributed["nnodes"] == 1:  # then the rendezvous host is this machine
+        try:
+            resolve(spec.distributed)
+        except ConfigError as exc:
+            raise SpecError([str(exc)], spec.source) from None
     dist, pipeline = spec.distributed, spec.pipeline
     print(f"{spec.source}: ok")
     print(f"  model {spec.model['name'] or spec.model['target']}, data {spec.data['name']}, "

@@ -116,7 +116,8 @@ class P2P:
         if timed_out:
             limit = f"{self.timeout_s:g} s" if self.timeout_s else "the process group's timeout"
             return (f"rank {self.rank} waited longer than {limit} for rank {peer}, which is stuck "
-                    f"or much slower; raise timeout= (or $PP_CORE_TIMEOUT) if it is just slow "
+                    f"or much slower; if it is just slow, raise distributed.timeout_s (a pipeline "
+                    f"file), timeout= (build_pipeline) or $PP_CORE_TIMEOUT "
                     f"({first_line})"), False
         return (f"rank {self.rank} lost its connection to rank {peer}, whose process probably "
                 f"died ({type(exc).__name__}: {first_line})"), False

@@ -23,6 +23,7 @@ process group's timeout).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 import traceback
@@ -70,11 +71,15 @@ def _timeout(value) -> Optional[float]:
         try:
             value = float(env)
         except ValueError:
-            raise ConfigError(f"PP_CORE_TIMEOUT={env!r} must be a number of seconds") from None
+            value = None
+        if value is None or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"PP_CORE_TIMEOUT={env!r} must be a positive, finite number of "
+                              f"seconds (e.g. 600), or unset") from None
     if hasattr(value, "total_seconds"):
         value = value.total_seconds()
-    if not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"timeout={value!r} must be a positive number of seconds")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"timeout={value!r} must be a positive, finite number of seconds")
     return float(value)
 
 

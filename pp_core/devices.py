@@ -1,0 +1,89 @@
+"""Which device a pipeline's ranks train on: ``distributed.device`` after ``auto``.
+
+Each local rank takes one GPU (``cuda:LOCAL_RANK``), so CUDA works only when this machine has at
+least as many GPUs as ranks it runs. :func:`choose_device` decides from three numbers alone (what
+the file asks, how many ranks run here, how many GPUs torch sees), so the rule is testable on any
+machine; :func:`resolve_device` feeds it this machine's facts. The launcher, ``validate`` and every
+rank call the same function, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pp_core.errors import ConfigError
+
+__all__ = ["DeviceChoice", "choose_device", "resolve_device", "local_ranks", "cuda_device_count",
+           "choose"]
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """The device type ranks use (``"cpu"`` or ``"cuda"``), the backend, and why."""
+
+    device: str
+    backend: str
+    reason: str
+
+
+def choose_device(requested: str, local_world_size: int, cuda_devices: int,
+                  backend: str = "auto") -> DeviceChoice:
+    """The device for ``local_world_size`` ranks on a machine with ``cuda_devices`` GPUs.
+
+    ``auto`` takes CUDA only when every local rank gets a GPU of its own, else the CPU;
+    ``cuda`` with too few GPUs raises :class:`ConfigError` saying what to change (torch would
+    otherwise fail inside a rank with "invalid device ordinal").
+    """
+    ranks = f"{local_world_size} rank{'s' if local_world_size != 1 else ''} on this machine"
+    gpus = f"{cuda_devices} GPU{'s' if cuda_devices != 1 else ''}"
+    enough = cuda_devices >= local_world_size
+    if requested == "cuda" and not enough:
+        fix = "use device: cpu (or auto)" if not cuda_devices else (
+            f"use device: cpu, or at most {cuda_devices} rank(s) per node (pp_size x dp_size / "
+            f"nnodes <= {cuda_devices}), one per GPU")
+        raise ConfigError(f"distributed.device: cuda needs one GPU per rank: {ranks} need "
+                          f"{local_world_size} GPUs; found {cuda_devices}: {fix}")
+    if requested == "auto":
+        device = "cuda" if cuda_devices and enough else "cpu"
+        reason = (f"auto: {gpus} for {ranks}" if device == "cuda" else
+                  "auto: no GPU" if not cuda_devices else
+                  f"auto: {ranks} but only {gpus}; set device: cuda with fewer ranks per node")
+    else:
+        device, reason = requested, f"distributed.device: {requested}"
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    elif backend == "nccl" and device != "cuda":
+        raise ConfigError(f"distributed.backend: nccl needs CUDA tensors, but the ranks run on "
+                          f"the cpu ({reason}); use backend: gloo or auto")
+    return DeviceChoice(device, backend, reason)
+
+
+def local_ranks(distributed: dict, environ=None) -> int:
+    """How many ranks run on this machine: torchrun's ``LOCAL_WORLD_SIZE`` inside a launched
+    job, else ``nproc_per_node`` (default ``pp_size * dp_size / nnodes``)."""
+    env = os.environ if environ is None else environ
+    if "LOCAL_WORLD_SIZE" in env:
+        return int(env["LOCAL_WORLD_SIZE"])
+    if distributed["nproc_per_node"]:
+        return distributed["nproc_per_node"]
+    return distributed["pp_size"] * distributed["dp_size"] // distributed["nnodes"]
+
+
+def cuda_device_count() -> int:
+    """GPUs torch can use here (0 without a CUDA build or driver)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(spec) -> tuple[str, str]:
+    """``(device type, backend)`` for this machine; see :func:`choose_device`."""
+    choice = choose(spec)
+    return choice.device, choice.backend
+
+
+def choose(spec) -> DeviceChoice:
+    """:func:`choose_device` with this machine's rank and GPU counts."""
+    dist = spec.distributed
+    return choose_device(dist["device"], local_ranks(dist), cuda_device_count(), dist["backend"])
