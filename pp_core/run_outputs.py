@@ -14,6 +14,7 @@ import json
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +61,14 @@ class ActionTimer:
         self._sync = torch.cuda.synchronize if device.type == "cuda" else None
         if not self.enabled:
             return
-        receive = mailbox.receive
+        # the wrappers hold no strong reference to the mailbox or the executor they are stored
+        # in (a cycle would keep the model alive after the pipeline is deleted)
+        receive, owner = type(mailbox).receive, weakref.ref(mailbox)
 
         def timed_receive(message):
             start = time.perf_counter()
             try:
-                return receive(message)
+                return receive(owner(), message)
             finally:
                 self._wait += time.perf_counter() - start
 
@@ -74,10 +77,10 @@ class ActionTimer:
             handlers[kind] = self._wrap(handler)
 
     def _wrap(self, handler):
-        def timed(action):
+        def timed(executor, action):
             self._wait = 0.0
             start = time.perf_counter()
-            handler(action)
+            handler(executor, action)
             if self._sync is not None:
                 self._sync()
             self.records.append((action, start, time.perf_counter(), self._wait))

@@ -184,7 +184,11 @@ class Pipeline:
             return torch.stack(losses).float().mean() if self.has_last else None
 
         # plugins' pp_pipeline_step wrappers (e.g. tied-weight gradient sums) run around it
-        return self._plugins.run_step(self, True, run)
+        try:
+            return self._plugins.run_step(self, True, run)
+        except BaseException as exc:
+            _forget_frames(exc)
+            raise
 
     def eval_step(self, inputs=None, target=None, *, stage_kwargs: Optional[dict] = None):
         """Forward only, without gradients. On the last stage's rank returns the mean microbatch
@@ -206,7 +210,11 @@ class Pipeline:
                 return None
             return torch.stack(losses).float().mean() if losses else merge_microbatches(outputs)
 
-        return self._plugins.run_step(self, False, run)
+        try:
+            return self._plugins.run_step(self, False, run)
+        except BaseException as exc:
+            _forget_frames(exc)
+            raise
 
     # ------------------------------------------------------------------ internals
     def _check_usable(self) -> None:
@@ -289,6 +297,24 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline(rank={self.rank}/{self.num_ranks}, stages={self.stage_indices}, "
                 f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
+
+
+def _forget_frames(exc: BaseException) -> None:
+    """Clear the variables of the finished frames in the tracebacks of ``exc`` and of its causes.
+
+    Those frames hold the pipeline, its executor and the step's activations, and the exception
+    can be in a reference cycle with one of them (pluggy's hook caller keeps the exception it
+    re-raises in a local variable), which would keep the model alive after ``del pipe`` until
+    the cyclic garbage collector runs. The traceback's text (files, lines) stays as it is.
+    """
+    pending, seen = [exc], set()
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        pending += [exc.__cause__, exc.__context__]
 
 
 def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, device="cpu", *,
