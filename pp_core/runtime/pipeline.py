@@ -33,6 +33,7 @@ from torch import nn
 
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PPCoreError
+from pp_core.runtime.agreement import check_ranks_agree, config_fields, model_fields, plan_fields
 from pp_core.runtime.buffers import make_recv_buffer_allocator
 from pp_core.runtime.comm import P2P, PeerFailure
 from pp_core.runtime.executor import Executor
@@ -340,20 +341,31 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
 
         plugins = default_plugins()
     group, rank, num_ranks = resolve_group(pp_group)
+    if num_ranks > 1:  # ranks that disagree would train on wrong gradients, then hang
+        check_ranks_agree(group, {**config_fields(config), **model_fields(model)}, device,
+                          "configurations or models")
     m = config.num_microbatches
-    if config.pp_schedule_csv is not None:
-        csv_schedule = build_schedule(num_ranks=num_ranks, num_microbatches=m,
-                                      csv_path=config.pp_schedule_csv, plugins=plugins)
-        per_rank, variable = csv_schedule.num_stages // num_ranks, False
-    else:
-        csv_schedule = None
-        _, sdef = resolve_schedule_def(config.pp_schedule, plugins)
-        per_rank, variable = sdef.stages_per_rank, sdef.variable_stages_per_rank
-    plan = plan_split(model, config, num_ranks, per_rank, plugins,
-                      variable_stages_per_rank=variable)
-    schedule = csv_schedule or build_schedule(
-        config.pp_schedule, num_ranks=num_ranks, num_microbatches=m,
-        stages_per_rank=plan.stages_per_rank, plugins=plugins)
+    try:
+        if config.pp_schedule_csv is not None:
+            csv_schedule = build_schedule(num_ranks=num_ranks, num_microbatches=m,
+                                          csv_path=config.pp_schedule_csv, plugins=plugins)
+            per_rank, variable = csv_schedule.num_stages // num_ranks, False
+        else:
+            csv_schedule = None
+            _, sdef = resolve_schedule_def(config.pp_schedule, plugins)
+            per_rank, variable = sdef.stages_per_rank, sdef.variable_stages_per_rank
+        plan = plan_split(model, config, num_ranks, per_rank, plugins,
+                          variable_stages_per_rank=variable)
+        schedule = csv_schedule or build_schedule(
+            config.pp_schedule, num_ranks=num_ranks, num_microbatches=m,
+            stages_per_rank=plan.stages_per_rank, plugins=plugins)
+        failure, built = None, plan_fields(schedule, plan)
+    except Exception as exc:  # the others must still learn that this rank failed
+        failure, built = exc, plan_fields(None, None, exc)
+    if num_ranks > 1:  # the same installed plugins plan the same schedule and split
+        check_ranks_agree(group, built, device, "schedules or splits")
+    if failure is not None:
+        raise failure
     if schedule.num_stages != plan.num_stages:
         raise ConfigError(f"the split has {plan.num_stages} stages but schedule "
                           f"{schedule.name!r} runs {schedule.num_stages}; make them agree")
