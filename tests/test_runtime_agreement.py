@@ -74,3 +74,24 @@ def test_ranks_that_agree_build_and_train(pool):
 def test_config_error_names_no_field_that_agrees(pool):
     message = pool.run(build_and_step, "batch")[0][1]
     assert "pp_microbatch_size" not in message and "loss_fn" not in message
+
+
+def build_after(delay_on_rank_1: float):
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(delay_on_rank_1)
+    entered = time.time()
+    torch.manual_seed(0)
+    build_pipeline(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]),
+                   PipelineConfig(pp_batch_size=8, pp_microbatch_size=2, loss_fn=mse))
+    return entered, time.time()
+
+
+def test_no_rank_leaves_build_before_every_rank_has_joined(pool):
+    """A rank that refuses its first step destroys its process group; had it left the build
+    before a peer had even joined the group, that peer's connection could fail or wait."""
+    (_, left_0), (entered_1, _) = pool.run(build_after, 1.0)
+    assert left_0 >= entered_1
