@@ -38,7 +38,7 @@ def loss_failing_on_microbatch_1(output, target):
     return mse(output, target)
 
 
-def build_use_delete(schedule: str, fail: bool) -> list[str]:
+def build_use_delete(schedule: str, fail: bool, **config_kw) -> list[str]:
     """Build, use (or fail a step), delete; the names of the objects still alive."""
     loss_failing_on_microbatch_1.calls = 0
     enabled = gc.isenabled()
@@ -46,7 +46,8 @@ def build_use_delete(schedule: str, fail: bool) -> list[str]:
     gc.disable()
     try:
         config = PipelineConfig(pp_schedule=schedule, pp_batch_size=M, pp_microbatch_size=1,
-                                loss_fn=loss_failing_on_microbatch_1 if fail else mse)
+                                loss_fn=loss_failing_on_microbatch_1 if fail else mse,
+                                **config_kw)
         pipe = build_pipeline(mlp(8), config)
         inputs, target = torch.randn(M, 16), torch.randn(M, 16)
         if fail:
@@ -85,3 +86,8 @@ def test_a_deleted_pipeline_frees_its_model_without_the_collector(pool, schedule
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_pipeline_deleted_after_a_failed_step_frees_its_model(pool, schedule):
     assert pool.run(build_use_delete, schedule, True) == [[]] * NUM_RANKS
+
+
+def test_with_the_receive_buffer_pool_and_static_shapes(pool):
+    assert pool.run(build_use_delete, "interleaved_1f1b", False, pp_recv_buffer_pool=True,
+                    pp_seq_len=16) == [[]] * NUM_RANKS
