@@ -115,6 +115,14 @@ class DistPool:
         started: set[int] = set()
         renew = False
         deadline = time.monotonic() + self.startup_timeout
+
+        def start(rank: int) -> float:  # the deadline once ``rank`` has started (or ended)
+            if rank not in started:
+                started.add(rank)
+                if len(started) == self.world_size:
+                    return time.monotonic() + self.timeout
+            return deadline
+
         while any(o is None for o in outcomes):
             try:
                 rank, outcome, healthy = self._results.get(timeout=0.2)
@@ -125,6 +133,7 @@ class DistPool:
                                                  f"rank {rank} exited with code {proc.exitcode}",
                                                  "")
                         renew = True
+                        deadline = start(rank)
                 if time.monotonic() > deadline:
                     self.close(keep_dir=True)
                     what = (f"finish on every rank within {self.timeout} s (a hang)"
@@ -135,12 +144,9 @@ class DistPool:
                     raise RankError(f"{getattr(fn, '__name__', fn)} did not {what}; the pool was "
                                     f"killed") from None
                 continue
+            deadline = start(rank)
             if outcome is None:  # the rank has started the case (processes and group are up)
-                started.add(rank)
-                if len(started) == self.world_size:
-                    deadline = time.monotonic() + self.timeout
                 continue
-            started.add(rank)
             outcomes[rank] = outcome
             renew = renew or not outcome.ok or not healthy
         if renew:
