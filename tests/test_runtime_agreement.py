@@ -28,6 +28,13 @@ def mse(output, target):
     return ((output - target) ** 2).mean()
 
 
+class MSE:
+    """A loss object: its repr holds its address, which differs between processes."""
+
+    def __call__(self, output, target):
+        return mse(output, target)
+
+
 def build_and_step(differ: str):
     """Build with this rank's settings (one of them differs on rank 1) and take a step."""
     import torch.distributed as dist
@@ -42,6 +49,8 @@ def build_and_step(differ: str):
         settings["pp_batch_size"] = 4
     if other and differ == "loss":
         settings["loss_fn"] = "cross_entropy"
+    if differ == "loss object":
+        settings["loss_fn"] = MSE()
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
     try:
@@ -67,8 +76,9 @@ def test_ranks_that_built_different_pipelines_are_refused_on_every_rank(pool, di
         assert "same pipeline file" in message
 
 
-def test_ranks_that_agree_build_and_train(pool):
-    assert pool.run(build_and_step, "nothing") == [("no error", "")] * NUM_RANKS
+@pytest.mark.parametrize("differ", ["nothing", "loss object"])
+def test_ranks_that_agree_build_and_train(pool, differ):
+    assert pool.run(build_and_step, differ) == [("no error", "")] * NUM_RANKS
 
 
 def test_config_error_names_no_field_that_agrees(pool):

@@ -14,6 +14,7 @@ every rank refuses.
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any, Mapping
 
 import torch
@@ -23,6 +24,7 @@ from pp_core.errors import ConfigError
 __all__ = ["check_ranks_agree", "config_fields", "model_fields", "plan_fields"]
 
 _SHOWN = 120  # characters of a value quoted in the message
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def describe(value: Any) -> str:
@@ -33,7 +35,7 @@ def describe(value: Any) -> str:
         return "[" + ", ".join(describe(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in value.items()) + "}"
-    return repr(value)
+    return _ADDRESS.sub("", repr(value))  # "<Loss object at 0x7f...>": the address differs
 
 
 def config_fields(config) -> dict[str, str]:
