@@ -56,6 +56,10 @@ def _worker(index: int, rounds: int, timeout: float, only, results) -> None:
                     counts[name]["hangs" if hang else "failed"] += 1
                     problems.append({"worker": index, "round": round_index, "test": name,
                                      "hang": hang, "error": traceback.format_exc()[-2000:]})
+            done = sum(sum(c.values()) for c in counts.values())
+            bad = sum(c["failed"] + c["hangs"] for c in counts.values())
+            print(f"worker {index}: round {round_index + 1}/{rounds}, {done} cases, {bad} not "
+                  f"passed", file=sys.stderr, flush=True)
     results.put((index, counts, problems))
 
 

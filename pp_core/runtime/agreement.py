@@ -39,15 +39,16 @@ def describe(value: Any) -> str:
 
 
 def config_fields(config) -> dict[str, str]:
-    """``PipelineConfig`` fields, by name; a CSV schedule also by its contents."""
+    """``PipelineConfig`` fields, by name; a CSV schedule by its contents, not its path (each
+    node may keep its copy elsewhere)."""
     fields = {name: describe(value) for name, value in config.to_dict().items()}
     if config.pp_schedule_csv is not None:
         try:
             with open(config.pp_schedule_csv, "rb") as handle:
                 data = handle.read()
-            fields["schedule CSV contents"] = f"sha256 {hashlib.sha256(data).hexdigest()[:16]}"
+            fields["pp_schedule_csv"] = f"a CSV, sha256 {hashlib.sha256(data).hexdigest()[:16]}"
         except OSError as exc:
-            fields["schedule CSV contents"] = f"unreadable ({type(exc).__name__})"
+            fields["pp_schedule_csv"] = f"an unreadable CSV ({type(exc).__name__})"
     return fields
 
 
@@ -65,14 +66,14 @@ def model_fields(model: torch.nn.Module) -> dict[str, str]:
 
 
 def plan_fields(schedule, plan, failure: BaseException | None = None) -> dict[str, str]:
-    """The schedule (name, placement, every rank's actions) and the split (FQNs per stage);
+    """The schedule (placement, every rank's actions) and the split (FQNs per stage);
     when planning raised, that it failed (the same on every rank that failed alike)."""
     if failure is not None:
         text = f"failed ({type(failure).__name__})"
         return {"schedule": text, "split (module FQNs per stage)": text}
     actions = hashlib.sha256("\n".join(schedule.rows()).encode()).hexdigest()[:12]
-    return {"schedule": f"{schedule.name}, stages on ranks {schedule.stage_ranks}, "
-                        f"actions sha256 {actions}",
+    # not the name: a CSV schedule is named after its file, which each node may name alike
+    return {"schedule": f"stages on ranks {schedule.stage_ranks}, actions sha256 {actions}",
             "split (module FQNs per stage)": describe(plan.fqns_per_stage)}
 
 
