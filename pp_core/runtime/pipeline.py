@@ -34,6 +34,7 @@ from torch import nn
 
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PPCoreError
+from pp_core.runtime.agreement import check_ranks_agree, config_fields, model_fields, plan_fields
 from pp_core.runtime.buffers import make_recv_buffer_allocator
 from pp_core.runtime.comm import P2P, PeerFailure
 from pp_core.runtime.executor import Executor
@@ -183,7 +184,7 @@ class Pipeline:
             self._fail(ConfigError("step() trains, which needs a loss: set PipelineConfig.loss_fn "
                                    "(a callable, 'cross_entropy', or 'module:attr'), or call "
                                    "eval_step() for a forward pass"), before_traffic=True)
-        self._attach_data_parallel()
+        self._sync_parts(train=True)
 
         def run():
             losses, _ = self._run(self._train, inputs, target, need_target=True,
@@ -191,14 +192,18 @@ class Pipeline:
             return torch.stack(losses).float().mean() if self.has_last else None
 
         # plugins' pp_pipeline_step wrappers (e.g. tied-weight gradient sums) run around it
-        return self._plugins.run_step(self, True, run)
+        try:
+            return self._plugins.run_step(self, True, run)
+        except BaseException as exc:
+            _forget_frames(exc)
+            raise
 
     def eval_step(self, inputs=None, target=None, *, stage_kwargs: Optional[dict] = None):
         """Forward only, without gradients. On the last stage's rank returns the mean microbatch
         loss when ``target`` is given (and a loss_fn is set), else the last stage's outputs
         concatenated along dim 0; ``None`` on other ranks."""
         self._check_usable()
-        self._sync_parts()
+        self._sync_parts(train=False)
         if self._eval is None:
             program = lower(forward_only(self.schedule)).rank(self.rank)
             allocator = make_recv_buffer_allocator(self._plugins, self.config, program, self.rank,
@@ -214,27 +219,26 @@ class Pipeline:
                 return None
             return torch.stack(losses).float().mean() if losses else merge_microbatches(outputs)
 
-        return self._plugins.run_step(self, False, run)
+        try:
+            return self._plugins.run_step(self, False, run)
+        except BaseException as exc:
+            _forget_frames(exc)
+            raise
 
     # ------------------------------------------------------------------ internals
-    def _attach_data_parallel(self) -> None:
-        """Find the parts the user wrapped with torch's data parallelism since the last step
-        (``fully_shard`` in place, or a DDP put into ``model_parts``) and let the training
-        executor drive them (:mod:`pp_core.runtime.dp_sync`)."""
+    def _sync_parts(self, train: bool) -> None:
+        """Stages run what ``model_parts`` holds now (a part may have been replaced by its DDP
+        wrapper); a training step drives the parts' torch DP engines (:mod:`~.dp_sync`)."""
         from pp_core.runtime.dp_sync import make_data_parallel
 
-        self._sync_parts()
-        try:
-            self._train.data_parallel = make_data_parallel(self.stages, self.config,
-                                                           self._train.program.actions)
-        except PPCoreError as exc:
-            self._fail(exc, before_traffic=True)
-
-    def _sync_parts(self) -> None:
-        """Stages run what ``model_parts`` holds now (a user may have replaced a part by its
-        DDP wrapper)."""
         for index, part in zip(self.stage_indices, self.model_parts):
             self.stages[index].module = part
+        if train:
+            try:
+                self._train.data_parallel = make_data_parallel(self.stages, self.config,
+                                                               self._train.program.actions)
+            except PPCoreError as exc:
+                self._fail(exc, before_traffic=True)
 
     def _check_usable(self) -> None:
         if self.p2p.broken is not None:
@@ -318,6 +322,24 @@ class Pipeline:
                 f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
 
 
+def _forget_frames(exc: BaseException) -> None:
+    """Clear the variables of the finished frames in the tracebacks of ``exc`` and of its causes.
+
+    Those frames hold the pipeline, its executor and the step's activations, and the exception
+    can be in a reference cycle with one of them (pluggy's hook caller keeps the exception it
+    re-raises in a local variable), which would keep the model alive after ``del pipe`` until
+    the cyclic garbage collector runs. The traceback's text (files, lines) stays as it is.
+    """
+    pending, seen = [exc], set()
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        pending += [exc.__cause__, exc.__context__]
+
+
 def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, device="cpu", *,
                    plugins=None, timeout=None) -> Pipeline:
     """Split ``model`` over the ranks of ``pp_group`` and return this rank's :class:`Pipeline`.
@@ -341,20 +363,31 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
 
         plugins = default_plugins()
     group, rank, num_ranks = resolve_group(pp_group)
+    if num_ranks > 1:  # ranks that disagree would train on wrong gradients, then hang
+        check_ranks_agree(group, {**config_fields(config), **model_fields(model)}, device,
+                          "configurations or models")
     m = config.num_microbatches
-    if config.pp_schedule_csv is not None:
-        csv_schedule = build_schedule(num_ranks=num_ranks, num_microbatches=m,
-                                      csv_path=config.pp_schedule_csv, plugins=plugins)
-        per_rank, variable = csv_schedule.num_stages // num_ranks, False
-    else:
-        csv_schedule = None
-        _, sdef = resolve_schedule_def(config.pp_schedule, plugins)
-        per_rank, variable = sdef.stages_per_rank, sdef.variable_stages_per_rank
-    plan = plan_split(model, config, num_ranks, per_rank, plugins,
-                      variable_stages_per_rank=variable)
-    schedule = csv_schedule or build_schedule(
-        config.pp_schedule, num_ranks=num_ranks, num_microbatches=m,
-        stages_per_rank=plan.stages_per_rank, plugins=plugins)
+    try:
+        if config.pp_schedule_csv is not None:
+            csv_schedule = build_schedule(num_ranks=num_ranks, num_microbatches=m,
+                                          csv_path=config.pp_schedule_csv, plugins=plugins)
+            per_rank, variable = csv_schedule.num_stages // num_ranks, False
+        else:
+            csv_schedule = None
+            _, sdef = resolve_schedule_def(config.pp_schedule, plugins)
+            per_rank, variable = sdef.stages_per_rank, sdef.variable_stages_per_rank
+        plan = plan_split(model, config, num_ranks, per_rank, plugins,
+                          variable_stages_per_rank=variable)
+        schedule = csv_schedule or build_schedule(
+            config.pp_schedule, num_ranks=num_ranks, num_microbatches=m,
+            stages_per_rank=plan.stages_per_rank, plugins=plugins)
+        failure, built = None, plan_fields(schedule, plan)
+    except Exception as exc:  # the others must still learn that this rank failed
+        failure, built = exc, plan_fields(None, None, exc)
+    if num_ranks > 1:  # the same installed plugins plan the same schedule and split
+        check_ranks_agree(group, built, device, "schedules or splits")
+    if failure is not None:
+        raise failure
     if schedule.num_stages != plan.num_stages:
         raise ConfigError(f"the split has {plan.num_stages} stages but schedule "
                           f"{schedule.name!r} runs {schedule.num_stages}; make them agree")
