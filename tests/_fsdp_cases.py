@@ -57,6 +57,11 @@ def wrap_parts(pipe, engine: str, dp_mesh, reshard_after_forward: bool) -> int:
 
     units = 0
     for index, part in enumerate(pipe.model_parts):
+        if engine in ("helper", "replicate"):
+            from pp_core.parallel import apply_data_parallel
+
+            return apply_data_parallel(pipe, dp_mesh, shard=engine == "helper",
+                                       reshard_after_forward=reshard_after_forward)
         if engine == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 

@@ -56,3 +56,16 @@ def test_ddp_with_split_backward_is_refused(pool):
     outcomes = pool.run_outcomes(dp_case, "zero_bubble", "ddp")
     assert all(not o.ok and o.error == "ConfigError" for o in outcomes), outcomes
     assert "replicate() or fully_shard()" in outcomes[0].message
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "dualpipe_v"])
+@pytest.mark.parametrize("engine", ["helper", "replicate"])
+def test_apply_data_parallel(pool, schedule, engine):
+    """The helper: FSDP2 per block then per part, or replication (DDP semantics) through the same
+    driver - split backward included, where DDP itself is refused."""
+    results = pool.run(dp_case, schedule, engine, kind="gpt")
+    check(results)
+    for result in results:
+        counts = result["counts"]
+        if engine == "helper":
+            assert counts["reduce_scatter_single"] == result["units"], result
