@@ -7,6 +7,7 @@ import pytest
 
 from tests._dist import DistPool
 from tests._fsdp_cases import dp_case
+from tests._runtime_cases import SCHEDULES as ALL_SCHEDULES
 
 SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "v_schedule", "dualpipe_v"]
 ATOL = 1e-5
@@ -28,8 +29,12 @@ def check(results, units_expected=None):
     assert len(names) == len([n for r in results[::2] for n in r["names"]])
 
 
-@pytest.mark.parametrize("pool_buffers", [False, True], ids=["plain", "buffer_pool"])
-@pytest.mark.parametrize("schedule", SCHEDULES)
+# every schedule without the receive-buffer pool, the six kinds also with it
+CASES = [(s, False) for s in ALL_SCHEDULES] + [(s, True) for s in SCHEDULES]
+
+
+@pytest.mark.parametrize("schedule,pool_buffers", CASES,
+                         ids=[f"{s}-{'buffer_pool' if p else 'plain'}" for s, p in CASES])
 def test_fsdp_gradients_equal_one_process(pool, schedule, pool_buffers):
     results = pool.run(dp_case, schedule, "fsdp", pool=pool_buffers)
     check(results)
