@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,24 @@ def peak_memory(device: torch.device) -> tuple[int | None, str]:
         return None, ""
 
 
+class StepTotals:
+    """Sums over steps of the seconds in ``Pipeline.step`` and, when actions are timed, of the
+    seconds in compute actions (``busy``) and in send/receive actions (``comm``)."""
+
+    __slots__ = ("steps", "seconds", "timed", "busy", "comm")
+
+    def __init__(self):
+        self.steps, self.seconds, self.timed, self.busy, self.comm = 0, 0.0, False, 0.0, 0.0
+
+    def add(self, seconds: float, busy: float | None, comm: float | None) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        if busy is not None:
+            self.timed = True
+            self.busy += busy
+            self.comm += comm
+
+
 class ActionTimer:
     """Times every action of the pipeline's training program (host clock, ``perf_counter``).
 
@@ -61,12 +79,14 @@ class ActionTimer:
         self._sync = torch.cuda.synchronize if device.type == "cuda" else None
         if not self.enabled:
             return
-        receive = mailbox.receive
+        # the wrappers hold no strong reference to the mailbox or the executor they are stored
+        # in (a cycle would keep the model alive after the pipeline is deleted)
+        receive, owner = type(mailbox).receive, weakref.ref(mailbox)
 
         def timed_receive(message):
             start = time.perf_counter()
             try:
-                return receive(message)
+                return receive(owner(), message)
             finally:
                 self._wait += time.perf_counter() - start
 
@@ -75,10 +95,10 @@ class ActionTimer:
             handlers[kind] = self._wrap(handler)
 
     def _wrap(self, handler):
-        def timed(action):
+        def timed(executor, action):
             self._wait = 0.0
             start = time.perf_counter()
-            handler(action)
+            handler(executor, action)
             if self._sync is not None:
                 self._sync()
             self.records.append((action, start, time.perf_counter(), self._wait))
@@ -102,11 +122,13 @@ class RunRecorder:
         self.step_times: list[float] = []
         self.tokens_per_s: list[float] = []
         self.eval_loss: float | None = None
-        self.events: list[tuple] = []  # (name, category, start, end, step)
-        self.busy: list[float] = []  # per step: seconds of compute actions
-        self.comm: list[float] = []  # per step: seconds in send/receive actions
-        self.pipe_times: list[float] = []  # per step: seconds in Pipeline.step
-        self.kind_times: dict[str, list[float]] = {}
+        self.events: list[tuple] = []  # (name, category, start, end, step), last TRACE_STEPS
+        # Running figures, in space that does not grow with the run (a long run would otherwise
+        # keep every action's time): the step totals of the first step apart (it pays for
+        # warm-up) and of the later ones, and per "<stage><kind>" the sum and count of times.
+        self.first_totals: StepTotals | None = None
+        self.steady_totals = StepTotals()
+        self.kind_times: dict[str, list[float]] = {}  # "<stage><kind>" -> [seconds, count]
         self.clock_offset = time.time() - time.perf_counter()
         self.tokens_per_step = 0
         self.timer = ActionTimer(pipe, ctx.device)
@@ -145,7 +167,7 @@ class RunRecorder:
         loss = pipe.step(inputs, target=target)
         end = time.perf_counter()
         step = len(self.step_times) + 1
-        self.pipe_times.append(end - start)
+        busy = comm = None
         if not self.timer.enabled:
             self.events.append(("step", "step", start, end, step))
         else:
@@ -156,14 +178,18 @@ class RunRecorder:
                     self.events.append((f"wait {action}", "wait", t0, t0 + wait, step))
                 if kind in "FBIW":
                     busy += t1 - t0 - wait
-                    self.kind_times.setdefault(f"{action.stage}{kind}", []).append(
-                        t1 - t0 - wait)
+                    total = self.kind_times.setdefault(f"{action.stage}{kind}", [0.0, 0])
+                    total[0] += t1 - t0 - wait
+                    total[1] += 1
                     self.events.append((str(action), _CATEGORIES[kind], t0 + wait, t1, step))
                 else:
                     comm += t1 - t0
                     self.events.append((str(action), "comm", t0 + wait, t1, step))
-            self.busy.append(busy)
-            self.comm.append(comm)
+        if self.first_totals is None:
+            self.first_totals = StepTotals()
+            self.first_totals.add(end - start, busy, comm)
+        else:
+            self.steady_totals.add(end - start, busy, comm)
         self._trim_events(step)
         return loss
 
@@ -200,19 +226,19 @@ class RunRecorder:
 
     def _rank_figures(self, sync_calls: int) -> dict[str, Any]:
         memory, kind = peak_memory(self.ctx.device)
-        pairs = list(zip(self.busy, self.pipe_times))
-        steady = pairs[1:] or pairs  # the first step pays for warm-up
+        # the first step pays for warm-up: it counts only when it is the only one
+        steady = self.steady_totals if self.steady_totals.steps else self.first_totals
         bubble = comm = None
-        total = sum(t for _, t in steady)
-        if steady and total > 0:
-            bubble = max(0.0, 1.0 - sum(b for b, _ in steady) / total)
-            comm = sum(self.comm[1:] or self.comm) / total
+        if steady is not None and steady.timed and steady.seconds > 0:
+            bubble = max(0.0, 1.0 - steady.busy / steady.seconds)
+            comm = steady.comm / steady.seconds
         return {
             "rank": self.rank, "pp_rank": self.ctx.pp_rank, "dp_rank": self.ctx.dp_rank,
             "stages": list(self.pipe.stage_indices), "bubble_measured": bubble,
             "comm_share": comm,
             "peak_memory": memory, "memory_kind": kind, "grad_sync_calls": sync_calls,
-            "kind_times": {k: statistics.fmean(v) for k, v in self.kind_times.items() if v},
+            "kind_times": {k: seconds / count for k, (seconds, count) in self.kind_times.items()
+                           if count},
             "events": [(n, c, s + self.clock_offset, e + self.clock_offset, st)
                        for n, c, s, e, st in self.events],
         }

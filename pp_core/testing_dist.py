@@ -13,7 +13,10 @@ with ``torch.set_num_threads(1)`` and a default process group over a ``FileStore
 When a case leaves a rank with an error or without its process group (a failing pipeline
 destroys its group on purpose), every rank gets a fresh group before the next case. A case that
 does not finish within ``timeout`` seconds kills the pool (a hang is a test failure, never a
-stuck suite); the next case starts a new one.
+stuck suite); the next case starts a new one. ``timeout`` counts from the moment every rank has
+started the case: starting the processes (importing torch) and the process group is bounded by
+``startup_timeout`` instead - on a loaded machine (``pytest -n 12``, dozens of ranks importing
+torch at once) a cold start alone can take longer than a case may, and was reported as a hang.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def _worker(rank: int, world_size: int, tasks, results) -> None:
                 dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                                         world_size=world_size)
                 generation = gen
+            results.put((rank, None, True))  # started: the case's own timeout runs from here
             value = fn(*args, **kwargs)
             outcome = Outcome(True, value, "", "", "")
         except BaseException as exc:  # report everything, keep serving
@@ -77,9 +81,10 @@ def _worker(rank: int, world_size: int, tasks, results) -> None:
 class DistPool:
     """``world_size`` spawned ranks sharing one gloo process group (renewed after a failure)."""
 
-    def __init__(self, world_size: int, timeout: float = 120.0):
+    def __init__(self, world_size: int, timeout: float = 120.0, startup_timeout: float = 600.0):
         self.world_size = world_size
         self.timeout = timeout
+        self.startup_timeout = startup_timeout
         self._dir = tempfile.mkdtemp(prefix="pp_core_dist_")
         self._generation = 0
         self._procs: list = []
@@ -107,8 +112,17 @@ class DistPool:
         for tasks in self._tasks:
             tasks.put((self._generation, self._store, fn, args, kwargs))
         outcomes: list = [None] * self.world_size
+        started: set[int] = set()
         renew = False
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.startup_timeout
+
+        def start(rank: int) -> float:  # the deadline once ``rank`` has started (or ended)
+            if rank not in started:
+                started.add(rank)
+                if len(started) == self.world_size:
+                    return time.monotonic() + self.timeout
+            return deadline
+
         while any(o is None for o in outcomes):
             try:
                 rank, outcome, healthy = self._results.get(timeout=0.2)
@@ -119,11 +133,19 @@ class DistPool:
                                                  f"rank {rank} exited with code {proc.exitcode}",
                                                  "")
                         renew = True
+                        deadline = start(rank)
                 if time.monotonic() > deadline:
                     self.close(keep_dir=True)
-                    raise RankError(f"{getattr(fn, '__name__', fn)} did not finish on every rank "
-                                    f"within {self.timeout} s (a hang); the pool was killed") \
-                        from None
+                    what = (f"finish on every rank within {self.timeout} s (a hang)"
+                            if len(started) == self.world_size else
+                            f"start on every rank within {self.startup_timeout} s (started on "
+                            f"ranks {sorted(started)}; the others were still starting their "
+                            f"process or process group)")
+                    raise RankError(f"{getattr(fn, '__name__', fn)} did not {what}; the pool was "
+                                    f"killed") from None
+                continue
+            deadline = start(rank)
+            if outcome is None:  # the rank has started the case (processes and group are up)
                 continue
             outcomes[rank] = outcome
             renew = renew or not outcome.ok or not healthy

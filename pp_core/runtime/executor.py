@@ -58,10 +58,14 @@ class Executor:
         self.static_shapes = static_shapes
         self.mailbox = Mailbox(p2p, allocator, device)
         self.shapes_sent = ShapeHistory()  # dynamic shapes: keyed by the receiving stage
-        self.shapes_received = ShapeHistory()
-        self.mailbox.edge_metas = self._edge_metas
-        self.mailbox.header_decoded = self._header_decoded
-        self.mailbox.has_edge_metas = lambda message: message.edge in self.recv_metas
+        # what receivers learn from headers; the mailbox calls into it (not into the executor,
+        # which owns the mailbox: a reference cycle would keep the model alive after del)
+        shapes = _ReceivedShapes(static_shapes)
+        self.shapes_received = shapes.history
+        self.recv_metas: dict[int, list] = shapes.metas  # static shapes: stage -> input metas
+        self.mailbox.edge_metas = shapes.edge_metas
+        self.mailbox.header_decoded = shapes.header_decoded
+        self.mailbox.has_edge_metas = shapes.has_edge_metas
         self.num_microbatches = program.num_microbatches
         self.current = None  # the action being run, for error messages
         actions = program.actions
@@ -78,7 +82,6 @@ class Executor:
             type(allocator).__name__ != "DefaultRecvBufferAllocator"
         self.pending_release: list[tuple[int, int]] = []
         self.consume = getattr(allocator, "consume", None)
-        self.recv_metas: dict[int, list] = {}  # static shapes: stage -> metas of its input
         self.recv_started: set[int] = set()
         self.sent_metas: dict[int, list] = {}
         self.prepost = True  # post receives before their RECV where the backend allows it
@@ -87,9 +90,9 @@ class Executor:
         self.preposted: set = set()
         self.preposted_b: set = set()
         self.trace: Optional[list] = None  # (action, start, end) per action when tracing
-        self.handlers = {F: self._forward, B: self._backward, I: self._backward,
-                         W: self._weight, SEND_F: self._send_f, RECV_F: self._recv_f,
-                         SEND_B: self._send_b, RECV_B: self._recv_b}
+        # plain functions, called as handler(executor, action): bound methods stored on the
+        # executor would make a reference cycle that keeps the model alive after ``del pipe``
+        self.handlers = dict(_HANDLERS)
 
     # ------------------------------------------------------------------ step
     def run(self, mb_inputs: Optional[list], mb_targets: Optional[list],
@@ -126,10 +129,10 @@ class Executor:
             self.current = action
             self.position = position
             if trace is None:
-                handlers[action.kind](action)
+                handlers[action.kind](self, action)
             else:
                 start = clock()
-                handlers[action.kind](action)
+                handlers[action.kind](self, action)
                 trace.append((str(action), start, clock()))
             if mailbox.unflushed and not mailbox.ordered:
                 mailbox.poll()
@@ -346,15 +349,6 @@ class Executor:
         message.microbatch = action.microbatch
         self.messages[key] = self.mailbox.post(message, header)
 
-    def _edge_metas(self, message: Incoming) -> list:
-        return self.recv_metas[message.edge]
-
-    def _header_decoded(self, message: Incoming) -> None:
-        if self.static_shapes:
-            self.recv_metas.setdefault(message.edge, message.metas)
-        else:
-            self.shapes_received.record(message.edge, message.microbatch, message.metas)
-
     def _send_b(self, action) -> None:
         key = action.stage * self.num_microbatches + action.microbatch
         grads = self.grads_back.pop(key)
@@ -384,6 +378,33 @@ class Executor:
         message = Incoming(self.stages[stage_index].next_rank, self._backward_tag(key), metas,
                            lifetime)
         self.messages[-1 - key] = self.mailbox.post(message, False)
+
+
+_HANDLERS = {F: Executor._forward, B: Executor._backward, I: Executor._backward,
+             W: Executor._weight, SEND_F: Executor._send_f, RECV_F: Executor._recv_f,
+             SEND_B: Executor._send_b, RECV_B: Executor._recv_b}
+
+
+class _ReceivedShapes:
+    """Tensor metas the receiving side learned from headers, per edge (the receiving stage):
+    with static shapes the first header's metas, else the :class:`ShapeHistory` of every one."""
+
+    def __init__(self, static_shapes: bool):
+        self.static_shapes = static_shapes
+        self.metas: dict[int, list] = {}
+        self.history = ShapeHistory()
+
+    def edge_metas(self, message: Incoming) -> list:
+        return self.metas[message.edge]
+
+    def has_edge_metas(self, message: Incoming) -> bool:
+        return message.edge in self.metas
+
+    def header_decoded(self, message: Incoming) -> None:
+        if self.static_shapes:
+            self.metas.setdefault(message.edge, message.metas)
+        else:
+            self.history.record(message.edge, message.microbatch, message.metas)
 
 
 def _describe(metas) -> str:

@@ -34,6 +34,7 @@ from torch import nn
 
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PPCoreError
+from pp_core.runtime.agreement import check_ranks_agree, config_fields, model_fields, plan_fields
 from pp_core.runtime.buffers import make_recv_buffer_allocator
 from pp_core.runtime.comm import P2P, PeerFailure
 from pp_core.runtime.executor import Executor
@@ -189,7 +190,11 @@ class Pipeline:
             return torch.stack(losses).float().mean() if self.has_last else None
 
         # plugins' pp_pipeline_step wrappers (e.g. tied-weight gradient sums) run around it
-        return self._plugins.run_step(self, True, run)
+        try:
+            return self._plugins.run_step(self, True, run)
+        except BaseException as exc:
+            _forget_frames(exc)
+            raise
 
     def eval_step(self, inputs=None, target=None, *, stage_kwargs: Optional[dict] = None):
         """Forward only, without gradients. On the last stage's rank returns the mean microbatch
@@ -211,7 +216,11 @@ class Pipeline:
                 return None
             return torch.stack(losses).float().mean() if losses else merge_microbatches(outputs)
 
-        return self._plugins.run_step(self, False, run)
+        try:
+            return self._plugins.run_step(self, False, run)
+        except BaseException as exc:
+            _forget_frames(exc)
+            raise
 
     # ------------------------------------------------------------------ internals
     def _check_usable(self) -> None:
@@ -296,6 +305,24 @@ class Pipeline:
                 f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
 
 
+def _forget_frames(exc: BaseException) -> None:
+    """Clear the variables of the finished frames in the tracebacks of ``exc`` and of its causes.
+
+    Those frames hold the pipeline, its executor and the step's activations, and the exception
+    can be in a reference cycle with one of them (pluggy's hook caller keeps the exception it
+    re-raises in a local variable), which would keep the model alive after ``del pipe`` until
+    the cyclic garbage collector runs. The traceback's text (files, lines) stays as it is.
+    """
+    pending, seen = [exc], set()
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        pending += [exc.__cause__, exc.__context__]
+
+
 def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, device="cpu", *,
                    plugins=None, timeout=None) -> Pipeline:
     """Split ``model`` over the ranks of ``pp_group`` and return this rank's :class:`Pipeline`.
@@ -319,20 +346,31 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
 
         plugins = default_plugins()
     group, rank, num_ranks = resolve_group(pp_group)
+    if num_ranks > 1:  # ranks that disagree would train on wrong gradients, then hang
+        check_ranks_agree(group, {**config_fields(config), **model_fields(model)}, device,
+                          "configurations or models")
     m = config.num_microbatches
-    if config.pp_schedule_csv is not None:
-        csv_schedule = build_schedule(num_ranks=num_ranks, num_microbatches=m,
-                                      csv_path=config.pp_schedule_csv, plugins=plugins)
-        per_rank, variable = csv_schedule.num_stages // num_ranks, False
-    else:
-        csv_schedule = None
-        _, sdef = resolve_schedule_def(config.pp_schedule, plugins)
-        per_rank, variable = sdef.stages_per_rank, sdef.variable_stages_per_rank
-    plan = plan_split(model, config, num_ranks, per_rank, plugins,
-                      variable_stages_per_rank=variable)
-    schedule = csv_schedule or build_schedule(
-        config.pp_schedule, num_ranks=num_ranks, num_microbatches=m,
-        stages_per_rank=plan.stages_per_rank, plugins=plugins)
+    try:
+        if config.pp_schedule_csv is not None:
+            csv_schedule = build_schedule(num_ranks=num_ranks, num_microbatches=m,
+                                          csv_path=config.pp_schedule_csv, plugins=plugins)
+            per_rank, variable = csv_schedule.num_stages // num_ranks, False
+        else:
+            csv_schedule = None
+            _, sdef = resolve_schedule_def(config.pp_schedule, plugins)
+            per_rank, variable = sdef.stages_per_rank, sdef.variable_stages_per_rank
+        plan = plan_split(model, config, num_ranks, per_rank, plugins,
+                          variable_stages_per_rank=variable)
+        schedule = csv_schedule or build_schedule(
+            config.pp_schedule, num_ranks=num_ranks, num_microbatches=m,
+            stages_per_rank=plan.stages_per_rank, plugins=plugins)
+        failure, built = None, plan_fields(schedule, plan)
+    except Exception as exc:  # the others must still learn that this rank failed
+        failure, built = exc, plan_fields(None, None, exc)
+    if num_ranks > 1:  # the same installed plugins plan the same schedule and split
+        check_ranks_agree(group, built, device, "schedules or splits")
+    if failure is not None:
+        raise failure
     if schedule.num_stages != plan.num_stages:
         raise ConfigError(f"the split has {plan.num_stages} stages but schedule "
                           f"{schedule.name!r} runs {schedule.num_stages}; make them agree")

@@ -1,0 +1,61 @@
+"""The run recorder keeps what the summary needs in space that does not grow with the run.
+
+It once kept every action's time of every step (~8 KB per step per rank at 64 microbatches).
+The figures of the summary's per-step series (step, loss, step time, tokens/s) are one entry per
+step by design; everything else the recorder retains must stay the same size from step to step.
+A real single-process pipeline (8 microbatches, 1F1B) runs the steps; items are counted, not
+timed.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from pp_core import PipelineConfig, build_pipeline
+from pp_core.run_outputs import TRACE_STEPS, RunRecorder
+from pp_core.spec import parse_spec
+
+PER_STEP_SERIES = ("steps", "losses", "step_times", "tokens_per_s")
+
+
+def retained_items(recorder: RunRecorder) -> int:
+    """Entries in every container the recorder holds, except the per-step series."""
+    count = len(recorder.timer.records)
+    for name, value in vars(recorder).items():
+        if name in PER_STEP_SERIES:
+            continue
+        if isinstance(value, dict):
+            count += len(value) + sum(len(v) for v in value.values() if hasattr(v, "__len__"))
+        elif isinstance(value, (list, tuple, set)):
+            count += len(value)
+    return count
+
+
+def test_retained_state_does_not_grow_with_steps():
+    spec = parse_spec({"model": {"name": "gpt"}, "data": {"name": "text_bytes"},
+                       "output": {"metrics": None, "trace": None, "schedule_image": None}})
+    ctx = types.SimpleNamespace(rank=0, world_size=1, pp_rank=0, dp_rank=0,
+                                device=torch.device("cpu"))
+    torch.manual_seed(0)
+    config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=8, pp_microbatch_size=1,
+                            loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    pipe = build_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), config)
+    recorder = RunRecorder(spec, ctx, pipe, num_params=40)
+    assert recorder.timer.enabled
+    inputs, target = torch.randn(8, 4), torch.randn(8, 4)
+    counts = {}
+    for step in range(1, TRACE_STEPS + 41):
+        loss = recorder.timed_step(pipe, inputs, target)
+        recorder.record_step(step, float(loss), 0.01, 32, None, 0.1, 0.0)
+        if step in (TRACE_STEPS + 5, TRACE_STEPS + 40):
+            counts[step] = retained_items(recorder)
+    assert counts[TRACE_STEPS + 5] == counts[TRACE_STEPS + 40], counts
+    assert all(len(getattr(recorder, name)) == TRACE_STEPS + 40 for name in PER_STEP_SERIES)
+    figures = recorder._rank_figures(sync_calls=0)
+    assert set(figures["kind_times"]) == {"0F", "0B"}
+    assert all(seconds > 0 for seconds in figures["kind_times"].values())
+    assert 0.0 <= figures["bubble_measured"] <= 1.0 and figures["comm_share"] >= 0.0
+    assert {step for *_, step in figures["events"]} == set(range(41, TRACE_STEPS + 41))
