@@ -56,4 +56,4 @@ print(tuple(model(x).shape), type(found[0]).__module__)
 
 def test_collector_finds_the_shared_initializer_once_for_several_blocks(installed):
     out = run(sys.executable, "-c", COLLECT)
-    assert out.split() == ["(2,", "6,", "4)", "pp_example_plugin"]
+    assert out.split() == ["(2,", "6,", "4)", "pp_example_plugin.model"]
