@@ -153,7 +153,7 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
         if run_checks and not problems:
             from pp_core.preflight_build import check_build
 
-            check_build(spec, model, data_fn, problems, result.notes)
+            check_build(spec, model, data_fn, problems, result.notes, plugins)
     if problems:
         raise SpecError(problems, spec.source)
     return result

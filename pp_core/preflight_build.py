@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from pp_core.errors import PPCoreError, quoted, shorten
 from pp_core.spec import Spec
@@ -65,14 +64,15 @@ def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]
     return model
 
 
-def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str]) -> None:
+def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str],
+                plugins=None) -> None:
     """The datasets, one batch, the optimizer and the resume path, as a rank would build them."""
     if data_fn is not None:
         batch = _check_dataset(spec, data_fn, False, problems)
         if spec.train["eval_every"]:
             _check_dataset(spec, data_fn, True, problems)
         if batch is not None:
-            _check_batch(spec, model, batch, problems, notes)
+            _check_batch(spec, model, batch, problems, notes, plugins)
     _check_optimizer(spec, model, problems)
     _check_resume(spec, problems)
 
@@ -100,7 +100,8 @@ def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str]):
     return batch
 
 
-def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]) -> None:
+def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str],
+                 plugins=None) -> None:
     """Shapes against the global batch and ``pp_seq_len``; one microbatch through the meta model."""
     import torch
 
@@ -130,10 +131,16 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     if model is None:
         return
     from pp_core.losses import resolve_loss
+    from pp_core.runtime.microbatch import num_tokens
 
     meta = [_to_meta(v) for v in micro]
+    initializers = _runtime_initializers(model, plugins, problems)
+    if initializers is None:
+        return
     try:
         with torch.no_grad():
+            for initializer in initializers:  # as the executor does before each microbatch
+                initializer.prepare(num_tokens(meta[0]), torch.device("meta"))
             output = model(*meta[0]) if isinstance(meta[0], tuple) else \
                 model(**meta[0]) if isinstance(meta[0], dict) else model(meta[0])
             if isinstance(output, torch.Tensor):  # (a patched model's output is the split's)
@@ -147,6 +154,18 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     except Exception as exc:  # noqa: BLE001 - the model or loss refuses the data
         problems.append(f"data.args: a microbatch of this data fails in the model or the loss "
                         f"({_why(exc)}); make data.args and model.args agree")
+
+
+def _runtime_initializers(model, plugins, problems: list[str]):
+    """The model's runtime initializers as the executor collects them, or None (a problem)."""
+    from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
+
+    try:
+        return collect_pipeline_runtime_initializers([model], plugins)
+    except (RuntimeError, TypeError) as exc:
+        problems.append(f"model.args: the model's runtime initializers disagree ({_why(exc)}); "
+                        f"give every module that shares a resource_key the same signature")
+        return None
 
 
 def _to_meta(value):

@@ -56,4 +56,13 @@ print(tuple(model(x).shape), type(found[0]).__module__)
 
 def test_collector_finds_the_shared_initializer_once_for_several_blocks(installed):
     out = run(sys.executable, "-c", COLLECT)
-    assert out.split() == ["(2,", "6,", "4)", "pp_example_plugin"]
+    assert out.split() == ["(2,", "6,", "4)", "pp_example_plugin.model"]
+
+
+def test_validate_prepares_the_models_runtime_initializers_before_its_meta_microbatch(installed):
+    """The example's blocks read a position table that only prepare() makes: validate runs one
+    microbatch on the meta device, so it must prepare it first, as the executor does."""
+    out = subprocess.run([PP_CORE, "validate", str(ROOT / "examples" / "plugin_model.yaml")],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "ok" in out.stdout and "not run on the meta device" not in out.stdout, out.stdout

@@ -10,15 +10,25 @@ program ever has live at once (interval colouring of the receive lifetimes, see
 A third party replaces it by implementing the same hook (first non-``None`` wins), e.g. to hand
 out memory registered with a custom transport; disable this one with
 ``PP_CORE_DISABLE_PLUGINS=pp_buffer_pool``.
+
+Loading this entry point does not import torch (``pp-core schedule`` loads every plugin): the
+pool's module loads when a rank asks for an allocator, or on ``from pp_buffer_pool import
+RecvBufferPool``.
 """
 
 from __future__ import annotations
 
 from pp_core import hookimpl
 
-from pp_buffer_pool.pool import RecvBufferPool
-
 __all__ = ["RecvBufferPool", "pp_make_recv_buffer_allocator"]
+
+
+def __getattr__(name):
+    if name == "RecvBufferPool":
+        from pp_buffer_pool.pool import RecvBufferPool
+
+        return RecvBufferPool
+    raise AttributeError(f"module 'pp_buffer_pool' has no attribute {name!r}")
 
 
 @hookimpl
@@ -26,4 +36,6 @@ def pp_make_recv_buffer_allocator(config, program, rank, device):
     """A :class:`RecvBufferPool` for this rank when ``config.pp_recv_buffer_pool`` is true."""
     if not getattr(config, "pp_recv_buffer_pool", False):
         return None
+    from pp_buffer_pool.pool import RecvBufferPool
+
     return RecvBufferPool(program, device, slack=config.pp_recv_buffer_pool_slack)

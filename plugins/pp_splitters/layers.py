@@ -18,8 +18,6 @@ modules, and iterate ``self.layers`` (ModuleList) or ``self.layers.values()`` (M
 
 from __future__ import annotations
 
-from torch import nn
-
 from pp_core import ConfigError, hookimpl
 from pp_core.runtime.split import spread
 
@@ -27,6 +25,8 @@ __all__ = ["LayersSplitter"]
 
 
 def _layers(model):
+    from torch import nn  # here, not at import: loading the plugin must not import torch
+
     layers = getattr(model, "_modules", {}).get("layers")
     return layers if isinstance(layers, (nn.ModuleList, nn.ModuleDict)) else None
 

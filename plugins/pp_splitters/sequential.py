@@ -16,16 +16,20 @@ the child before it returns: one tensor, since ``nn.Sequential`` passes one valu
 from __future__ import annotations
 
 from collections import OrderedDict
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from pp_core import ConfigError, hookimpl
 from pp_core.runtime.split import balanced_partition, spread
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["SequentialSplitter"]
 
 
 def _is_plain_sequential(model) -> bool:
+    from torch import nn  # here, not at import: loading the plugin must not import torch
+
     return isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward
 
 
@@ -89,6 +93,8 @@ class SequentialSplitter:
             from pp_core.runtime.parts import prune_model
 
             return prune_model(model, fqns)
+        from torch import nn
+
         return nn.Sequential(OrderedDict((name, model._modules[name]) for name in fqns))
 
 

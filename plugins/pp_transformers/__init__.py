@@ -5,19 +5,18 @@ models, stage-friendly forwards, tied embeddings across stages) and the ``hf_cau
 YAML pipeline can name. Needs ``pip install "pp-core[transformers]"``; without it this plugin
 still loads (nothing here imports ``transformers`` at import time), its splitter accepts no
 model, and ``hf_causal_lm`` says what to install. See ``docs/transformers.md``.
+
+Nor does it import torch: ``pp-core schedule`` loads every plugin and must stay fast. The hooks
+import this package's modules when they are called, and the names below load on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 
 from pp_core import PluginError, hookimpl
-from pp_transformers.forward import DecoderAdapter
-from pp_transformers.layout import DecoderLayout, find_layout
-from pp_transformers.loading import checkpoint_index, load_part
-from pp_transformers.splitter import HFDecoderSplitter
-from pp_transformers.tied import grad_baseline, sync_tied_gradients, sync_tied_gradients_of
 
 __all__ = [
     "HFDecoderSplitter",
@@ -35,6 +34,16 @@ __all__ = [
 ]
 
 INSTALL = "pip install 'pp-core[transformers]'"
+
+_HOMES = {"HFDecoderSplitter": "splitter", "DecoderAdapter": "forward", "DecoderLayout": "layout",
+          "find_layout": "layout", "load_part": "loading", "checkpoint_index": "loading",
+          "sync_tied_gradients": "tied", "sync_tied_gradients_of": "tied"}
+
+
+def __getattr__(name):
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"pp_transformers.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'pp_transformers' has no attribute {name!r}")
 
 
 def _missing() -> list[str]:
@@ -75,6 +84,8 @@ def causal_lm_loss(logits, labels):
 
 @hookimpl
 def pp_register_splitters(register):
+    from pp_transformers.splitter import HFDecoderSplitter
+
     register("hf_decoder", HFDecoderSplitter())
 
 
@@ -86,6 +97,8 @@ def pp_register_models(register):
 @hookimpl(wrapper=True)
 def pp_pipeline_step(pipeline, training):
     """Sum this step's gradient contributions of tied weights across the stages holding them."""
+    from pp_transformers.tied import grad_baseline, sync_tied_gradients
+
     baseline = grad_baseline(pipeline.model_parts) if training else None
     result = yield
     if baseline:
