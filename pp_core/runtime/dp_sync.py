@@ -35,21 +35,20 @@ from __future__ import annotations
 import contextlib
 import sys
 from typing import Optional
-from torch import nn
 
 from pp_core.errors import ConfigError
 
 __all__ = ["DataParallelDriver", "StageDataParallel", "make_data_parallel"]
 
 
-def _fsdp_modules(part: nn.Module) -> list:
+def _fsdp_modules(part) -> list:
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
     if fsdp is None:
         return []
     return [m for m in part.modules() if isinstance(m, fsdp.FSDPModule)]
 
 
-def _ddp(part: nn.Module):
+def _ddp(part):
     from torch.nn.parallel import DistributedDataParallel
 
     return part if isinstance(part, DistributedDataParallel) else None
