@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from pp_core._torch_compat import fsdp_replicate
 from pp_core.errors import ConfigError
 from pp_core.parallel.blocks import find_blocks
 
@@ -67,7 +68,7 @@ def apply_data_parallel(pipe_or_parts, mesh, shard: bool = True,
             raise ConfigError("apply_data_parallel(shard=False) replicates over a 1-D mesh; for "
                               "replicas of sharded groups pass the 2-D (dp_replicate, dp_shard) "
                               "mesh with shard=True (HSDP)")
-        from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
+        wrap = fsdp_replicate()
     if not isinstance(mixed_precision, MixedPrecisionPolicy):
         mixed_precision = mixed_precision_policy(mixed_precision)
     options = {"mesh": mesh}

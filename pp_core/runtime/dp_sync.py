@@ -27,7 +27,7 @@ So a stage's engines are driven by the step, not by autograd (as torch's own
   parameter group), so DDP with a split-backward schedule is refused: use ``replicate`` or
   ``fully_shard``, which are driven like FSDP2.
 
-The FSDP calls below reach into torch's private FSDP state exactly where torch's pipelining does.
+The calls into torch's private FSDP/DDP state live in :mod:`pp_core._torch_compat`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import contextlib
 import sys
 from typing import Optional
 
+from pp_core._torch_compat import ddp_arm_reducer, fsdp_reduce_and_reshard, fsdp_reset
 from pp_core.errors import ConfigError
 
 __all__ = ["DataParallelDriver", "StageDataParallel", "make_data_parallel"]
@@ -79,41 +80,22 @@ class StageDataParallel:
         for module in self.fsdp:
             module.unshard()  # no-op when unsharded; W never passes FSDP's pre-backward hook
         if last and self.ddp is not None:
-            from torch.nn.parallel.distributed import _find_tensors
-
-            self.ddp.reducer.prepare_for_backward(list(_find_tensors(outputs)))
+            ddp_arm_reducer(self.ddp, outputs)
         yield
         if last and self.fsdp:
             self._reduce_and_reshard()
 
     def _reduce_and_reshard(self) -> None:
         """Reduce the step's accumulated gradients once per FSDP unit, then reshard."""
-        from torch.distributed._composable_state import _get_module_state
-
         for module in self.fsdp:
             module.set_requires_gradient_sync(True, recurse=False)
             module.set_reshard_after_backward(True, recurse=False)
             module.set_is_last_backward(True)
-        states = [_get_module_state(module) for module in self.fsdp]
-        for state in states:
-            for group in reversed(state._fsdp_param_groups):
-                group.post_backward()
-        for state in states:
-            if getattr(state, "_is_root", False):
-                # waits for the reductions and finalizes every state under this root
-                state._root_post_backward_final_callback()
+        fsdp_reduce_and_reshard(self.fsdp)
 
     def abort(self) -> None:
         """After a failed step: drop FSDP's per-iteration state so the parts stay usable."""
-        from torch.distributed._composable_state import _get_module_state
-
-        for module in self.fsdp:
-            state = _get_module_state(module)
-            if getattr(state, "_is_root", False):
-                try:
-                    state._reset_iter_state()
-                except Exception:
-                    pass
+        fsdp_reset(self.fsdp)
 
 
 class DataParallelDriver:
