@@ -23,7 +23,8 @@ import torch
 
 __all__ = ["engine_run_backward", "ACCUMULATE_GRAD", "process_group_store", "set_state_dict_item",
            "dcp_metadata_path", "tcp_stores_listening_on_their_host", "nn_init_skipped",
-           "donated_buffers_on", "donated_buffers_off", "disable_donated_buffers"]
+           "donated_buffers_on", "donated_buffers_off", "disable_donated_buffers",
+           "fsdp_reduce_and_reshard", "fsdp_reset", "ddp_arm_reducer", "fsdp_replicate"]
 
 # -------------------------------------------------------------------------- autograd (backward.py)
 
@@ -174,3 +175,53 @@ def disable_donated_buffers() -> None:
     except ImportError:  # pragma: no cover - a torch without it
         return
     config.donated_buffer = False
+
+
+# ------------------------------------------------------------- data parallelism (runtime/dp_sync.py)
+# A pipeline runs a stage's backwards outside FSDP2's / DDP's autograd hooks, so it finishes
+# their reduction itself, exactly as torch.distributed.pipelining's stage does
+# (``perform_reduce_grad``, ``backward_maybe_with_nosync``). Checked on 2.13.
+
+
+def fsdp_reduce_and_reshard(modules) -> None:
+    """Run every FSDP2 parameter group's post-backward (reduce-scatter or all-reduce of the
+    accumulated gradients, then reshard) of ``modules`` (FSDPModules, sync already switched
+    on), then each root's final callback (waits for the reductions, finalises the states)."""
+    from torch.distributed._composable_state import _get_module_state
+
+    states = [_get_module_state(module) for module in modules]
+    for state in states:
+        for group in reversed(state._fsdp_param_groups):
+            group.post_backward()
+    for state in states:
+        if getattr(state, "_is_root", False):
+            state._root_post_backward_final_callback()
+
+
+def fsdp_reset(modules) -> None:
+    """After a failed step: drop FSDP2's per-iteration state of the roots among ``modules``."""
+    from torch.distributed._composable_state import _get_module_state
+
+    for module in modules:
+        state = _get_module_state(module)
+        if getattr(state, "_is_root", False):
+            try:
+                state._reset_iter_state()
+            except Exception:
+                pass
+
+
+def ddp_arm_reducer(ddp, outputs) -> None:
+    """Make DDP's reducer all-reduce during the next backward, whose forwards ran under
+    ``no_sync`` (torch's pipelining stage does the same for its last backward)."""
+    from torch.nn.parallel.distributed import _find_tensors
+
+    ddp.reducer.prepare_for_backward(list(_find_tensors(outputs)))
+
+
+def fsdp_replicate():
+    """torch's FSDP2-based ``replicate`` (DDP semantics; an FSDPModule, so split backward works);
+    it lives in ``torch.distributed._composable`` on 2.13."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate

@@ -2,6 +2,7 @@
 resolves on the installed torch (no silent fallback), and no other module uses a private one."""
 
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -50,3 +51,21 @@ def test_nn_init_is_skipped_inside_and_restored_after():
     assert torch.nn.init.normal_ is normal
     torch.nn.init.normal_(weight)
     assert weight.any()
+
+
+def test_the_data_parallel_shims_resolve_on_this_torch():
+    """What runtime/dp_sync.py and parallel/data_parallel.py reach for exists on this torch
+    (the multi-rank behaviour is tests/test_fsdp_pipeline.py)."""
+    from torch.distributed._composable_state import _get_module_state
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    from torch.nn.parallel.distributed import _find_tensors
+
+    assert callable(_get_module_state) and callable(_find_tensors)
+    assert callable(FSDPParamGroup.post_backward)
+    assert callable(FSDPState._root_post_backward_final_callback)
+    assert callable(FSDPState._reset_iter_state)
+    replicate = compat.fsdp_replicate()
+    assert callable(replicate)
+    assert issubclass(sys.modules[replicate.__module__].ReplicateModule, FSDPModule)

@@ -1,12 +1,14 @@
 """Composition with torch's engines, applied per block of this rank's model parts, in place.
 
 Order that composes: :func:`apply_activation_checkpointing`, then :func:`apply_compile`, then
-FSDP (not yet). Parameter names (FQNs) never change, so checkpoints and tied weights still match.
+FSDP2 / HSDP / replication (:func:`apply_data_parallel`). Parameter names (FQNs) never change, so checkpoints and tied weights still match.
 The YAML keys ``train.activation_checkpointing`` and ``train.compile`` call these same helpers.
 """
 
 from pp_core.parallel.activation import apply_activation_checkpointing, checkpoint_block
 from pp_core.parallel.blocks import find_blocks
 from pp_core.parallel.compile import apply_compile
+from pp_core.parallel.data_parallel import apply_data_parallel
 
-__all__ = ["apply_activation_checkpointing", "apply_compile", "checkpoint_block", "find_blocks"]
+__all__ = ["apply_activation_checkpointing", "apply_compile", "apply_data_parallel",
+           "checkpoint_block", "find_blocks"]

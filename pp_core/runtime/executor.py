@@ -26,6 +26,7 @@ import torch
 from pp_core.errors import PipelineError
 from pp_core.runtime.backward import backward_full, backward_input, backward_weight
 from pp_core.runtime.comm import Incoming, Mailbox, P2P
+from pp_core.runtime.dp_sync import DataParallelDriver
 from pp_core.runtime.wire import (TAG_BACKWARD, TAG_FIXUP, TAG_FORWARD, TAG_PACKED, ShapeHistory,
                                   TensorMeta, encode_header, pack, same_buffers)
 from pp_core.runtime.microbatch import num_tokens
@@ -90,6 +91,7 @@ class Executor:
         self.preposted: set = set()
         self.preposted_b: set = set()
         self.trace: Optional[list] = None  # (action, start, end) per action when tracing
+        self.data_parallel = DataParallelDriver()  # torch DP engines of the stages (dp_sync)
         # plain functions, called as handler(executor, action): bound methods stored on the
         # executor would make a reference cycle that keeps the model alive after ``del pipe``
         self.handlers = dict(_HANDLERS)
@@ -122,6 +124,7 @@ class Executor:
         self.prepost_b = early and self.prepost_backward
         if early:
             self._prepost_forward()
+        self.data_parallel.begin_step()
         release_at = self.release_at
         trace = self.trace
         clock = time.perf_counter
@@ -198,6 +201,7 @@ class Executor:
                 getattr(self, name).clear()
         self.mailbox.clear()
         self.pending_release = []
+        self.data_parallel.abort()
         reset = getattr(self.allocator, "reset", None)
         if reset is not None:
             try:
@@ -229,7 +233,7 @@ class Executor:
             count = num_tokens(self.mb_inputs[mb] if self.mb_inputs is not None else args)
             for initializer in self.initializers:
                 initializer.prepare(count, self.device)
-        with torch.set_grad_enabled(train):
+        with torch.set_grad_enabled(train), self.data_parallel.forward(stage_index, train):
             output = stage(args, self.mb_kwargs[mb] if self.mb_kwargs is not None else None)
             if stage.is_last:
                 self._finish(stage_index, mb, key, output)
@@ -283,16 +287,18 @@ class Executor:
         grads = self._grads_for(stage, key)
         outputs = self.outputs.pop(key)
         inputs = self.inputs.pop(key)
-        if kind is B:
-            input_grads = backward_full(outputs, grads, inputs)
-        else:
-            input_grads, self.weight[key] = backward_input(outputs, grads, inputs)
+        with self.data_parallel.backward(stage_index, self.position, outputs):
+            if kind is B:
+                input_grads = backward_full(outputs, grads, inputs)
+            else:
+                input_grads, self.weight[key] = backward_input(outputs, grads, inputs)
         if not stage.is_first:
             self.grads_back[key] = input_grads
 
     def _weight(self, action) -> None:
         key = action.stage * self.num_microbatches + action.microbatch
-        backward_weight(self.weight.pop(key))
+        with self.data_parallel.backward(action.stage, self.position):
+            backward_weight(self.weight.pop(key))
 
     # ------------------------------------------------------------------ communication
     def _send_f(self, action) -> None:

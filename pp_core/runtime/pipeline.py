@@ -184,6 +184,8 @@ class Pipeline:
             self._fail(ConfigError("step() trains, which needs a loss: set PipelineConfig.loss_fn "
                                    "(a callable, 'cross_entropy', or 'module:attr'), or call "
                                    "eval_step() for a forward pass"), before_traffic=True)
+        self._sync_parts(train=True)
+
         def run():
             losses, _ = self._run(self._train, inputs, target, need_target=True,
                                   stage_kwargs=stage_kwargs)
@@ -201,6 +203,7 @@ class Pipeline:
         loss when ``target`` is given (and a loss_fn is set), else the last stage's outputs
         concatenated along dim 0; ``None`` on other ranks."""
         self._check_usable()
+        self._sync_parts(train=False)
         if self._eval is None:
             program = lower(forward_only(self.schedule)).rank(self.rank)
             allocator = make_recv_buffer_allocator(self._plugins, self.config, program, self.rank,
@@ -223,6 +226,20 @@ class Pipeline:
             raise
 
     # ------------------------------------------------------------------ internals
+    def _sync_parts(self, train: bool) -> None:
+        """Stages run what ``model_parts`` holds now (a part may have been replaced by its DDP
+        wrapper); a training step drives the parts' torch DP engines (:mod:`~.dp_sync`)."""
+        from pp_core.runtime.dp_sync import make_data_parallel
+
+        for index, part in zip(self.stage_indices, self.model_parts):
+            self.stages[index].module = part
+        if train:
+            try:
+                self._train.data_parallel = make_data_parallel(self.stages, self.config,
+                                                               self._train.program.actions)
+            except PPCoreError as exc:
+                self._fail(exc, before_traffic=True)
+
     def _check_usable(self) -> None:
         if self.p2p.broken is not None:
             raise PipelineError(f"this pipeline stopped after a failure ({self.p2p.broken}); "

@@ -1,0 +1,124 @@
+"""What the pp x dp tests run on every rank: a pipeline over ``mesh["pp"]`` whose parts the user
+wrapped with torch's FSDP2 (``fully_shard``) or DDP over the mesh's dp dimension, one step per dp
+rank on its half of the global batch, compared with the unsplit model on one process over the
+whole global batch. Module-level functions, picklable results: they run in DistPool workers.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from pp_core import PipelineConfig, build_pipeline
+from pp_core.losses import resolve_loss
+from tests._runtime_cases import batch, gpt, mlp, mse, reference
+
+_MESH: dict = {}
+
+
+def mesh_2x2():
+    """The (pp, dp_shard) mesh of the 4 ranks, made once per process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = id(dist.group.WORLD)
+    if key not in _MESH:
+        _MESH.clear()
+        _MESH[key] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+    return _MESH[key]
+
+
+class CollectiveCounter:
+    """Counts FSDP2's all-gathers and reduce-scatters (``dist.*_single``) while active."""
+
+    names = ("all_gather_single", "reduce_scatter_single")
+
+    def __enter__(self):
+        self.counts = dict.fromkeys(self.names, 0)
+        self.saved = {name: getattr(dist, name) for name in self.names}
+        for name, fn in self.saved.items():
+            def counted(*args, _name=name, _fn=fn, **kwargs):
+                self.counts[_name] += 1
+                return _fn(*args, **kwargs)
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def wrap_parts(pipe, engine: str, dp_mesh, reshard_after_forward: bool) -> int:
+    """Wrap this rank's parts as a torchtitan user would; returns the FSDP units with params."""
+    from torch.distributed.fsdp import fully_shard
+
+    from pp_core.parallel import find_blocks
+
+    units = 0
+    for index, part in enumerate(pipe.model_parts):
+        if engine in ("helper", "replicate"):
+            from pp_core.parallel import apply_data_parallel
+
+            return apply_data_parallel(pipe, dp_mesh, shard=engine == "helper",
+                                       reshard_after_forward=reshard_after_forward)
+        if engine == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            pipe.model_parts[index] = DistributedDataParallel(part,
+                                                              process_group=dp_mesh.get_group())
+            continue
+        for _, block in find_blocks(part):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+            units += 1
+        blocks = {id(p) for _, b in find_blocks(part) for p in b.parameters()}
+        units += any(id(p) not in blocks for p in part.parameters())
+        fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    return units
+
+
+def dp_case(schedule: str, engine: str = "fsdp", kind: str = "mlp", pool: bool = False,
+            num_microbatches: int = 4, reshard_after_forward: bool = False,
+            steps: int = 2) -> dict:
+    """``steps`` steps of pp2 x dp2; the last step's loss and full gradients vs one process."""
+    mesh = mesh_2x2()
+    dp_mesh = mesh["dp_shard"]
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    model = mlp(8) if kind == "mlp" else gpt(8)
+    ref_model = copy.deepcopy(model)
+    loss_name = mse if kind == "mlp" else "cross_entropy"
+    local = 2 * num_microbatches
+    config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local, pp_microbatch_size=2,
+                            loss_fn=loss_name, scale_grads_in_schedule=True,
+                            pp_recv_buffer_pool=pool, pp_seq_len=8 if pool else None,
+                            patch_stage_backward_maybe_with_nosync=True)
+    pipe = build_pipeline(model, config, pp_group=mesh["pp"])
+    units = wrap_parts(pipe, engine, dp_mesh, reshard_after_forward)
+    loss_fn = resolve_loss(loss_name)
+    for step in range(steps):
+        for part in pipe.model_parts:
+            part.zero_grad(set_to_none=True)
+        ref_model.zero_grad(set_to_none=True)
+        inputs, target = batch(kind, dp_size * local, seed=step + 1)
+        mine = slice(dp_rank * local, (dp_rank + 1) * local)
+        with CollectiveCounter() as counter:
+            loss = pipe.step(inputs[mine], target=target[mine])
+        ref_loss = reference(ref_model, loss_fn, inputs, target, dp_size * num_microbatches,
+                             scale=True)
+    loss_err = None
+    if loss is not None:
+        dist.all_reduce(loss, group=dp_mesh.get_group())
+        loss_err = abs(loss.item() / dp_size - ref_loss)
+    ref = dict(ref_model.named_parameters())
+    grad_err, names = 0.0, []
+    for part in pipe.model_parts:
+        for name, param in part.named_parameters():
+            name = name.removeprefix("module.")
+            grad = param.grad
+            if hasattr(grad, "full_tensor"):
+                grad = grad.full_tensor()
+            want = ref[name].grad
+            grad_err = max(grad_err, (grad - want).abs().max().item())
+            names.append(name)
+    return {"loss_err": loss_err, "grad_err": grad_err, "names": names, "units": units,
+            "counts": counter.counts}
