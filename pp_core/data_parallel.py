@@ -1,79 +1,33 @@
-"""Gradients across data-parallel replicas of a pipeline: one all-reduce per step, and clipping.
+"""Gradients of a pipeline's parts after a step: their final scaling, tied copies, clipping.
 
-Each dp rank runs the whole pipeline on its slice of the global batch; after ``Pipeline.step``
-its parameters' ``.grad`` hold the gradient of the *sum* of its microbatch losses (of their mean
-with ``scale_grads_in_schedule``). :class:`GradientSync` turns that into the gradient of the mean
-loss over every microbatch of the global batch, which is exactly what one process computing the
-global batch with gradient accumulation would get:
-
-    grad = all_reduce_sum(local grad) / (dp_size * (num_microbatches, or 1 if already scaled))
-
-It reduces once per step, not once per microbatch — what ``patch_stage_backward_maybe_with_nosync``
-buys torch's DDP/FSDP stages — in DDP's way: gradients flattened into ~25 MiB buckets per dtype,
-one ``torch.distributed.all_reduce`` per bucket on the dp process group.
+Data parallelism itself is torch's (FSDP2 / HSDP / ``replicate``, applied with
+:func:`pp_core.parallel.apply_data_parallel`; ``Pipeline.step`` makes each engine reduce once per
+step, averaging over the dp ranks). What is left for the training loop: scaling the sum of
+microbatch gradients to their mean when the schedule did not, and the global gradient norm over
+every stage and shard, with DTensor gradients.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradientSync", "clip_grad_norm", "tied_copies"]
-
-BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
+__all__ = ["finish_gradients", "clip_grad_norm", "tied_copies"]
 
 
-class GradientSync:
-    """Average gradients over the dp group once per step (and apply the microbatch scaling)."""
-
-    def __init__(self, parts: Iterable[nn.Module], dp_group, dp_size: int, num_microbatches: int,
-                 grads_already_scaled: bool, bucket_bytes: int = BUCKET_BYTES):
-        self.params = [p for part in parts for p in part.parameters() if p.requires_grad]
-        self.group, self.dp_size = dp_group, dp_size
-        self.factor = 1.0 / (dp_size * (1 if grads_already_scaled else num_microbatches))
-        self.buckets = self._buckets(bucket_bytes)
-        self.calls = 0  # all-reduces issued so far (tests check: buckets per step)
-
-    def _buckets(self, bucket_bytes: int) -> list[list[nn.Parameter]]:
-        buckets: list[list[nn.Parameter]] = []
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for param in self.params:
-            by_dtype.setdefault(param.dtype, []).append(param)
-        for group in by_dtype.values():
-            current, size = [], 0
-            for param in group:
-                nbytes = param.numel() * param.element_size()
-                if current and size + nbytes > bucket_bytes:
-                    buckets.append(current)
-                    current, size = [], 0
-                current.append(param)
-                size += nbytes
-            if current:
-                buckets.append(current)
-        return buckets
-
-    def __call__(self) -> None:
-        """Scale, then (when dp_size > 1) all-reduce every bucket; a missing grad counts as zero."""
-        for param in self.params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        if self.dp_size == 1:
-            for param in self.params:
-                param.grad.mul_(self.factor)
-            return
-        for bucket in self.buckets:
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket]).mul_(self.factor)
-            dist.all_reduce(flat, group=self.group)
-            self.calls += 1
-            offset = 0
-            for param in bucket:
-                count = param.numel()
-                param.grad.copy_(flat[offset: offset + count].view_as(param.grad))
-                offset += count
+def finish_gradients(params: list[nn.Parameter], num_microbatches: int) -> None:
+    """Divide by ``num_microbatches`` (1 when the schedule scaled already); a parameter that got
+    no gradient gets zeros, so the optimizer steps every parameter alike on every rank."""
+    for param in params:
+        if not param.requires_grad:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        elif num_microbatches != 1:
+            param.grad.div_(num_microbatches)
 
 
 def tied_copies(model_parts, stage_indices) -> set[int]:
@@ -96,21 +50,48 @@ def tied_copies(model_parts, stage_indices) -> set[int]:
     return extra
 
 
+def _squared_norm(params: list[nn.Parameter], skip: set[int], device) -> torch.Tensor:
+    """Sum of squared gradient entries on this pp rank, whole over every dp shard.
+
+    A DTensor gradient sharded over some mesh dims (FSDP2) holds a slice: the local squares are
+    summed, then all-reduced over those dims (one collective per mesh and dims, not per tensor).
+    A replicated one (``replicate``, HSDP's replicate dim) counts its local copy once.
+    """
+    from torch.distributed.tensor import DTensor
+
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    sharded: dict[tuple, torch.Tensor] = {}
+    for param in params:
+        grad = param.grad
+        if grad is None or id(param) in skip:
+            continue
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        square = local.detach().double().pow(2).sum()
+        dims = tuple(i for i, place in enumerate(grad.placements) if place.is_shard()) \
+            if isinstance(grad, DTensor) else ()
+        if dims:
+            key = (grad.device_mesh, dims)
+            sharded[key] = sharded.get(key, 0) + square
+        else:
+            total += square
+    for (mesh, dims), square in sharded.items():
+        for dim in dims:
+            dist.all_reduce(square, group=mesh.get_group(dim))
+        total += square
+    return total
+
+
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None, pp_group,
                    skip: set[int] = frozenset()) -> float:
-    """The global gradient norm over every pipeline stage; clips to ``max_norm`` when given.
+    """The global gradient norm over every pipeline stage and dp shard; clips to ``max_norm``.
 
     Each pipeline rank holds different parameters, so squared norms are summed over the pp group
-    (after the dp all-reduce every dp replica holds the same gradients). Parameters whose ``id``
-    is in ``skip`` (extra copies of tied weights, see :func:`tied_copies`) are clipped but not
-    counted.
+    (every dp replica holds the same reduced gradients). Parameters whose ``id`` is in ``skip``
+    (extra copies of tied weights, see :func:`tied_copies`) are clipped but not counted.
     """
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
-    squares = torch.zeros((), dtype=torch.float64, device=device)
-    for param in params:
-        if param.grad is not None and id(param) not in skip:
-            squares += param.grad.detach().double().pow(2).sum()
+    squares = _squared_norm(params, skip, device)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(squares, group=pp_group)
     norm = math.sqrt(float(squares))

@@ -224,7 +224,7 @@ class RunRecorder:
 
     # ------------------------------------------------------------------ end of run
 
-    def _rank_figures(self, sync_calls: int) -> dict[str, Any]:
+    def _rank_figures(self, dp_units: int) -> dict[str, Any]:
         memory, kind = peak_memory(self.ctx.device)
         # the first step pays for warm-up: it counts only when it is the only one
         steady = self.steady_totals if self.steady_totals.steps else self.first_totals
@@ -236,24 +236,24 @@ class RunRecorder:
             "rank": self.rank, "pp_rank": self.ctx.pp_rank, "dp_rank": self.ctx.dp_rank,
             "stages": list(self.pipe.stage_indices), "bubble_measured": bubble,
             "comm_share": comm,
-            "peak_memory": memory, "memory_kind": kind, "grad_sync_calls": sync_calls,
+            "peak_memory": memory, "memory_kind": kind, "dp_units": dp_units,
             "kind_times": {k: seconds / count for k, (seconds, count) in self.kind_times.items()
                            if count},
             "events": [(n, c, s + self.clock_offset, e + self.clock_offset, st)
                        for n, c, s, e, st in self.events],
         }
 
-    def finish(self, start_step: int, wall_s: float, sync_calls: int) -> dict[str, Any]:
+    def finish(self, start_step: int, wall_s: float, dp_units: int) -> dict[str, Any]:
         """Gather every rank's figures on rank 0, write trace/image/summary; rank 0 returns it."""
         if self.metrics:
             self.metrics.close()
-        mine = self._rank_figures(sync_calls)
+        mine = self._rank_figures(dp_units)
         gathered = [None] * self.ctx.world_size if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if self.rank != 0:
-            return {"rank": self.rank, "grad_sync_calls": sync_calls, "stages": mine["stages"]}
+            return {"rank": self.rank, "dp_units": dp_units, "stages": mine["stages"]}
         summary = self._summarise(gathered, start_step, wall_s)
-        summary["grad_sync_calls"] = sync_calls
+        summary["dp_units"] = dp_units
         return summary
 
     def _summarise(self, ranks: list[dict], start_step: int, wall_s: float) -> dict[str, Any]:

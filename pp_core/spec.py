@@ -200,6 +200,7 @@ def _check_combinations(values: dict, problems: list[str], checkpoints_off: bool
             if value:
                 problems.append(f"checkpoint.{name}: needs checkpoint.dir, found "
                                 f"checkpoint.dir unset; add checkpoint.dir: <path>")
+    _fold_dp_size(dist, problems)
     world = dist["pp_size"] * dist["dp_size"]
     nproc = dist["nproc_per_node"]
     if nproc is None and world % dist["nnodes"]:
@@ -220,6 +221,27 @@ def _check_combinations(values: dict, problems: list[str], checkpoints_off: bool
     if not any(p.startswith("pipeline.") for p in problems):  # defaults in for bad keys mislead
         _check_pipeline(values["pipeline"], problems)
     _check_optimizer(values["train"]["optimizer"], problems)
+
+
+def _fold_dp_size(dist: dict, problems: list[str]) -> None:
+    """``dp_size`` is the whole data-parallel degree ``dp_replicate * dp_shard``.
+
+    Written alone (files from before ``dp_replicate``/``dp_shard``) it means replicas of the
+    pipeline, as it always did. Everything that counts ranks or samples (world size, global
+    batch, launch) reads ``dp_size``.
+    """
+    product = dist["dp_replicate"] * dist["dp_shard"]
+    if dist["dp_size"] != 1 and product == 1:
+        dist["dp_replicate"] = product = dist["dp_size"]
+    elif dist["dp_size"] not in (1, product):
+        problems.append(f"distributed.dp_size: expected dp_replicate * dp_shard = "
+                        f"{dist['dp_replicate']} * {dist['dp_shard']} = {product}, found "
+                        f"{dist['dp_size']}; drop dp_size (it is the older name of dp_replicate)")
+    dist["dp_size"] = product
+    if dist["mixed_precision"] and product == 1:
+        problems.append("distributed.mixed_precision: applies to the data-parallel engines, "
+                        "found dp_replicate = dp_shard = 1; set dp_shard or dp_replicate > 1, or "
+                        "drop mixed_precision")
 
 
 MAX_MICROBATCHES = 16_384

@@ -173,6 +173,21 @@ def _compile(value):
     return {"enabled": True, **value}
 
 
+def _mixed_precision(value):
+    """``{param_dtype, reduce_dtype}``: floating-point torch dtype names."""
+    from pp_core.errors import ConfigError
+    from pp_core.parallel.data_parallel import mixed_precision_policy
+
+    expected = "a mapping {param_dtype, reduce_dtype} of float32, bfloat16 or float16"
+    if not isinstance(value, dict) or not value or set(value) - {"param_dtype", "reduce_dtype"}:
+        raise Mismatch(expected)
+    try:
+        mixed_precision_policy(value)
+    except ConfigError:
+        raise Mismatch(expected) from None
+    return dict(value)
+
+
 @dataclass(frozen=True)
 class Key:
     """One key of the schema: its checker, its default, and one line of documentation."""
@@ -223,13 +238,20 @@ SCHEMA: dict[str, list[Key]] = {
     "pipeline": _pipeline_keys(),
     "distributed": [
         Key("pp_size", _int(1), 2, "pipeline ranks (stages are spread over them)"),
-        Key("dp_size", _int(1), 1, "data-parallel replicas of the whole pipeline"),
+        Key("dp_shard", _int(1), 1, "FSDP2 degree: each pipeline stage's parameters, gradients "
+            "and optimizer state are sharded over this many ranks"),
+        Key("dp_replicate", _int(1), 1, "replicas of the whole pipeline (DDP semantics; HSDP "
+            "together with dp_shard)"),
+        Key("dp_size", _int(1), 1, "dp_replicate * dp_shard; written alone (older files) it "
+            "means dp_replicate"),
+        Key("mixed_precision", _optional(_mixed_precision), None, "{param_dtype, reduce_dtype} "
+            "of the dp engines (FSDP2's MixedPrecisionPolicy), e.g. bfloat16 / float32"),
         Key("backend", _choice("auto", "gloo", "nccl"), "auto", "auto: nccl on CUDA, else gloo"),
         Key("device", _choice("auto", "cpu", "cuda"), "auto",
             "auto: cuda when every rank on the machine gets a GPU of its own, else cpu"),
         Key("nnodes", _int(1), 1, "machines taking part; each runs the same command"),
         Key("nproc_per_node", _optional(_int(1)), None, "ranks per machine; default "
-            "pp_size * dp_size / nnodes"),
+            "pp_size * dp_replicate * dp_shard / nnodes"),
         Key("node_rank", _optional(_int(0)), None, "this machine's index (static rendezvous)"),
         Key("master_addr", _address, "127.0.0.1", "address of the rendezvous host; loopback unless "
             "you name another"),

@@ -1,11 +1,13 @@
 """The training loop every rank of ``pp-core run`` executes.
 
-One rank's life: join the process group, lay the ranks out as a 2-D device mesh ``(dp, pp)``,
+One rank's life: join the process group, lay the ranks out as a 3-D device mesh
+``(pp, dp_replicate, dp_shard)``,
 build the whole model with the run's seed (so every rank starts from the same weights, whatever
 the layout), cut out this rank's stages with :func:`pp_core.build_pipeline` over the mesh's pp
-group, then for each step: take this dp rank's slice of the global batch, run the pipeline step,
-average gradients over dp once (:class:`~pp_core.data_parallel.GradientSync`), clip, step the
-optimizers, and report. Checkpoints, evaluation, metrics, the trace and the summary hang off the
+group, hand the parts to torch's data parallelism (FSDP2 / HSDP / ``replicate``, through
+:func:`pp_core.parallel.apply_data_parallel`; ``Pipeline.step`` reduces their gradients once per
+step), then for each step: take this dp rank's slice of the global batch, run the pipeline step,
+clip, step the optimizers, and report. Checkpoints, evaluation, metrics, the trace and the summary hang off the
 loop; the first rank draws the progress line.
 
 The numbers are those of one process training the unsplit model on the global batch with
@@ -104,14 +106,27 @@ class RankContext:
             dist.init_process_group(backend, timeout=timedelta(seconds=spec.distributed["timeout_s"]))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         pp, dp = spec.distributed["pp_size"], spec.distributed["dp_size"]
+        replicate, shard = spec.distributed["dp_replicate"], spec.distributed["dp_shard"]
         if self.world_size != pp * dp:
-            raise PipelineError(f"{self.world_size} ranks joined, but pp_size * dp_size = "
-                                f"{pp} * {dp} = {pp * dp}")
-        self.mesh = init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))
-        self.pp_mesh, self.dp_mesh = self.mesh["pp"], self.mesh["dp"]
-        self.pp_group, self.dp_group = self.pp_mesh.get_group(), self.dp_mesh.get_group()
-        self.pp_rank, self.dp_rank = self.pp_mesh.get_local_rank(), self.dp_mesh.get_local_rank()
+            raise PipelineError(f"{self.world_size} ranks joined, but pp_size * dp_replicate * "
+                                f"dp_shard = {pp} * {replicate} * {shard} = {pp * dp}")
+        # pp outermost (as torchtitan): a dp group's ranks are neighbours, on one node if possible
+        self.mesh = init_device_mesh(device_type, (pp, replicate, shard),
+                                     mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+        self.pp_mesh, self.dp_mesh = self.mesh["pp"], self.mesh["dp_replicate", "dp_shard"]
+        self.pp_group = self.pp_mesh.get_group()
+        self.pp_rank = self.pp_mesh.get_local_rank()
+        self.dp_rank = (self.mesh["dp_replicate"].get_local_rank() * shard
+                        + self.mesh["dp_shard"].get_local_rank())
         self.pp_size, self.dp_size = pp, dp
+
+    def data_parallel_mesh(self):
+        """The sub-mesh torch's dp engines run on: ``dp_shard`` (FSDP2), ``dp_replicate``
+        (replicas only) or both (HSDP)."""
+        replicate, shard = self.mesh["dp_replicate"].size(), self.mesh["dp_shard"].size()
+        if replicate > 1 and shard > 1:
+            return self.dp_mesh
+        return self.mesh["dp_shard" if shard > 1 else "dp_replicate"]
 
 
 def _build(spec: Spec, ctx: RankContext):
@@ -130,11 +145,18 @@ def _build(spec: Spec, ctx: RankContext):
                           timeout=timeout)
     del model
     apply_parallelisms(pipe.model_parts, checkpointing, spec.train["compile"])
+    dp_units = 0
+    if ctx.dp_size > 1:  # last, after AC and compile, as torchtitan does
+        from pp_core.parallel import apply_data_parallel
+
+        dp_units = apply_data_parallel(pipe.model_parts, ctx.data_parallel_mesh(),
+                                       shard=spec.distributed["dp_shard"] > 1,
+                                       mixed_precision=spec.distributed["mixed_precision"])
     options = dict(spec.train["optimizer"])
     cls = getattr(torch.optim, options.pop("name"))
     optimizers = [cls(list(part.parameters()), **options) if any(True for _ in part.parameters())
                   else None for part in pipe.model_parts]
-    return pipe, optimizers, num_params
+    return pipe, optimizers, num_params, dp_units
 
 
 def activation_checkpointing_of(spec: Spec, model) -> dict:
@@ -157,7 +179,7 @@ def activation_checkpointing_of(spec: Spec, model) -> dict:
 
 
 def apply_parallelisms(parts, checkpointing: dict, compile_options: dict) -> None:
-    """AC, then compile, on this rank's parts (:mod:`pp_core.parallel`; FSDP would come last)."""
+    """AC, then compile, on this rank's parts (:mod:`pp_core.parallel`; dp comes after)."""
     from pp_core.parallel import apply_activation_checkpointing, apply_compile
 
     apply_activation_checkpointing(parts, checkpointing["mode"], checkpointing["every"])
@@ -220,13 +242,13 @@ def _evaluate(spec: Spec, pipe, ctx: RankContext, global_batch: int) -> float | 
 def train(spec: Spec) -> dict[str, Any]:
     """Run this rank's part of the pipeline; rank 0 returns the summary (see ``format_summary``)."""
     from pp_core.checkpoint import save_checkpoint
-    from pp_core.data_parallel import GradientSync, clip_grad_norm, tied_copies
+    from pp_core.data_parallel import clip_grad_norm, finish_gradients, tied_copies
     from pp_core.progress import Progress
     from pp_core.run_outputs import RunRecorder
 
     started = time.perf_counter()
     ctx = RankContext(spec)
-    pipe, optimizers, num_params = _build(spec, ctx)
+    pipe, optimizers, num_params, dp_units = _build(spec, ctx)
     config = spec.pipeline_config()
     base_lrs = [[g["lr"] for g in o.param_groups] if o else [] for o in optimizers]
     recorder = RunRecorder(spec, ctx, pipe, num_params)
@@ -234,8 +256,6 @@ def train(spec: Spec) -> dict[str, Any]:
     start_step = _resume_step(spec, pipe, optimizers, ctx, say)
     recorder.open_metrics(start_step)
     train_cfg, steps = spec.train, spec.train["steps"]
-    sync = GradientSync(pipe.model_parts, ctx.dp_group, ctx.dp_size, config.num_microbatches,
-                        config.scale_grads_in_schedule)
     params = [p for part in pipe.model_parts for p in part.parameters()]
     counted_once = tied_copies(pipe.model_parts, pipe.stage_indices)
     batches = _batches(_dataset(spec), start_step)
@@ -256,7 +276,7 @@ def train(spec: Spec) -> dict[str, Any]:
             param.grad = None
         t0 = time.perf_counter()
         loss = recorder.timed_step(pipe, local_inputs, local_target)
-        sync()
+        finish_gradients(params, 1 if config.scale_grads_in_schedule else config.num_microbatches)
         grad_norm = clip_grad_norm(params, train_cfg["grad_clip"], ctx.pp_group, counted_once)
         for optimizer in optimizers:
             if optimizer is not None:
@@ -273,7 +293,7 @@ def train(spec: Spec) -> dict[str, Any]:
             path = save_checkpoint(directory, step, pipe.model_parts, optimizers)
             say(f"checkpoint saved: {path}")
     progress.close()
-    result = recorder.finish(start_step, time.perf_counter() - started, sync.calls)
+    result = recorder.finish(start_step, time.perf_counter() - started, dp_units)
     dist.barrier()
     dist.destroy_process_group()
     return result

@@ -54,7 +54,7 @@ def test_retained_state_does_not_grow_with_steps():
             counts[step] = retained_items(recorder)
     assert counts[TRACE_STEPS + 5] == counts[TRACE_STEPS + 40], counts
     assert all(len(getattr(recorder, name)) == TRACE_STEPS + 40 for name in PER_STEP_SERIES)
-    figures = recorder._rank_figures(sync_calls=0)
+    figures = recorder._rank_figures(dp_units=0)
     assert set(figures["kind_times"]) == {"0F", "0B"}
     assert all(seconds > 0 for seconds in figures["kind_times"].values())
     assert 0.0 <= figures["bubble_measured"] <= 1.0 and figures["comm_share"] >= 0.0

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from pp_core.checkpoint import latest_checkpoint, read_model_state_dict
-from pp_core.data_parallel import GradientSync
+from pp_core.data_parallel import finish_gradients
 from pp_core.launch import launch
 from pp_core.losses import cross_entropy
 from pp_core.spec import parse_spec
@@ -108,26 +108,26 @@ def test_dp_gradients_are_reduced_once_per_step_not_per_microbatch(pp2_dp2):
     assert sorted(results) == [0, 1, 2, 3]
     for rank, result in results.items():
         calls = result["all_reduce_calls"]
-        dp_group = tuple(sorted({rank % 2, rank % 2 + 2}))  # mesh (dp, pp): rank = dp * 2 + pp
-        pp_group = tuple(sorted({rank // 2 * 2, rank // 2 * 2 + 1}))
-        # the tiny model fits one 25 MiB bucket: one all-reduce per step, while the pipeline ran
-        # PP_BATCH = 4 microbatches per step on every rank
-        assert calls[dp_group] == STEPS, calls
+        # mesh (pp, dp_replicate, dp_shard) = (2, 2, 1): rank = pp * 2 + dp
+        dp_group = tuple(sorted({rank // 2 * 2, rank // 2 * 2 + 1}))
+        pp_group = tuple(sorted({rank % 2, rank % 2 + 2}))
+        # dp_size: 2 is dp_replicate: torch's replicate, one all-reduce per unit (each of the
+        # stage's 2 blocks, and the part's own embedding or norm/head) per step, while the
+        # pipeline ran PP_BATCH = 4 microbatches per step on every rank
+        assert result["summary"]["dp_units"] == 3
+        assert calls[dp_group] == STEPS * 3, calls
         assert calls[pp_group] == STEPS, calls  # the global gradient norm for clipping
         assert calls[(0, 1, 2, 3)] == STEPS, calls  # the reported loss
-        assert result["summary"]["grad_sync_calls"] == STEPS
 
 
-def test_gradient_sync_scales_and_buckets():
+def test_finish_gradients_scales_and_fills_missing():
     model = GPT(**MODEL)
-    for param in model.parameters():
+    params = list(model.parameters())
+    for param in params[1:]:
         param.grad = torch.ones_like(param)
-    sync = GradientSync([model], dp_group=None, dp_size=1, num_microbatches=4,
-                        grads_already_scaled=False, bucket_bytes=4096)
-    assert len(sync.buckets) > 1 and sum(map(len, sync.buckets)) == len(sync.params)
-    sync()
-    assert all(torch.all(p.grad == 0.25) for p in model.parameters())
-    assert sync.calls == 0  # dp_size == 1: nothing to reduce
+    finish_gradients(params, 4)
+    assert torch.all(params[0].grad == 0)
+    assert all(torch.all(p.grad == 0.25) for p in params[1:])
 
 
 def test_lr_schedule_and_batch_helpers():
