@@ -81,10 +81,10 @@ def pool():
 
 
 HANG = pytest.mark.xfail(strict=True, reason=(
-    "known limit (docs/composition.md): the failing rank destroys its FSDP groups, but gloo "
-    "closes their connections only when the group object is freed and FSDP holds it, so the dp "
-    "peer already waiting in the step's reduce-scatter is released by the dp group's timeout "
-    "(DP_TIMEOUT_S here), not at once; it then raises the named error"))
+    "known limit (docs/composition.md): the failing rank destroys its FSDP groups, but that "
+    "does not close the gloo connections its dp peer waits on in the step's reduce-scatter, "
+    "which is released by the dp group's timeout (DP_TIMEOUT_S here), not at once; it then "
+    "raises the named error"))
 
 
 @pytest.mark.parametrize("fsdp", [pytest.param(True, marks=HANG), False],
