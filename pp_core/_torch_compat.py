@@ -211,6 +211,35 @@ def fsdp_reset(modules) -> None:
                 pass
 
 
+def _fsdp_mesh_infos(modules) -> list:
+    from torch.distributed._composable_state import _get_module_state
+
+    infos: dict = {}
+    for module in modules:
+        for param_group in getattr(_get_module_state(module), "_fsdp_param_groups", ()):
+            for owner in [param_group, *param_group.fsdp_params]:
+                for name in ("mesh_info", "post_forward_mesh_info"):
+                    info = getattr(owner, name, None)
+                    if info is not None:
+                        infos[id(info)] = info
+    return list(infos.values())
+
+
+_GROUP_FIELDS = ("shard_process_group", "replicate_process_group")
+
+
+def fsdp_process_groups(modules) -> list:
+    """The process groups FSDP2's collectives of ``modules`` run on (shard and, for HSDP,
+    replicate groups), each once."""
+    groups: dict = {}
+    for info in _fsdp_mesh_infos(modules):
+        for name in _GROUP_FIELDS:
+            group = getattr(info, name, None)
+            if group is not None:
+                groups[id(group)] = group
+    return list(groups.values())
+
+
 def ddp_arm_reducer(ddp, outputs) -> None:
     """Make DDP's reducer all-reduce during the next backward, whose forwards ran under
     ``no_sync`` (torch's pipelining stage does the same for its last backward)."""

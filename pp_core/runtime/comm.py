@@ -140,11 +140,7 @@ class P2P:
         self.broken = message
         if self.store is None:
             return
-        try:
-            if not self.store.check([self.error_key]):
-                self.store.set(self.error_key, message)
-        except Exception:
-            pass
+        publish(self.store, self.error_key, message)
         group, self.group = self.group, None
         try:
             if dist.is_initialized():
@@ -156,6 +152,15 @@ class P2P:
             pass
         del group
         gc.collect()  # pending Work objects hold the connections open
+
+
+def publish(store, key: str, message: str) -> None:
+    """Set ``key`` to ``message`` unless a rank already did (the first failure is the cause)."""
+    try:
+        if not store.check([key]):
+            store.set(key, message)
+    except Exception:
+        pass
 
 
 def _matches_in_order(group) -> bool:

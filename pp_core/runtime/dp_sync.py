@@ -27,19 +27,34 @@ So a stage's engines are driven by the step, not by autograd (as torch's own
   parameter group), so DDP with a split-backward schedule is refused: use ``replicate`` or
   ``fully_shard``, which are driven like FSDP2.
 
+Failures. A rank whose step fails publishes its report in the store of each of its FSDP
+process groups and destroys them (:meth:`DataParallelDriver.fail`), as it does for the
+pipeline's group; a dp peer whose collective of the step fails raises
+:class:`~pp_core.runtime.comm.PeerFailure` with that report and passes it on to its own pp peers.
+Known limit (docs/composition.md): destroying the group does not close the gloo connections a
+peer already waiting in a collective is blocked on, so it fails only at the dp group's timeout
+(then with the named error), not at once.
+
 The calls into torch's private FSDP/DDP state live in :mod:`pp_core._torch_compat`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import sys
 from typing import Optional
 
-from pp_core._torch_compat import ddp_arm_reducer, fsdp_reduce_and_reshard, fsdp_reset
+import torch.distributed as dist
+
+from pp_core._torch_compat import (ddp_arm_reducer, fsdp_process_groups, fsdp_reduce_and_reshard,
+                                   fsdp_reset, process_group_store)
 from pp_core.errors import ConfigError
 
 __all__ = ["DataParallelDriver", "StageDataParallel", "make_data_parallel"]
+
+ERROR_KEY = "pp_core/dp/error"
+"""Where a failing rank publishes its report in each of its FSDP groups' stores."""
 
 
 def _fsdp_modules(part) -> list:
@@ -62,6 +77,7 @@ class StageDataParallel:
         self.stage_index = stage_index
         self.fsdp = fsdp
         self.ddp = ddp if ddp_nosync else None
+        self.groups = fsdp_process_groups(fsdp)
 
     # ---------------------------------------------------------------- step
     def begin_step(self) -> None:
@@ -77,13 +93,53 @@ class StageDataParallel:
     @contextlib.contextmanager
     def backward(self, outputs, last: bool):
         """Around each backward action (B, I, W) of the stage; ``last``: its last of the step."""
-        for module in self.fsdp:
-            module.unshard()  # no-op when unsharded; W never passes FSDP's pre-backward hook
+        with self._collectives():
+            for module in self.fsdp:
+                module.unshard()  # no-op when unsharded; W never passes FSDP's pre-backward hook
         if last and self.ddp is not None:
             ddp_arm_reducer(self.ddp, outputs)
         yield
         if last and self.fsdp:
-            self._reduce_and_reshard()
+            with self._collectives():
+                self._reduce_and_reshard()
+
+    @contextlib.contextmanager
+    def _collectives(self):
+        """FSDP's collectives fail when a dp peer failed and aborted the group: say why."""
+        try:
+            yield
+        except Exception as exc:
+            from pp_core.runtime.comm import PeerFailure
+
+            raise PeerFailure(*self._peer_report(exc)) from exc
+
+    def _peer_report(self, exc: BaseException) -> tuple[str, bool]:
+        for group in self.groups:
+            try:  # a failing peer publishes before it aborts the group
+                store = process_group_store(group)
+                store.wait([ERROR_KEY], datetime.timedelta(seconds=2))
+                return store.get(ERROR_KEY).decode(errors="replace"), True
+            except Exception:
+                continue
+        first_line = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        return (f"stage {self.stage_index}'s data-parallel collective failed, no dp peer said "
+                f"why ({type(exc).__name__}: {first_line})"), False
+
+    def fail(self, report: str) -> None:
+        """This rank's step failed: tell the dp peers why, and destroy the FSDP groups. That
+        does not release a peer already waiting on this rank in a collective (see the module's
+        docstring): it fails at the group's timeout, then raises the published report."""
+        from pp_core.runtime.comm import publish
+
+        while self.groups:
+            group = self.groups.pop()
+            try:
+                publish(process_group_store(group), ERROR_KEY, report)
+                dist.destroy_process_group(group)
+            except Exception:
+                pass
+            del group
+
 
     def _reduce_and_reshard(self) -> None:
         """Reduce the step's accumulated gradients once per FSDP unit, then reshard."""
@@ -123,6 +179,12 @@ class DataParallelDriver:
     def abort(self) -> None:
         for stage in self.stages.values():
             stage.abort()
+
+    def fail(self, report: str) -> None:
+        """After :meth:`abort` of a failed step: publish ``report`` to the dp peers and abort
+        the FSDP process groups (see the module's docstring)."""
+        for stage in self.stages.values():
+            stage.fail(report)
 
 
 def make_data_parallel(stages: dict, config, actions) -> DataParallelDriver:

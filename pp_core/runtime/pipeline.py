@@ -299,6 +299,7 @@ class Pipeline:
                 message = report = f"rank {self.rank} stopped {where}: {exc}"
             executor.abort()
             traceback.clear_frames(exc.__traceback__)  # its frames hold pending operations
+            executor.data_parallel.fail(report)
             self.p2p.publish_and_abort(report)
             raise PipelineError(message) from None
         except Exception as exc:
@@ -308,6 +309,7 @@ class Pipeline:
             message = f"rank {self.rank}, {stage}: {type(exc).__name__}: {exc}"
             executor.abort()
             traceback.clear_frames(exc.__traceback__)  # its frames hold pending operations
+            executor.data_parallel.fail(message)
             self.p2p.publish_and_abort(message)
             raise PipelineError(message) from exc
 
