@@ -29,7 +29,8 @@ def _why(exc: BaseException) -> str:
 
 def _meta_limit(exc: BaseException) -> bool:
     """Whether an error is the meta device's limit (no values), not the file's mistake."""
-    return isinstance(exc, NotImplementedError) or "meta" in str(exc).lower()
+    return isinstance(exc, NotImplementedError) or \
+        (isinstance(exc, RuntimeError) and "meta" in str(exc).lower())
 
 
 def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]):
@@ -45,17 +46,13 @@ def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]
     except PPCoreError as exc:  # e.g. a missing optional dependency, named with its extra
         problems.append(f"{key}: {exc}")
         return None
-    except (NotImplementedError, RuntimeError) as exc:
-        if not _meta_limit(exc):
+    except Exception as exc:  # noqa: BLE001 - the factory refused the arguments, or meta did
+        if _meta_limit(exc):
+            notes.append(f"split not checked: the model could not be built on the meta device "
+                         f"({_why(exc)})")
+        else:
             problems.append(f"model.args: the model factory refused these arguments "
                             f"({_why(exc)}); fix model.args")
-            return None
-        notes.append(f"split not checked: the model could not be built on the meta device "
-                     f"({_why(exc)})")
-        return None
-    except Exception as exc:  # noqa: BLE001 - the factory refused the file's arguments
-        problems.append(f"model.args: the model factory refused these arguments ({_why(exc)}); "
-                        f"fix model.args")
         return None
     if not isinstance(model, torch.nn.Module):
         problems.append(f"{key}: expected the factory to return a torch.nn.Module, found "
@@ -145,15 +142,12 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
                 model(**meta[0]) if isinstance(meta[0], dict) else model(meta[0])
             if isinstance(output, torch.Tensor):  # (a patched model's output is the split's)
                 resolve_loss(spec.pipeline["loss_fn"])(output, meta[1])
-    except (NotImplementedError, RuntimeError) as exc:
-        if not _meta_limit(exc):
+    except Exception as exc:  # noqa: BLE001 - the model or loss refuses the data, or meta does
+        if _meta_limit(exc):
+            notes.append(f"one microbatch was not run on the meta device ({_why(exc)})")
+        else:
             problems.append(f"data.args: a microbatch of this data fails in the model or the "
                             f"loss ({_why(exc)}); make data.args and model.args agree")
-            return
-        notes.append(f"one microbatch was not run on the meta device ({_why(exc)})")
-    except Exception as exc:  # noqa: BLE001 - the model or loss refuses the data
-        problems.append(f"data.args: a microbatch of this data fails in the model or the loss "
-                        f"({_why(exc)}); make data.args and model.args agree")
 
 
 def _runtime_initializers(model, plugins, problems: list[str]):
