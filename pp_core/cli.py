@@ -54,6 +54,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(prefix: str = "pp-core") -> None:
+    """Log records (pp-core's, plugins', torch's) to stderr as ``<prefix>: LEVEL: logger:
+    message``, from ``$PP_CORE_LOG_LEVEL`` up (default WARNING). The library only logs; the
+    command line and each rank of ``pp-core run`` decide where records go."""
+    import logging
+    import os
+
+    name = os.environ.get("PP_CORE_LOG_LEVEL", "WARNING").strip().upper()
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        raise PPCoreError(f"PP_CORE_LOG_LEVEL={name!r} is not a logging level; use DEBUG, INFO, "
+                          f"WARNING or ERROR")
+    logging.basicConfig(level=level, format=f"{prefix}: %(levelname)s: %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -61,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        configure_logging()
         return int(args.func(args) or 0)
     except PPCoreError as exc:
         print(f"pp-core: error: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ for the same schedule with the per-action costs this run measured.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -27,6 +28,9 @@ from pp_core.schedule.trace import run_trace, write_json
 __all__ = ["RunRecorder", "ActionTimer", "peak_memory"]
 
 TRACE_STEPS = 20  # the trace keeps the last this-many steps (a long run's trace stays small)
+SLOW_FACTOR, SLOW_AFTER_STEPS = 3.0, 3  # a step this much slower than the mean is logged
+
+logger = logging.getLogger(__name__)
 
 
 def peak_memory(device: torch.device) -> tuple[int | None, str]:
@@ -116,6 +120,7 @@ class RunRecorder:
         self.clock_offset = time.time() - time.perf_counter()
         self.tokens_per_step = 0
         self.timer = ActionTimer(pipe, ctx.device)
+        self.plugins = pipe.plugins
         self.metrics = None  # opened by open_metrics once the first step is known
 
     def say(self, text: str) -> None:
@@ -168,9 +173,20 @@ class RunRecorder:
             self.first_totals = StepTotals()
             self.first_totals.add(end - start, busy, comm)
         else:
+            self._check_pace(step, end - start)
             self.steady_totals.add(end - start, busy, comm)
         self._trim_events(step)
         return loss
+
+    def _check_pace(self, step: int, seconds: float) -> None:
+        """Log a step much slower than the steady steps before it (a straggling peer, a
+        swapping host, a recompilation): the summary's means would hide it."""
+        steady = self.steady_totals
+        mean = steady.seconds / steady.steps if steady.steps else 0.0
+        if steady.steps >= SLOW_AFTER_STEPS and seconds > SLOW_FACTOR * mean:
+            logger.warning("rank %d: step %d of this run took %.3f s, %.1fx the mean of the %d "
+                           "steps before it (%.3f s)", self.rank, step, seconds, seconds / mean,
+                           steady.steps, mean)
 
     def _trim_events(self, step: int) -> None:
         if self.events and self.events[0][4] <= step - TRACE_STEPS:
@@ -184,22 +200,27 @@ class RunRecorder:
         if loss is not None:
             self.losses.append(loss)
         log_every = self.spec.train["log_every"]
-        if self.metrics and (step % log_every == 0 or step == self.spec.train["steps"]
-                             or len(self.steps) == 1):
-            line = {"step": step, "loss": loss, "tokens_per_s": round(self.tokens_per_s[-1], 2),
-                    "step_time_s": round(step_time, 6), "lr": lr, "grad_norm": grad_norm,
-                    "time": round(started + self.clock_offset, 3)}
-            self.metrics.write(json.dumps(line) + "\n")
-            self.metrics.flush()
+        if step % log_every == 0 or step == self.spec.train["steps"] or len(self.steps) == 1:
+            self._log(step, {"loss": loss, "tokens_per_s": round(self.tokens_per_s[-1], 2),
+                             "step_time_s": round(step_time, 6), "lr": lr,
+                             "grad_norm": grad_norm, "time": round(started + self.clock_offset, 3)})
 
     def record_eval(self, step: int, loss: float | None) -> None:
         self.eval_loss = loss
         if loss is None:
             return
         self.say(f"step {step}: eval loss {loss:.4f}")
+        self._log(step, {"eval_loss": loss})
+
+    def _log(self, step: int, values: dict) -> None:
+        """One logged step on the first rank: a line of ``output.metrics`` and the plugins'
+        ``pp_report_metrics``."""
+        if self.rank != 0:
+            return
         if self.metrics:
-            self.metrics.write(json.dumps({"step": step, "eval_loss": loss}) + "\n")
+            self.metrics.write(json.dumps({"step": step, **values}) + "\n")
             self.metrics.flush()
+        self.plugins.report_metrics(step, values)
 
     # ------------------------------------------------------------------ end of run
 

@@ -168,6 +168,11 @@ class Pipeline:
         """``[(action, start, end), ...]`` of the last traced step, wall-clock seconds."""
 
     @property
+    def plugins(self):
+        """The :class:`~pp_core.plugins.Plugins` this pipeline was built with."""
+        return self._plugins
+
+    @property
     def group(self):
         """The pipeline's process group (``None`` for one process, or after a failure)."""
         return self.p2p.group
