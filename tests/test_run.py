@@ -217,7 +217,7 @@ def _installed(site: Path, module: str, source: str) -> None:
     (info / "entry_points.txt").write_text(f"[pp_core]\n{module} = {module}\n")
 
 
-def test_a_plugin_receives_every_steps_metrics_and_a_failing_one_is_logged(tmp_path):
+def test_hook_pp_report_metrics_in_a_real_run_gets_every_step_a_failing_one_is_logged(tmp_path):
     """Two entry-point plugins in a real run: one gets the loss of every step (the values of
     output.metrics, on the first rank only); one that raises is logged once, the run goes on."""
     site = tmp_path / "site"
