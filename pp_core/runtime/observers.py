@@ -31,7 +31,7 @@ import torch
 
 from pp_core.schedule.labels import profiler_label
 
-__all__ = ["ActionObserver", "ActionTrace", "run_action", "profiling"]
+__all__ = ["ActionObserver", "ActionTrace", "run_action", "waiting", "profiling"]
 
 
 class ActionObserver:

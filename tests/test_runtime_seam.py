@@ -1,6 +1,7 @@
-"""The executor's per-action seam: observers see every action of a real two-rank step, in
-program order, with the waits for peers inside the actions; a ``torch.profiler`` trace of a step
-holds one ``PP:<action>`` record per executed action, with the stage's kernels inside it."""
+"""The executor's public seams. Observers see every action of a real two-rank step, in program
+order, with the waits for peers inside the actions; a ``torch.profiler`` trace of a step holds
+one ``PP:<action>`` record per executed action, with the stage's kernels inside it; an allocator
+says by a capability (``reuses_buffers``), not by its class, whether receives may go early."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from _dist import DistPool
-from pp_core import PipelineConfig, build_pipeline
+from pp_core import PipelineConfig, build_pipeline, hookimpl
 from pp_core.runtime.observers import ActionObserver
 
 
@@ -128,3 +129,54 @@ def test_an_observer_added_between_steps_sees_the_next_step_of_a_local_pipeline(
     pipe.add_action_observer(recorder)
     pipe.step(x, target=y)
     _check_calls(recorder.calls, _program(pipe))
+
+
+class Pooled:
+    """An allocator that does not say whether it reuses buffers: it may (the safe default)."""
+
+    def allocate(self, lifetime, metas):
+        return [torch.empty(meta.shape, dtype=meta.dtype) for meta in metas]
+
+    def release(self, lifetime):
+        pass
+
+
+class FreshTensors(Pooled):
+    """A plugin's allocator of fresh tensors, which says so."""
+
+    reuses_buffers = False
+
+
+class AllocatorPlugin:
+    def __init__(self, allocator):
+        self.allocator = allocator
+
+    @hookimpl
+    def pp_make_recv_buffer_allocator(self, config, program, rank, device):
+        return self.allocator
+
+
+def early_receives(allocator_class):
+    """Whether gloo's early receives ran with this allocator, and the losses of three steps."""
+    from pp_core.plugins import load_plugins
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+    config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=8, pp_microbatch_size=2,
+                            loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    plugins = load_plugins(plugins=[AllocatorPlugin(allocator_class())],
+                           disabled=["pp_buffer_pool"])
+    pipe = build_pipeline(model, config, plugins=plugins)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    losses = [pipe.step(x, target=y) for _ in range(3)]  # shapes predicted from step 3 on
+    # rank 1 posted its forward receives at the start of step 3 (predicted shapes)
+    early = pipe._train.early_receives, bool(pipe._train.preposted)
+    return early, [None if loss is None else float(loss) for loss in losses]
+
+
+def test_an_allocator_that_reuses_no_buffers_gets_early_receives_whatever_its_class(pool):
+    fresh = pool.run(early_receives, FreshTensors)
+    pooled = pool.run(early_receives, Pooled)
+    assert [early for early, _ in fresh] == [(True, False), (True, True)]
+    assert [early for early, _ in pooled] == [(False, False), (False, False)]
+    assert [losses for _, losses in fresh] == [losses for _, losses in pooled]
