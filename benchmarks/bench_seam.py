@@ -110,7 +110,9 @@ def observe(pipe, mode: str):
     if mode == "timer":
         from pp_core.run_outputs import ActionTimer
 
-        return ActionTimer(pipe, torch.device("cpu"))  # registers itself
+        timer = ActionTimer(torch.device("cpu"))
+        pipe.add_action_observer(timer)
+        return timer
     return None
 
 

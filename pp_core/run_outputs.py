@@ -65,16 +65,16 @@ class StepTotals:
 
 
 class ActionTimer(ActionObserver):
-    """Times every action of the pipeline's steps (host clock, ``perf_counter``), through the
-    executor's per-action seam (``pipe.add_action_observer``): an action's *busy* time is its
+    """Times every action of the steps it observes (host clock, ``perf_counter``) through the
+    executor's per-action seam; :class:`RunRecorder` registers it around training steps only
+    (``pipe.add_action_observer``), so evaluations do not count. An action's *busy* time is its
     duration minus the time it waited for a peer's message. On CUDA each action is synchronised
     so the host clock measures the kernels (a small slowdown)."""
 
-    def __init__(self, pipe, device: torch.device):
+    def __init__(self, device: torch.device):
         self.records: list[tuple[Any, float, float, float]] = []
         self._start = self._wait = self._wait_start = 0.0
         self._sync = torch.cuda.synchronize if device.type == "cuda" else None
-        pipe.add_action_observer(self)
 
     def on_action_start(self, action) -> None:
         self._wait = 0.0
@@ -119,7 +119,7 @@ class RunRecorder:
         self.kind_times: dict[str, list[float]] = {}  # "<stage><kind>" -> [seconds, count]
         self.clock_offset = time.time() - time.perf_counter()
         self.tokens_per_step = 0
-        self.timer = ActionTimer(pipe, ctx.device)
+        self.timer = ActionTimer(ctx.device)
         self.plugins = pipe.plugins
         self.metrics = None  # opened by open_metrics once the first step is known
 
@@ -152,9 +152,13 @@ class RunRecorder:
     # ------------------------------------------------------------------ per step
 
     def timed_step(self, pipe, inputs, target):
-        start = time.perf_counter()
-        loss = pipe.step(inputs, target=target)
-        end = time.perf_counter()
+        pipe.add_action_observer(self.timer)
+        try:
+            start = time.perf_counter()
+            loss = pipe.step(inputs, target=target)
+            end = time.perf_counter()
+        finally:
+            pipe.remove_action_observer(self.timer)
         step = len(self.step_times) + 1
         busy = comm = 0.0
         for action, t0, t1, wait in self.timer.take():

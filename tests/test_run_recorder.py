@@ -52,6 +52,8 @@ def test_retained_state_does_not_grow_with_steps():
         if step in (TRACE_STEPS + 5, TRACE_STEPS + 40):
             counts[step] = retained_items(recorder)
     assert counts[TRACE_STEPS + 5] == counts[TRACE_STEPS + 40], counts
+    pipe.eval_step(inputs, target=target)  # evaluations do not count as training actions
+    assert recorder.timer.records == []
     assert all(len(getattr(recorder, name)) == TRACE_STEPS + 40 for name in PER_STEP_SERIES)
     figures = recorder._rank_figures(dp_units=0)
     assert set(figures["kind_times"]) == {"0F", "0B"}
