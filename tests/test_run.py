@@ -208,22 +208,15 @@ def pp_report_metrics(step, metrics):
 '''
 
 
-def _installed(site: Path, module: str, source: str) -> None:
-    """A module and its ``pp_core`` entry point, as pip would leave them in site-packages."""
-    (site / f"{module}.py").write_text(source)
-    info = site / f"{module}-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[pp_core]\n{module} = {module}\n")
-
-
 def test_hook_pp_report_metrics_in_a_real_run_gets_every_step_a_failing_one_is_logged(tmp_path):
     """Two entry-point plugins in a real run: one gets the loss of every step (the values of
     output.metrics, on the first rank only); one that raises is logged once, the run goes on."""
+    from test_plugins import make_dist
+
     site = tmp_path / "site"
     site.mkdir()
-    _installed(site, "pp_metrics_probe", PROBE)
-    _installed(site, "pp_metrics_broken", BROKEN)
+    make_dist(site, "pp-metrics-probe", {"pp_metrics_probe": PROBE, "pp_metrics_broken": BROKEN},
+              {"pp_metrics_probe": "pp_metrics_probe", "pp_metrics_broken": "pp_metrics_broken"})
     received, metrics = tmp_path / "received.jsonl", tmp_path / "metrics.jsonl"
     spec = write_spec(tmp_path / "m.yaml", TINY,
                       train={"steps": 4, "log_every": 1, "eval_every": 2, "eval_steps": 1},
