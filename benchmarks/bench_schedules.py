@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from pp_core.errors import PPCoreError
-from pp_core.plugins import default_plugins
+from pp_core.plugin_manager import default_plugins
 from pp_core.schedule.build import build_schedule
 from pp_core.schedule.csv_io import parse_csv
 from pp_core.schedule.simulate import simulate
@@ -269,7 +269,7 @@ def _command_s(p: int) -> tuple[float, float]:
 
 
 def scale(pps=SCALE_PP) -> list[dict]:
-    from pp_core.schedule.buffers import recv_buffer_report
+    from pp_core.schedule.buffer_plan import recv_buffer_report
 
     lower = _lower()
     default_plugins()  # loaded once, as the command does before its work

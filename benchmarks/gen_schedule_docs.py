@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from pp_core.errors import PPCoreError
-from pp_core.plugins import default_plugins
+from pp_core.plugin_manager import default_plugins
 from pp_core.schedule.build import build_schedule
 from pp_core.schedule.render import render_text
 from pp_core.schedule.simulate import simulate

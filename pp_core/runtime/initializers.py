@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from pp_core.plugins import Plugins
+    from pp_core.plugin_manager import Plugins
 
 __all__ = ["PipelineRuntimeInitializer", "collect_pipeline_runtime_initializers"]
 
@@ -71,7 +71,7 @@ def collect_pipeline_runtime_initializers(
     Nothing is prepared here.
     """
     if plugins is None:
-        from pp_core.plugins import default_plugins
+        from pp_core.plugin_manager import default_plugins
 
         plugins = default_plugins()
     kept: dict = {}

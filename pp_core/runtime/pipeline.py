@@ -35,7 +35,7 @@ from torch import nn
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PPCoreError
 from pp_core.runtime.agreement import check_ranks_agree, config_fields, model_fields, plan_fields
-from pp_core.runtime.buffers import make_recv_buffer_allocator
+from pp_core.runtime.allocator import make_recv_buffer_allocator
 from pp_core.runtime.comm import P2P, PeerFailure
 from pp_core.runtime.executor import Executor
 from pp_core.runtime.microbatch import merge_microbatches, split_microbatches, to_device
@@ -107,7 +107,7 @@ class Pipeline:
             raise ConfigError(f"rank {rank} holds {len(expected)} stages but got "
                               f"{len(model_parts)} model parts")
         if plugins is None:
-            from pp_core.plugins import default_plugins
+            from pp_core.plugin_manager import default_plugins
 
             plugins = default_plugins()
         self.config = config
@@ -349,19 +349,19 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
     :param pp_group: a ProcessGroup or a 1-D DeviceMesh; ``None`` = the default group (or a
         single-process pipeline when torch.distributed is not initialised).
     :param device: where this rank's parts and tensors live (``"cuda:0"``, ``"cpu"``).
-    :param plugins: a :class:`pp_core.plugins.Plugins`; default: the installed plugins.
+    :param plugins: a :class:`pp_core.plugin_manager.Plugins`; default: the installed plugins.
     :param timeout: seconds a single wait may take before the step fails.
     """
     if not isinstance(config, PipelineConfig):
         raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
-    from pp_core.runtime.parts import build_model_parts
-    from pp_core.runtime.split import plan_split
+    from pp_core.planning.parts import build_model_parts
+    from pp_core.planning.split import plan_split
     from pp_core.schedule.build import build_schedule, resolve_schedule_def
 
     if plugins is None:
-        from pp_core.plugins import default_plugins
+        from pp_core.plugin_manager import default_plugins
 
         plugins = default_plugins()
     group, rank, num_ranks = resolve_group(pp_group)

@@ -38,7 +38,7 @@ def build_schedule(
         schedules registered with ``variable_stages_per_rank=True`` accept other values.
     :param csv_path: a torch-format CSV (compute-only or compute_comms); the placement is taken
         from the rows, and ``num_ranks`` / ``num_microbatches`` / ``stages_per_rank`` must match.
-    :param plugins: a :class:`pp_core.plugins.Plugins`; defaults to the installed plugins.
+    :param plugins: a :class:`pp_core.plugin_manager.Plugins`; defaults to the installed plugins.
     :raises ScheduleError: unknown name, impossible sizes, or an invalid schedule.
     """
     _check_int("num_ranks", num_ranks, 1)
@@ -106,7 +106,7 @@ def gc_paused():
 def resolve_schedule_def(name: str, plugins=None) -> tuple[str, ScheduleDef]:
     """``(canonical name, ScheduleDef)`` for a name or alias; unknown names list the installed."""
     if plugins is None:
-        from pp_core.plugins import default_plugins
+        from pp_core.plugin_manager import default_plugins
 
         plugins = default_plugins()
     if not isinstance(name, str) or not name:
