@@ -35,6 +35,19 @@ DISABLE_ENV = "PP_CORE_DISABLE_PLUGINS"
 CORE_PLUGIN_NAME = "pp_core.model_initializers"
 
 
+class ModelInitializers:
+    """The core's own plugin, in every manager: a module that owns process-local resources
+    lists them itself, in a ``pipeline_runtime_initializers()`` method (see
+    :mod:`pp_core.runtime.initializers`)."""
+
+    @hookspecs.hookimpl
+    def pp_runtime_initializers(self, module):
+        method = getattr(type(module), "pipeline_runtime_initializers", None)
+        if method is None:
+            return None
+        return module.pipeline_runtime_initializers()
+
+
 @dataclass(frozen=True)
 class BrokenPlugin:
     """An entry point that could not be loaded; listed by ``pp-core plugins`` instead of crashing."""
@@ -100,9 +113,7 @@ def make_plugin_manager(
     pm.pp_broken = []  # type: ignore[attr-defined]
     pm.pp_distributions = {}  # type: ignore[attr-defined]
 
-    from pp_core.runtime import initializers as core_initializers
-
-    pm.register(core_initializers, name=CORE_PLUGIN_NAME)
+    pm.register(ModelInitializers(), name=CORE_PLUGIN_NAME)
     blocked = disabled_plugin_names() if disabled is None else set(disabled)
     for name in blocked:
         pm.set_blocked(name)
@@ -253,12 +264,11 @@ class Plugins:
 
     @functools.cached_property
     def schedules(self) -> Registry:
-        from pp_core.schedule.ir import ScheduleDef
-
-        def aliases(value):
-            return value.aliases if isinstance(value, ScheduleDef) else ()
-
-        return self._collect("pp_register_schedules", "schedule", aliases)
+        # a ScheduleDef carries its aliases; a bare generator function has none. The schedule
+        # half (pp_core.schedule.build) turns either into a ScheduleDef: the manager sits below
+        # it and does not import it.
+        return self._collect("pp_register_schedules", "schedule",
+                             lambda value: tuple(getattr(value, "aliases", ())))
 
     @functools.cached_property
     def splitters(self) -> Registry:
@@ -271,13 +281,6 @@ class Plugins:
     @functools.cached_property
     def datasets(self) -> Registry:
         return self._collect("pp_register_datasets", "dataset", lambda v: ())
-
-    def schedule_def(self, name: str):
-        """The :class:`ScheduleDef` registered under ``name`` (a bare generator is wrapped)."""
-        from pp_core.schedule.ir import ScheduleDef
-
-        value = self.schedules.get(name)
-        return value if isinstance(value, ScheduleDef) else ScheduleDef(generate=value)
 
     def runtime_initializers(self, module) -> list:
         """Every plugin's initializers for ``module``, in hook-call order (``None`` skipped)."""

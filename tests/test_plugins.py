@@ -6,6 +6,7 @@ import textwrap
 import pytest
 
 from pp_core import PluginError, ScheduleDef, hookimpl
+from pp_core.schedule.build import resolve_schedule_def
 from pp_core.plugin_manager import Plugins, load_plugins, make_plugin_manager
 from pp_core.testing import plugins_with
 
@@ -139,8 +140,8 @@ def test_bare_generator_is_wrapped_in_a_schedule_def():
         def pp_register_schedules(self, register):
             register("mine", lambda num_stages, num_microbatches, num_ranks: [])
 
-    definition = plugins_with(Bare()).schedule_def("mine")
-    assert isinstance(definition, ScheduleDef) and definition.placement == "loop"
+    name, definition = resolve_schedule_def("mine", plugins_with(Bare()))
+    assert name == "mine" and isinstance(definition, ScheduleDef) and definition.placement == "loop"
 
 
 def test_plugin_manager_factory_has_no_shared_state():

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from pp_core.app import cli
-from pp_core.app.preflight import dataset_args, dataset_factory, preflight
+from pp_core.app.factories import dataset_args, dataset_factory
+from pp_core.app.preflight import preflight
 from pp_core.app.spec import SCHEMA, SpecError, apply_overrides, load_spec, parse_override, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,8 +5,8 @@ factories' signatures, builds the model on the meta device (no memory, no init) 
 split with the splitter plugins, and builds and validates the schedule for ``pp_size`` ranks.
 Every mistake becomes a line of one :class:`~pp_core.app.spec.SpecError` that names the YAML key.
 
-:func:`model_factory`, :func:`dataset_factory` and :func:`dataset_args` are shared with the
-training processes so that what ``pp-core validate`` checks is exactly what ``pp-core run`` uses.
+The model and dataset factories come from :mod:`pp_core.app.factories`, as in the training
+processes, so that what ``pp-core validate`` checks is exactly what ``pp-core run`` uses.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any, Callable
 
 from pp_core.devices import choose as choose_device
 from pp_core.devices import resolve_device
-from pp_core.errors import ConfigError, PPCoreError, quoted
+from pp_core.errors import PPCoreError
+from pp_core.app.factories import dataset_factory, model_factory, plugins_or_installed
 from pp_core.app.spec import Spec, SpecError
 
-__all__ = ["Preflight", "preflight", "model_factory", "dataset_factory", "dataset_args",
-           "schedule_def_for", "resolve_device"]
+__all__ = ["Preflight", "preflight", "schedule_def_for", "resolve_device"]
 
 
 @dataclass
@@ -34,62 +34,13 @@ class Preflight:
     notes: list[str] = field(default_factory=list)
 
 
-def _plugins(plugins):
-    if plugins is not None:
-        return plugins
-    from pp_core.plugin_manager import default_plugins
-
-    return default_plugins()
-
-
-def model_factory(spec: Spec, plugins=None) -> Callable:
-    """The callable that builds the model: a registered name, or ``model.target`` (imports code)."""
-    if spec.model["target"] is not None:
-        from pp_core.config import resolve_callable
-
-        target = resolve_callable(spec.model["target"], "model.target")
-        if not (inspect.isclass(target) or inspect.isfunction(target)):
-            raise ConfigError(f"model.target={quoted(spec.model['target'])} names a "
-                              f"{type(target).__name__}, not a class or a Python function; "
-                              f"validate and run call it with model.args, so name your model's "
-                              f"class or factory function")
-        return target
-    return _plugins(plugins).models.get(spec.model["name"])
-
-
-def dataset_factory(spec: Spec, plugins=None) -> Callable:
-    return _plugins(plugins).datasets.get(spec.data["name"])
-
-
-def _accepts(factory: Callable, name: str) -> bool:
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def dataset_args(spec: Spec, factory: Callable, evaluation: bool = False) -> dict:
-    """``data.args`` (with ``data.eval_args`` over them for evaluation), plus the global batch size.
-
-    Every dataset yields whole-step batches of ``pp_batch_size * dp_size`` samples; a factory
-    that takes ``batch_size`` gets it filled in when the YAML leaves it out.
-    """
-    args = dict(spec.data["args"])
-    if evaluation:
-        args.update(spec.data["eval_args"])
-    if "batch_size" not in args and _accepts(factory, "batch_size"):
-        args["batch_size"] = spec.global_batch_size
-    return args
-
-
 def schedule_def_for(spec: Spec, plugins=None):
     """The schedule's :class:`ScheduleDef` (``None`` for a CSV schedule)."""
     if spec.pipeline["pp_schedule_csv"]:
         return None
     from pp_core.schedule.build import resolve_schedule_def
 
-    return resolve_schedule_def(spec.pipeline["pp_schedule"], _plugins(plugins))[1]
+    return resolve_schedule_def(spec.pipeline["pp_schedule"], plugins_or_installed(plugins))[1]
 
 
 def _check_args(where: str, factory: Callable, args: dict, problems: list[str]) -> None:
@@ -117,7 +68,7 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
     the resume path, the output paths: :mod:`pp_core.app.preflight_build`), so that what would fail
     after the ranks start is refused before.
     """
-    plugins = _plugins(plugins)
+    plugins = plugins_or_installed(plugins)
     problems: list[str] = []
     result = Preflight()
     model_fn = data_fn = None

@@ -295,15 +295,8 @@ class RunRecorder:
         return summary
 
     def _schedule(self):
-        schedule = getattr(self.pipe, "schedule", None)
-        if schedule is not None:
-            return schedule
-        try:
-            from pp_core.app.preflight import preflight
-
-            return preflight(self.spec, run_checks=False).schedule
-        except Exception:  # the summary must not fail a finished run
-            return None
+        # the schedule this rank ran; the summary never plans it again
+        return getattr(self.pipe, "schedule", None)
 
     def _simulate(self, schedule, ranks: list[dict]):
         """Per pp rank idle share predicted by the simulator, with this run's mean action costs."""

@@ -12,6 +12,7 @@ import gc
 import os
 
 from pp_core.errors import ScheduleError
+from pp_core.plugin_manager import default_plugins
 from pp_core.schedule.ir import Schedule, ScheduleDef, stage_to_rank
 from pp_core.schedule.validate import validate_schedule
 
@@ -104,10 +105,12 @@ def gc_paused():
 
 
 def resolve_schedule_def(name: str, plugins=None) -> tuple[str, ScheduleDef]:
-    """``(canonical name, ScheduleDef)`` for a name or alias; unknown names list the installed."""
-    if plugins is None:
-        from pp_core.plugin_manager import default_plugins
+    """``(canonical name, ScheduleDef)`` for a name or alias; unknown names list the installed.
 
+    A plugin that registered a bare generator function gets it wrapped in a default
+    :class:`ScheduleDef` (one stage per rank, loop placement).
+    """
+    if plugins is None:
         plugins = default_plugins()
     if not isinstance(name, str) or not name:
         raise ScheduleError(f"schedule name must be a non-empty string, got {name!r}")
@@ -117,7 +120,9 @@ def resolve_schedule_def(name: str, plugins=None) -> tuple[str, ScheduleDef]:
             registry.entry(name)
         except Exception as exc:  # the registry's message lists installed names and plugins
             raise ScheduleError(str(exc)) from exc
-    return registry.entry(name).name, plugins.schedule_def(name)
+    entry = registry.entry(name)
+    value = entry.value
+    return entry.name, value if isinstance(value, ScheduleDef) else ScheduleDef(generate=value)
 
 
 def _check_int(what: str, value, minimum: int) -> None:
