@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pp_core import __version__
 from pp_core.errors import PPCoreError
 
 __all__ = ["main", "build_parser"]
@@ -45,7 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from pp_core import __version__
 
     parser.add_argument("--version", action="version", version=f"pp-core {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -24,10 +24,10 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-from pp_core.devices import choose, local_ranks
-from pp_core.errors import ConfigError, PipelineError
 from pp_core.app.rendezvous import prepare_endpoint
 from pp_core.app.spec import Spec
+from pp_core.devices import choose, local_ranks
+from pp_core.errors import ConfigError, PPCoreError, PipelineError
 
 __all__ = ["launch", "started_by_torchrun", "free_port", "rank_main", "is_loopback"]
 
@@ -58,7 +58,7 @@ def rank_main(spec_values: dict, entrypoint: Callable | None = None) -> Any:
     spec = Spec(values, values.pop("_source", "pipeline"))
     if entrypoint is not None:
         return entrypoint(spec)
-    from pp_core.app.train import train
+    from pp_core.app.train import train  # torch: only the ranks need it, not the launcher
 
     return train(spec)
 
@@ -93,7 +93,7 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
         just before the processes start.
     When this process is itself a rank (started by torchrun), it just runs that rank.
     """
-    from pp_core.runtime.pipeline import _timeout as timeout_from_env
+    from pp_core.runtime.pipeline import _timeout as timeout_from_env  # torch: once launching
 
     timeout_from_env(None)  # a bad $PP_CORE_TIMEOUT fails here, not in every rank
     if started_by_torchrun():
@@ -255,8 +255,6 @@ def _failure_message(exc) -> str:
 
 def _own_error(message: str) -> bool:
     """Whether a rank's recorded ``"Type: text"`` is one of pp-core's error types."""
-    from pp_core.errors import PPCoreError
-
     def names(cls):
         yield cls.__name__
         for sub in cls.__subclasses__():

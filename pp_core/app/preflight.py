@@ -16,11 +16,16 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pp_core.app.factories import dataset_factory, model_factory, plugins_or_installed
+from pp_core.app.preflight_build import (
+    build_meta_model, check_build, check_local_ranks, check_outputs,
+)
+from pp_core.app.spec import Spec, SpecError
 from pp_core.devices import choose as choose_device
 from pp_core.devices import resolve_device
-from pp_core.errors import PPCoreError
-from pp_core.app.factories import dataset_factory, model_factory, plugins_or_installed
-from pp_core.app.spec import Spec, SpecError
+from pp_core.errors import PPCoreError, ScheduleError
+from pp_core.planning.split import plan_split
+from pp_core.schedule.build import build_schedule, resolve_schedule_def
 
 __all__ = ["Preflight", "preflight", "schedule_def_for", "resolve_device"]
 
@@ -38,7 +43,6 @@ def schedule_def_for(spec: Spec, plugins=None):
     """The schedule's :class:`ScheduleDef` (``None`` for a CSV schedule)."""
     if spec.pipeline["pp_schedule_csv"]:
         return None
-    from pp_core.schedule.build import resolve_schedule_def
 
     return resolve_schedule_def(spec.pipeline["pp_schedule"], plugins_or_installed(plugins))[1]
 
@@ -93,8 +97,6 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
     except PPCoreError as exc:
         problems.append(str(exc))
     if run_checks:
-        from pp_core.app.preflight_build import check_local_ranks, check_outputs
-
         check_outputs(spec, problems, result.notes)
         check_local_ranks(spec, problems)
     if problems:
@@ -102,8 +104,6 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
     if build:
         model = _plan_and_schedule(spec, plugins, model_fn, result, problems)
         if run_checks and not problems:
-            from pp_core.app.preflight_build import check_build
-
             check_build(spec, model, data_fn, problems, result.notes, plugins)
     if problems:
         raise SpecError(problems, spec.source)
@@ -123,7 +123,7 @@ def _check_batch(spec: Spec, problems: list[str]) -> None:
 
 def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
     """``train.activation_checkpointing`` / ``train.compile`` act per block: the model needs some."""
-    from pp_core.parallel import find_blocks
+    from pp_core.parallel import find_blocks  # torch: only when AC or compile is asked for
 
     wanted = [key for key, on in (("activation_checkpointing",
                                    spec.train["activation_checkpointing"]["mode"] != "none"),
@@ -139,9 +139,6 @@ def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
 def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: list[str]):
     """Plan the split on the meta device, then build + validate the schedule with its sizes;
     returns the meta model (``None`` where it could not be built)."""
-    from pp_core.errors import ScheduleError
-    from pp_core.schedule.build import build_schedule
-
     config = spec.pipeline_config()
     num_ranks = spec.distributed["pp_size"]
     try:
@@ -162,14 +159,12 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
                             f"{config.num_microbatches})")
             return None
         stages_per_rank = csv_schedule.num_stages // num_ranks
-    from pp_core.app.preflight_build import build_meta_model
 
     model = build_meta_model(spec, model_fn, problems, result.notes)
     if problems:
         return None
     if model is not None:
         _check_blocks(spec, model, problems)
-        from pp_core.planning.split import plan_split
 
         try:
             result.plan = plan_split(

@@ -14,8 +14,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pp_core.errors import PPCoreError, quoted, shorten
+from pp_core.app.factories import dataset_args
+from pp_core.app.launch import started_by_torchrun
 from pp_core.app.spec import Spec
+from pp_core.errors import PPCoreError, quoted, shorten
+from pp_core.losses import resolve_loss
+from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
 
 __all__ = ["build_meta_model", "check_build", "check_outputs", "check_local_ranks",
            "LOCAL_RANKS_PER_CPU"]
@@ -76,8 +80,6 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
 
 def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str]):
     """The dataset's first batch, or ``None`` with a problem naming data.args (or eval_args)."""
-    from pp_core.app.factories import dataset_args
-
     key = "data.eval_args" if evaluation else "data.args"
     why = " (train.eval_every is set, so evaluation builds it)" if evaluation else ""
     try:
@@ -102,7 +104,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     """Shapes against the global batch and ``pp_seq_len``; one microbatch through the meta model."""
     import torch
 
-    from pp_core.app.train import _first_tensor, dp_slice
+    from pp_core.app.train import _first_tensor, dp_slice  # torch: only with a batch in hand
 
     inputs, target = batch
     global_batch = spec.global_batch_size
@@ -127,8 +129,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
                         f"(or leave pp_seq_len out)")
     if model is None:
         return
-    from pp_core.losses import resolve_loss
-    from pp_core.runtime.microbatch import num_tokens
+    from pp_core.runtime.microbatch import num_tokens  # torch: only with a model in hand
 
     meta = [_to_meta(v) for v in micro]
     initializers = _runtime_initializers(model, plugins, problems)
@@ -152,8 +153,6 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
 
 def _runtime_initializers(model, plugins, problems: list[str]):
     """The model's runtime initializers as the executor collects them, or None (a problem)."""
-    from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
-
     try:
         return collect_pipeline_runtime_initializers([model], plugins)
     except (RuntimeError, TypeError) as exc:
@@ -202,7 +201,7 @@ def _check_optimizer(spec: Spec, model, problems: list[str]) -> None:
 
 def _check_resume(spec: Spec, problems: list[str]) -> None:
     """The checkpoint a resume names exists and is complete (every data file there in full)."""
-    from pp_core.app.checkpoint import latest_checkpoint, resume_checkpoint
+    from pp_core.app.checkpoint import latest_checkpoint, resume_checkpoint  # torch's DCP: seconds
 
     resume = spec.checkpoint["resume"]
     if isinstance(resume, str) and not (Path(resume) / ".metadata").is_file():
@@ -286,8 +285,6 @@ def _has_space(key: str, directory: Path, problems: list[str]) -> bool:
 def check_local_ranks(spec: Spec, problems: list[str]) -> None:
     """Refuse a local launch of more processes than this machine could run (not under torchrun,
     where the launcher's world size decides)."""
-    from pp_core.app.launch import started_by_torchrun
-
     if started_by_torchrun():
         return
     local = spec.world_size // spec.distributed["nnodes"]

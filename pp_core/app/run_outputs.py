@@ -21,6 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pp_core.app.progress import format_summary
+from pp_core.schedule.render import render_svg
+from pp_core.schedule.simulate import Costs, simulate
+
 __all__ = ["RunRecorder", "ActionTimer", "peak_memory"]
 
 TRACE_STEPS = 20  # the trace keeps the last this-many steps (a long run's trace stays small)
@@ -257,8 +261,6 @@ class RunRecorder:
         return summary
 
     def _summarise(self, ranks: list[dict], start_step: int, wall_s: float) -> dict[str, Any]:
-        from pp_core.app.progress import format_summary
-
         spec, out = self.spec, self.spec.output
         schedule = self._schedule()
         simulated, note = self._simulate(schedule, ranks)
@@ -268,9 +270,6 @@ class RunRecorder:
         if out["trace"]:
             _write_trace(out["trace"], ranks)
         if out["schedule_image"] and schedule is not None:
-            from pp_core.schedule.render import render_svg
-            from pp_core.schedule.simulate import simulate
-
             Path(out["schedule_image"]).parent.mkdir(parents=True, exist_ok=True)
             Path(out["schedule_image"]).write_text(render_svg(simulate(schedule)))
         model = spec.model["name"] or spec.model["target"]
@@ -302,7 +301,6 @@ class RunRecorder:
         """Per pp rank idle share predicted by the simulator, with this run's mean action costs."""
         if schedule is None:
             return None, None
-        from pp_core.schedule.simulate import Costs, simulate
 
         per_stage: dict[int, dict[str, float]] = {}
         for figures in ranks:

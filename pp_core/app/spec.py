@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from pp_core.errors import ConfigError, quoted
 from pp_core.app.spec_schema import REQUIRED_SECTIONS, SCHEMA, Key, Mismatch, describe_value
+from pp_core.app.spec_yaml import YamlProblem, load_yaml_text, read_yaml
+from pp_core.config import PipelineConfig
+from pp_core.errors import ConfigError, quoted
 
 __all__ = ["Key", "SCHEMA", "REQUIRED_SECTIONS", "Spec", "SpecError", "load_spec",
            "parse_spec", "apply_overrides", "parse_override", "describe_value"]
@@ -60,8 +62,6 @@ class Spec:
         return copy.deepcopy(self.values)
 
     def pipeline_config(self):
-        from pp_core.config import PipelineConfig
-
         return PipelineConfig(**self.values["pipeline"])
 
     @property
@@ -83,7 +83,6 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not all(keys):
         raise SpecError([f"--set {quoted(text)}: expected key.path=value, e.g. --set "
                          f"train.steps=10"])
-    from pp_core.app.spec_yaml import YamlProblem, load_yaml_text
 
     try:
         value = load_yaml_text(raw) if raw.strip() else None
@@ -251,8 +250,6 @@ finished). Far beyond any real step."""
 
 
 def _check_pipeline(pipeline: dict, problems: list[str]) -> None:
-    from pp_core.config import PipelineConfig
-
     try:
         config = PipelineConfig(**pipeline)
     except ConfigError as exc:
@@ -269,8 +266,6 @@ def _config_key(pipeline: dict, message: str) -> str:
     """The ``pipeline.<field>`` a PipelineConfig error is about: the field it names first, or the
     one field whose default, put back, makes the config valid."""
     import re
-
-    from pp_core.config import PipelineConfig
 
     mentioned = [(m.start(), m.group(1)) for m in re.finditer(r"\b(\w+)\b", message)
                  if m.group(1) in pipeline]
@@ -330,8 +325,6 @@ def _check_optimizer(optimizer: dict, problems: list[str]) -> None:
 
 def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> Spec:
     """Read ``path``, apply ``--set`` overrides, and check everything that needs no plugin."""
-    from pp_core.app.spec_yaml import YamlProblem, read_yaml
-
     file = Path(path)
     if not file.is_file():
         raise SpecError([f"no such file {quoted(str(file))}"], str(file))

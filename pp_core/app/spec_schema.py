@@ -14,6 +14,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pp_core.app.rendezvous import address_problem, port_problem, split_endpoint
+from pp_core.config import PipelineConfig
+from pp_core.errors import ConfigError, quoted
+
 __all__ = ["Key", "SCHEMA", "REQUIRED_SECTIONS", "Mismatch", "describe_value"]
 
 
@@ -27,8 +31,6 @@ class Mismatch(Exception):
 
 def describe_value(value: Any) -> str:
     """``'ten' (str)``: the value as found (cut short), with its YAML-visible type."""
-    from pp_core.errors import quoted
-
     return f"{quoted(value, 60)} ({type(value).__name__})"
 
 
@@ -115,8 +117,6 @@ def _resume(value):
 
 
 def _address(value):
-    from pp_core.app.rendezvous import address_problem
-
     problem = address_problem(_str(value))
     if problem is not None:
         raise Mismatch(problem)
@@ -124,8 +124,6 @@ def _address(value):
 
 
 def _port(value):
-    from pp_core.app.rendezvous import port_problem
-
     problem = port_problem(value)
     if problem is not None:
         raise Mismatch(problem)
@@ -133,8 +131,6 @@ def _port(value):
 
 
 def _endpoint(value):
-    from pp_core.app.rendezvous import split_endpoint
-
     try:
         split_endpoint(_str(value))
     except ValueError as exc:
@@ -175,7 +171,7 @@ def _compile(value):
 
 def _mixed_precision(value):
     """``{param_dtype, reduce_dtype}``: floating-point torch dtype names."""
-    from pp_core.errors import ConfigError
+    # torch: only a spec that sets mixed_precision pays for it; parsing a spec stays torch-free
     from pp_core.parallel.data_parallel import mixed_precision_policy
 
     expected = "a mapping {param_dtype, reduce_dtype} of float32, bfloat16 or float16"
@@ -202,8 +198,6 @@ class Key:
 
 def _pipeline_keys() -> list[Key]:
     """``pipeline`` holds the :class:`~pp_core.config.PipelineConfig` fields, verbatim."""
-    from pp_core.config import PipelineConfig
-
     keys = []
     for f in dataclasses.fields(PipelineConfig):
         if isinstance(f.default, bool):

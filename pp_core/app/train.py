@@ -25,8 +25,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pp_core.errors import PipelineError
+from pp_core import build_pipeline
+from pp_core.app.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from pp_core.app.factories import dataset_args, dataset_factory, model_factory
+from pp_core.app.progress import Progress
+from pp_core.app.run_outputs import RunRecorder
 from pp_core.app.spec import Spec
+from pp_core.devices import resolve_device
+from pp_core.errors import PipelineError
+from pp_core.parallel import apply_activation_checkpointing, apply_compile, apply_data_parallel
+from pp_core.parallel.gradients import clip_grad_norm, finish_gradients, tied_copies
 
 __all__ = ["train", "lr_factor", "count_tokens", "dp_slice", "RankContext"]
 
@@ -90,8 +98,6 @@ class RankContext:
     def __init__(self, spec: Spec):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from pp_core.devices import resolve_device
-
         device_type, backend = resolve_device(spec)
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -131,9 +137,6 @@ class RankContext:
 
 def _build(spec: Spec, ctx: RankContext):
     """Model (seeded, whole, then split), pipeline, one optimizer per model part."""
-    from pp_core import build_pipeline
-    from pp_core.app.factories import model_factory
-
     torch.manual_seed(spec.train["seed"])
     model = model_factory(spec)(**spec.model["args"])
     num_params = sum(p.numel() for p in model.parameters())
@@ -147,8 +150,6 @@ def _build(spec: Spec, ctx: RankContext):
     apply_parallelisms(pipe.model_parts, checkpointing, spec.train["compile"])
     dp_units = 0
     if ctx.dp_size > 1:  # last, after AC and compile, as torchtitan does
-        from pp_core.parallel import apply_data_parallel
-
         dp_units = apply_data_parallel(pipe.model_parts, ctx.data_parallel_mesh(),
                                        shard=spec.distributed["dp_shard"] > 1,
                                        mixed_precision=spec.distributed["mixed_precision"])
@@ -180,8 +181,6 @@ def activation_checkpointing_of(spec: Spec, model) -> dict:
 
 def apply_parallelisms(parts, checkpointing: dict, compile_options: dict) -> None:
     """AC, then compile, on this rank's parts (:mod:`pp_core.parallel`; dp comes after)."""
-    from pp_core.parallel import apply_activation_checkpointing, apply_compile
-
     apply_activation_checkpointing(parts, checkpointing["mode"], checkpointing["every"])
     options = dict(compile_options)
     if options.pop("enabled"):
@@ -197,8 +196,6 @@ def _set_lr(optimizers, base_lrs, factor: float) -> float:
 
 
 def _dataset(spec: Spec, evaluation: bool = False):
-    from pp_core.app.factories import dataset_args, dataset_factory
-
     factory = dataset_factory(spec)
     return factory(**dataset_args(spec, factory, evaluation))
 
@@ -212,8 +209,6 @@ def _mean_over_dp(value: float | None, ctx: RankContext) -> float | None:
 
 
 def _resume_step(spec: Spec, pipe, optimizers, ctx: RankContext, say) -> int:
-    from pp_core.app.checkpoint import load_checkpoint, resume_checkpoint
-
     resume = spec.checkpoint["resume"]
     if not resume:
         return 0
@@ -241,11 +236,6 @@ def _evaluate(spec: Spec, pipe, ctx: RankContext, global_batch: int) -> float | 
 
 def train(spec: Spec) -> dict[str, Any]:
     """Run this rank's part of the pipeline; rank 0 returns the summary (see ``format_summary``)."""
-    from pp_core.app.checkpoint import save_checkpoint
-    from pp_core.parallel.gradients import clip_grad_norm, finish_gradients, tied_copies
-    from pp_core.app.progress import Progress
-    from pp_core.app.run_outputs import RunRecorder
-
     started = time.perf_counter()
     ctx = RankContext(spec)
     pipe, optimizers, num_params, dp_units = _build(spec, ctx)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pp_core.errors import ConfigError, PluginError
+from pp_core.plugin_manager import default_plugins
 
 __all__ = ["build_model_parts", "prune_model", "materialize_parts"]
 
@@ -155,8 +156,6 @@ def build_model_parts(
                           f"{plan.num_stages}) for a plan of {plan.num_stages} stages")
     splitter = plan.splitter_object
     if splitter is None:
-        from pp_core.plugin_manager import default_plugins
-
         splitter = default_plugins().splitters.get(plan.splitter)
     make_part = getattr(splitter, "make_part", None)
     model_keys = set(model.state_dict().keys()) if make_part is not None else set()

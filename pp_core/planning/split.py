@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from pp_core.errors import ConfigError
 from pp_core.planning.partition import balanced_partition, spread, virtual_stages  # re-exported
+from pp_core.plugin_manager import Plugins, default_plugins
 
 __all__ = [
     "SplitPlan",
@@ -68,8 +69,6 @@ class SplitPlan:
 
 
 def _plugins(plugins):
-    from pp_core.plugin_manager import Plugins, default_plugins
-
     if plugins is None:
         return default_plugins()
     if isinstance(plugins, Plugins):

@@ -34,6 +34,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from pp_core.errors import PluginError
+
 __all__ = ["RecvBufferAllocator", "DefaultRecvBufferAllocator", "make_recv_buffer_allocator"]
 
 
@@ -67,8 +69,6 @@ class DefaultRecvBufferAllocator:
 
 def make_recv_buffer_allocator(plugins, config, program, rank: int, device) -> RecvBufferAllocator:
     """The first plugin's allocator for this rank, or the default one."""
-    from pp_core.errors import PluginError
-
     allocator = None
     if plugins is not None:
         try:

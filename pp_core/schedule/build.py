@@ -13,6 +13,7 @@ import os
 
 from pp_core.errors import ScheduleError
 from pp_core.plugin_manager import default_plugins
+from pp_core.schedule.csv_io import read_csv
 from pp_core.schedule.ir import Schedule, ScheduleDef, stage_to_rank
 from pp_core.schedule.validate import validate_schedule
 
@@ -132,8 +133,6 @@ def _check_int(what: str, value, minimum: int) -> None:
 
 def _from_csv(csv_path, num_ranks: int, num_microbatches: int,
               stages_per_rank: int | None) -> Schedule:
-    from pp_core.schedule.csv_io import read_csv
-
     schedule = read_csv(csv_path)  # validated
     where = f"schedule CSV {os.fspath(csv_path)!r}"
     if schedule.num_ranks != num_ranks:

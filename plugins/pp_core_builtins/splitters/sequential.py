@@ -90,7 +90,7 @@ class SequentialSplitter:
     def make_part(self, model, fqns, stage_index, num_stages, config) -> nn.Module:
         """An ``nn.Sequential`` of the stage's children, under their original names (shared)."""
         if _is_plain_sequential(model):
-            from pp_core.planning.parts import prune_model
+            from pp_core.planning.parts import prune_model  # imports torch: not at plugin load
 
             return prune_model(model, fqns)
         from torch import nn

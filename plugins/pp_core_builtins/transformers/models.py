@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from pp_core import ConfigError
+from pp_core.config import resolve_dtype
 
 __all__ = ["hf_causal_lm", "causal_lm_loss", "hf_config"]
 
@@ -74,7 +75,6 @@ def hf_causal_lm(
     """
     from transformers import AutoModelForCausalLM
 
-    from pp_core.config import resolve_dtype
     from pp_core_builtins.transformers.loading import has_checkpoint
 
     if checkpoint is None and isinstance(config, (str, os.PathLike)) and has_checkpoint(config):

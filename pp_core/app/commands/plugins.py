@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from pp_core import __version__
+from pp_core.plugin_manager import CORE_PLUGIN_NAME, load_plugins
+
 HELP = """\
 List every pp-core plugin: its entry-point name, the distribution and version
 that installed it, and what it provides (schedules with their aliases,
@@ -29,8 +32,6 @@ def register(subparsers) -> None:
 
 def describe(plugins) -> list[dict]:
     """One record per plugin: name, distribution, version, what it provides, or its error."""
-    from pp_core.plugin_manager import CORE_PLUGIN_NAME
-
     rows: dict[str, dict] = {}
     for name, _plugin in plugins.pm.list_name_plugin():
         dist, version = plugins.distribution(name)
@@ -61,14 +62,10 @@ def describe(plugins) -> list[dict]:
 
 
 def _core_version() -> str:
-    from pp_core import __version__
-
     return __version__
 
 
 def run(args) -> int:
-    from pp_core.plugin_manager import load_plugins
-
     rows = describe(load_plugins())
     if args.json:
         print(json.dumps(rows, indent=2))

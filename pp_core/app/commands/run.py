@@ -3,6 +3,10 @@
 ``run`` checks the whole file first (unknown keys, types, combinations, plugin names, the split
 and the schedule), so a mistake is reported before any process starts; then it starts
 ``pp_size * dp_size`` ranks through torch's launcher, or runs as one rank under ``torchrun``.
+
+Every command module is imported to build the parser, so each command imports what it runs
+inside its function: ``pp-core schedule ...`` and ``--help`` never pay for the spec machinery or
+torch (``tests/test_schedule_torch_free.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import argparse
 import os
 import signal
 import sys
+
+from pp_core.errors import ConfigError
 
 RUN_HELP = """\
 Train the pipeline described in a YAML file (see docs/yaml.md).
@@ -99,7 +105,6 @@ def run_command(args) -> int:
 
 
 def validate_command(args) -> int:
-    from pp_core.errors import ConfigError
     from pp_core.app.rendezvous import resolve
     from pp_core.app.spec import SpecError
 

@@ -1,4 +1,9 @@
-"""``pp-core schedule show|simulate|export``: look at a schedule before spending a GPU on it."""
+"""``pp-core schedule show|simulate|export``: look at a schedule before spending a GPU on it.
+
+Each sub-command imports the parts of the schedule half it uses inside its function, so that
+``pp-core --help`` and every other command, which import this module to build the parser, do
+not pay for them. Nothing here imports torch (``tests/test_schedule_torch_free.py``).
+"""
 
 from __future__ import annotations
 
