@@ -198,7 +198,7 @@ class Incoming:
 class Mailbox:
     """Posts receives in program order and keeps each peer's operations in program order.
 
-    ``allocate(lifetime, metas)`` returns the receive buffers (see ``pp_core.runtime.buffers``);
+    ``allocate(lifetime, metas)`` returns the receive buffers (see ``pp_core.runtime.allocator``);
     ``edge_metas(message)`` gives the metas of a header-less message whose edge learned them from
     an earlier header (static shapes).
     """
