@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pp_core.testing_dist import DistPool  # noqa: E402
+from pp_core.testing.dist_pool import DistPool  # noqa: E402
 
 
 def _local_bytes(tensor) -> int:
@@ -35,7 +35,7 @@ def measure(layout: str, steps: int, dim: int, layers: int, microbatches: int) -
 
     from pp_core import PipelineConfig, build_pipeline
     from pp_core.parallel import apply_data_parallel
-    from pp_models.gpt import GPT
+    from pp_core_builtins.models.gpt import GPT
 
     world = dist.get_world_size()
     dp = 1 if layout == "pp2" else 2

@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 
 from pp_core.errors import PPCoreError
-from pp_core.plugins import default_plugins
-from pp_core.schedule.build import build_schedule
+from pp_core.plugin_manager import default_plugins
+from pp_core.schedule.build import build_schedule, resolve_schedule_def
 from pp_core.schedule.csv_io import parse_csv
 from pp_core.schedule.simulate import simulate
 from pp_core.schedule.validate import validate_schedule
@@ -212,7 +212,7 @@ def compile_speed(names: list[str], p: int, m: int) -> list[dict]:
     lower = _lower()
     rows = []
     for name in names:
-        sdef = plugins.schedule_def(name)
+        sdef = resolve_schedule_def(name, plugins)[1]
         v = 2 if (sdef.stages_per_rank == 2 or sdef.variable_stages_per_rank) else 1
         row = {"schedule": name, "pp": p, "microbatches": m, "stages_per_rank": v}
         t0 = time.perf_counter()
@@ -269,7 +269,7 @@ def _command_s(p: int) -> tuple[float, float]:
 
 
 def scale(pps=SCALE_PP) -> list[dict]:
-    from pp_core.schedule.buffers import recv_buffer_report
+    from pp_core.schedule.buffer_plan import recv_buffer_report
 
     lower = _lower()
     default_plugins()  # loaded once, as the command does before its work

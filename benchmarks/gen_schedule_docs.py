@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from pp_core.errors import PPCoreError
-from pp_core.plugins import default_plugins
-from pp_core.schedule.build import build_schedule
+from pp_core.plugin_manager import default_plugins
+from pp_core.schedule.build import build_schedule, resolve_schedule_def
 from pp_core.schedule.render import render_text
 from pp_core.schedule.simulate import simulate
 
@@ -156,7 +156,7 @@ def gallery() -> str:
              "Timelines: one column per time unit, `.` idle, `~` the second slot of a `B`. "
              "Peak = in-flight (stage, microbatch) pairs per rank.\n"]
     for entry in plugins.schedules:
-        sdef = plugins.schedule_def(entry.name)
+        sdef = resolve_schedule_def(entry.name, plugins)[1]
         try:
             schedule = build_schedule(entry.name, num_ranks=4, num_microbatches=8)
         except PPCoreError as exc:

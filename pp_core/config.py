@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
+from pp_core.callables import resolve_callable  # re-exported: its public path before issue 12
 from pp_core.errors import ConfigError
+from pp_core.losses import get_loss
 
 __all__ = ["PipelineConfig", "resolve_dtype", "resolve_callable"]
 
@@ -41,36 +42,6 @@ def resolve_dtype(value: Any):
         f"dtype={value!r} is not a torch dtype; use a torch.dtype or a name such as "
         f"'float32', 'bfloat16' or 'float16'"
     )
-
-
-def resolve_callable(value: Any, field_name: str = "loss_fn") -> Callable:
-    """A callable from a callable or an importable ``"module:attr"`` string (imports code!)."""
-    if callable(value):
-        return value
-    if not isinstance(value, str) or value.count(":") != 1:
-        raise ConfigError(
-            f"{field_name}={value!r} is neither a callable nor a 'module:attr' string; pass a "
-            f"function, or a string such as 'torch.nn.functional:cross_entropy'"
-        )
-    module_name, _, attr = value.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"{field_name}={value!r}: cannot import module {module_name!r} ({exc}); check the "
-            f"spelling or install the package that provides it"
-        ) from None
-    target = module
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            names = [n for n in dir(module) if not n.startswith("_")]
-            guess = difflib.get_close_matches(part, names, n=1)
-            hint = f"; did you mean '{module_name}:{guess[0]}'?" if guess else ""
-            raise ConfigError(f"{field_name}={value!r}: {module_name!r} has no attribute {attr!r}{hint}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ConfigError(f"{field_name}={value!r} names {type(target).__name__}, not a callable")
-    return target
 
 
 @dataclass
@@ -165,9 +136,7 @@ class PipelineConfig:
                         f"loss_fn={self.loss_fn!r} is neither a built-in loss nor a 'module:attr' "
                         f"string; did you mean '{module}:{attr}'?"
                     )
-                from pp_core.losses import get_loss  # a bare built-in name such as cross_entropy
-
-                get_loss(self.loss_fn)
+                get_loss(self.loss_fn)  # a bare built-in name such as cross_entropy
             else:
                 resolve_callable(self.loss_fn, "loss_fn")
 

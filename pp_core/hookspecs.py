@@ -50,7 +50,7 @@ def pp_register_schedules(register: Callable[[str, Any], None]) -> None:
         loop placement and one stage per rank. Names and aliases are case-insensitive.
 
     Calling: every implementation runs; a name or alias registered twice is an error naming both
-    plugins. Built-ins: ``pp_schedules.*``.
+    plugins. Built-ins: ``pp_core_builtins.schedules.*``.
     """
 
 
@@ -67,7 +67,7 @@ def pp_register_splitters(register: Callable[[str, Any], None]) -> None:
         ties in registration order; see ``docs/splitting.md``.
 
     Calling: every implementation runs; a name registered twice is an error naming both plugins.
-    Built-ins: ``pp_splitters.fqn``, ``pp_splitters.sequential``, ``pp_splitters.layers``.
+    Built-ins: ``pp_core_builtins.splitters.fqn``, ``pp_core_builtins.splitters.sequential``, ``pp_core_builtins.splitters.layers``.
     """
 
 
@@ -79,7 +79,7 @@ def pp_register_models(register: Callable[[str, Callable[..., "nn.Module"]], Non
         an ``nn.Module``.
 
     Calling: every implementation runs; a name registered twice is an error naming both plugins.
-    Built-ins: ``pp_models``.
+    Built-ins: ``pp_core_builtins.models``.
     """
 
 
@@ -92,7 +92,7 @@ def pp_register_datasets(register: Callable[[str, Callable[..., Iterable]], None
         dimension = the global batch size; ``inputs`` a tensor, or a tuple or dict of tensors).
 
     Calling: every implementation runs; a name registered twice is an error naming both plugins.
-    Built-ins: ``pp_models``.
+    Built-ins: ``pp_core_builtins.models``.
     """
 
 
@@ -128,10 +128,10 @@ def pp_make_recv_buffer_allocator(
     :param program: this rank's lowered program, with each receive buffer's lifetime.
     :param rank: this rank's index in the pipeline group.
     :param device: where the buffers live.
-    :returns: an allocator (see ``pp_core.runtime.buffers``), or ``None`` to pass.
+    :returns: an allocator (see ``pp_core.runtime.allocator``), or ``None`` to pass.
 
     Calling: first non-``None`` result wins; with none, the runtime allocates one buffer per
-    microbatch and direction, as torch does. Built-in: ``pp_buffer_pool`` (when
+    microbatch and direction, as torch does. Built-in: ``pp_core_builtins.buffer_pool`` (when
     ``pp_recv_buffer_pool=True``).
     """
 
@@ -150,7 +150,7 @@ def pp_pipeline_step(pipeline: Any, training: bool) -> Optional[Any]:
     ``return result``. If the step fails, ``yield`` raises. A plain (non-wrapper)
     implementation is refused: it could replace the step.
     Use it for work that spans stages once per step — summing the gradients of weights tied
-    across stages (``pp_transformers`` does), counting, timing. A wrapper may talk to the
+    across stages (``pp_core_builtins.transformers`` does), counting, timing. A wrapper may talk to the
     pipeline's peers over ``pipeline.group``; it runs on every rank, so every rank must agree on
     what it sends.
 
@@ -175,6 +175,6 @@ def pp_report_metrics(step: int, metrics: dict[str, Any]) -> None:
     Calling: every implementation runs, on the first rank of the run only (the one that writes
     ``output.metrics``), once per logged step (``train.log_every``, the first and the last step)
     and once per evaluation, whether or not ``output.metrics`` is set. An implementation that
-    raises is logged (logger ``pp_core.plugins``, naming the plugin) and not called again for
-    the rest of the run; the run goes on.
+    raises is logged (logger ``pp_core.plugin_manager``, naming the plugin) and not called again
+    for the rest of the run; the run goes on.
     """

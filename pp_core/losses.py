@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 from typing import Callable
 
+from pp_core.callables import resolve_callable
 from pp_core.errors import ConfigError
 
 __all__ = ["cross_entropy", "mse", "l1", "BUILTIN_LOSSES", "get_loss", "resolve_loss"]
@@ -63,6 +64,4 @@ def resolve_loss(value) -> Callable:
         return value
     if isinstance(value, str) and ":" not in value:
         return get_loss(value)
-    from pp_core.config import resolve_callable
-
     return resolve_callable(value, "loss_fn")

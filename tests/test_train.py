@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pp_core.checkpoint import latest_checkpoint, read_model_state_dict
-from pp_core.data_parallel import finish_gradients
-from pp_core.launch import launch
+from pp_core.app.checkpoint import latest_checkpoint, read_model_state_dict
+from pp_core.parallel.gradients import finish_gradients
+from pp_core.app.launch import launch
 from pp_core.losses import cross_entropy
-from pp_core.spec import parse_spec
-from pp_core.train import count_tokens, dp_slice, lr_factor
-from pp_models import GPT
-from pp_models.datasets import SyntheticLM
+from pp_core.app.spec import parse_spec
+from pp_core.app.train import count_tokens, dp_slice, lr_factor
+from pp_core_builtins.models import GPT
+from pp_core_builtins.models.datasets import SyntheticLM
 
 MODEL = {"vocab_size": 32, "dim": 16, "num_layers": 4, "num_heads": 2, "max_seq_len": 8}
 DATA = {"seq_len": 8, "vocab_size": 32, "seed": 3}
@@ -40,7 +40,7 @@ def spec_values(tmp_path) -> dict:
 def counting_train(spec):
     """Train, counting every all_reduce by the ranks of the group it ran on (a spy: the real
     collective still runs)."""
-    from pp_core.train import train
+    from pp_core.app.train import train
 
     counts: dict[tuple, int] = {}
     real = dist.all_reduce

@@ -199,7 +199,7 @@ class Mailbox:
     """Posts receives in program order and keeps each peer's operations in program order.
 
     :param allocator: gives the receive buffers (``allocate``/``release``, see
-        ``pp_core.runtime.buffers``).
+        ``pp_core.runtime.allocator``).
     :param shapes: what the receiving side learned from headers
         (:class:`~pp_core.runtime.wire.ReceivedShapes`): told of every decoded header, asked
         for the metas of a header-less message whose edge learned them earlier (static shapes).

@@ -33,16 +33,24 @@ from torch import nn
 
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PPCoreError
+from pp_core.losses import resolve_loss
+from pp_core.planning.parts import build_model_parts
+from pp_core.planning.split import plan_split
+from pp_core.plugin_manager import default_plugins
 from pp_core.runtime.agreement import check_ranks_agree, config_fields, model_fields, plan_fields
-from pp_core.runtime.buffers import make_recv_buffer_allocator
+from pp_core.runtime.allocator import make_recv_buffer_allocator
 from pp_core.runtime.comm import P2P, PeerFailure
+from pp_core.runtime.dp_sync import make_data_parallel
 from pp_core.runtime.executor import Executor
 from pp_core.runtime.failures import end_failed_step, forget_frames
+from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
 from pp_core.runtime.microbatch import merge_microbatches, split_microbatches, to_device
 from pp_core.runtime.observers import ActionTrace
 from pp_core.runtime.stage import Stage
+from pp_core.schedule.build import build_schedule, resolve_schedule_def
 from pp_core.schedule.ir import Schedule
 from pp_core.schedule.lower import Program, forward_only, lower
+from pp_core.schedule.validate import validate_schedule
 
 __all__ = ["Pipeline", "build_pipeline", "resolve_group"]
 
@@ -108,8 +116,6 @@ class Pipeline:
             raise ConfigError(f"rank {rank} holds {len(expected)} stages but got "
                               f"{len(model_parts)} model parts")
         if plugins is None:
-            from pp_core.plugins import default_plugins
-
             plugins = default_plugins()
         self.config = config
         self.rank = rank
@@ -118,8 +124,6 @@ class Pipeline:
         self.dtype = config.torch_dtype
         self.schedule = schedule
         if program is None:  # a schedule made by hand: check it as build_schedule would
-            from pp_core.schedule.validate import validate_schedule
-
             validate_schedule(schedule)
             program = lower(schedule)
         self.program = program
@@ -135,12 +139,8 @@ class Pipeline:
                 f"{config.num_microbatches}")
         self.loss_fn = None
         if config.loss_fn is not None:
-            from pp_core.losses import resolve_loss
-
             self.loss_fn = resolve_loss(config.loss_fn)
         if initializers is None:
-            from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
-
             initializers = collect_pipeline_runtime_initializers(self.model_parts, plugins)
         self.initializers = list(initializers)
         self.has_first = 0 in self.stage_indices
@@ -248,8 +248,6 @@ class Pipeline:
     def _sync_parts(self, train: bool) -> None:
         """Stages run what ``model_parts`` holds now (a part may have been replaced by its DDP
         wrapper); a training step drives the parts' torch DP engines (:mod:`~.dp_sync`)."""
-        from pp_core.runtime.dp_sync import make_data_parallel
-
         for index, part in zip(self.stage_indices, self.model_parts):
             self.stages[index].module = part
         if train:
@@ -333,20 +331,15 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
     :param pp_group: a ProcessGroup or a 1-D DeviceMesh; ``None`` = the default group (or a
         single-process pipeline when torch.distributed is not initialised).
     :param device: where this rank's parts and tensors live (``"cuda:0"``, ``"cpu"``).
-    :param plugins: a :class:`pp_core.plugins.Plugins`; default: the installed plugins.
+    :param plugins: a :class:`pp_core.plugin_manager.Plugins`; default: the installed plugins.
     :param timeout: seconds a single wait may take before the step fails.
     """
     if not isinstance(config, PipelineConfig):
         raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
-    from pp_core.runtime.parts import build_model_parts
-    from pp_core.runtime.split import plan_split
-    from pp_core.schedule.build import build_schedule, resolve_schedule_def
 
     if plugins is None:
-        from pp_core.plugins import default_plugins
-
         plugins = default_plugins()
     group, rank, num_ranks = resolve_group(pp_group)
     if num_ranks > 1:  # ranks that disagree would train on wrong gradients, then hang
