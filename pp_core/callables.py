@@ -39,7 +39,8 @@ def resolve_callable(value: Any, field_name: str = "loss_fn") -> Callable:
             names = [n for n in dir(module) if not n.startswith("_")]
             guess = difflib.get_close_matches(part, names, n=1)
             hint = f"; did you mean '{module_name}:{guess[0]}'?" if guess else ""
-            raise ConfigError(f"{field_name}={value!r}: {module_name!r} has no attribute {attr!r}{hint}")
+            raise ConfigError(f"{field_name}={value!r}: {module_name!r} has no attribute "
+                              f"{attr!r}{hint}")
         target = getattr(target, part)
     if not callable(target):
         raise ConfigError(f"{field_name}={value!r} names {type(target).__name__}, not a callable")

@@ -1,5 +1,5 @@
-"""The built-in schedule plugins (``pp_core_builtins.schedules.*``): registration, names, docstring pictures,
-which sizes each admits, validity of every admitted size, and the reference's figures.
+"""The built-in schedule plugins (``pp_core_builtins.schedules.*``): registration, names, docstring
+pictures, which sizes each admits, validity of every admitted size, and the reference's figures.
 
 Every order is checked by :func:`pp_core.schedule.build.build_schedule`, which validates it
 (placement, completeness, local order, deadlock freedom by list scheduling). Action-for-action

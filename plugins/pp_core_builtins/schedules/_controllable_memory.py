@@ -73,8 +73,9 @@ def _actions(order: list, kinds: list, extra: int) -> list[Action]:
         if run > best:
             best, cut = run, start
     if best < 6:
-        raise ScheduleError("pp_core_builtins.schedules._controllable_memory found no stable phase to repeat; "
-                            "this is a bug, please report it with the schedule's sizes")
+        raise ScheduleError("pp_core_builtins.schedules._controllable_memory found no stable "
+                            "phase to repeat; this is a bug, please report it with the "
+                            "schedule's sizes")
     period = [(*kinds[c], k) for c, k in order[cut:cut + 6]]
     out = [make((*kinds[c], k)) for c, k in order[:cut]]
     for j in range(extra):
