@@ -28,6 +28,7 @@ __all__ = [
     "make_plugin_manager",
     "load_plugins",
     "default_plugins",
+    "plugins_or_default",
 ]
 
 ENTRY_POINT_GROUP = "pp_core"
@@ -329,3 +330,13 @@ def load_plugins(entry_points: bool = True, plugins: Iterable[Any] = (), disable
 def default_plugins() -> Plugins:
     """The installed plugins, loaded once per process on first use (never at import time)."""
     return load_plugins()
+
+
+def plugins_or_default(plugins=None) -> Plugins:
+    """``plugins`` as a :class:`Plugins`: the installed ones when ``None``, a pluggy
+    ``PluginManager`` wrapped. Every function that takes ``plugins=None`` resolves it here."""
+    if plugins is None:
+        return default_plugins()
+    if isinstance(plugins, Plugins):
+        return plugins
+    return Plugins(plugins)

@@ -5,24 +5,25 @@ factories' signatures, builds the model on the meta device (no memory, no init) 
 split with the splitter plugins, and builds and validates the schedule for ``pp_size`` ranks.
 Every mistake becomes a line of one :class:`~pp_core.spec.SpecError` that names the YAML key.
 
-:func:`model_factory`, :func:`dataset_factory` and :func:`dataset_args` are shared with the
-training processes so that what ``pp-core validate`` checks is exactly what ``pp-core run`` uses.
+:func:`~pp_core.planning.plan.plan_pipeline` plans here as it does on every rank, and the model
+and dataset factories come from :mod:`pp_core.app.factories` as they do in a run, so what
+``pp-core validate`` checks is exactly what ``pp-core run`` builds.
 """
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pp_core.app.factories import dataset_args, dataset_factory, model_factory  # re-exported
 from pp_core.devices import choose as choose_device
 from pp_core.devices import resolve_device
-from pp_core.errors import ConfigError, PPCoreError, quoted
+from pp_core.errors import PPCoreError, did_you_mean
 from pp_core.spec import Spec, SpecError
 
 __all__ = ["Preflight", "preflight", "model_factory", "dataset_factory", "dataset_args",
-           "schedule_def_for", "resolve_device"]
+           "resolve_device"]
 
 
 @dataclass
@@ -32,64 +33,6 @@ class Preflight:
     plan: Any = None
     schedule: Any = None
     notes: list[str] = field(default_factory=list)
-
-
-def _plugins(plugins):
-    if plugins is not None:
-        return plugins
-    from pp_core.plugins import default_plugins
-
-    return default_plugins()
-
-
-def model_factory(spec: Spec, plugins=None) -> Callable:
-    """The callable that builds the model: a registered name, or ``model.target`` (imports code)."""
-    if spec.model["target"] is not None:
-        from pp_core.config import resolve_callable
-
-        target = resolve_callable(spec.model["target"], "model.target")
-        if not (inspect.isclass(target) or inspect.isfunction(target)):
-            raise ConfigError(f"model.target={quoted(spec.model['target'])} names a "
-                              f"{type(target).__name__}, not a class or a Python function; "
-                              f"validate and run call it with model.args, so name your model's "
-                              f"class or factory function")
-        return target
-    return _plugins(plugins).models.get(spec.model["name"])
-
-
-def dataset_factory(spec: Spec, plugins=None) -> Callable:
-    return _plugins(plugins).datasets.get(spec.data["name"])
-
-
-def _accepts(factory: Callable, name: str) -> bool:
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def dataset_args(spec: Spec, factory: Callable, evaluation: bool = False) -> dict:
-    """``data.args`` (with ``data.eval_args`` over them for evaluation), plus the global batch size.
-
-    Every dataset yields whole-step batches of ``pp_batch_size * dp_size`` samples; a factory
-    that takes ``batch_size`` gets it filled in when the YAML leaves it out.
-    """
-    args = dict(spec.data["args"])
-    if evaluation:
-        args.update(spec.data["eval_args"])
-    if "batch_size" not in args and _accepts(factory, "batch_size"):
-        args["batch_size"] = spec.global_batch_size
-    return args
-
-
-def schedule_def_for(spec: Spec, plugins=None):
-    """The schedule's :class:`ScheduleDef` (``None`` for a CSV schedule)."""
-    if spec.pipeline["pp_schedule_csv"]:
-        return None
-    from pp_core.schedule.build import resolve_schedule_def
-
-    return resolve_schedule_def(spec.pipeline["pp_schedule"], _plugins(plugins))[1]
 
 
 def _check_args(where: str, factory: Callable, args: dict, problems: list[str]) -> None:
@@ -102,8 +45,8 @@ def _check_args(where: str, factory: Callable, args: dict, problems: list[str]) 
     names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     for key in args:
         if key not in names:
-            guess = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-            hint = f"did you mean '{where}.{guess[0]}'? " if guess else ""
+            hint = did_you_mean(key, names, cutoff=0.5, show=lambda name: f"'{where}.{name}'",
+                                after=" ")
             problems.append(f"{where}.{key}: unknown argument of "
                             f"{getattr(factory, '__qualname__', factory)}; {hint}"
                             f"its arguments: {', '.join(names) or 'none'}")
@@ -117,7 +60,9 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
     the resume path, the output paths: :mod:`pp_core.preflight_build`), so that what would fail
     after the ranks start is refused before.
     """
-    plugins = _plugins(plugins)
+    from pp_core.plugins import plugins_or_default
+
+    plugins = plugins_or_default(plugins)
     problems: list[str] = []
     result = Preflight()
     model_fn = data_fn = None
@@ -186,56 +131,33 @@ def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
 
 
 def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: list[str]):
-    """Plan the split on the meta device, then build + validate the schedule with its sizes;
-    returns the meta model (``None`` where it could not be built)."""
-    from pp_core.errors import ScheduleError
-    from pp_core.schedule.build import build_schedule
+    """Plan the split and the schedule on the meta device with the function every rank plans
+    with; returns the meta model (``None`` where it could not be built)."""
+    from pp_core.planning.plan import plan_pipeline, schedule_field, schedule_shape
+    from pp_core.preflight_build import build_meta_model
 
     config = spec.pipeline_config()
     num_ranks = spec.distributed["pp_size"]
-    try:
-        sdef = schedule_def_for(spec, plugins)
-    except ScheduleError as exc:
-        problems.append(f"pipeline.pp_schedule: {exc}")
+    sizes = (f" (pp_size={num_ranks}, microbatches = pp_batch_size / pp_microbatch_size = "
+             f"{config.num_microbatches})")
+    try:  # a wrong schedule name or CSV is reported before the model is built
+        schedule_shape(config, num_ranks, plugins)
+    except PPCoreError as exc:
+        csv = config.pp_schedule_csv is not None
+        problems.append(f"pipeline.{schedule_field(config)}: {exc}" + (sizes if csv else ""))
         return None
-    stages_per_rank = sdef.stages_per_rank if sdef is not None else None
-    if sdef is None:  # a CSV determines its stage count: derive stages_per_rank as run does
-        try:
-            csv_schedule = build_schedule(num_ranks=num_ranks,
-                                          num_microbatches=config.num_microbatches,
-                                          csv_path=spec.pipeline["pp_schedule_csv"],
-                                          plugins=plugins)
-        except ScheduleError as exc:
-            problems.append(f"pipeline.pp_schedule_csv: {exc} (pp_size={num_ranks}, "
-                            f"microbatches = pp_batch_size / pp_microbatch_size = "
-                            f"{config.num_microbatches})")
-            return None
-        stages_per_rank = csv_schedule.num_stages // num_ranks
-    from pp_core.preflight_build import build_meta_model
-
     model = build_meta_model(spec, model_fn, problems, result.notes)
     if problems:
         return None
     if model is not None:
         _check_blocks(spec, model, problems)
-        from pp_core.runtime.split import plan_split
-
-        try:
-            result.plan = plan_split(
-                model, config, num_ranks, stages_per_rank, plugins,
-                variable_stages_per_rank=bool(sdef and sdef.variable_stages_per_rank))
-            stages_per_rank = result.plan.stages_per_rank
-        except PPCoreError as exc:
-            problems.append(f"pipeline: cannot split the model: {exc}")
-            return model
     try:
-        result.schedule = build_schedule(
-            spec.pipeline["pp_schedule"], num_ranks=num_ranks,
-            num_microbatches=config.num_microbatches, stages_per_rank=stages_per_rank,
-            csv_path=spec.pipeline["pp_schedule_csv"], plugins=plugins)
-    except ScheduleError as exc:
-        key = "pipeline.pp_schedule_csv" if spec.pipeline["pp_schedule_csv"] else \
-            "pipeline.pp_schedule"
-        problems.append(f"{key}: {exc} (pp_size={num_ranks}, microbatches = pp_batch_size / "
-                        f"pp_microbatch_size = {config.num_microbatches})")
+        planned = plan_pipeline(model, config, num_ranks, plugins=plugins)
+    except PPCoreError as exc:
+        if exc.field in ("pp_schedule", "pp_schedule_csv"):
+            problems.append(f"pipeline.{exc.field}: {exc}{sizes}")
+        else:
+            problems.append(f"pipeline: cannot split the model: {exc}")
+        return model
+    result.plan, result.schedule = planned.split, planned.schedule
     return model

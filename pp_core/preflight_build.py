@@ -76,7 +76,7 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
 
 def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str]):
     """The dataset's first batch, or ``None`` with a problem naming data.args (or eval_args)."""
-    from pp_core.preflight import dataset_args
+    from pp_core.app.factories import dataset_args
 
     key = "data.eval_args" if evaluation else "data.args"
     why = " (train.eval_every is set, so evaluation builds it)" if evaluation else ""

@@ -295,15 +295,9 @@ class RunRecorder:
         return summary
 
     def _schedule(self):
-        schedule = getattr(self.pipe, "schedule", None)
-        if schedule is not None:
-            return schedule
-        try:
-            from pp_core.preflight import preflight
-
-            return preflight(self.spec, run_checks=False).schedule
-        except Exception:  # the summary must not fail a finished run
-            return None
+        """The schedule this run ran: the one :func:`~pp_core.planning.plan.plan_pipeline`
+        planned for the pipeline (no second planning that could disagree with it)."""
+        return getattr(self.pipe, "schedule", None)
 
     def _simulate(self, schedule, ranks: list[dict]):
         """Per pp rank idle share predicted by the simulator, with this run's mean action costs."""

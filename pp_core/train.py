@@ -90,7 +90,7 @@ class RankContext:
     def __init__(self, spec: Spec):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from pp_core.preflight import resolve_device
+        from pp_core.devices import resolve_device
 
         device_type, backend = resolve_device(spec)
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -132,7 +132,7 @@ class RankContext:
 def _build(spec: Spec, ctx: RankContext):
     """Model (seeded, whole, then split), pipeline, one optimizer per model part."""
     from pp_core import build_pipeline
-    from pp_core.preflight import model_factory
+    from pp_core.app.factories import model_factory
 
     torch.manual_seed(spec.train["seed"])
     model = model_factory(spec)(**spec.model["args"])
@@ -197,7 +197,7 @@ def _set_lr(optimizers, base_lrs, factor: float) -> float:
 
 
 def _dataset(spec: Spec, evaluation: bool = False):
-    from pp_core.preflight import dataset_args, dataset_factory
+    from pp_core.app.factories import dataset_args, dataset_factory
 
     factory = dataset_factory(spec)
     return factory(**dataset_args(spec, factory, evaluation))
