@@ -5,10 +5,11 @@ Each message names the thing that is wrong (YAML key, plugin, schedule action, s
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 
 __all__ = ["PPCoreError", "PluginError", "ScheduleError", "ConfigError", "PipelineError", "quoted",
-           "shorten", "closest", "did_you_mean"]
+           "shorten", "closest", "did_you_mean", "about"]
 
 
 class PPCoreError(Exception):
@@ -76,3 +77,15 @@ def did_you_mean(word, options, *, n: int = 1, cutoff: float = 0.6, show=repr,
     if not found:
         return ""
     return f"{before}did you mean {', '.join(show(option) for option in found)}?{after}"
+
+
+@contextlib.contextmanager
+def about(field: str):
+    """Tag the pp-core errors raised inside with ``field`` (see :class:`PPCoreError`) unless
+    they already name one: for checks that call code which does not know the setting."""
+    try:
+        yield
+    except PPCoreError as exc:
+        if exc.field is None:
+            exc.field = field
+        raise

@@ -18,12 +18,11 @@ pipeline is built.
 from __future__ import annotations
 
 import copy
-import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from pp_core.errors import ConfigError, quoted
+from pp_core.errors import ConfigError, closest, quoted
 from pp_core.spec_schema import REQUIRED_SECTIONS, SCHEMA, Key, Mismatch, describe_value
 
 __all__ = ["Key", "SCHEMA", "REQUIRED_SECTIONS", "Spec", "SpecError", "load_spec",
@@ -115,8 +114,7 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
 
 
 def _closest(word: str, options: Iterable[str]) -> str | None:
-    found = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.5)
-    return found[0] if found else None
+    return closest(word, options, cutoff=0.5)
 
 
 def parse_spec(data: Any, source: str = "pipeline") -> Spec:
@@ -256,35 +254,14 @@ def _check_pipeline(pipeline: dict, problems: list[str]) -> None:
     try:
         config = PipelineConfig(**pipeline)
     except ConfigError as exc:
-        problems.append(f"{_config_key(pipeline, str(exc))}: {exc}")
+        key = f"pipeline.{exc.field}" if exc.field in pipeline else "pipeline"
+        problems.append(f"{key}: {exc}")
         return
     if config.num_microbatches > MAX_MICROBATCHES:
         problems.append(f"pipeline.pp_batch_size: pp_batch_size / pp_microbatch_size = "
                         f"{config.pp_batch_size:,} / {config.pp_microbatch_size:,} = "
                         f"{config.num_microbatches:,} microbatches per step, more than "
                         f"{MAX_MICROBATCHES:,}; use a larger pp_microbatch_size")
-
-
-def _config_key(pipeline: dict, message: str) -> str:
-    """The ``pipeline.<field>`` a PipelineConfig error is about: the field it names first, or the
-    one field whose default, put back, makes the config valid."""
-    import re
-
-    from pp_core.config import PipelineConfig
-
-    mentioned = [(m.start(), m.group(1)) for m in re.finditer(r"\b(\w+)\b", message)
-                 if m.group(1) in pipeline]
-    if mentioned:
-        return f"pipeline.{min(mentioned)[1]}"
-    defaults = PipelineConfig()
-    for name, value in pipeline.items():
-        if value != getattr(defaults, name):
-            try:
-                PipelineConfig(**{**pipeline, name: getattr(defaults, name)})
-            except ConfigError:
-                continue
-            return f"pipeline.{name}"
-    return "pipeline"
 
 
 def _check_optimizer(optimizer: dict, problems: list[str]) -> None:

@@ -20,12 +20,11 @@ planning without a model (``model=None``: schedule only) stays torch-free.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pp_core.errors import ConfigError, PPCoreError
+from pp_core.errors import ConfigError, about
 
 __all__ = ["PipelinePlan", "ScheduleShape", "plan_pipeline", "schedule_shape", "schedule_field"]
 
@@ -71,24 +70,13 @@ def schedule_field(config) -> str:
     return "pp_schedule_csv" if config.pp_schedule_csv is not None else "pp_schedule"
 
 
-@contextlib.contextmanager
-def _about(field: str):
-    """Tag pp-core errors raised inside with ``field`` unless they already name one."""
-    try:
-        yield
-    except PPCoreError as exc:
-        if exc.field is None:
-            exc.field = field
-        raise
-
-
 def schedule_shape(config, num_ranks: int, plugins=None) -> ScheduleShape:
     """Step 1: the schedule's stages per rank, before any model is looked at."""
     from pp_core.plugins import plugins_or_default
     from pp_core.schedule.build import build_schedule, resolve_schedule_def
 
     plugins = plugins_or_default(plugins)
-    with _about(schedule_field(config)):
+    with about(schedule_field(config)):
         if config.pp_schedule_csv is None:
             sdef = resolve_schedule_def(config.pp_schedule, plugins)[1]
             return ScheduleShape(sdef.stages_per_rank, sdef.variable_stages_per_rank)
@@ -128,7 +116,7 @@ def plan_pipeline(model, config, num_ranks: int, *, rank: Optional[int] = None,
         per_rank = split.stages_per_rank
     schedule = shape.csv_schedule
     if schedule is None:
-        with _about(schedule_field(config)):
+        with about(schedule_field(config)):
             schedule = build_schedule(config.pp_schedule, num_ranks=num_ranks,
                                       num_microbatches=config.num_microbatches,
                                       stages_per_rank=per_rank, plugins=plugins)
