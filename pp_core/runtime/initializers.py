@@ -70,10 +70,9 @@ def collect_pipeline_runtime_initializers(
     signature that is not hashable raises ``TypeError`` naming the module and the provider.
     Nothing is prepared here.
     """
-    if plugins is None:
-        from pp_core.plugins import default_plugins
+    from pp_core.plugins import plugins_or_default
 
-        plugins = default_plugins()
+    plugins = plugins_or_default(plugins)
     kept: dict = {}
     order: list[PipelineRuntimeInitializer] = []
     for part_index, part in enumerate(model_parts):

@@ -155,9 +155,9 @@ def build_model_parts(
                           f"{plan.num_stages}) for a plan of {plan.num_stages} stages")
     splitter = plan.splitter_object
     if splitter is None:
-        from pp_core.plugins import default_plugins
+        from pp_core.plugins import plugins_or_default
 
-        splitter = default_plugins().splitters.get(plan.splitter)
+        splitter = plugins_or_default().splitters.get(plan.splitter)
     make_part = getattr(splitter, "make_part", None)
     model_keys = set(model.state_dict().keys()) if make_part is not None else set()
     parts = []

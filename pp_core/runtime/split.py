@@ -10,12 +10,11 @@ lives in :mod:`pp_core.runtime.partition` and is re-exported here.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pp_core.errors import ConfigError
+from pp_core.errors import ConfigError, did_you_mean
 from pp_core.runtime.partition import balanced_partition, spread, virtual_stages  # re-exported
 
 __all__ = [
@@ -67,16 +66,6 @@ class SplitPlan:
 # ----------------------------------------------------------------------------- selection
 
 
-def _plugins(plugins):
-    from pp_core.plugins import Plugins, default_plugins
-
-    if plugins is None:
-        return default_plugins()
-    if isinstance(plugins, Plugins):
-        return plugins
-    return Plugins(plugins)  # a pluggy PluginManager
-
-
 def _accepts(splitter, model, config) -> bool:
     accepts = getattr(splitter, "accepts", None)
     if accepts is None:
@@ -104,7 +93,9 @@ def select_splitter(model, config, plugins=None, splitter=None) -> tuple[str, An
     if splitter is not None and not isinstance(splitter, str):
         name = getattr(splitter, "name", type(splitter).__name__)
         return name, splitter
-    registry = _plugins(plugins).splitters
+    from pp_core.plugins import plugins_or_default
+
+    registry = plugins_or_default(plugins).splitters
     if isinstance(splitter, str):
         entry = registry.entry(splitter)
         if not _accepts(entry.value, model, config):
@@ -155,8 +146,7 @@ def check_stage_fqns(model, fqns_per_stage, num_stages: int, source: str) -> tup
                               f"least one (use fewer stages)")
         for fqn in fqns:
             if fqn not in known:
-                close = difflib.get_close_matches(fqn, sorted(known), n=3)
-                hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+                hint = did_you_mean(fqn, sorted(known), n=3, before="; ")
                 raise ConfigError(f"{source}: stage {stage} names {fqn!r}, which is not a module, "
                                   f"parameter or buffer of {type(model).__name__}{hint}")
             holder.setdefault(fqn, []).append(stage)

@@ -105,10 +105,9 @@ def gc_paused():
 
 def resolve_schedule_def(name: str, plugins=None) -> tuple[str, ScheduleDef]:
     """``(canonical name, ScheduleDef)`` for a name or alias; unknown names list the installed."""
-    if plugins is None:
-        from pp_core.plugins import default_plugins
+    from pp_core.plugins import plugins_or_default
 
-        plugins = default_plugins()
+    plugins = plugins_or_default(plugins)
     if not isinstance(name, str) or not name:
         raise ScheduleError(f"schedule name must be a non-empty string, got {name!r}")
     registry = plugins.schedules
