@@ -162,14 +162,18 @@ def test_refusals_name_the_constraint_and_the_fix(plugins, name, p, m, v, messag
         build(plugins, name, p, m, v)
 
 
-def test_generators_refuse_a_stage_count_that_does_not_fit_their_placement():
-    from pp_schedules.gpipe import gpipe
-    from pp_schedules.v_schedule import v_schedule
-
-    with pytest.raises(ScheduleError, match="one stage per rank"):
-        gpipe(8, 4, 4)
-    with pytest.raises(ScheduleError, match="exactly 2 stages per rank"):
-        v_schedule(12, 4, 4)
+@pytest.mark.parametrize("name, default", [(name, v) for name, _, v, variable in
+                                           SCHEDULES.values() if not variable])
+def test_build_schedule_refuses_a_stage_count_that_does_not_fit_the_placement(plugins, name,
+                                                                              default):
+    """The sizes every generator may assume are checked once, by build_schedule."""
+    other = 3 - default  # 1 <-> 2
+    with pytest.raises(ScheduleError, match=rf"^schedule '{name}' runs exactly {default} "
+                                            rf"stage\(s\) per rank, got stages_per_rank={other}; "
+                                            rf"set stages_per_rank={default}"):
+        build(plugins, name, 4, 8, other)
+    with pytest.raises(ScheduleError, match=r"^num_microbatches must be an integer >= 1, got 0"):
+        build(plugins, name, 4, 0)
 
 
 @pytest.mark.parametrize("name", NAMES)
