@@ -57,7 +57,7 @@ def build(plugins, name, p, m, v=None):
 
 
 def admitted(name: str, p: int, m: int, v: int) -> bool:
-    """Which microbatch counts each algorithm admits (reference sections 4-5)."""
+    """Which microbatch counts each algorithm admits (the rules in each plugin's docstring)."""
     if name == "interleaved_1f1b" or (name == "zero_bubble" and v > 1):
         return m % max(1, m // p) == 0  # torch's automatic group size N = m // (m // p)
     if name == "dfs":
@@ -265,7 +265,8 @@ def test_orders_match_torch_pipeline_order(plugins, torch_name):
 # ----------------------------------------------------------------------------- figures
 
 # (name, p, m, v) -> (makespan, bubble, span bubble, peak per rank), unit costs F=I=W=1, B=2:
-# the reference's section-4 table, and its p=8, m=32 bubbles (span and peaks from its formulas).
+# the published bubble table (docs/schedules.md), and its p=8, m=32 bubbles (span and peaks from
+# its formulas).
 SECTION_4 = {
     ("gpipe", 4, 8, 1): (33, 9, 9, [8, 8, 8, 8]),
     ("1f1b", 4, 8, 1): (33, 9, 9, [4, 3, 2, 1]),

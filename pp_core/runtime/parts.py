@@ -6,7 +6,7 @@ the path from the root to a kept one is a shallow copy whose ``_modules`` / ``_p
 dicts are pruned. So a part's ``state_dict()`` keys are exactly the model's keys for what it
 holds, and building every part of a rank costs a few module objects, not a model copy.
 
-Pruning rules (the ``layers`` contract of DESIGN.md):
+Pruning rules (the ``layers`` contract, docs/splitting.md "The forward contract"):
 - a child of a container (``ModuleList``, ``ModuleDict``, ``Sequential``, ``ParameterList``,
   ``ParameterDict``) that the stage does not hold is removed; the others keep their original
   keys, so iterating the container yields the stage's blocks in order;
