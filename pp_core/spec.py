@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from pp_core.errors import ConfigError, closest, quoted
+from pp_core.errors import ConfigError, closest, did_you_mean, quoted
 from pp_core.spec_schema import REQUIRED_SECTIONS, SCHEMA, Key, Mismatch, describe_value
 
 __all__ = ["Key", "SCHEMA", "REQUIRED_SECTIONS", "Spec", "SpecError", "load_spec",
@@ -113,10 +113,6 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
 # ----------------------------------------------------------------------------- checking
 
 
-def _closest(word: str, options: Iterable[str]) -> str | None:
-    return closest(word, options, cutoff=0.5)
-
-
 def parse_spec(data: Any, source: str = "pipeline") -> Spec:
     """Check a parsed YAML document and fill defaults; raises :class:`SpecError` listing all."""
     problems: list[str] = []
@@ -127,8 +123,7 @@ def parse_spec(data: Any, source: str = "pipeline") -> Spec:
                          f"{describe_value(data)}"], source)
     for section in data:
         if section not in SCHEMA:
-            guess = _closest(section, SCHEMA)
-            hint = f"did you mean {guess!r}? " if guess else ""
+            hint = did_you_mean(section, SCHEMA, cutoff=0.5, after=" ")
             problems.append(f"{section}: unknown section; {hint}sections: {', '.join(SCHEMA)}")
     values: dict[str, dict[str, Any]] = {}
     for section, keys in SCHEMA.items():
@@ -153,8 +148,8 @@ def _check_section(section: str, keys: list[Key], raw: dict, problems: list[str]
     by_name = {k.name: k for k in keys}
     for name in raw:
         if name not in by_name:
-            guess = _closest(name, by_name)
-            hint = f"did you mean '{section}.{guess}'? " if guess else ""
+            hint = did_you_mean(name, by_name, cutoff=0.5, after=" ",
+                                show=lambda key: f"'{section}.{key}'")
             problems.append(f"{section}.{name}: unknown key; {hint}valid keys in {section}: "
                             f"{', '.join(by_name)}")
     out = {}
@@ -277,7 +272,7 @@ def _check_optimizer(optimizer: dict, problems: list[str]) -> None:
     cls = classes.get(name) if isinstance(name, str) else None
     if cls is None:
         lower = {n.lower(): n for n in classes}
-        guess = lower.get(str(name).lower()) or _closest(name, classes)
+        guess = lower.get(str(name).lower()) or closest(name, classes, cutoff=0.5)
         hint = f"did you mean {guess!r}? " if guess else ""
         problems.append(f"train.optimizer.name: expected a torch.optim class, found "
                         f"{describe_value(name)}; {hint}e.g. AdamW, Adam, SGD")
@@ -290,8 +285,8 @@ def _check_optimizer(optimizer: dict, problems: list[str]) -> None:
         if key == "name":
             continue
         if key not in accepted:
-            guess = _closest(key, accepted)
-            hint = f"did you mean 'train.optimizer.{guess}'? " if guess else ""
+            hint = did_you_mean(key, accepted, cutoff=0.5, after=" ",
+                                show=lambda arg: f"'train.optimizer.{arg}'")
             problems.append(f"train.optimizer.{key}: unknown argument of torch.optim.{name}; "
                             f"{hint}its arguments: {', '.join(accepted)}")
             continue
