@@ -1,4 +1,4 @@
-"""The worked examples of the schedule reference (docs/reference, section 5), replayed.
+"""The worked examples of ``tests/fixtures/reference_examples.py``, replayed.
 
 Each built-in schedule plugin must reproduce the reference's per-rank order action for action, and
 the unit-cost figures (``F = I = W = 1``, ``B = 2``, no communication) the reference measured.
