@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from _dist import DistPool
-from pp_core import cli
+from pp_core.app import cli
 from pp_core.app.factories import model_factory
 from pp_core.planning.plan import plan_pipeline
 from pp_core.app.preflight import preflight
