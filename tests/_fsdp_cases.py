@@ -77,48 +77,82 @@ def wrap_parts(pipe, engine: str, dp_mesh, reshard_after_forward: bool) -> int:
     return units
 
 
+def _model_and_data(kind: str):
+    """The model (same weights on every rank), its loss, ``data(size, seed)`` and
+    ``ref(model, inputs, target, n)``: loss and gradients of the unsplit model on one process
+    for the mean of ``n`` microbatch losses."""
+    if kind == "hf":  # a tiny Llama whose embedding is tied to lm_head, across stages
+        from pp_transformers import causal_lm_loss
+        from test_transformers_models import batch as hf_batch, reference_step, tiny_model
+
+        def ref(model, inputs, target, n):
+            loss, grads = reference_step(model, inputs, target, n)
+            return float(loss), {name: grad / n for name, grad in grads.items()}
+
+        return (tiny_model("llama", 4, tie_word_embeddings=True), causal_lm_loss,
+                lambda size, seed: hf_batch(size, seed=seed), ref)
+    loss_name = mse if kind == "mlp" else "cross_entropy"
+
+    def ref(model, inputs, target, n):
+        model.zero_grad(set_to_none=True)
+        loss = reference(model, resolve_loss(loss_name), inputs, target, n, scale=True)
+        return loss, {name: p.grad for name, p in model.named_parameters()}
+
+    return (mlp(8) if kind == "mlp" else gpt(8)), loss_name, \
+        lambda size, seed: batch(kind, size, seed=seed), ref
+
+
+def _rows(value, rows: slice):
+    return {k: v[rows] for k, v in value.items()} if isinstance(value, dict) else value[rows]
+
+
 def dp_case(schedule: str, engine: str = "fsdp", kind: str = "mlp", pool: bool = False,
             num_microbatches: int = 4, reshard_after_forward: bool = False,
-            steps: int = 2) -> dict:
-    """``steps`` steps of pp2 x dp2; the last step's loss and full gradients vs one process."""
+            steps: int = 2, ac: str = "none", backend: str | None = None) -> dict:
+    """``steps`` steps of pp2 x dp2; the last step's loss and full gradients vs one process.
+
+    ``kind``: ``mlp``, ``gpt`` (the demo GPT) or ``hf`` (tiny tied Llama); ``ac`` / ``backend``:
+    activation checkpointing / compile applied before the data parallelism, as the YAML does.
+    """
     mesh = mesh_2x2()
     dp_mesh = mesh["dp_shard"]
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
-    model = mlp(8) if kind == "mlp" else gpt(8)
-    ref_model = copy.deepcopy(model)
-    loss_name = mse if kind == "mlp" else "cross_entropy"
     local = 2 * num_microbatches
+    model, loss_name, data, ref_step = _model_and_data(kind)
+    ref_model = copy.deepcopy(model)
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local, pp_microbatch_size=2,
                             loss_fn=loss_name, scale_grads_in_schedule=True,
-                            pp_recv_buffer_pool=pool, pp_seq_len=8 if pool else None,
+                            pp_recv_buffer_pool=pool, pp_seq_len=None if not pool else
+                            (12 if kind == "hf" else 8),
                             patch_stage_backward_maybe_with_nosync=True)
     pipe = build_pipeline(model, config, pp_group=mesh["pp"])
+    if ac != "none" or backend:
+        from pp_core.parallel import apply_activation_checkpointing, apply_compile
+
+        apply_activation_checkpointing(pipe.model_parts, ac)
+        if backend:
+            apply_compile(pipe.model_parts, backend=backend)
     units = wrap_parts(pipe, engine, dp_mesh, reshard_after_forward)
-    loss_fn = resolve_loss(loss_name)
     for step in range(steps):
         for part in pipe.model_parts:
             part.zero_grad(set_to_none=True)
-        ref_model.zero_grad(set_to_none=True)
-        inputs, target = batch(kind, dp_size * local, seed=step + 1)
+        inputs, target = data(dp_size * local, step + 1)
         mine = slice(dp_rank * local, (dp_rank + 1) * local)
         with CollectiveCounter() as counter:
-            loss = pipe.step(inputs[mine], target=target[mine])
-        ref_loss = reference(ref_model, loss_fn, inputs, target, dp_size * num_microbatches,
-                             scale=True)
+            loss = pipe.step(_rows(inputs, mine), target=target[mine])
+        ref_loss, ref_grads = ref_step(ref_model, inputs, target, dp_size * num_microbatches)
     loss_err = None
     if loss is not None:
         dist.all_reduce(loss, group=dp_mesh.get_group())
         loss_err = abs(loss.item() / dp_size - ref_loss)
-    ref = dict(ref_model.named_parameters())
     grad_err, names = 0.0, []
     for part in pipe.model_parts:
-        for name, param in part.named_parameters():
+        for name, param in part.named_parameters(remove_duplicate=False):
             name = name.removeprefix("module.")
             grad = param.grad
             if hasattr(grad, "full_tensor"):
                 grad = grad.full_tensor()
-            want = ref[name].grad
-            grad_err = max(grad_err, (grad - want).abs().max().item())
+            grad_err = max(grad_err, (grad - ref_grads[name]).abs().max().item())
             names.append(name)
     return {"loss_err": loss_err, "grad_err": grad_err, "names": names, "units": units,
             "counts": counter.counts}
