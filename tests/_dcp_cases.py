@@ -14,6 +14,7 @@ import torch.distributed as dist
 from pp_core import PipelineConfig, build_pipeline
 from pp_core.checkpoint import load_checkpoint, save_checkpoint
 from pp_core.losses import resolve_loss
+from tests._fsdp_cases import dp_rank_and_size
 from tests._runtime_cases import batch, gpt
 
 GLOBAL_BATCH = 8
@@ -25,30 +26,28 @@ def _optimizers(parts):
     return [torch.optim.AdamW(part.parameters(), lr=LR) for part in parts]
 
 
-def _mesh(pp: int, dp: int):
+def _pipeline(layout: tuple[int, int, int], schedule: str):
+    """This rank's parts of the demo GPT at ``layout = (pp, dp_replicate, dp_shard)`` (the mesh
+    ``pp-core run`` builds; ``apply_data_parallel`` when there is data parallelism) and the dp
+    mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp_shard"))
-
-
-def _pipeline(pp: int, dp: int, schedule: str):
-    """This rank's parts of the demo GPT at pp x dp (FSDP2 per block and part when dp > 1)."""
-    mesh = _mesh(pp, dp)
-    local = GLOBAL_BATCH // dp
+    mesh = init_device_mesh("cpu", layout, mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+    dp_mesh = mesh["dp_replicate", "dp_shard"]
+    local = GLOBAL_BATCH // dp_mesh.size()
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local, pp_microbatch_size=1,
                             loss_fn="cross_entropy", scale_grads_in_schedule=True)
     pipe = build_pipeline(gpt(LAYERS), config, pp_group=mesh["pp"])
-    if dp > 1:
+    if dp_mesh.size() > 1:
         from pp_core.parallel import apply_data_parallel
 
-        apply_data_parallel(pipe, mesh["dp_shard"])
-    return pipe, mesh
+        apply_data_parallel(pipe, dp_mesh if layout[1] > 1 else mesh["dp_shard"])
+    return pipe, dp_mesh
 
 
-def _steps(pipe, mesh, optimizers, first: int, last: int) -> list[float | None]:
+def _steps(pipe, dp_mesh, optimizers, first: int, last: int) -> list[float | None]:
     """Steps ``first..last`` (batch seed = step); the global mean loss of each (on every rank)."""
-    dp_mesh = mesh["dp_shard"]
-    dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    dp_rank, dp = dp_rank_and_size(dp_mesh)
     share = GLOBAL_BATCH // dp
     losses = []
     for step in range(first, last + 1):
@@ -83,27 +82,27 @@ def full_state(parts, optimizers) -> dict[str, torch.Tensor]:
     return state
 
 
-def train_and_save(directory: str, pp: int, dp: int, save_at: int, steps: int,
+def train_and_save(directory: str, layout: tuple, save_at: int, steps: int,
                    schedule: str = "1f1b") -> dict:
-    """Train ``steps`` steps at pp x dp, saving a checkpoint after step ``save_at``; the losses
+    """Train ``steps`` steps at ``layout`` (pp, dp_replicate, dp_shard), saving a checkpoint after step ``save_at``; the losses
     and this rank's whole weights and moments as saved."""
-    pipe, mesh = _pipeline(pp, dp, schedule)
+    pipe, dp_mesh = _pipeline(layout, schedule)
     optimizers = _optimizers(pipe.model_parts)
-    losses = _steps(pipe, mesh, optimizers, 1, save_at)
+    losses = _steps(pipe, dp_mesh, optimizers, 1, save_at)
     save_checkpoint(directory, save_at, pipe.model_parts, optimizers)
     saved = full_state(pipe.model_parts, optimizers)
-    return {"losses": losses + _steps(pipe, mesh, optimizers, save_at + 1, steps),
+    return {"losses": losses + _steps(pipe, dp_mesh, optimizers, save_at + 1, steps),
             "saved": saved}
 
 
-def resume(path: str, pp: int, dp: int, steps: int, schedule: str = "1f1b") -> dict:
-    """Load ``path`` at pp x dp and train on to step ``steps``; the losses and the whole
+def resume(path: str, layout: tuple, steps: int, schedule: str = "1f1b") -> dict:
+    """Load ``path`` at ``layout`` and train on to step ``steps``; the losses and the whole
     weights and moments as loaded."""
-    pipe, mesh = _pipeline(pp, dp, schedule)
+    pipe, dp_mesh = _pipeline(layout, schedule)
     optimizers = _optimizers(pipe.model_parts)
     start = load_checkpoint(path, pipe.model_parts, optimizers)
     loaded = full_state(pipe.model_parts, optimizers)
-    return {"losses": _steps(pipe, mesh, optimizers, start + 1, steps), "loaded": loaded}
+    return {"losses": _steps(pipe, dp_mesh, optimizers, start + 1, steps), "loaded": loaded}
 
 
 def resume_unsplit(path: str, steps: int) -> dict:
@@ -126,3 +125,28 @@ def resume_unsplit(path: str, steps: int) -> dict:
         optimizer.step()
         losses.append(total / GLOBAL_BATCH)
     return {"losses": losses, "loaded": loaded}
+
+
+# ----------------------------------------------------------------------------- in the test process
+
+
+def merged(results: list[dict]) -> dict:
+    """:func:`train_and_save`'s results by rank as ``{losses, saved}``: each pp rank's whole
+    weights and moments (its dp peers hold the same)."""
+    saved = {}
+    for result in results:
+        saved.update(result["saved"])
+    return {"losses": results[0]["losses"], "saved": saved}
+
+
+def check_resumed(results: list[dict], first: dict, save_at: int, atol: float = 1e-5) -> None:
+    """A resumed run (results by rank) loaded every weight and moment ``first`` (see
+    :func:`merged`) saved, bit for bit, and continued with its losses."""
+    expected = first["losses"][save_at:]
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected),
+                                   rtol=0, atol=atol, msg=lambda m: f"rank {rank}: {m}")
+        for name, value in result["loaded"].items():
+            assert torch.equal(value, first["saved"][name]), f"rank {rank}: {name}"
+    loaded = {name for result in results for name in result["loaded"]}
+    assert loaded == set(first["saved"]), "the layouts cover the same weights and moments"

@@ -20,13 +20,35 @@ _MESH: dict = {}
 
 def mesh_2x2():
     """The (pp, dp_shard) mesh of the 4 ranks, made once per process group."""
+    return _mesh((2, 2), ("pp", "dp_shard"))
+
+
+def _mesh(shape: tuple, names: tuple):
     from torch.distributed.device_mesh import init_device_mesh
 
-    key = id(dist.group.WORLD)
+    key = (id(dist.group.WORLD), shape)
     if key not in _MESH:
         _MESH.clear()
-        _MESH[key] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+        _MESH[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
     return _MESH[key]
+
+
+def pp_and_dp_mesh(hsdp: bool):
+    """``(pp mesh, dp mesh)``: pp2 x dp_shard2 on 4 ranks, or pp2 x dp_replicate2 x dp_shard2
+    on 8 ranks (HSDP: the dp mesh is 2-D), pp outermost as ``pp-core run`` lays them out."""
+    if not hsdp:
+        mesh = mesh_2x2()
+        return mesh["pp"], mesh["dp_shard"]
+    mesh = _mesh((2, 2, 2), ("pp", "dp_replicate", "dp_shard"))
+    return mesh["pp"], mesh["dp_replicate", "dp_shard"]
+
+
+def dp_rank_and_size(dp_mesh) -> tuple[int, int]:
+    """This rank's index in the flattened dp mesh (replicate-major) and the dp degree."""
+    rank = 0
+    for dim in range(dp_mesh.ndim):
+        rank = rank * dp_mesh.size(dim) + dp_mesh.get_local_rank(dim)
+    return rank, dp_mesh.size()
 
 
 class CollectiveCounter:
@@ -108,15 +130,16 @@ def _rows(value, rows: slice):
 
 def dp_case(schedule: str, engine: str = "fsdp", kind: str = "mlp", pool: bool = False,
             num_microbatches: int = 4, reshard_after_forward: bool = False,
-            steps: int = 2, ac: str = "none", backend: str | None = None) -> dict:
+            steps: int = 2, ac: str = "none", backend: str | None = None,
+            hsdp: bool = False) -> dict:
     """``steps`` steps of pp2 x dp2; the last step's loss and full gradients vs one process.
 
     ``kind``: ``mlp``, ``gpt`` (the demo GPT) or ``hf`` (tiny tied Llama); ``ac`` / ``backend``:
-    activation checkpointing / compile applied before the data parallelism, as the YAML does.
+    activation checkpointing / compile applied before the data parallelism, as the YAML does;
+    ``hsdp``: 8 ranks, pp2 x dp_replicate2 x dp_shard2.
     """
-    mesh = mesh_2x2()
-    dp_mesh = mesh["dp_shard"]
-    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    pp_mesh, dp_mesh = pp_and_dp_mesh(hsdp)
+    dp_rank, dp_size = dp_rank_and_size(dp_mesh)
     local = 2 * num_microbatches
     model, loss_name, data, ref_step = _model_and_data(kind)
     ref_model = copy.deepcopy(model)
@@ -125,7 +148,7 @@ def dp_case(schedule: str, engine: str = "fsdp", kind: str = "mlp", pool: bool =
                             pp_recv_buffer_pool=pool, pp_seq_len=None if not pool else
                             (12 if kind == "hf" else 8),
                             patch_stage_backward_maybe_with_nosync=True)
-    pipe = build_pipeline(model, config, pp_group=mesh["pp"])
+    pipe = build_pipeline(model, config, pp_group=pp_mesh)
     if ac != "none" or backend:
         from pp_core.parallel import apply_activation_checkpointing, apply_compile
 
@@ -143,7 +166,8 @@ def dp_case(schedule: str, engine: str = "fsdp", kind: str = "mlp", pool: bool =
         ref_loss, ref_grads = ref_step(ref_model, inputs, target, dp_size * num_microbatches)
     loss_err = None
     if loss is not None:
-        dist.all_reduce(loss, group=dp_mesh.get_group())
+        for dim in range(dp_mesh.ndim):
+            dist.all_reduce(loss, group=dp_mesh.get_group(dim))
         loss_err = abs(loss.item() / dp_size - ref_loss)
     grad_err, names = 0.0, []
     for part in pipe.model_parts:

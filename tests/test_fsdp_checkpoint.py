@@ -1,9 +1,9 @@
 """Checkpoints of FSDP2-sharded parts (DCP) move between layouts like any other checkpoint.
 
 Saved at pp2 x fsdp2 (4 gloo ranks, real files), a checkpoint loads at pp4 unsharded, at pp1 x
-fsdp4, into the unsplit model on one process, and exports to one safetensors file: the weights
-and AdamW moments loaded are the whole ones the sharded run held, and training on from them gives
-the losses of the run that never stopped (1e-5). The same through ``pp-core run``'s YAML path
+fsdp4, at pp1 x HSDP 2 x 2, into the unsplit model on one process, and exports to one safetensors
+file: the weights and AdamW moments loaded are the whole ones the sharded run held, and training
+on from them gives the losses of the run that never stopped (1e-5). The same through ``pp-core run``'s YAML path
 (``checkpoint.resume`` at another ``distributed`` layout).
 """
 
@@ -16,7 +16,7 @@ from pp_core import cli
 from pp_core.checkpoint import checkpoint_path
 from pp_core.launch import launch
 from pp_core.spec import apply_overrides, parse_spec
-from tests._dcp_cases import resume, resume_unsplit, train_and_save
+from tests._dcp_cases import check_resumed, merged, resume, resume_unsplit, train_and_save
 from tests._dist import DistPool
 
 SAVE_AT, STEPS = 3, 5
@@ -33,32 +33,18 @@ def pool():
 def sharded(pool, tmp_path_factory):
     """pp2 x fsdp2 for STEPS steps, checkpoint after SAVE_AT: losses, the path, what it held."""
     directory = tmp_path_factory.mktemp("fsdp_ckpt")
-    results = pool.run(train_and_save, str(directory), 2, 2, SAVE_AT, STEPS)
-    saved = {}
-    for result in results:  # each pp rank's parts, whole; its dp peers hold the same
-        saved.update(result["saved"])
-    return {"losses": results[0]["losses"], "path": checkpoint_path(directory, SAVE_AT),
-            "saved": saved}
+    results = pool.run(train_and_save, str(directory), (2, 1, 2), SAVE_AT, STEPS)
+    return {**merged(results), "path": checkpoint_path(directory, SAVE_AT)}
 
 
-def check_resumed(results: list[dict], sharded: dict) -> None:
-    expected = sharded["losses"][SAVE_AT:]
-    for rank, result in enumerate(results):
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected),
-                                   rtol=0, atol=ATOL, msg=lambda m: f"rank {rank}: {m}")
-        for name, value in result["loaded"].items():  # every weight and moment, bit for bit
-            assert torch.equal(value, sharded["saved"][name]), f"rank {rank}: {name}"
-    loaded = {name for result in results for name in result["loaded"]}
-    assert loaded == set(sharded["saved"]), "the layouts cover the same weights and moments"
-
-
-@pytest.mark.parametrize("pp,dp", [(4, 1), (1, 4)], ids=["pp4", "pp1xfsdp4"])
-def test_sharded_checkpoint_resumes_at_another_layout(pool, sharded, pp, dp):
-    check_resumed(pool.run(resume, str(sharded["path"]), pp, dp, STEPS), sharded)
+@pytest.mark.parametrize("layout", [(4, 1, 1), (1, 1, 4), (1, 2, 2)],
+                         ids=["pp4", "pp1xfsdp4", "pp1xhsdp2x2"])
+def test_sharded_checkpoint_resumes_at_another_layout(pool, sharded, layout):
+    check_resumed(pool.run(resume, str(sharded["path"]), layout, STEPS), sharded, SAVE_AT)
 
 
 def test_sharded_checkpoint_resumes_in_the_unsplit_model(sharded):
-    check_resumed([resume_unsplit(str(sharded["path"]), STEPS)], sharded)
+    check_resumed([resume_unsplit(str(sharded["path"]), STEPS)], sharded, SAVE_AT)
 
 
 def test_sharded_checkpoint_exports_the_whole_weights(sharded, tmp_path):
@@ -68,7 +54,7 @@ def test_sharded_checkpoint_exports_the_whole_weights(sharded, tmp_path):
     output = tmp_path / "model.safetensors"
     assert cli.main(["export", str(sharded["path"]), "-o", str(output)]) == 0
     exported = load_file(str(output))
-    weights = {k: v for k, v in sharded["saved"].items() if not k.endswith(("_avg", "_avg_sq"))}
+    weights = {k: v for k, v in sharded["saved"].items() if not k.endswith((".exp_avg", ".exp_avg_sq"))}
     assert set(exported) >= set(weights)
     for name, value in weights.items():
         assert torch.equal(exported[name], value), name
