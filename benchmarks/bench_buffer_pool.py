@@ -180,7 +180,8 @@ def _run_case(name, mode, args, csv_path):
     plugins = None
     if mode != "pool":
         factory = TorchLikeAllocator if mode == "torch" else FreshCounter
-        plugins = load_plugins(plugins=[AllocatorPlugin(factory)], disabled=["pp_core_builtins.buffer_pool"])
+        plugins = load_plugins(plugins=[AllocatorPlugin(factory)],
+                               disabled=["pp_core_builtins.buffer_pool"])
     config = PipelineConfig(
         pp_schedule="1f1b" if name == "csv" else name,
         pp_schedule_csv=csv_path if name == "csv" else None,

@@ -7,7 +7,7 @@
 
 (a) Bubble table: every built-in schedule at pp in {2,4,8}, m in {pp,2pp,4pp,8pp}, default
     stages per rank, unit costs (F=I=W=1, B=2, no communication): pp-core's simulated bubble
-    ratio, the reference's formula (docs/schedules.md), and torch's schedule of the same name
+    ratio, the closed-form formula (docs/schedules.md), and torch's schedule of the same name
     replayed by the same simulator. torch's order is its ``pipeline_order`` for the multi-stage
     classes and, for ScheduleGPipe / Schedule1F1B (whose declared IR is informational only and
     wrong on the last rank), the order its runtime loop executes, recorded by running
@@ -55,7 +55,7 @@ SINGLE_STAGE = {"ScheduleGPipe", "Schedule1F1B"}
 
 
 def formula(name: str, p: int, m: int, v: int):
-    """(ratio, expression, exact) from reference section 4, per-action unit costs."""
+    """(ratio, expression, exact): the schedule's closed-form bubble, per-action unit costs."""
     work = 3 * v * m  # F + B (or F + I + W) per (stage, microbatch), v stages per rank
     if name in ("gpipe", "1f1b", "interleaved_1f1b", "dfs", "looped_bfs"):
         bubble, text = 3 * (p - 1), "(p-1)(F+B)"

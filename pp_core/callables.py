@@ -7,11 +7,10 @@ reference resolves it here, so each gives the same message for a typo.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from typing import Any, Callable
 
-from pp_core.errors import ConfigError
+from pp_core.errors import ConfigError, did_you_mean
 
 __all__ = ["resolve_callable"]
 
@@ -37,9 +36,10 @@ def resolve_callable(value: Any, field_name: str = "loss_fn") -> Callable:
     for part in attr.split("."):
         if not hasattr(target, part):
             names = [n for n in dir(module) if not n.startswith("_")]
-            guess = difflib.get_close_matches(part, names, n=1)
-            hint = f"; did you mean '{module_name}:{guess[0]}'?" if guess else ""
-            raise ConfigError(f"{field_name}={value!r}: {module_name!r} has no attribute {attr!r}{hint}")
+            hint = did_you_mean(part, names, show=lambda name: f"'{module_name}:{name}'",
+                                before="; ")
+            raise ConfigError(f"{field_name}={value!r}: {module_name!r} has no attribute "
+                              f"{attr!r}{hint}")
         target = getattr(target, part)
     if not callable(target):
         raise ConfigError(f"{field_name}={value!r} names {type(target).__name__}, not a callable")

@@ -67,7 +67,8 @@ def pp_register_splitters(register: Callable[[str, Any], None]) -> None:
         ties in registration order; see ``docs/splitting.md``.
 
     Calling: every implementation runs; a name registered twice is an error naming both plugins.
-    Built-ins: ``pp_core_builtins.splitters.fqn``, ``pp_core_builtins.splitters.sequential``, ``pp_core_builtins.splitters.layers``.
+    Built-ins: ``pp_core_builtins.splitters.fqn``, ``pp_core_builtins.splitters.sequential``,
+    ``pp_core_builtins.splitters.layers``.
     """
 
 

@@ -7,7 +7,6 @@ calls typed methods, never ``pm.hook.*``.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import logging
 import os
@@ -18,7 +17,7 @@ from typing import Any, Callable, Iterable
 import pluggy
 
 from pp_core import hookspecs
-from pp_core.errors import PluginError
+from pp_core.errors import PluginError, did_you_mean
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -29,6 +28,7 @@ __all__ = [
     "make_plugin_manager",
     "load_plugins",
     "default_plugins",
+    "plugins_or_default",
 ]
 
 ENTRY_POINT_GROUP = "pp_core"
@@ -80,8 +80,7 @@ def _warn_unknown_disabled(blocked: set[str]) -> None:
     for name in sorted(blocked - set(known)):
         import warnings
 
-        guess = difflib.get_close_matches(name, known, n=1)
-        hint = f"did you mean {guess[0]!r}? " if guess else ""
+        hint = did_you_mean(name, known, after=" ")
         warnings.warn(f"{DISABLE_ENV}: no installed plugin is named {name!r}, so it disables "
                       f"nothing; {hint}installed plugins: {', '.join(known) or 'none'}",
                       UserWarning, stacklevel=3)
@@ -163,8 +162,7 @@ def check_pending(pm: pluggy.PluginManager) -> None:
             if caller is None or not caller.has_spec():
                 if pm.parse_hookimpl_opts(plugin, attr) is None:
                     continue
-                guess = difflib.get_close_matches(attr, known, n=1)
-                hint = f"did you mean {guess[0]!r}? " if guess else ""
+                hint = did_you_mean(attr, known, after=" ")
                 raise PluginError(
                     f"plugin {name!r} implements unknown hook {attr!r}; {hint}"
                     f"known hooks: {', '.join(known)}"
@@ -219,8 +217,8 @@ class Registry:
         if found is not None:
             return found
         installed = ", ".join(f"{e.name} (from {e.plugin})" for e in self.entries.values())
-        guess = difflib.get_close_matches(str(name).lower(), list(self._lookup), n=1)
-        hint = f"did you mean {self._lookup[guess[0]].name!r}? " if guess else ""
+        hint = did_you_mean(str(name).lower(), self._lookup,
+                            show=lambda key: repr(self._lookup[key].name), after=" ")
         raise PluginError(
             f"unknown {self.kind} {name!r}; {hint}installed {self.kind}s: {installed or 'none'}; "
             f"run 'pp-core plugins' to see every plugin"
@@ -352,3 +350,13 @@ def load_plugins(entry_points: bool = True, plugins: Iterable[Any] = (), disable
 def default_plugins() -> Plugins:
     """The installed plugins, loaded once per process on first use (never at import time)."""
     return load_plugins()
+
+
+def plugins_or_default(plugins=None) -> Plugins:
+    """``plugins`` as a :class:`Plugins`: the installed ones when ``None``, a pluggy
+    ``PluginManager`` wrapped. Every function that takes ``plugins=None`` resolves it here."""
+    if plugins is None:
+        return default_plugins()
+    if isinstance(plugins, Plugins):
+        return plugins
+    return Plugins(plugins)

@@ -118,7 +118,8 @@ def train(schedule: str, pool: bool, checkpointed: bool, seq_lens, csv_path=None
                             pp_microbatch_size=1, loss_fn=mse_sum, pp_recv_buffer_pool=pool)
     plugins = None
     if unsafe:
-        plugins = load_plugins(plugins=[UnsafePlugin(unsafe)], disabled=["pp_core_builtins.buffer_pool"])
+        plugins = load_plugins(plugins=[UnsafePlugin(unsafe)],
+                               disabled=["pp_core_builtins.buffer_pool"])
     pipe = build_pipeline(make_model(num_stages, checkpointed), config, plugins=plugins)
     history = []
     for inputs, target in batches(seq_lens):

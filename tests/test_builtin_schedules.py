@@ -1,5 +1,5 @@
-"""The built-in schedule plugins (``pp_core_builtins.schedules.*``): registration, names, docstring pictures,
-which sizes each admits, validity of every admitted size, and the reference's figures.
+"""The built-in schedule plugins (``pp_core_builtins.schedules.*``): registration, names, docstring
+pictures, which sizes each admits, validity of every admitted size, and the reference's figures.
 
 Every order is checked by :func:`pp_core.schedule.build.build_schedule`, which validates it
 (placement, completeness, local order, deadlock freedom by list scheduling). Action-for-action
@@ -57,7 +57,7 @@ def build(plugins, name, p, m, v=None):
 
 
 def admitted(name: str, p: int, m: int, v: int) -> bool:
-    """Which microbatch counts each algorithm admits (reference sections 4-5)."""
+    """Which microbatch counts each algorithm admits (the rules in each plugin's docstring)."""
     if name == "interleaved_1f1b" or (name == "zero_bubble" and v > 1):
         return m % max(1, m // p) == 0  # torch's automatic group size N = m // (m // p)
     if name == "dfs":
@@ -162,14 +162,18 @@ def test_refusals_name_the_constraint_and_the_fix(plugins, name, p, m, v, messag
         build(plugins, name, p, m, v)
 
 
-def test_generators_refuse_a_stage_count_that_does_not_fit_their_placement():
-    from pp_core_builtins.schedules.gpipe import gpipe
-    from pp_core_builtins.schedules.v_schedule import v_schedule
-
-    with pytest.raises(ScheduleError, match="one stage per rank"):
-        gpipe(8, 4, 4)
-    with pytest.raises(ScheduleError, match="exactly 2 stages per rank"):
-        v_schedule(12, 4, 4)
+@pytest.mark.parametrize("name, default", [(name, v) for name, _, v, variable in
+                                           SCHEDULES.values() if not variable])
+def test_build_schedule_refuses_a_stage_count_that_does_not_fit_the_placement(plugins, name,
+                                                                              default):
+    """The sizes every generator may assume are checked once, by build_schedule."""
+    other = 3 - default  # 1 <-> 2
+    with pytest.raises(ScheduleError, match=rf"^schedule '{name}' runs exactly {default} "
+                                            rf"stage\(s\) per rank, got stages_per_rank={other}; "
+                                            rf"set stages_per_rank={default}"):
+        build(plugins, name, 4, 8, other)
+    with pytest.raises(ScheduleError, match=r"^num_microbatches must be an integer >= 1, got 0"):
+        build(plugins, name, 4, 0)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -261,7 +265,8 @@ def test_orders_match_torch_pipeline_order(plugins, torch_name):
 # ----------------------------------------------------------------------------- figures
 
 # (name, p, m, v) -> (makespan, bubble, span bubble, peak per rank), unit costs F=I=W=1, B=2:
-# the reference's section-4 table, and its p=8, m=32 bubbles (span and peaks from its formulas).
+# the published bubble table (docs/schedules.md), and its p=8, m=32 bubbles (span and peaks from
+# its formulas).
 SECTION_4 = {
     ("gpipe", 4, 8, 1): (33, 9, 9, [8, 8, 8, 8]),
     ("1f1b", 4, 8, 1): (33, 9, 9, [4, 3, 2, 1]),

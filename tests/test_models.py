@@ -1,5 +1,5 @@
-"""The demo plugin ``pp_core_builtins.models``: the GPT follows the ``layers`` contract, the datasets are
-deterministic per batch index, and the shipped text is there."""
+"""The demo plugin ``pp_core_builtins.models``: the GPT follows the ``layers`` contract, the
+datasets are deterministic per batch index, and the shipped text is there."""
 
 from __future__ import annotations
 

@@ -92,7 +92,8 @@ def test_duplicate_schedule_name_names_both_plugins():
 
     plugins = plugins_with("pp_core_builtins.schedules.gpipe", ("clash", Clash()))
     with pytest.raises(PluginError, match=r"schedule 'GPipe' is registered twice: by plugin "
-                                          r"'pp_core_builtins.schedules.gpipe' \(as 'gpipe'\) and by plugin 'clash'"):
+                                          r"'pp_core_builtins.schedules.gpipe' \(as 'gpipe'\) "
+                                          r"and by plugin 'clash'"):
         plugins.schedules
 
 
@@ -118,7 +119,8 @@ def test_unknown_name_lists_installed_ones_with_their_plugin():
         plugins.schedules.get("gpipee")
     message = str(info.value)
     assert "unknown schedule 'gpipee'; did you mean 'gpipe'?" in message
-    assert "gpipe (from pp_core_builtins.schedules.gpipe)" in message and "1f1b (from pp_core_builtins.schedules.one_f_one_b)" in message
+    assert "gpipe (from pp_core_builtins.schedules.gpipe)" in message
+    assert "1f1b (from pp_core_builtins.schedules.one_f_one_b)" in message
 
 
 def test_names_and_aliases_are_case_insensitive():
@@ -153,10 +155,12 @@ def test_plugin_manager_factory_has_no_shared_state():
 
 
 def test_an_unknown_disabled_name_is_named_with_the_known_ones(monkeypatch):
-    monkeypatch.setenv("PP_CORE_DISABLE_PLUGINS", "pp_core_builtins.schedules.gpipe, pp_core_builtins.schedules.gpip3")
+    monkeypatch.setenv("PP_CORE_DISABLE_PLUGINS",
+                       "pp_core_builtins.schedules.gpipe, pp_core_builtins.schedules.gpip3")
     with pytest.warns(UserWarning, match=r"PP_CORE_DISABLE_PLUGINS: no installed plugin is named "
-                                         r"'pp_core_builtins.schedules.gpip3', so it disables nothing; did you "
-                                         r"mean 'pp_core_builtins.schedules.gpipe'\? installed plugins: .*"
+                                         r"'pp_core_builtins.schedules.gpip3', so it disables "
+                                         r"nothing; did you mean 'pp_core_builtins.schedules.gpipe'"
+                                         r"\? installed plugins: .*"
                                          r"pp_core_builtins.schedules.gpipe") as caught:
         plugins = load_plugins()
     assert len(caught) == 1 and "gpipe" not in plugins.schedules

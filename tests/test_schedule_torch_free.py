@@ -1,4 +1,4 @@
-"""``pp-core schedule ...`` and the help screens never import torch (DESIGN.md, Layout rules).
+"""``pp-core schedule ...`` and the help screens never import torch.
 
 The schedule half is pure Python, but every command loads every installed plugin, so one plugin
 module that imports torch at import time costs a schedule command seconds. Each case runs the

@@ -1,4 +1,5 @@
-"""validate_schedule and build_schedule: every rule of reference section 2, with the messages."""
+"""validate_schedule and build_schedule: every rule of docs/schedules.md "Validation", with the
+messages."""
 
 from __future__ import annotations
 

@@ -107,6 +107,9 @@ def test_missing_sections_and_keys():
      "pipeline.pp_batch_size: pp_batch_size=6 is not divisible by pp_microbatch_size=4"),
     (("pipeline.loss_fn=cross_entropi",), "pipeline.loss_fn: unknown loss 'cross_entropi'; did "
                                           "you mean 'cross_entropy'?"),
+    # the key comes from the error (ConfigError.field), not from the first field its text names
+    (("pipeline.loss_fn=pp_seq_len",), "pipeline.loss_fn: unknown loss 'pp_seq_len'"),
+    (("pipeline.dtype=pp_batch_size",), "pipeline.dtype: dtype='pp_batch_size' is not a torch"),
     (("train.optimizer={name: adamw}",), "did you mean 'AdamW'?"),
     (("train.optimizer={name: SGD, lr: 0.1, momentun: 0.9}",),
      "train.optimizer.momentun: unknown argument of torch.optim.SGD; did you mean "

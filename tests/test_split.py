@@ -15,7 +15,8 @@ from pp_core.testing import plugins_with
 
 from _split_models import Chain, TinyLM, mlp
 
-BUILTINS = ("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers", "pp_core_builtins.splitters.sequential")
+BUILTINS = ("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers",
+            "pp_core_builtins.splitters.sequential")
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,8 @@ def test_hook_pp_register_splitters_third_party_wins_with_priority():
     model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
     for priority, expected in ((None, "layers"), (250, "blocks")):
         pm = make_plugin_manager(entry_points=False, plugins=[
-            _plugin(BlocksSplitter(priority)), ("pp_core_builtins.splitters.layers", pp_core_builtins.splitters.layers)])
+            _plugin(BlocksSplitter(priority)),
+            ("pp_core_builtins.splitters.layers", pp_core_builtins.splitters.layers)])
         assert select_splitter(model, cfg(), pm)[0] == expected
     plan = plan_split(nn.ModuleDict({"blocks": model.blocks}), cfg(), 2, 1, pm)
     assert plan.splitter == "blocks"
@@ -261,7 +263,8 @@ def test_fqn_may_name_a_parameter(plugins):
 
 def test_fqn_splitter_checks_count_itself():
     with pytest.raises(ConfigError, match=r"has 2 parts but the pipeline has 3 stages"):
-        pp_core_builtins.splitters.fqn.FqnSplitter().split(TinyLM(), 3, cfg(module_fqns_per_model_part=FQNS))
+        pp_core_builtins.splitters.fqn.FqnSplitter().split(TinyLM(), 3,
+                                                           cfg(module_fqns_per_model_part=FQNS))
 
 
 def test_layers_and_sequential_refuse_fqns(plugins):

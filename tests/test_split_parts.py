@@ -12,7 +12,8 @@ from pp_core.testing import plugins_with
 
 from _split_models import Chain, TinyLM, mlp
 
-PLUGINS = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers", "pp_core_builtins.splitters.sequential")
+PLUGINS = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers",
+                       "pp_core_builtins.splitters.sequential")
 CFG = PipelineConfig()
 
 

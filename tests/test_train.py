@@ -3,6 +3,7 @@ step (not once per microbatch) - counted on the real collectives of a real 4-ran
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -14,7 +15,8 @@ from pp_core.parallel.gradients import finish_gradients
 from pp_core.app.launch import launch
 from pp_core.losses import cross_entropy
 from pp_core.app.spec import parse_spec
-from pp_core.app.train import count_tokens, dp_slice, lr_factor
+from pp_core.app.train import dp_slice, lr_factor
+from pp_core.runtime.microbatch import num_tokens
 from pp_core_builtins.models import GPT
 from pp_core_builtins.models.datasets import SyntheticLM
 
@@ -140,4 +142,10 @@ def test_lr_schedule_and_batch_helpers():
     assert dp_slice({"x": batch}, 1, 2, 4)["x"].tolist() == [[4, 5], [6, 7]]
     with pytest.raises(Exception, match=r"expected the global batch size"):
         dp_slice(batch, 0, 2, 8)
-    assert count_tokens(batch) == 8 and count_tokens(torch.zeros(4, 3, 5)) == 12
+    assert num_tokens(batch) == 8 and num_tokens(torch.zeros(4, 3, 5)) == 12
+    # one rule for the run's tokens/s and the runtime initializers: token ids count first
+    assert num_tokens((torch.zeros(4, 3, 5), batch)) == 8
+    # dp shares are cut as microbatches are: a namedtuple keeps its type, None passes through
+    pair = collections.namedtuple("Pair", "ids mask")
+    share = dp_slice(pair(batch, None), 1, 2, 4)
+    assert type(share) is pair and share.ids.tolist() == [[4, 5], [6, 7]] and share.mask is None

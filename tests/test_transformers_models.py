@@ -1,4 +1,5 @@
-"""Tiny Hugging Face models for the pp_core_builtins.transformers tests; tests of the ``hf_causal_lm`` factory.
+"""Tiny Hugging Face models for the pp_core_builtins.transformers tests; tests of the
+``hf_causal_lm`` factory.
 
 No network: every model is built from a config in code, with random weights. The helpers here
 are imported by the other ``test_transformers_*`` modules (and by their spawned ranks).

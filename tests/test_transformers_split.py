@@ -26,8 +26,8 @@ from pp_core_builtins.transformers.layout import find_layout  # noqa: E402
 from test_transformers_models import (  # noqa: E402
     ARCHITECTURES, VOCAB, batch, tiny_config, tiny_model)
 
-PLUGINS = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers", "pp_core_builtins.splitters.sequential",
-                       "pp_core_builtins.transformers")
+PLUGINS = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers",
+                       "pp_core_builtins.splitters.sequential", "pp_core_builtins.transformers")
 
 
 def build(model, num_stages, config=None, num_ranks=None, stages_per_rank=1, **kw):
@@ -333,8 +333,8 @@ def _docs_plugin():
 
 
 def test_docs_example_adds_an_architecture_with_a_higher_priority_splitter():
-    plugins = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers", "pp_core_builtins.transformers",
-                           ("my_pp_arch", _docs_plugin()))
+    plugins = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers",
+                           "pp_core_builtins.transformers", ("my_pp_arch", _docs_plugin()))
     model = tiny_model()
     model.config.model_type = "my_arch"
     model.config.my_embedding_scale = 2.0

@@ -12,14 +12,9 @@ from typing import Callable
 from pp_core.app.spec import Spec
 from pp_core.callables import resolve_callable
 from pp_core.errors import ConfigError, quoted
-from pp_core.plugin_manager import default_plugins
+from pp_core.plugin_manager import plugins_or_default
 
-__all__ = ["model_factory", "dataset_factory", "dataset_args", "plugins_or_installed"]
-
-
-def plugins_or_installed(plugins):
-    """``plugins``, or the installed plugins when it is ``None``."""
-    return default_plugins() if plugins is None else plugins
+__all__ = ["model_factory", "dataset_factory", "dataset_args", "accepts"]
 
 
 def model_factory(spec: Spec, plugins=None) -> Callable:
@@ -32,15 +27,16 @@ def model_factory(spec: Spec, plugins=None) -> Callable:
                               f"validate and run call it with model.args, so name your model's "
                               f"class or factory function")
         return target
-    return plugins_or_installed(plugins).models.get(spec.model["name"])
+    return plugins_or_default(plugins).models.get(spec.model["name"])
 
 
 def dataset_factory(spec: Spec, plugins=None) -> Callable:
     """The registered dataset factory ``data.name``."""
-    return plugins_or_installed(plugins).datasets.get(spec.data["name"])
+    return plugins_or_default(plugins).datasets.get(spec.data["name"])
 
 
-def _accepts(factory: Callable, name: str) -> bool:
+def accepts(factory: Callable, name: str) -> bool:
+    """Whether ``factory`` takes a keyword argument ``name`` (or any, through ``**kwargs``)."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -57,6 +53,6 @@ def dataset_args(spec: Spec, factory: Callable, evaluation: bool = False) -> dic
     args = dict(spec.data["args"])
     if evaluation:
         args.update(spec.data["eval_args"])
-    if "batch_size" not in args and _accepts(factory, "batch_size"):
+    if "batch_size" not in args and accepts(factory, "batch_size"):
         args["batch_size"] = spec.global_batch_size
     return args

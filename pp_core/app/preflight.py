@@ -5,29 +5,30 @@ factories' signatures, builds the model on the meta device (no memory, no init) 
 split with the splitter plugins, and builds and validates the schedule for ``pp_size`` ranks.
 Every mistake becomes a line of one :class:`~pp_core.app.spec.SpecError` that names the YAML key.
 
-The model and dataset factories come from :mod:`pp_core.app.factories`, as in the training
-processes, so that what ``pp-core validate`` checks is exactly what ``pp-core run`` uses.
+:func:`~pp_core.planning.plan.plan_pipeline` plans here as it does on every rank, and the model
+and dataset factories come from :mod:`pp_core.app.factories` as they do in a run, so what
+``pp-core validate`` checks is exactly what ``pp-core run`` builds.
 """
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pp_core.app.factories import dataset_factory, model_factory, plugins_or_installed
+from pp_core.app.factories import dataset_args, dataset_factory, model_factory  # re-exported
 from pp_core.app.preflight_build import (
     build_meta_model, check_build, check_local_ranks, check_outputs,
 )
 from pp_core.app.spec import Spec, SpecError
 from pp_core.devices import choose as choose_device
 from pp_core.devices import resolve_device
-from pp_core.errors import PPCoreError, ScheduleError
-from pp_core.planning.split import plan_split
-from pp_core.schedule.build import build_schedule, resolve_schedule_def
+from pp_core.errors import PPCoreError, did_you_mean
+from pp_core.planning.plan import plan_pipeline, schedule_field, schedule_shape
+from pp_core.plugin_manager import plugins_or_default
 
-__all__ = ["Preflight", "preflight", "schedule_def_for", "resolve_device"]
+__all__ = ["Preflight", "preflight", "model_factory", "dataset_factory", "dataset_args",
+           "resolve_device"]
 
 
 @dataclass
@@ -37,14 +38,6 @@ class Preflight:
     plan: Any = None
     schedule: Any = None
     notes: list[str] = field(default_factory=list)
-
-
-def schedule_def_for(spec: Spec, plugins=None):
-    """The schedule's :class:`ScheduleDef` (``None`` for a CSV schedule)."""
-    if spec.pipeline["pp_schedule_csv"]:
-        return None
-
-    return resolve_schedule_def(spec.pipeline["pp_schedule"], plugins_or_installed(plugins))[1]
 
 
 def _check_args(where: str, factory: Callable, args: dict, problems: list[str]) -> None:
@@ -57,8 +50,8 @@ def _check_args(where: str, factory: Callable, args: dict, problems: list[str]) 
     names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     for key in args:
         if key not in names:
-            guess = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-            hint = f"did you mean '{where}.{guess[0]}'? " if guess else ""
+            hint = did_you_mean(key, names, cutoff=0.5, show=lambda name: f"'{where}.{name}'",
+                                after=" ")
             problems.append(f"{where}.{key}: unknown argument of "
                             f"{getattr(factory, '__qualname__', factory)}; {hint}"
                             f"its arguments: {', '.join(names) or 'none'}")
@@ -72,7 +65,7 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
     the resume path, the output paths: :mod:`pp_core.app.preflight_build`), so that what would fail
     after the ranks start is refused before.
     """
-    plugins = plugins_or_installed(plugins)
+    plugins = plugins_or_default(plugins)
     problems: list[str] = []
     result = Preflight()
     model_fn = data_fn = None
@@ -137,51 +130,30 @@ def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
 
 
 def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: list[str]):
-    """Plan the split on the meta device, then build + validate the schedule with its sizes;
-    returns the meta model (``None`` where it could not be built)."""
+    """Plan the split and the schedule on the meta device with the function every rank plans
+    with; returns the meta model (``None`` where it could not be built)."""
     config = spec.pipeline_config()
     num_ranks = spec.distributed["pp_size"]
-    try:
-        sdef = schedule_def_for(spec, plugins)
-    except ScheduleError as exc:
-        problems.append(f"pipeline.pp_schedule: {exc}")
+    sizes = (f" (pp_size={num_ranks}, microbatches = pp_batch_size / pp_microbatch_size = "
+             f"{config.num_microbatches})")
+    try:  # a wrong schedule name or CSV is reported before the model is built
+        schedule_shape(config, num_ranks, plugins)
+    except PPCoreError as exc:
+        csv = config.pp_schedule_csv is not None
+        problems.append(f"pipeline.{schedule_field(config)}: {exc}" + (sizes if csv else ""))
         return None
-    stages_per_rank = sdef.stages_per_rank if sdef is not None else None
-    if sdef is None:  # a CSV determines its stage count: derive stages_per_rank as run does
-        try:
-            csv_schedule = build_schedule(num_ranks=num_ranks,
-                                          num_microbatches=config.num_microbatches,
-                                          csv_path=spec.pipeline["pp_schedule_csv"],
-                                          plugins=plugins)
-        except ScheduleError as exc:
-            problems.append(f"pipeline.pp_schedule_csv: {exc} (pp_size={num_ranks}, "
-                            f"microbatches = pp_batch_size / pp_microbatch_size = "
-                            f"{config.num_microbatches})")
-            return None
-        stages_per_rank = csv_schedule.num_stages // num_ranks
-
     model = build_meta_model(spec, model_fn, problems, result.notes)
     if problems:
         return None
     if model is not None:
         _check_blocks(spec, model, problems)
-
-        try:
-            result.plan = plan_split(
-                model, config, num_ranks, stages_per_rank, plugins,
-                variable_stages_per_rank=bool(sdef and sdef.variable_stages_per_rank))
-            stages_per_rank = result.plan.stages_per_rank
-        except PPCoreError as exc:
-            problems.append(f"pipeline: cannot split the model: {exc}")
-            return model
     try:
-        result.schedule = build_schedule(
-            spec.pipeline["pp_schedule"], num_ranks=num_ranks,
-            num_microbatches=config.num_microbatches, stages_per_rank=stages_per_rank,
-            csv_path=spec.pipeline["pp_schedule_csv"], plugins=plugins)
-    except ScheduleError as exc:
-        key = "pipeline.pp_schedule_csv" if spec.pipeline["pp_schedule_csv"] else \
-            "pipeline.pp_schedule"
-        problems.append(f"{key}: {exc} (pp_size={num_ranks}, microbatches = pp_batch_size / "
-                        f"pp_microbatch_size = {config.num_microbatches})")
+        planned = plan_pipeline(model, config, num_ranks, plugins=plugins)
+    except PPCoreError as exc:
+        if exc.field in ("pp_schedule", "pp_schedule_csv"):
+            problems.append(f"pipeline.{exc.field}: {exc}{sizes}")
+        else:
+            problems.append(f"pipeline: cannot split the model: {exc}")
+        return model
+    result.plan, result.schedule = planned.split, planned.schedule
     return model

@@ -104,16 +104,22 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     """Shapes against the global batch and ``pp_seq_len``; one microbatch through the meta model."""
     import torch
 
-    from pp_core.app.train import _first_tensor, dp_slice  # torch: only with a batch in hand
+    from pp_core.app.train import dp_slice  # torch: only with a batch in hand
+    from pp_core.runtime.microbatch import first_tensor
 
     inputs, target = batch
     global_batch = spec.global_batch_size
     try:
         pieces = global_batch // spec.pipeline["pp_microbatch_size"]
         micro = [dp_slice(v, 0, pieces, global_batch) for v in (inputs, target)]
-        first = _first_tensor(inputs)
     except PPCoreError as exc:
         problems.append(f"data.args: {exc}")
+        return
+    first = first_tensor(inputs)
+    if first is None:
+        problems.append(f"data.args: a batch's inputs hold no tensor ({type(inputs).__name__}); "
+                        f"a dataset yields (inputs, target) with inputs a tensor, tuple or dict "
+                        f"of tensors")
         return
     if any(size == 0 for size in first.shape):
         problems.append(f"data.args: the dataset yields an empty batch (inputs of shape "

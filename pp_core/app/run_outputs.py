@@ -297,7 +297,8 @@ class RunRecorder:
         return summary
 
     def _schedule(self):
-        # the schedule this rank ran; the summary never plans it again
+        """The schedule this run ran: the one :func:`~pp_core.planning.plan.plan_pipeline`
+        planned for the pipeline (no second planning that could disagree with it)."""
         return getattr(self.pipe, "schedule", None)
 
     def _simulate(self, schedule, ranks: list[dict]):

@@ -18,7 +18,6 @@ pipeline is built.
 from __future__ import annotations
 
 import copy
-import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -26,7 +25,7 @@ from typing import Any, Iterable
 from pp_core.app.spec_schema import REQUIRED_SECTIONS, SCHEMA, Key, Mismatch, describe_value
 from pp_core.app.spec_yaml import YamlProblem, load_yaml_text, read_yaml
 from pp_core.config import PipelineConfig
-from pp_core.errors import ConfigError, quoted
+from pp_core.errors import ConfigError, closest, did_you_mean, quoted
 
 __all__ = ["Key", "SCHEMA", "REQUIRED_SECTIONS", "Spec", "SpecError", "load_spec",
            "parse_spec", "apply_overrides", "parse_override", "describe_value"]
@@ -113,11 +112,6 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
 # ----------------------------------------------------------------------------- checking
 
 
-def _closest(word: str, options: Iterable[str]) -> str | None:
-    found = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.5)
-    return found[0] if found else None
-
-
 def parse_spec(data: Any, source: str = "pipeline") -> Spec:
     """Check a parsed YAML document and fill defaults; raises :class:`SpecError` listing all."""
     problems: list[str] = []
@@ -128,8 +122,7 @@ def parse_spec(data: Any, source: str = "pipeline") -> Spec:
                          f"{describe_value(data)}"], source)
     for section in data:
         if section not in SCHEMA:
-            guess = _closest(section, SCHEMA)
-            hint = f"did you mean {guess!r}? " if guess else ""
+            hint = did_you_mean(section, SCHEMA, cutoff=0.5, after=" ")
             problems.append(f"{section}: unknown section; {hint}sections: {', '.join(SCHEMA)}")
     values: dict[str, dict[str, Any]] = {}
     for section, keys in SCHEMA.items():
@@ -154,8 +147,8 @@ def _check_section(section: str, keys: list[Key], raw: dict, problems: list[str]
     by_name = {k.name: k for k in keys}
     for name in raw:
         if name not in by_name:
-            guess = _closest(name, by_name)
-            hint = f"did you mean '{section}.{guess}'? " if guess else ""
+            hint = did_you_mean(name, by_name, cutoff=0.5, after=" ",
+                                show=lambda key: f"'{section}.{key}'")
             problems.append(f"{section}.{name}: unknown key; {hint}valid keys in {section}: "
                             f"{', '.join(by_name)}")
     out = {}
@@ -253,33 +246,14 @@ def _check_pipeline(pipeline: dict, problems: list[str]) -> None:
     try:
         config = PipelineConfig(**pipeline)
     except ConfigError as exc:
-        problems.append(f"{_config_key(pipeline, str(exc))}: {exc}")
+        key = f"pipeline.{exc.field}" if exc.field in pipeline else "pipeline"
+        problems.append(f"{key}: {exc}")
         return
     if config.num_microbatches > MAX_MICROBATCHES:
         problems.append(f"pipeline.pp_batch_size: pp_batch_size / pp_microbatch_size = "
                         f"{config.pp_batch_size:,} / {config.pp_microbatch_size:,} = "
                         f"{config.num_microbatches:,} microbatches per step, more than "
                         f"{MAX_MICROBATCHES:,}; use a larger pp_microbatch_size")
-
-
-def _config_key(pipeline: dict, message: str) -> str:
-    """The ``pipeline.<field>`` a PipelineConfig error is about: the field it names first, or the
-    one field whose default, put back, makes the config valid."""
-    import re
-
-    mentioned = [(m.start(), m.group(1)) for m in re.finditer(r"\b(\w+)\b", message)
-                 if m.group(1) in pipeline]
-    if mentioned:
-        return f"pipeline.{min(mentioned)[1]}"
-    defaults = PipelineConfig()
-    for name, value in pipeline.items():
-        if value != getattr(defaults, name):
-            try:
-                PipelineConfig(**{**pipeline, name: getattr(defaults, name)})
-            except ConfigError:
-                continue
-            return f"pipeline.{name}"
-    return "pipeline"
 
 
 def _check_optimizer(optimizer: dict, problems: list[str]) -> None:
@@ -295,7 +269,7 @@ def _check_optimizer(optimizer: dict, problems: list[str]) -> None:
     cls = classes.get(name) if isinstance(name, str) else None
     if cls is None:
         lower = {n.lower(): n for n in classes}
-        guess = lower.get(str(name).lower()) or _closest(name, classes)
+        guess = lower.get(str(name).lower()) or closest(name, classes, cutoff=0.5)
         hint = f"did you mean {guess!r}? " if guess else ""
         problems.append(f"train.optimizer.name: expected a torch.optim class, found "
                         f"{describe_value(name)}; {hint}e.g. AdamW, Adam, SGD")
@@ -308,8 +282,8 @@ def _check_optimizer(optimizer: dict, problems: list[str]) -> None:
         if key == "name":
             continue
         if key not in accepted:
-            guess = _closest(key, accepted)
-            hint = f"did you mean 'train.optimizer.{guess}'? " if guess else ""
+            hint = did_you_mean(key, accepted, cutoff=0.5, after=" ",
+                                show=lambda arg: f"'train.optimizer.{arg}'")
             problems.append(f"train.optimizer.{key}: unknown argument of torch.optim.{name}; "
                             f"{hint}its arguments: {', '.join(accepted)}")
             continue

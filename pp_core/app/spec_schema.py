@@ -8,15 +8,13 @@ that into ``key.path: expected ..., found ...``. ``docs/yaml.md`` has one table 
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from pp_core.app.rendezvous import address_problem, port_problem, split_endpoint
-from pp_core.config import PipelineConfig
-from pp_core.errors import ConfigError, quoted
+from pp_core.config import field_specs
+from pp_core.errors import ConfigError, did_you_mean, quoted
 
 __all__ = ["Key", "SCHEMA", "REQUIRED_SECTIONS", "Mismatch", "describe_value"]
 
@@ -94,8 +92,7 @@ def _choice(*options: str) -> Callable:
         if isinstance(value, bool) and "off" in options:  # YAML 1.1 reads `off` as false
             return "off" if not value else options[0]
         if not isinstance(value, str) or value.lower() not in options:
-            guess = difflib.get_close_matches(str(value).lower(), options, n=1)
-            hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+            hint = did_you_mean(str(value).lower(), options, before=" (", after=")")
             raise Mismatch(f"one of {', '.join(map(repr, options))}{hint}")
         return value.lower()
     return check
@@ -197,22 +194,23 @@ class Key:
 
 
 def _pipeline_keys() -> list[Key]:
-    """``pipeline`` holds the :class:`~pp_core.config.PipelineConfig` fields, verbatim."""
+    """``pipeline`` holds the :class:`~pp_core.config.PipelineConfig` fields, verbatim; each
+    key's checker follows from the field's declared type (:func:`~pp_core.config.field_specs`)."""
     keys = []
-    for f in dataclasses.fields(PipelineConfig):
-        if isinstance(f.default, bool):
+    for declared in field_specs():
+        if declared.kind is bool:
             check = _bool
-        elif isinstance(f.default, int):
-            check = _int(0 if f.name.endswith("slack") else 1)
-        elif f.name in ("layers_per_stage", "pp_seq_len"):
-            check = _optional(_int(1))
-        elif f.name in ("pp_schedule", "pp_schedule_csv"):
-            check = _optional(_str)  # both None: PipelineConfig says one is needed
-        elif f.name == "round_virtual_stages_to_pp_multiple":
-            check = _optional(_choice("up", "down"))
+        elif declared.kind is int:
+            check = _int(declared.minimum)
+        elif declared.kind is str:
+            check = _str  # pp_schedule and pp_schedule_csv both None: PipelineConfig names it
+        elif declared.kind == "choice":
+            check = _choice(*declared.choices)
         else:
             check = _anything  # PipelineConfig itself checks these
-        keys.append(Key(f.name, check, f.default, f"PipelineConfig.{f.name}"))
+        if declared.optional and check is not _anything:
+            check = _optional(check)
+        keys.append(Key(declared.name, check, declared.default, f"PipelineConfig.{declared.name}"))
     return keys
 
 

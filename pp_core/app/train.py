@@ -35,8 +35,9 @@ from pp_core.devices import resolve_device
 from pp_core.errors import PipelineError
 from pp_core.parallel import apply_activation_checkpointing, apply_compile, apply_data_parallel
 from pp_core.parallel.gradients import clip_grad_norm, finish_gradients, tied_copies
+from pp_core.runtime.microbatch import num_tokens, split_batch
 
-__all__ = ["train", "lr_factor", "count_tokens", "dp_slice", "RankContext"]
+__all__ = ["train", "lr_factor", "dp_slice", "RankContext"]
 
 
 def lr_factor(step: int, train: dict) -> float:
@@ -55,41 +56,17 @@ def lr_factor(step: int, train: dict) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _first_tensor(value):
-    if isinstance(value, torch.Tensor):
-        return value
-    items = value.values() if isinstance(value, dict) else value
-    for item in items:
-        if isinstance(item, torch.Tensor):
-            return item
-    raise PipelineError(f"a batch's inputs hold no tensor ({type(value).__name__}); a dataset "
-                        f"yields (inputs, target) with inputs a tensor, tuple or dict of tensors")
-
-
-def count_tokens(inputs) -> int:
-    """Tokens in a batch: every element of an integer tensor ``[B, S]``; ``B * S`` of ``[B, S, D]``."""
-    tensor = _first_tensor(inputs)
-    if tensor.is_floating_point() and tensor.dim() >= 2:
-        return tensor.numel() // tensor.shape[-1]
-    return tensor.numel() if tensor.dim() >= 1 else 1
-
-
 def dp_slice(value, dp_rank: int, dp_size: int, global_batch: int):
-    """This dp rank's contiguous share of a global batch (tensors, tuples, dicts)."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0 or value.shape[0] != global_batch:
-            found = "a scalar" if value.dim() == 0 else f"leading dimension {value.shape[0]}"
-            raise PipelineError(
-                f"the dataset yielded a batch with {found}, expected the global batch size "
-                f"pipeline.pp_batch_size * distributed.dp_size = {global_batch}; make the "
-                f"dataset yield {global_batch} samples per step (data.args.batch_size)")
-        share = global_batch // dp_size
-        return value[dp_rank * share:(dp_rank + 1) * share]
-    if isinstance(value, dict):
-        return {k: dp_slice(v, dp_rank, dp_size, global_batch) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(dp_slice(v, dp_rank, dp_size, global_batch) for v in value)
-    return value
+    """This dp rank's contiguous share of a global batch: :func:`split_batch`, the rule that
+    splits microbatches (tensors, tuples, dicts), with a message about the dataset."""
+    def mismatch(path, tensor):
+        found = "a scalar" if tensor.dim() == 0 else f"leading dimension {tensor.shape[0]}"
+        return PipelineError(
+            f"the dataset yielded a batch with {found}, expected the global batch size "
+            f"pipeline.pp_batch_size * distributed.dp_size = {global_batch}; make the "
+            f"dataset yield {global_batch} samples per step (data.args.batch_size)")
+
+    return split_batch(value, dp_size, global_batch, mismatch)[dp_rank]
 
 
 class RankContext:
@@ -273,8 +250,9 @@ def train(spec: Spec) -> dict[str, Any]:
                 optimizer.step()
         step_time = time.perf_counter() - t0
         global_loss = _mean_over_dp(None if loss is None else float(loss), ctx)
-        recorder.record_step(step, global_loss, step_time, count_tokens(inputs), grad_norm, lr, t0)
-        progress.update(step, global_loss, count_tokens(inputs) / step_time, step_time)
+        tokens = num_tokens(inputs)
+        recorder.record_step(step, global_loss, step_time, tokens, grad_norm, lr, t0)
+        progress.update(step, global_loss, tokens / step_time, step_time)
         if train_cfg["eval_every"] and step % train_cfg["eval_every"] == 0:
             recorder.record_eval(step, _evaluate(spec, pipe, ctx, global_batch))
         every, directory = spec.checkpoint["every"], spec.checkpoint["dir"]

@@ -33,11 +33,11 @@ def finish_gradients(params: list[nn.Parameter], num_microbatches: int) -> None:
 def tied_copies(model_parts, stage_indices) -> set[int]:
     """``id``s of this rank's parameters that are extra copies of a weight tied across stages.
 
-    A splitter that unties a shared weight (``pp_core_builtins.transformers``: ``embed_tokens`` / ``lm_head``)
-    marks each part with ``pp_tied_parameters`` (``{local name: every name of the weight}``) and
-    ``pp_tied_stages`` (``{names: stages holding a copy}``). The copy on the lowest stage stands
-    for the weight; the others are skipped when norms are summed, so the norm is the unsplit
-    model's.
+    A splitter that unties a shared weight (``pp_core_builtins.transformers``: ``embed_tokens`` /
+    ``lm_head``) marks each part with ``pp_tied_parameters`` (``{local name: every name of the
+    weight}``) and ``pp_tied_stages`` (``{names: stages holding a copy}``). The copy on the lowest
+    stage stands for the weight; the others are skipped when norms are summed, so the norm is the
+    unsplit model's.
     """
     extra = set()
     for part, stage in zip(model_parts, stage_indices):

@@ -6,7 +6,7 @@ the path from the root to a kept one is a shallow copy whose ``_modules`` / ``_p
 dicts are pruned. So a part's ``state_dict()`` keys are exactly the model's keys for what it
 holds, and building every part of a rank costs a few module objects, not a model copy.
 
-Pruning rules (the ``layers`` contract of DESIGN.md):
+Pruning rules (the ``layers`` contract, docs/splitting.md "The forward contract"):
 - a child of a container (``ModuleList``, ``ModuleDict``, ``Sequential``, ``ParameterList``,
   ``ParameterDict``) that the stage does not hold is removed; the others keep their original
   keys, so iterating the container yields the stage's blocks in order;
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from pp_core.errors import ConfigError, PluginError
-from pp_core.plugin_manager import default_plugins
+from pp_core.plugin_manager import plugins_or_default
 
 __all__ = ["build_model_parts", "prune_model", "materialize_parts"]
 
@@ -156,7 +156,7 @@ def build_model_parts(
                           f"{plan.num_stages}) for a plan of {plan.num_stages} stages")
     splitter = plan.splitter_object
     if splitter is None:
-        splitter = default_plugins().splitters.get(plan.splitter)
+        splitter = plugins_or_default().splitters.get(plan.splitter)
     make_part = getattr(splitter, "make_part", None)
     model_keys = set(model.state_dict().keys()) if make_part is not None else set()
     parts = []

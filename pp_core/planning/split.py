@@ -10,14 +10,13 @@ lives in :mod:`pp_core.planning.partition` and is re-exported here.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pp_core.errors import ConfigError
+from pp_core.errors import ConfigError, did_you_mean
 from pp_core.planning.partition import balanced_partition, spread, virtual_stages  # re-exported
-from pp_core.plugin_manager import Plugins, default_plugins
+from pp_core.plugin_manager import plugins_or_default
 
 __all__ = [
     "SplitPlan",
@@ -68,14 +67,6 @@ class SplitPlan:
 # ----------------------------------------------------------------------------- selection
 
 
-def _plugins(plugins):
-    if plugins is None:
-        return default_plugins()
-    if isinstance(plugins, Plugins):
-        return plugins
-    return Plugins(plugins)  # a pluggy PluginManager
-
-
 def _accepts(splitter, model, config) -> bool:
     accepts = getattr(splitter, "accepts", None)
     if accepts is None:
@@ -103,7 +94,7 @@ def select_splitter(model, config, plugins=None, splitter=None) -> tuple[str, An
     if splitter is not None and not isinstance(splitter, str):
         name = getattr(splitter, "name", type(splitter).__name__)
         return name, splitter
-    registry = _plugins(plugins).splitters
+    registry = plugins_or_default(plugins).splitters
     if isinstance(splitter, str):
         entry = registry.entry(splitter)
         if not _accepts(entry.value, model, config):
@@ -154,8 +145,7 @@ def check_stage_fqns(model, fqns_per_stage, num_stages: int, source: str) -> tup
                               f"least one (use fewer stages)")
         for fqn in fqns:
             if fqn not in known:
-                close = difflib.get_close_matches(fqn, sorted(known), n=3)
-                hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+                hint = did_you_mean(fqn, sorted(known), n=3, before="; ")
                 raise ConfigError(f"{source}: stage {stage} names {fqn!r}, which is not a module, "
                                   f"parameter or buffer of {type(model).__name__}{hint}")
             holder.setdefault(fqn, []).append(stage)

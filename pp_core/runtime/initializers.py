@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from pp_core.plugin_manager import Plugins, default_plugins
+from pp_core.plugin_manager import Plugins, plugins_or_default
 
 if TYPE_CHECKING:
     import torch
@@ -59,8 +59,7 @@ def collect_pipeline_runtime_initializers(
     signature that is not hashable raises ``TypeError`` naming the module and the provider.
     Nothing is prepared here.
     """
-    if plugins is None:
-        plugins = default_plugins()
+    plugins = plugins_or_default(plugins)
     kept: dict = {}
     order: list[PipelineRuntimeInitializer] = []
     for part_index, part in enumerate(model_parts):

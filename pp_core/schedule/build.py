@@ -12,7 +12,7 @@ import gc
 import os
 
 from pp_core.errors import ScheduleError
-from pp_core.plugin_manager import default_plugins
+from pp_core.plugin_manager import plugins_or_default
 from pp_core.schedule.csv_io import read_csv
 from pp_core.schedule.ir import Schedule, ScheduleDef, stage_to_rank
 from pp_core.schedule.validate import validate_schedule
@@ -111,8 +111,7 @@ def resolve_schedule_def(name: str, plugins=None) -> tuple[str, ScheduleDef]:
     A plugin that registered a bare generator function gets it wrapped in a default
     :class:`ScheduleDef` (one stage per rank, loop placement).
     """
-    if plugins is None:
-        plugins = default_plugins()
+    plugins = plugins_or_default(plugins)
     if not isinstance(name, str) or not name:
         raise ScheduleError(f"schedule name must be a non-empty string, got {name!r}")
     registry = plugins.schedules

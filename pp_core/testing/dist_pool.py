@@ -70,12 +70,23 @@ def _worker(rank: int, world_size: int, tasks, results) -> None:
         except BaseException as exc:  # report everything, keep serving
             outcome = Outcome(False, None, type(exc).__name__, str(exc), traceback.format_exc())
         healthy = dist.is_initialized()
-        try:
-            results.put((rank, outcome, healthy))
-        except Exception as exc:  # an unpicklable return value
-            results.put((rank, Outcome(False, None, type(exc).__name__, str(exc), ""), healthy))
+        results.put((rank, _sendable(outcome), healthy))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _sendable(outcome: Outcome) -> Outcome:
+    """``outcome``, or an error outcome when it cannot be pickled (a tensor that requires grad,
+    a lambda). The queue pickles in a background thread that only prints such an error, so the
+    test process would wait for this rank's result until the case's timeout: a fake hang."""
+    from multiprocessing.reduction import ForkingPickler
+
+    try:
+        ForkingPickler.dumps(outcome)  # with torch's reductions, as the queue will
+        return outcome
+    except Exception as exc:
+        return Outcome(False, None, type(exc).__name__,
+                       f"the case's return value cannot be sent to the test process: {exc}", "")
 
 
 class DistPool:

@@ -24,7 +24,8 @@ __all__ = ["plugin_manager", "plugins_with", "installed_entry_point"]
 
 
 def installed_entry_point(name: str) -> metadata.EntryPoint:
-    """The installed ``pp_core`` entry point called ``name`` (e.g. ``"pp_core_builtins.schedules.gpipe"``)."""
+    """The installed ``pp_core`` entry point called ``name``
+    (e.g. ``"pp_core_builtins.schedules.gpipe"``)."""
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             return ep

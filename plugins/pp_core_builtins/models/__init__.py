@@ -7,7 +7,8 @@ and ``text_bytes`` (byte-level language modelling over a text file; a public-dom
 
 Loading this entry point does not import torch (``pp-core schedule`` loads every plugin and must
 stay fast): the hooks import the model and dataset modules when pp-core asks for models or
-datasets, and ``from pp_core_builtins.models import GPT`` loads ``pp_core_builtins.models.gpt`` on first use.
+datasets, and ``from pp_core_builtins.models import GPT`` loads ``pp_core_builtins.models.gpt``
+on first use.
 """
 
 import importlib

@@ -3,7 +3,7 @@
 Qi et al., "Pipeline Parallelism with Controllable Memory" (arXiv:2405.15362) build a V-placement
 schedule from a repeated *building block*: the slots of ``F(c0), F(c1), I(c1), I(c0)`` of one
 microbatch, repeated every 6 slots. Their procedure (sail-sg ``zbv_greedy.py``,
-``PipelineGraph.create_schedule``; pp-core's schedule reference, section 5.10), reimplemented here:
+``PipelineGraph.create_schedule``), reimplemented here:
 
 1. ``put_w``: every empty slot, in time order, takes a pending ``W``;
 2. ``reorder``: take the passes in time order and move each to the earliest free slot after its
@@ -21,7 +21,8 @@ are bucketed by time once, frozen passes are never visited (a free slot before t
 is exactly a slot no pass occupies now), a memory check looks only at the slots a move changes,
 and the unit-cost squeeze is one pass over time buckets. The stable phase repeats with period one
 microbatch (6 slots), so for ``m > 2p + 8`` the order for ``2p + 8`` microbatches is computed and
-its stable stretch repeated; tests check both against each other and the reference's examples.
+its stable stretch repeated; tests check both against each other and against worked examples
+(tests/fixtures/reference_examples.py).
 """
 
 from bisect import bisect_left
@@ -73,8 +74,9 @@ def _actions(order: list, kinds: list, extra: int) -> list[Action]:
         if run > best:
             best, cut = run, start
     if best < 6:
-        raise ScheduleError("pp_core_builtins.schedules._controllable_memory found no stable phase to repeat; "
-                            "this is a bug, please report it with the schedule's sizes")
+        raise ScheduleError("pp_core_builtins.schedules._controllable_memory found no stable "
+                            "phase to repeat; this is a bug, please report it with the "
+                            "schedule's sizes")
     period = [(*kinds[c], k) for c, k in order[cut:cut + 6]]
     out = [make((*kinds[c], k)) for c, k in order[:cut]]
     for j in range(extra):

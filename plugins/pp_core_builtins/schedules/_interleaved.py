@@ -13,8 +13,8 @@ from pp_core import Action, B, F, ScheduleError
 
 def loop_chunks(name: str, num_stages: int, num_ranks: int) -> int:
     """Stages per rank ``v``, refusing anything but a whole number >= 2."""
-    v = num_stages // num_ranks if num_ranks >= 1 else 0
-    if num_ranks < 1 or v < 2 or num_stages != v * num_ranks:
+    v = num_stages // num_ranks
+    if v < 2:
         raise ScheduleError(
             f"{name} needs a whole number >= 2 of stages per rank, got num_stages={num_stages} "
             f"on num_ranks={num_ranks}; set stages_per_rank >= 2, or use '1f1b' for one stage "

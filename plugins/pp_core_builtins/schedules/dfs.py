@@ -22,7 +22,7 @@ def dfs(num_stages: int, num_microbatches: int, num_ranks: int) -> list[list[Act
     """Megatron's depth-first order: groups of ``p`` microbatches, each through every chunk."""
     p, m = num_ranks, num_microbatches
     v = loop_chunks("dfs", num_stages, num_ranks)
-    if m < 1 or m % p:
+    if m % p:
         lower, upper = (m // p) * p, (m // p + 1) * p
         nearest = f"{lower} or {upper}" if lower else f"{upper}"
         raise ScheduleError(

@@ -10,19 +10,13 @@ microbatch order, as torch does.
     rank 1: 1F0 1F1 1F2 1B0 1B1 1B2
 """
 
-from pp_core import Action, B, F, ScheduleDef, ScheduleError, hookimpl
+from pp_core import Action, B, F, ScheduleDef, hookimpl
 
 __all__ = ["gpipe"]
 
 
 def gpipe(num_stages: int, num_microbatches: int, num_ranks: int) -> list[list[Action]]:
     """Rank ``r``: ``F(r,0..m-1)`` then ``B(r,0..m-1)``. Any ``num_microbatches >= 1``."""
-    if num_ranks < 1 or num_stages != num_ranks:
-        raise ScheduleError(
-            f"gpipe runs one stage per rank, got num_stages={num_stages}, num_ranks={num_ranks}; "
-            f"set stages_per_rank=1, or use 'looped_bfs' for several stages per rank")
-    if num_microbatches < 1:
-        raise ScheduleError(f"gpipe needs num_microbatches >= 1, got {num_microbatches}")
     mbs = range(num_microbatches)
     return [[Action(r, F, k) for k in mbs] + [Action(r, B, k) for k in mbs]
             for r in range(num_ranks)]

@@ -14,8 +14,8 @@ group size is torch's ``N = m // (m // p)`` (= ``p``, Megatron's default, when `
 """
 
 from pp_core import Action, ScheduleDef, ScheduleError, hookimpl
-from pp_core_builtins.schedules._interleaved import (interleaved_1f1b_orders, loop_chunks, nearest_torch_groups,
-                                        torch_group_fits)
+from pp_core_builtins.schedules._interleaved import (interleaved_1f1b_orders, loop_chunks,
+                                                    nearest_torch_groups, torch_group_fits)
 
 __all__ = ["interleaved_1f1b"]
 

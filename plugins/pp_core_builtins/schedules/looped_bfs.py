@@ -21,14 +21,11 @@ __all__ = ["looped_bfs"]
 def looped_bfs(num_stages: int, num_microbatches: int, num_ranks: int) -> list[list[Action]]:
     """Per rank: forwards stage by stage, then backwards in reverse stage and microbatch order."""
     p, m = num_ranks, num_microbatches
-    v = num_stages // p if p >= 1 else 0
-    if p < 1 or v < 2 or num_stages != v * p:
+    if num_stages // p < 2:
         raise ScheduleError(
             f"looped_bfs needs a whole number >= 2 of stages per rank, got num_stages={num_stages}"
             f" on num_ranks={num_ranks}; set stages_per_rank >= 2, or use 'gpipe' for one stage "
             f"per rank (the same order)")
-    if m < 1:
-        raise ScheduleError(f"looped_bfs needs num_microbatches >= 1, got {m}")
     orders = []
     for r in range(p):
         stages = range(r, num_stages, p)

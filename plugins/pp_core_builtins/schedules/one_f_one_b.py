@@ -12,7 +12,7 @@ m=1, torchtitan #775); the order itself is valid there (warm-up ``min(m, p-r)``)
     rank 2: 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3
 """
 
-from pp_core import Action, B, F, ScheduleDef, ScheduleError, hookimpl
+from pp_core import Action, B, F, ScheduleDef, hookimpl
 
 __all__ = ["one_f_one_b"]
 
@@ -20,12 +20,6 @@ __all__ = ["one_f_one_b"]
 def one_f_one_b(num_stages: int, num_microbatches: int, num_ranks: int) -> list[list[Action]]:
     """Rank ``r`` warms up with ``w = min(m, p-r)`` forwards, then ``B(j)`` / ``F(j+w)`` pairs."""
     p, m = num_ranks, num_microbatches
-    if p < 1 or num_stages != p:
-        raise ScheduleError(
-            f"1f1b runs one stage per rank, got num_stages={num_stages}, num_ranks={p}; set "
-            f"stages_per_rank=1, or use 'interleaved_1f1b' for several stages per rank")
-    if m < 1:
-        raise ScheduleError(f"1f1b needs num_microbatches >= 1, got {m}")
     orders = []
     for r in range(p):
         w = min(m, p - r)

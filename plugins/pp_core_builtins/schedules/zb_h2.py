@@ -1,13 +1,13 @@
 """ZB-H2: zero bubble with up to ``2p-1`` microbatches in flight (a reconstruction).
 
 Source: Qi et al., "Zero Bubble Pipeline Parallelism" (arXiv:2401.10241) section 2.2, which gives
-ZB-H2 only as a figure; this is the deterministic greedy list scheduler of pp-core's reference
-(docs/reference section 5.7), run once at unit costs. Rank ``r`` warms up with ``2(p-r)-1``
-forwards, the steady state is ``F, I, W`` per microbatch without gaps, and ``W``s slide to the
-tail: span bubble ``(p-1)(F+I-2W)`` (0 at ``F = I = W``), peak ``2p-1``. Valid for any ``m``;
-zero bubble needs ``m >= 2p-1``. The reference states it as "the rank whose earliest-ready action
-starts first goes next (ties: lowest rank; a rank prefers I, then F, then W)"; with unit costs that
-is a time-stepped replay: at each step every rank, lowest first, runs its ready I, else F, else W.
+ZB-H2 only as a figure; this is a deterministic greedy list scheduler, run once at unit costs. Rank
+``r`` warms up with ``2(p-r)-1`` forwards, the steady state is ``F, I, W`` per microbatch without
+gaps, and ``W``s slide to the tail: span bubble ``(p-1)(F+I-2W)`` (0 at ``F = I = W``), peak
+``2p-1``. Valid for any ``m``; zero bubble needs ``m >= 2p-1``. The rule: "the rank whose
+earliest-ready action starts first goes next (ties: lowest rank; a rank prefers I, then F, then
+W)"; with unit costs that is a time-stepped replay: at each step every rank, lowest first, runs its
+ready I, else F, else W.
 
     num_ranks=3, num_stages=3, num_microbatches=5
     rank 0: 0F0 0F1 0F2 0F3 0F4 0I0 0W0 0I1 0W1 0I2 0W2 0I3 0W3 0I4 0W4
@@ -23,12 +23,6 @@ __all__ = ["zb_h2"]
 def zb_h2(num_stages: int, num_microbatches: int, num_ranks: int) -> list[list[Action]]:
     """Greedy unit-cost list schedule with ``2p-1`` in-flight microbatches per rank."""
     p, m = num_ranks, num_microbatches
-    if p < 1 or num_stages != p:
-        raise ScheduleError(
-            f"zb_h2 runs one stage per rank, got num_stages={num_stages}, num_ranks={p}; set "
-            f"stages_per_rank=1")
-    if m < 1:
-        raise ScheduleError(f"zb_h2 needs num_microbatches >= 1, got {m}")
     cap = 2 * p - 1
     f_end = [[] for _ in range(p)]  # f_end[r][k]: end time of F(r, k); likewise i_end for I
     i_end = [[] for _ in range(p)]

@@ -66,7 +66,8 @@ PP_CORE_UNAVAILABLE = (f"{' and '.join(_MISSING)} {'is' if len(_MISSING) == 1 el
 
 
 def hf_causal_lm(config, **kwargs):
-    """The ``hf_causal_lm`` model factory (see :func:`pp_core_builtins.transformers.models.hf_causal_lm`)."""
+    """The ``hf_causal_lm`` model factory (see
+    :func:`pp_core_builtins.transformers.models.hf_causal_lm`)."""
     if _missing():
         raise PluginError(f"model 'hf_causal_lm' needs Hugging Face transformers: "
                           f"{PP_CORE_UNAVAILABLE or INSTALL}")
@@ -76,7 +77,8 @@ def hf_causal_lm(config, **kwargs):
 
 
 def causal_lm_loss(logits, labels):
-    """Shifted next-token cross entropy ignoring ``-100`` (``pp_core_builtins.transformers:causal_lm_loss``)."""
+    """Shifted next-token cross entropy ignoring ``-100``
+    (``pp_core_builtins.transformers:causal_lm_loss``)."""
     from pp_core_builtins.transformers.models import causal_lm_loss as loss
 
     return loss(logits, labels)

@@ -46,8 +46,9 @@ def _mask_function(attention_type: str):
     except ImportError:
         import transformers
 
-        raise ConfigError(f"pp_core_builtins.transformers needs transformers>=4.53 (masking_utils), found "
-                          f"{transformers.__version__}; pip install -U 'pp-core[transformers]'"
+        raise ConfigError(f"pp_core_builtins.transformers needs transformers>=4.53 "
+                          f"(masking_utils), found {transformers.__version__}; "
+                          f"pip install -U 'pp-core[transformers]'"
                           ) from None
 
     name = _MASK_FUNCTIONS.get(attention_type)

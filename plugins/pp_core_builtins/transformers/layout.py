@@ -11,7 +11,7 @@ A decoder-only HF model nests a *text module* (``LlamaModel`` & co.) that holds
         rotary_emb     -> every stage         lm_head                 -> last stage
       lm_head          -> last stage
 
-The rule is the ``layers`` contract of DESIGN.md applied at every level: a child registered
+The rule is the ``layers`` contract (docs/splitting.md) applied at every level: a child registered
 before the branch that leads to the layers goes to the first stage, one registered after it to
 the last stage, and a child without parameters (a rotary table) goes to every stage. Nothing
 here imports ``transformers``: the layout is read from the module tree alone.

@@ -7,7 +7,8 @@ modules are the model's own objects, so building a part copies no weights, and i
 * **Tied weights.** A weight the model reaches under several names (``model.embed_tokens.weight``
   and ``lm_head.weight`` when ``tie_word_embeddings=True``) that lands on several stages becomes
   one parameter *per stage*: the stage holding the first name keeps the model's tensor, the others
-  get a copy under their own name. :mod:`pp_core_builtins.transformers.tied` sums their gradients after backward.
+  get a copy under their own name. :mod:`pp_core_builtins.transformers.tied` sums their
+  gradients after backward.
   The part records them in ``part.pp_tied_parameters`` (``{local name: every name of the weight}``).
 * **Forwards.** The part's text module and root get the stage forwards of
   :mod:`pp_core_builtins.transformers.forward` (``patch_inner_model`` / ``patch_causal_lm_model``).

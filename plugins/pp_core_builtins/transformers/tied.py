@@ -94,8 +94,20 @@ def grad_baseline(model_parts: Sequence[nn.Module]) -> dict:
 
 
 def _exchange(local: torch.Tensor, rank: int, peers: list[int], group) -> torch.Tensor:
-    """Send ``local`` to every peer, receive theirs, and add all in rank order (same bits)."""
+    """Send ``local`` to every peer, receive theirs, and add all in rank order (same bits).
+
+    A DTensor gradient (parts under FSDP2 / HSDP / ``replicate``) is exchanged shard by shard:
+    each copy of a tied weight has the same shape and is laid out alike over its own dp mesh, so
+    this dp rank's shard pairs with the same shard on the peer (the pp group of one dp rank);
+    the reduced gradients are already averaged over dp, so the sum is the unsplit model's.
+    """
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(local, DTensor):
+        summed = _exchange(local.to_local(), rank, peers, group)
+        return DTensor.from_local(summed, local.device_mesh, local.placements,
+                                  shape=local.shape, stride=local.stride())
 
     def global_rank(r: int) -> int:
         return r if group is None else dist.get_global_rank(group, r)
