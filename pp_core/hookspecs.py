@@ -28,6 +28,7 @@ __all__ = [
     "pp_runtime_initializers",
     "pp_make_recv_buffer_allocator",
     "pp_pipeline_step",
+    "pp_report_metrics",
 ]
 
 PROJECT_NAME = "pp_core"
@@ -156,4 +157,25 @@ def pp_pipeline_step(pipeline: Any, training: bool) -> Optional[Any]:
 
     Calling: every implementation runs, on every rank, nested around the step (the last
     registered outermost).
+    """
+
+
+# ============================================================================ application
+
+
+@hookspec
+def pp_report_metrics(step: int, metrics: dict[str, Any]) -> None:
+    """Receive the figures of one logged step of ``pp-core run`` (TensorBoard, W&B, ...).
+
+    :param step: the 1-based training step the figures belong to.
+    :param metrics: what ``output.metrics`` gets for that step, without ``step``: after a
+        training step ``loss`` (mean microbatch loss over the global batch), ``tokens_per_s``,
+        ``step_time_s``, ``lr``, ``grad_norm`` (``None`` without clipping) and ``time`` (Unix
+        seconds at the step's start); after an evaluation ``eval_loss``.
+
+    Calling: every implementation runs, on the first rank of the run only (the one that writes
+    ``output.metrics``), once per logged step (``train.log_every``, the first and the last step)
+    and once per evaluation, whether or not ``output.metrics`` is set. An implementation that
+    raises is logged (logger ``pp_core.plugin_manager``, naming the plugin) and not called again
+    for the rest of the run; the run goes on.
     """

@@ -8,6 +8,7 @@ calls typed methods, never ``pm.hook.*``.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -33,6 +34,8 @@ __all__ = [
 ENTRY_POINT_GROUP = "pp_core"
 DISABLE_ENV = "PP_CORE_DISABLE_PLUGINS"
 CORE_PLUGIN_NAME = "pp_core.model_initializers"
+
+logger = logging.getLogger(__name__)
 
 
 class ModelInitializers:
@@ -125,9 +128,9 @@ def make_plugin_manager(
             try:
                 plugin = ep.load()
             except Exception as exc:  # a plugin defect: report it, keep the others
-                pm.pp_broken.append(
-                    BrokenPlugin(ep.name, dist, version, f"{type(exc).__name__}: {exc}")
-                )
+                broken = BrokenPlugin(ep.name, dist, version, f"{type(exc).__name__}: {exc}")
+                pm.pp_broken.append(broken)
+                logger.warning(broken.message())
                 continue
             pm.register(plugin, name=ep.name)
             pm.pp_distributions[ep.name] = (dist, version)
@@ -230,6 +233,7 @@ class Plugins:
 
     def __init__(self, pm: pluggy.PluginManager):
         self.pm = pm
+        self._failed_reporters: set[str] = set()  # pp_report_metrics raised: not called again
 
     @property
     def broken(self) -> list[BrokenPlugin]:
@@ -314,6 +318,22 @@ class Plugins:
 
         # call_extra adds the step itself as the innermost implementation, for this call only
         return hook.call_extra([run], {"pipeline": pipeline, "training": training})
+
+    def report_metrics(self, step: int, metrics: dict) -> None:
+        """Hand one logged step's figures to every ``pp_report_metrics`` implementation; one
+        that raises is logged and skipped from then on (a metrics sink must not end a run)."""
+        failed = self._failed_reporters
+        for impl in self.pm.hook.pp_report_metrics.get_hookimpls():
+            if impl.plugin_name in failed:
+                continue
+            try:
+                impl.function(step=step, metrics=dict(metrics))
+            except Exception as exc:
+                failed.add(impl.plugin_name)
+                logger.error("plugin %r raised in pp_report_metrics at step %d: %s: %s; it gets "
+                             "no more metrics this run (fix the plugin or skip it with %s=%s)",
+                             impl.plugin_name, step, type(exc).__name__, exc, DISABLE_ENV,
+                             impl.plugin_name)
 
     def recv_buffer_allocator(self, config, program, rank, device):
         return self.pm.hook.pp_make_recv_buffer_allocator(

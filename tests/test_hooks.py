@@ -123,6 +123,29 @@ def test_hook_pp_pipeline_step_wraps_the_step_and_sees_its_result():
     assert (rank, training) == (3, True) and seconds >= 0
 
 
+def test_hook_pp_report_metrics_gets_each_step_and_a_raising_plugin_is_logged_once(
+        tmp_path, monkeypatch, caplog):
+    """In process, through the facade (a real ``pp-core run`` with entry-point plugins:
+    tests/test_run.py)."""
+    import json
+
+    class Failing:
+        @hookimpl
+        def pp_report_metrics(self, step, metrics):
+            raise ConnectionError("dashboard unreachable")
+
+    monkeypatch.chdir(tmp_path)
+    plugins = plugins_with(_plugin_from_doc("pp_report_metrics(step, metrics)"), Failing())
+    with caplog.at_level("ERROR", logger="pp_core.plugin_manager"):
+        plugins.report_metrics(1, {"loss": 2.5, "lr": 0.1})
+        plugins.report_metrics(2, {"loss": 2.0, "lr": 0.1})
+    seen = [json.loads(line) for line in open("metrics_seen.jsonl", encoding="utf-8")]
+    assert seen == [{"step": 1, "loss": 2.5, "lr": 0.1}, {"step": 2, "loss": 2.0, "lr": 0.1}]
+    [record] = caplog.records
+    assert "plugin 'Failing' raised in pp_report_metrics at step 1: ConnectionError: " \
+           "dashboard unreachable" in record.getMessage()
+
+
 def test_hook_pp_pipeline_step_refuses_a_plain_implementation():
     from pp_core import PluginError
 

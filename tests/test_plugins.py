@@ -46,13 +46,15 @@ def test_entry_point_plugin_is_loaded_with_its_distribution(on_path):
     assert "pp_core_builtins.schedules.gpipe" in dict(plugins.pm.list_name_plugin())
 
 
-def test_plugin_that_fails_to_import_is_reported_and_others_still_load(on_path):
+def test_plugin_that_fails_to_import_is_reported_and_others_still_load(on_path, caplog):
     make_dist(on_path, "pp-broken", {"ppt_broken": "import not_a_module_anywhere\n",
                                      "ppt_good": GOOD},
               {"broken": "ppt_broken", "tiny": "ppt_good"})
-    plugins = load_plugins(disabled=())
+    with caplog.at_level("WARNING", logger="pp_core.plugin_manager"):
+        plugins = load_plugins(disabled=())
     [broken] = [b for b in plugins.broken if b.name == "broken"]
     message = broken.message()
+    assert [r.getMessage() for r in caplog.records] == [message]  # it reaches the log too
     assert "plugin 'broken' (pp-broken 1.2.3) failed to import" in message
     assert "No module named 'not_a_module_anywhere'" in message
     assert "PP_CORE_DISABLE_PLUGINS=broken" in message

@@ -188,3 +188,49 @@ def test_launcher_stores_listen_on_loopback_only():
             dist.TCPStore("127.0.0.1", store.port, is_master=True, wait_for_workers=False)
     plain = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     assert _listening_addresses(plain.port) != {"0100007F"}  # what torch does on its own
+
+
+PROBE = '''
+import json, os
+from pp_core import hookimpl
+
+@hookimpl
+def pp_report_metrics(step, metrics):
+    with open(os.environ["PP_TEST_METRICS"], "a") as fh:
+        fh.write(json.dumps({"step": step, "rank": os.environ.get("RANK"), **metrics}) + "\\n")
+'''
+BROKEN = '''
+from pp_core import hookimpl
+
+@hookimpl
+def pp_report_metrics(step, metrics):
+    raise ConnectionError("dashboard unreachable")
+'''
+
+
+def test_hook_pp_report_metrics_in_a_real_run_gets_every_step_a_failing_one_is_logged(tmp_path):
+    """Two entry-point plugins in a real run: one gets the loss of every step (the values of
+    output.metrics, on the first rank only); one that raises is logged once, the run goes on."""
+    from test_plugins import make_dist
+
+    site = tmp_path / "site"
+    site.mkdir()
+    make_dist(site, "pp-metrics-probe", {"pp_metrics_probe": PROBE, "pp_metrics_broken": BROKEN},
+              {"pp_metrics_probe": "pp_metrics_probe", "pp_metrics_broken": "pp_metrics_broken"})
+    received, metrics = tmp_path / "received.jsonl", tmp_path / "metrics.jsonl"
+    spec = write_spec(tmp_path / "m.yaml", TINY,
+                      train={"steps": 4, "log_every": 1, "eval_every": 2, "eval_steps": 1},
+                      output={"progress": "plain", "metrics": str(metrics)})
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    result = pp_core("run", str(spec), env={**os.environ, "PYTHONPATH": path,
+                                              "PP_TEST_METRICS": str(received)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = [json.loads(line) for line in received.read_text().splitlines()]
+    written = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in got if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in got if "eval_loss" in r] == [2, 4]
+    assert {r["rank"] for r in got} == {"0"}
+    assert [{k: v for k, v in r.items() if k != "rank"} for r in got] == written
+    assert result.stderr.count("raised in pp_report_metrics") == 1, result.stderr[-3000:]
+    assert "plugin 'pp_metrics_broken' raised in pp_report_metrics at step 1: ConnectionError: " \
+           "dashboard unreachable" in result.stderr

@@ -44,7 +44,6 @@ def test_retained_state_does_not_grow_with_steps():
                             loss_fn=lambda out, target: ((out - target) ** 2).mean())
     pipe = build_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), config)
     recorder = RunRecorder(spec, ctx, pipe, num_params=40)
-    assert recorder.timer.enabled
     inputs, target = torch.randn(8, 4), torch.randn(8, 4)
     counts = {}
     for step in range(1, TRACE_STEPS + 41):
@@ -53,9 +52,45 @@ def test_retained_state_does_not_grow_with_steps():
         if step in (TRACE_STEPS + 5, TRACE_STEPS + 40):
             counts[step] = retained_items(recorder)
     assert counts[TRACE_STEPS + 5] == counts[TRACE_STEPS + 40], counts
+    pipe.eval_step(inputs, target=target)  # evaluations do not count as training actions
+    assert recorder.timer.records == []
     assert all(len(getattr(recorder, name)) == TRACE_STEPS + 40 for name in PER_STEP_SERIES)
     figures = recorder._rank_figures(dp_units=0)
     assert set(figures["kind_times"]) == {"0F", "0B"}
     assert all(seconds > 0 for seconds in figures["kind_times"].values())
     assert 0.0 <= figures["bubble_measured"] <= 1.0 and figures["comm_share"] >= 0.0
     assert {step for *_, step in figures["events"]} == set(range(41, TRACE_STEPS + 41))
+
+
+def test_a_failed_step_and_a_slow_step_reach_the_log(caplog):
+    """The failure of a (single-process) step is logged as it is raised; a step 3x slower than
+    the steady mean is logged by the recorder (fed figures, not timed)."""
+    import pytest
+
+    from pp_core import PipelineError
+
+    def broken_loss(out, target):
+        raise ValueError("boom in loss_fn")
+
+    config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=2, pp_microbatch_size=1,
+                            loss_fn=broken_loss)
+    pipe = build_pipeline(nn.Sequential(nn.Linear(4, 4)), config)
+    with caplog.at_level("WARNING"), pytest.raises(PipelineError, match="boom in loss_fn"):
+        pipe.step(torch.randn(2, 4), target=torch.randn(2, 4))
+    [failure] = [r for r in caplog.records if r.name == "pp_core.runtime.failures"]
+    assert failure.levelname == "ERROR" and "ValueError: boom in loss_fn" in failure.getMessage()
+
+    spec = parse_spec({"model": {"name": "gpt"}, "data": {"name": "text_bytes"},
+                       "output": {"metrics": None, "trace": None, "schedule_image": None}})
+    ctx = types.SimpleNamespace(rank=0, world_size=1, pp_rank=0, dp_rank=0,
+                                device=torch.device("cpu"))
+    recorder = RunRecorder(spec, ctx, pipe, num_params=20)
+    for _ in range(3):
+        recorder.steady_totals.add(0.1, 0.05, 0.01)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pp_core.app.run_outputs"):
+        recorder._check_pace(5, 0.25)  # 2.5x: not slow
+        recorder._check_pace(6, 0.5)
+    [slow] = caplog.records
+    assert "step 6 of this run took 0.500 s, 5.0x the mean of the 3 steps before it (0.100 s)" \
+        in slow.getMessage()

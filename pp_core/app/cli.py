@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from pp_core import __version__
+from pp_core.app.logs import configure_logging
 from pp_core.errors import PPCoreError
 
 __all__ = ["main", "build_parser"]
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        configure_logging()
         return int(args.func(args) or 0)
     except PPCoreError as exc:
         print(f"pp-core: error: {exc}", file=sys.stderr)

@@ -24,6 +24,7 @@ import tempfile
 import threading
 from typing import Any, Callable
 
+from pp_core.app.logs import configure_logging
 from pp_core.app.rendezvous import prepare_endpoint
 from pp_core.app.spec import Spec
 from pp_core.devices import choose, local_ranks
@@ -54,6 +55,9 @@ def free_port(address: str = "127.0.0.1") -> int:
 
 def rank_main(spec_values: dict, entrypoint: Callable | None = None) -> Any:
     """What every rank runs: rebuild the :class:`Spec` and train (or call ``entrypoint(spec)``)."""
+    configure_logging(f"pp-core rank {os.environ.get('RANK', '0')}")
+    # the launcher reports a failed step once, as the run's error (not once per rank)
+    logging.getLogger("pp_core.runtime.failures").setLevel(logging.CRITICAL)
     values = dict(spec_values)
     spec = Spec(values, values.pop("_source", "pipeline"))
     if entrypoint is not None:

@@ -11,10 +11,10 @@ for the same schedule with the per-action costs this run measured.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +22,18 @@ import torch
 import torch.distributed as dist
 
 from pp_core.app.progress import format_summary
+from pp_core.runtime.observers import ActionObserver
+from pp_core.schedule.labels import KINDS, WAIT, category
 from pp_core.schedule.render import render_svg
 from pp_core.schedule.simulate import Costs, simulate
+from pp_core.schedule.trace import run_trace, write_json
 
 __all__ = ["RunRecorder", "ActionTimer", "peak_memory"]
 
 TRACE_STEPS = 20  # the trace keeps the last this-many steps (a long run's trace stays small)
-_CATEGORIES = {"F": "forward", "B": "backward", "I": "backward (input grads)",
-               "W": "backward (weight grads)"}
+SLOW_FACTOR, SLOW_AFTER_STEPS = 3.0, 3  # a step this much slower than the mean is logged
+
+logger = logging.getLogger(__name__)
 
 
 def peak_memory(device: torch.device) -> tuple[int | None, str]:
@@ -63,50 +67,33 @@ class StepTotals:
             self.comm += comm
 
 
-class ActionTimer:
-    """Times every action of the pipeline's training program (host clock, ``perf_counter``).
+class ActionTimer(ActionObserver):
+    """Times every action of the steps it observes (host clock, ``perf_counter``) through the
+    executor's per-action seam; :class:`RunRecorder` registers it around training steps only
+    (``pipe.add_action_observer``), so evaluations do not count. An action's *busy* time is its
+    duration minus the time it waited for a peer's message. On CUDA each action is synchronised
+    so the host clock measures the kernels (a small slowdown)."""
 
-    The runtime has no public per-action timing hook yet, so this wraps the executor's action
-    handlers and its mailbox's ``receive`` (the only place a compute action waits for a peer):
-    an action's *busy* time is its duration minus that wait. If the executor's internals are not
-    what it expects, :attr:`enabled` is False and the run records whole steps instead. On CUDA
-    each action is synchronised so the host clock measures the kernels (a small slowdown).
-    """
-
-    def __init__(self, pipe, device: torch.device):
-        executor = getattr(pipe, "_train", None)
-        handlers = getattr(executor, "handlers", None)
-        mailbox = getattr(executor, "mailbox", None)
-        self.enabled = isinstance(handlers, dict) and callable(getattr(mailbox, "receive", None))
+    def __init__(self, device: torch.device):
         self.records: list[tuple[Any, float, float, float]] = []
-        self._wait = 0.0
+        self._start = self._wait = self._wait_start = 0.0
         self._sync = torch.cuda.synchronize if device.type == "cuda" else None
-        if not self.enabled:
-            return
-        # the wrappers hold no strong reference to the mailbox or the executor they are stored
-        # in (a cycle would keep the model alive after the pipeline is deleted)
-        receive, owner = type(mailbox).receive, weakref.ref(mailbox)
 
-        def timed_receive(message):
-            start = time.perf_counter()
-            try:
-                return receive(owner(), message)
-            finally:
-                self._wait += time.perf_counter() - start
+    def on_action_start(self, action) -> None:
+        self._wait = 0.0
+        self._start = time.perf_counter()
 
-        mailbox.receive = timed_receive
-        for kind, handler in list(handlers.items()):
-            handlers[kind] = self._wrap(handler)
+    def on_wait_start(self, action) -> None:
+        self._wait_start = time.perf_counter()
 
-    def _wrap(self, handler):
-        def timed(executor, action):
-            self._wait = 0.0
-            start = time.perf_counter()
-            handler(executor, action)
-            if self._sync is not None:
-                self._sync()
-            self.records.append((action, start, time.perf_counter(), self._wait))
-        return timed
+    def on_wait_end(self, action) -> None:
+        if action is not None:  # not the end-of-step wait for sends
+            self._wait += time.perf_counter() - self._wait_start
+
+    def on_action_end(self, action) -> None:
+        if self._sync is not None:
+            self._sync()
+        self.records.append((action, self._start, time.perf_counter(), self._wait))
 
     def take(self) -> list[tuple[Any, float, float, float]]:
         """This step's ``(action, start, end, wait)`` records, and forget them."""
@@ -135,7 +122,8 @@ class RunRecorder:
         self.kind_times: dict[str, list[float]] = {}  # "<stage><kind>" -> [seconds, count]
         self.clock_offset = time.time() - time.perf_counter()
         self.tokens_per_step = 0
-        self.timer = ActionTimer(pipe, ctx.device)
+        self.timer = ActionTimer(ctx.device)
+        self.plugins = pipe.plugins
         self.metrics = None  # opened by open_metrics once the first step is known
 
     def say(self, text: str) -> None:
@@ -167,35 +155,45 @@ class RunRecorder:
     # ------------------------------------------------------------------ per step
 
     def timed_step(self, pipe, inputs, target):
-        start = time.perf_counter()
-        loss = pipe.step(inputs, target=target)
-        end = time.perf_counter()
+        pipe.add_action_observer(self.timer)
+        try:
+            start = time.perf_counter()
+            loss = pipe.step(inputs, target=target)
+            end = time.perf_counter()
+        finally:
+            pipe.remove_action_observer(self.timer)
         step = len(self.step_times) + 1
-        busy = comm = None
-        if not self.timer.enabled:
-            self.events.append(("step", "step", start, end, step))
-        else:
-            busy = comm = 0.0
-            for action, t0, t1, wait in self.timer.take():
-                kind = action.kind.value
-                if wait > 0:
-                    self.events.append((f"wait {action}", "wait", t0, t0 + wait, step))
-                if kind in "FBIW":
-                    busy += t1 - t0 - wait
-                    total = self.kind_times.setdefault(f"{action.stage}{kind}", [0.0, 0])
-                    total[0] += t1 - t0 - wait
-                    total[1] += 1
-                    self.events.append((str(action), _CATEGORIES[kind], t0 + wait, t1, step))
-                else:
-                    comm += t1 - t0
-                    self.events.append((str(action), "comm", t0 + wait, t1, step))
+        busy = comm = 0.0
+        for action, t0, t1, wait in self.timer.take():
+            kind = action.kind.value
+            if wait > 0:
+                self.events.append((f"wait {action}", WAIT, t0, t0 + wait, step))
+            if kind in KINDS:
+                busy += t1 - t0 - wait
+                total = self.kind_times.setdefault(f"{action.stage}{kind}", [0.0, 0])
+                total[0] += t1 - t0 - wait
+                total[1] += 1
+            else:
+                comm += t1 - t0
+            self.events.append((str(action), category(kind), t0 + wait, t1, step))
         if self.first_totals is None:
             self.first_totals = StepTotals()
             self.first_totals.add(end - start, busy, comm)
         else:
+            self._check_pace(step, end - start)
             self.steady_totals.add(end - start, busy, comm)
         self._trim_events(step)
         return loss
+
+    def _check_pace(self, step: int, seconds: float) -> None:
+        """Log a step much slower than the steady steps before it (a straggling peer, a
+        swapping host, a recompilation): the summary's means would hide it."""
+        steady = self.steady_totals
+        mean = steady.seconds / steady.steps if steady.steps else 0.0
+        if steady.steps >= SLOW_AFTER_STEPS and seconds > SLOW_FACTOR * mean:
+            logger.warning("rank %d: step %d of this run took %.3f s, %.1fx the mean of the %d "
+                           "steps before it (%.3f s)", self.rank, step, seconds, seconds / mean,
+                           steady.steps, mean)
 
     def _trim_events(self, step: int) -> None:
         if self.events and self.events[0][4] <= step - TRACE_STEPS:
@@ -209,22 +207,27 @@ class RunRecorder:
         if loss is not None:
             self.losses.append(loss)
         log_every = self.spec.train["log_every"]
-        if self.metrics and (step % log_every == 0 or step == self.spec.train["steps"]
-                             or len(self.steps) == 1):
-            line = {"step": step, "loss": loss, "tokens_per_s": round(self.tokens_per_s[-1], 2),
-                    "step_time_s": round(step_time, 6), "lr": lr, "grad_norm": grad_norm,
-                    "time": round(started + self.clock_offset, 3)}
-            self.metrics.write(json.dumps(line) + "\n")
-            self.metrics.flush()
+        if step % log_every == 0 or step == self.spec.train["steps"] or len(self.steps) == 1:
+            self._log(step, {"loss": loss, "tokens_per_s": round(self.tokens_per_s[-1], 2),
+                             "step_time_s": round(step_time, 6), "lr": lr,
+                             "grad_norm": grad_norm, "time": round(started + self.clock_offset, 3)})
 
     def record_eval(self, step: int, loss: float | None) -> None:
         self.eval_loss = loss
         if loss is None:
             return
         self.say(f"step {step}: eval loss {loss:.4f}")
+        self._log(step, {"eval_loss": loss})
+
+    def _log(self, step: int, values: dict) -> None:
+        """One logged step on the first rank: a line of ``output.metrics`` and the plugins'
+        ``pp_report_metrics``."""
+        if self.rank != 0:
+            return
         if self.metrics:
-            self.metrics.write(json.dumps({"step": step, "eval_loss": loss}) + "\n")
+            self.metrics.write(json.dumps({"step": step, **values}) + "\n")
             self.metrics.flush()
+        self.plugins.report_metrics(step, values)
 
     # ------------------------------------------------------------------ end of run
 
@@ -268,7 +271,7 @@ class RunRecorder:
             figures["bubble_simulated"] = None if simulated is None else \
                 simulated[figures["pp_rank"]]
         if out["trace"]:
-            _write_trace(out["trace"], ranks)
+            write_json(run_trace(ranks), out["trace"])
         if out["schedule_image"] and schedule is not None:
             Path(out["schedule_image"]).parent.mkdir(parents=True, exist_ok=True)
             Path(out["schedule_image"]).write_text(render_svg(simulate(schedule)))
@@ -335,24 +338,3 @@ def _metrics_lines_up_to(path: Path, step: int) -> list[str]:
                     and record["step"] <= step and line.endswith("\n"):
                 kept.append(line)
     return kept
-
-
-def _write_trace(path: str, ranks: list[dict]) -> None:
-    """The real run as Chrome trace JSON: one process per rank, one event per action or step."""
-    events: list[dict] = []
-    origin = min((e[2] for r in ranks for e in r["events"]), default=0.0)
-    for figures in ranks:
-        pid = figures["rank"]
-        label = f"rank {pid} (pp {figures['pp_rank']}, dp {figures['dp_rank']}, stages " \
-                f"{','.join(map(str, figures['stages']))})"
-        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": label}})
-        events.append({"ph": "M", "pid": pid, "name": "process_sort_index",
-                       "args": {"sort_index": pid}})
-        for name, category, start, end, step in figures["events"]:
-            events.append({"name": name, "cat": category, "ph": "X", "pid": pid,
-                           "tid": 1 if category in ("comm", "wait") else 0,
-                           "ts": round((start - origin) * 1e6, 1),
-                           "dur": round((end - start) * 1e6, 1), "args": {"step": step}})
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)

@@ -24,6 +24,10 @@ Protocol, as the executor uses it (``lifetime`` is an index into ``program.recv_
   tensors it gave to the model were views of them, and autograd has freed them by then).
 * ``reset()`` (optional) - called at the end of every step and after a failure; every buffer is
   free then.
+* ``reuses_buffers`` (optional attribute, default True) - whether ``allocate`` may hand out again
+  what was released. Then the runtime calls ``release`` where the program's lifetimes end and
+  posts receives no earlier than their ``RECV``; an allocator of fresh tensors sets it False,
+  which lets the runtime skip that bookkeeping and post receives early on gloo.
 
 A message with no tensors never reaches the allocator.
 """
@@ -52,6 +56,8 @@ class RecvBufferAllocator(Protocol):
 
 class DefaultRecvBufferAllocator:
     """A fresh ``torch.empty`` per tensor; memory returns to torch's allocator when unused."""
+
+    reuses_buffers = False
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)

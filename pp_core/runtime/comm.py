@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 
 from pp_core._torch_compat import process_group_store
-from pp_core.errors import PipelineError
-from pp_core.runtime.wire import (HEADER_BYTES, HEADER_LEN, TAG_FIXUP, TAG_HEADER, TensorMeta,
-                                  _bytes_meta, decode_header, packed_nbytes, same_buffers, unpack)
+from pp_core.runtime.wire import (HEADER_BYTES, HEADER_LEN, TAG_FIXUP, TAG_HEADER, ReceivedShapes,
+                                  TensorMeta, _bytes_meta, decode_header, packed_nbytes,
+                                  same_buffers, unpack)
 
 __all__ = ["P2P", "Incoming", "Mailbox", "PeerFailure", "TensorMeta"]  # TensorMeta: from wire
 
@@ -198,16 +198,19 @@ class Incoming:
 class Mailbox:
     """Posts receives in program order and keeps each peer's operations in program order.
 
-    ``allocate(lifetime, metas)`` returns the receive buffers (see ``pp_core.runtime.allocator``);
-    ``edge_metas(message)`` gives the metas of a header-less message whose edge learned them from
-    an earlier header (static shapes).
+    :param allocator: gives the receive buffers (``allocate``/``release``, see
+        ``pp_core.runtime.allocator``).
+    :param shapes: what the receiving side learned from headers
+        (:class:`~pp_core.runtime.wire.ReceivedShapes`): told of every decoded header, asked
+        for the metas of a header-less message whose edge learned them earlier (static shapes).
     """
 
-    def __init__(self, p2p: P2P, allocator, device: torch.device):
+    def __init__(self, p2p: P2P, allocator, device: torch.device, shapes: ReceivedShapes):
         self.p2p = p2p
         self.allocate = allocator.allocate
         self.release = allocator.release
         self.device = device
+        self.shapes = shapes
         self.ordered = getattr(p2p, "ordered", True)
         self.unflushed: dict[int, deque] = {}
         self.sends: deque = deque()  # (work, tensors) in issue order
@@ -254,7 +257,7 @@ class Mailbox:
                     self.p2p.wait(work, message.peer)
                 packed, message.packed, message.works = message.packed, None, []
                 message.metas = decode_header(packed[:HEADER_BYTES].view(torch.int64).tolist())
-                self.header_decoded(message)
+                self.shapes.header_decoded(message)
                 queue.popleft()
                 message.queued = False
                 if same_buffers(message.predicted, message.metas):
@@ -272,9 +275,9 @@ class Mailbox:
                 message.header_work = None
                 message.metas = decode_header(message.header.tolist())
                 message.header = None
-                self.header_decoded(message)
+                self.shapes.header_decoded(message)
             elif message.metas is None:
-                message.metas = self.edge_metas(message)
+                message.metas = self.shapes.edge_metas(message)
             queue.popleft()
             message.queued = False
             self._post_payload(message, message.metas)
@@ -294,16 +297,7 @@ class Mailbox:
             return all(work.is_completed() for work in message.works)
         if message.header_work is not None:
             return message.header_work.is_completed()
-        return message.edge is None or self.has_edge_metas(message)
-
-    def has_edge_metas(self, message: Incoming) -> bool:  # replaced by the executor
-        return True
-
-    def edge_metas(self, message: Incoming) -> list:  # replaced by the executor
-        raise PipelineError("internal error: a header-less message without metas")
-
-    def header_decoded(self, message: Incoming) -> None:  # replaced by the executor
-        pass
+        return message.edge is None or self.shapes.has_edge_metas(message)
 
     def receive(self, message: Incoming) -> list:
         """Wait for ``message`` and return its tensors."""

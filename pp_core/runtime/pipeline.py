@@ -27,7 +27,6 @@ import itertools
 import math
 import os
 import time
-import traceback
 from typing import Any, Optional, Sequence
 
 import torch
@@ -44,8 +43,10 @@ from pp_core.runtime.allocator import make_recv_buffer_allocator
 from pp_core.runtime.comm import P2P, PeerFailure
 from pp_core.runtime.dp_sync import make_data_parallel
 from pp_core.runtime.executor import Executor
+from pp_core.runtime.failures import end_failed_step, forget_frames
 from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
 from pp_core.runtime.microbatch import merge_microbatches, split_microbatches, to_device
+from pp_core.runtime.observers import ActionTrace
 from pp_core.runtime.stage import Stage
 from pp_core.schedule.ir import Schedule
 from pp_core.schedule.lower import Program, forward_only, lower
@@ -151,6 +152,7 @@ class Pipeline:
         group_name = getattr(group, "group_name", "local") if group is not None else "local"
         self.p2p = P2P(group, self.device, _timeout(timeout), f"{group_name}/{next(_pipeline_ids)}",
                        rank)
+        self._observers: list = []  # shared by both executors (add_action_observer)
         rank_program = self.program.rank(rank)
         self.allocator = make_recv_buffer_allocator(plugins, config, rank_program, rank,
                                                     self.device)
@@ -158,7 +160,8 @@ class Pipeline:
                                loss_fn=self.loss_fn, scale=1.0 / self.num_microbatches
                                if config.scale_grads_in_schedule else 1.0,
                                initializers=self.initializers, device=self.device,
-                               dtype=self.dtype, static_shapes=config.pp_seq_len is not None)
+                               dtype=self.dtype, static_shapes=config.pp_seq_len is not None,
+                               observers=self._observers)
         self._eval: Optional[Executor] = None
         self._plugins = plugins
         self.tracing = False
@@ -167,11 +170,25 @@ class Pipeline:
         """``[(action, start, end), ...]`` of the last traced step, wall-clock seconds."""
 
     @property
+    def plugins(self):
+        """The :class:`~pp_core.plugins.Plugins` this pipeline was built with."""
+        return self._plugins
+
+    @property
     def group(self):
         """The pipeline's process group (``None`` for one process, or after a failure)."""
         return self.p2p.group
 
     # ------------------------------------------------------------------ public
+    def add_action_observer(self, observer) -> None:
+        """Call ``observer`` around every action of every later step on this rank (training and
+        evaluation): an :class:`~pp_core.runtime.observers.ActionObserver`."""
+        self._observers.append(observer)
+
+    def remove_action_observer(self, observer) -> None:
+        """Stop calling ``observer`` (registered with :meth:`add_action_observer`)."""
+        self._observers.remove(observer)
+
     def step(self, inputs=None, target=None, *, stage_kwargs: Optional[dict] = None):
         """One training step over ``pp_batch_size`` samples; the same call on every rank.
 
@@ -197,7 +214,7 @@ class Pipeline:
         try:
             return self._plugins.run_step(self, True, run)
         except BaseException as exc:
-            _forget_frames(exc)
+            forget_frames(exc)
             raise
 
     def eval_step(self, inputs=None, target=None, *, stage_kwargs: Optional[dict] = None):
@@ -213,7 +230,9 @@ class Pipeline:
             self._eval = Executor(program, self.stages, self.p2p, allocator, train=False,
                                   loss_fn=self.loss_fn, initializers=self.initializers,
                                   device=self.device, dtype=self.dtype,
-                                  static_shapes=self.config.pp_seq_len is not None)
+                                  static_shapes=self.config.pp_seq_len is not None,
+                                  observers=self._observers)
+
         def run():
             losses, outputs = self._run(self._eval, inputs, target, need_target=False,
                                         stage_kwargs=stage_kwargs)
@@ -224,7 +243,7 @@ class Pipeline:
         try:
             return self._plugins.run_step(self, False, run)
         except BaseException as exc:
-            _forget_frames(exc)
+            forget_frames(exc)
             raise
 
     # ------------------------------------------------------------------ internals
@@ -278,40 +297,23 @@ class Pipeline:
                 mb_kwargs = self._split(stage_kwargs, "stage_kwargs")
         except PPCoreError as exc:
             self._fail(exc, before_traffic=True)
+        tracer = ActionTrace() if self.tracing else None
+        if tracer is not None:
+            executor.observers.append(tracer)
         try:
-            executor.trace = [] if self.tracing else None
-            offset = time.time() - time.perf_counter()
             result = executor.run(mb_inputs, mb_targets, mb_kwargs)
-            if executor.trace is not None:
-                self.last_trace = [(a, s + offset, e + offset) for a, s, e in executor.trace]
-                executor.trace = None
+            if tracer is not None:
+                offset = time.time() - time.perf_counter()
+                self.last_trace = [(a, s + offset, e + offset) for a, s, e in tracer.events]
             failure = self.p2p.peer_failed()
             if failure is not None:
                 raise PeerFailure(failure)
             return result
-        except PeerFailure as exc:
-            action = executor.current
-            where = f"at action {action}" if action is not None else "after its last action"
-            if exc.published:
-                message = f"rank {self.rank} stopped {where} because another rank failed: {exc}"
-                report = str(exc)
-            else:
-                message = report = f"rank {self.rank} stopped {where}: {exc}"
-            executor.abort()
-            traceback.clear_frames(exc.__traceback__)  # its frames hold pending operations
-            executor.data_parallel.fail(report)
-            self.p2p.publish_and_abort(report)
-            raise PipelineError(message) from None
         except Exception as exc:
-            action = executor.current
-            stage = f"stage {action.stage}, action {action}" if action is not None else \
-                "at the end of the step"
-            message = f"rank {self.rank}, {stage}: {type(exc).__name__}: {exc}"
-            executor.abort()
-            traceback.clear_frames(exc.__traceback__)  # its frames hold pending operations
-            executor.data_parallel.fail(message)
-            self.p2p.publish_and_abort(message)
-            raise PipelineError(message) from exc
+            end_failed_step(executor, self.p2p, self.rank, exc)
+        finally:
+            if tracer is not None:
+                executor.observers.remove(tracer)
 
     def _fail(self, exc: Exception, before_traffic: bool):
         """A usage error found before any traffic: tell the peers (they may be waiting), raise."""
@@ -322,24 +324,6 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline(rank={self.rank}/{self.num_ranks}, stages={self.stage_indices}, "
                 f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
-
-
-def _forget_frames(exc: BaseException) -> None:
-    """Clear the variables of the finished frames in the tracebacks of ``exc`` and of its causes.
-
-    Those frames hold the pipeline, its executor and the step's activations, and the exception
-    can be in a reference cycle with one of them (pluggy's hook caller keeps the exception it
-    re-raises in a local variable), which would keep the model alive after ``del pipe`` until
-    the cyclic garbage collector runs. The traceback's text (files, lines) stays as it is.
-    """
-    pending, seen = [exc], set()
-    while pending:
-        exc = pending.pop()
-        if exc is None or id(exc) in seen:
-            continue
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        pending += [exc.__cause__, exc.__context__]
 
 
 def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, device="cpu", *,

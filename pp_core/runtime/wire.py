@@ -16,8 +16,8 @@ import torch
 from pp_core.errors import PipelineError
 
 __all__ = ["TensorMeta", "HEADER_LEN", "HEADER_BYTES", "TAG_HEADER", "TAG_FORWARD",
-           "TAG_BACKWARD", "TAG_PACKED", "TAG_FIXUP", "encode_header", "decode_header", "same_buffers", "packed_nbytes",
-           "pack", "unpack", "ShapeHistory"]
+           "TAG_BACKWARD", "TAG_PACKED", "TAG_FIXUP", "encode_header", "decode_header",
+           "same_buffers", "packed_nbytes", "pack", "unpack", "ShapeHistory", "ReceivedShapes"]
 
 HEADER_LEN = 64
 """Numbers (int64) in a forward header: enough for e.g. 8 tensors of 5 dimensions."""
@@ -149,3 +149,27 @@ class ShapeHistory:
 
     def record(self, edge, microbatch, metas) -> None:
         self.current.setdefault(edge, {})[microbatch] = metas
+
+
+class ReceivedShapes:
+    """Tensor metas the receiving side learned from headers, per edge (the receiving stage):
+    with static shapes the first header's metas (``metas``), else the :class:`ShapeHistory` of
+    every one (``history``). The :class:`~pp_core.runtime.comm.Mailbox` reports each decoded
+    header here and asks here for the metas of a header-less message."""
+
+    def __init__(self, static_shapes: bool):
+        self.static_shapes = static_shapes
+        self.metas: dict[int, list] = {}
+        self.history = ShapeHistory()
+
+    def edge_metas(self, message) -> list:
+        return self.metas[message.edge]
+
+    def has_edge_metas(self, message) -> bool:
+        return message.edge in self.metas
+
+    def header_decoded(self, message) -> None:
+        if self.static_shapes:
+            self.metas.setdefault(message.edge, message.metas)
+        else:
+            self.history.record(message.edge, message.microbatch, message.metas)

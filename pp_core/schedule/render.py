@@ -17,6 +17,7 @@ import html
 import math
 
 from pp_core.errors import ScheduleError
+from pp_core.schedule.labels import short_name
 from pp_core.schedule.simulate import SimResult
 
 __all__ = ["render_text", "render_svg", "caption", "COLOURS", "MAX_TEXT_SLOTS"]
@@ -29,7 +30,6 @@ MAX_TEXT_SLOTS = 2_000_000
 the text alone grows quadratically (pp ranks x a makespan of about 3 pp slots for 1F1B)."""
 
 COLOURS = {"F": "#4c8bf5", "B": "#f08c3c", "I": "#e8c23a", "W": "#57b86a"}
-_KIND_NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
 _QUANTA = (1.0, 0.5, 0.25, 0.2, 0.1, 0.05, 0.01)
 
 
@@ -126,7 +126,7 @@ def render_svg(result: SimResult, max_width: int = 1600) -> str:
             out.append(
                 f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" '
                 f'fill="{COLOURS[kind]}" stroke="white" stroke-width="0.5">'
-                f"<title>{action} ({_KIND_NAMES[kind]}) {t0:g}–{t1:g}</title></rect>")
+                f"<title>{action} ({short_name(kind)}) {t0:g}–{t1:g}</title></rect>")
             text = str(action)
             if w >= len(text) * font * 0.62 and font >= 5:
                 out.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h / 2 + font / 3:.1f}" '
@@ -135,7 +135,7 @@ def render_svg(result: SimResult, max_width: int = 1600) -> str:
     x = label_w
     for kind, colour in COLOURS.items():
         out.append(f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{colour}"/>')
-        out.append(f'<text x="{x + 16}" y="{y}">{kind} {_KIND_NAMES[kind]}</text>')
+        out.append(f'<text x="{x + 16}" y="{y}">{kind} {short_name(kind)}</text>')
         x += 130
     out.append(f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="url(#idle)" '
                f'stroke="#ccc"/><text x="{x + 16}" y="{y}">idle</text>')

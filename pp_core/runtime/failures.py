@@ -1,0 +1,64 @@
+"""How a failed step ends: on this rank, and - through the process group's store - on every other.
+
+Whatever goes wrong during a step (an exception in a stage, a loss, a plugin; a peer that failed
+or vanished) ends it with one :class:`~pp_core.PipelineError` naming the rank, stage, action and
+cause. This rank drops the step's tensors and pending operations, tells its dp peers and its
+pipeline peers (:meth:`~pp_core.runtime.comm.P2P.publish_and_abort`), and logs the error
+(logger ``pp_core.runtime.failures``), so a failure reaches the logs even when the caller
+swallows the exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import NoReturn
+
+from pp_core.errors import PipelineError
+from pp_core.runtime.comm import PeerFailure
+
+__all__ = ["end_failed_step", "forget_frames"]
+
+logger = logging.getLogger(__name__)
+
+
+def end_failed_step(executor, p2p, rank: int, exc: Exception) -> NoReturn:
+    """Clean up after ``exc`` ended the executor's step, tell the peers, raise the error."""
+    action = executor.current
+    if isinstance(exc, PeerFailure):
+        where = f"at action {action}" if action is not None else "after its last action"
+        if exc.published:
+            message = f"rank {rank} stopped {where} because another rank failed: {exc}"
+            report = str(exc)
+        else:
+            message = report = f"rank {rank} stopped {where}: {exc}"
+        cause = None
+    else:
+        stage = f"stage {action.stage}, action {action}" if action is not None else \
+            "at the end of the step"
+        message = report = f"rank {rank}, {stage}: {type(exc).__name__}: {exc}"
+        cause = exc
+    executor.abort()
+    traceback.clear_frames(exc.__traceback__)  # its frames hold pending operations
+    executor.data_parallel.fail(report)
+    p2p.publish_and_abort(report)
+    logger.error("pipeline step failed: %s", message)
+    raise PipelineError(message) from cause
+
+
+def forget_frames(exc: BaseException) -> None:
+    """Clear the variables of the finished frames in the tracebacks of ``exc`` and of its causes.
+
+    Those frames hold the pipeline, its executor and the step's activations, and the exception
+    can be in a reference cycle with one of them (pluggy's hook caller keeps the exception it
+    re-raises in a local variable), which would keep the model alive after ``del pipe`` until
+    the cyclic garbage collector runs. The traceback's text (files, lines) stays as it is.
+    """
+    pending, seen = [exc], set()
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        pending += [exc.__cause__, exc.__context__]
