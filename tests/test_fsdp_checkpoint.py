@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pp_core import cli
+from pp_core.app import cli
 from pp_core.app.checkpoint import checkpoint_path
 from pp_core.app.launch import launch
 from pp_core.app.spec import apply_overrides, parse_spec
