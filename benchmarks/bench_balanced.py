@@ -7,7 +7,8 @@ time ``profile_model`` measures, once, in this (parent) process before the ranks
 ``pp-core run`` does for ``model.splitter: balanced`` - so every rank gets the same cut.
 
 Each configuration (ranks x schedule) builds both pipelines from the same weights on gloo ranks
-(CPU, one thread per rank) and alternates them step by step; a step is ``pipe.step`` plus the
+(CPU, one thread per rank) and alternates them step by step (which goes first alternates too,
+so neither always runs right after the other); a step is ``pipe.step`` plus the
 AdamW step, from a common barrier to the slowest rank. Reported: the median step time of each
 split and the ratio balanced / layers; the median cpu time of the busiest rank per step and its
 ratio (on a shared machine the wall time also holds the waits for a core; the cpu time is the
@@ -112,7 +113,8 @@ def worker(rank, num_ranks, store, setup, cases, steps, results_path):
                 "balanced": build(setup, schedule, fqns)}
         times = {name: [] for name in runs}
         for step in range(steps + 2):  # two warm-up steps each, then alternate
-            for name, (pipe, optimizers) in runs.items():
+            for name in sorted(runs, reverse=bool(step % 2)):  # who goes first alternates too
+                pipe, optimizers = runs[name]
                 wall_cpu = timed_step(pipe, optimizers, inputs, target)
                 if step >= 2:
                     times[name].append(wall_cpu)

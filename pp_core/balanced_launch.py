@@ -7,7 +7,8 @@ microbatch of ``pp_microbatch_size``, on the device and with the thread count a 
 writes the cut into ``pipeline.module_fqns_per_model_part`` of the spec every rank receives: the
 inputs of every rank's split are identical, so is the split (``build_pipeline`` checks it).
 
-:func:`profile_spec` is the profiling half, reusable by anything that plans from a YAML file.
+:func:`spec_model_and_batch` and :func:`profile_spec` are reusable by anything that measures or
+plans from a YAML file.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable, Optional, Sequence
 from pp_core.errors import ConfigError
 from pp_core.spec import Spec
 
-__all__ = ["profile_spec", "balanced_spec", "wants_balanced"]
+__all__ = ["spec_model_and_batch", "profile_spec", "balanced_spec", "wants_balanced"]
 
 
 def wants_balanced(spec: Spec) -> bool:
@@ -35,35 +36,43 @@ def _rank_threads(spec: Spec) -> int:
     return max(1, (os.cpu_count() or 1) // local_ranks(spec.distributed))
 
 
-def profile_spec(spec: Spec, microbatch_sizes: Optional[Sequence[int]] = None, plugins=None,
-                 *, repeats: int = 5):
-    """``{microbatch_size: ModelProfile}`` of the spec's model, measured in this process.
-
-    The model is built as a rank builds it (``train.seed``, ``model.args``, ``pipeline.dtype``),
-    the batch is the dataset's first, the device is the ranks' (``cuda:0`` when they get GPUs);
-    on the CPU this process runs with a rank's thread count while it measures. Activation
-    checkpointing and compile (``train.*``) are not applied: their costs are not in the profile.
-    """
+def spec_model_and_batch(spec: Spec, plugins=None):
+    """``(model, inputs, target, device)`` as a rank builds and feeds them: the model with
+    ``train.seed`` and ``model.args`` (cast to ``pipeline.dtype``) on the ranks' device
+    (``cuda:0`` when they get GPUs), and the dataset's first batch. For anything that measures
+    the spec's model in the launching process."""
     import torch
 
     from pp_core.devices import choose
+    from pp_core.preflight import dataset_args, dataset_factory, model_factory
+
+    device = torch.device("cuda", 0) if choose(spec).device == "cuda" else torch.device("cpu")
+    torch.manual_seed(spec.train["seed"])
+    model = model_factory(spec, plugins)(**spec.model["args"])
+    dtype = spec.pipeline_config().torch_dtype
+    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    factory = dataset_factory(spec, plugins)
+    inputs, target = next(iter(factory(**dataset_args(spec, factory))))
+    return model, inputs, target, device
+
+
+def profile_spec(spec: Spec, microbatch_sizes: Optional[Sequence[int]] = None, plugins=None,
+                 *, repeats: int = 5):
+    """``{microbatch_size: ModelProfile}`` of the spec's model, measured in this process
+    (:func:`spec_model_and_batch`); on the CPU with a rank's thread count. Activation
+    checkpointing and compile (``train.*``) are not applied: their costs are not in it."""
+    import torch
+
     from pp_core.losses import resolve_loss
     from pp_core.planning.profile import profile_model
-    from pp_core.preflight import dataset_args, dataset_factory, model_factory
 
     config = spec.pipeline_config()
     sizes = list(microbatch_sizes or [config.pp_microbatch_size])
-    device = torch.device("cuda", 0) if choose(spec).device == "cuda" else torch.device("cpu")
+    model, inputs, target, device = spec_model_and_batch(spec, plugins)
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(_rank_threads(spec))
     try:
-        torch.manual_seed(spec.train["seed"])
-        model = model_factory(spec, plugins)(**spec.model["args"])
-        if config.torch_dtype is not None:
-            model = model.to(config.torch_dtype)
-        factory = dataset_factory(spec, plugins)
-        inputs, target = next(iter(factory(**dataset_args(spec, factory))))
         return profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device,
                              repeats=repeats, config=config, plugins=plugins)
     finally:
