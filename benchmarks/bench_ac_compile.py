@@ -61,7 +61,7 @@ def run_config(schedule: str, ac: str, compiled: bool, steps: int, warmup: int) 
 
     from pp_core import PipelineConfig, build_pipeline
     from pp_core.parallel import apply_activation_checkpointing, apply_compile, find_blocks
-    from pp_models.gpt import GPT
+    from pp_core_builtins.models.gpt import GPT
 
     torch.manual_seed(0)
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=BATCH,
@@ -110,7 +110,7 @@ def held(mode: str) -> dict:
 
     from pp_core.parallel import apply_activation_checkpointing
     from pp_core.runtime.backward import backward_input, backward_weight
-    from pp_models.gpt import GPT
+    from pp_core_builtins.models.gpt import GPT
 
     torch.manual_seed(0)
     blocks = torch.nn.Sequential(*GPT(**MODEL).layers.values())

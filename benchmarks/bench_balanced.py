@@ -1,6 +1,6 @@
 """The ``balanced`` splitter against the ``layers`` split, same model, schedule and ranks.
 
-Model: ``uneven_gpt`` (pp_models): vocabulary 4096, dim 128, 8 blocks - 4 with MLP factor 1,
+Model: ``uneven_gpt`` (pp_core_builtins.models): vocabulary 4096, dim 128, 8 blocks - 4 with MLP factor 1,
 then 4 with factor 8 - so the head and the wide blocks cost far more than the embedding and the
 narrow blocks. ``layers`` spreads blocks by count; ``balanced`` cuts by the forward + backward
 time ``profile_model`` measures, once, in this (parent) process before the ranks start - as
@@ -40,7 +40,7 @@ MICROBATCHES = 8
 
 
 def make_model(setup):
-    from pp_models.gpt import uneven_gpt
+    from pp_core_builtins.models.gpt import uneven_gpt
 
     torch.manual_seed(0)
     return uneven_gpt(**MODEL, max_seq_len=setup["seq"])
@@ -62,7 +62,7 @@ def config(setup, schedule, fqns=None):
 
 
 def stages_per_rank(schedule):
-    from pp_core.plugins import default_plugins
+    from pp_core.plugin_manager import default_plugins
     from pp_core.schedule.build import resolve_schedule_def
 
     return resolve_schedule_def(schedule, default_plugins())[1].stages_per_rank
@@ -127,7 +127,7 @@ def worker(rank, num_ranks, store, setup, cases, steps, results_path):
 
 def run(setup, num_ranks, schedules, steps, profile):
     from pp_core.planning.balance import split_by_profile
-    from pp_core.runtime.split import plan_split
+    from pp_core.planning.split import plan_split
 
     cases, rows = [], []
     for schedule in schedules:
@@ -176,7 +176,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     setup = {"seq": args.seq, "microbatch": args.microbatch}
     from pp_core.losses import cross_entropy
-    from pp_core.planning.profile import profile_model
+    from pp_core.runtime.profile import profile_model
 
     torch.set_num_threads(1)
     load_before = uptime()

@@ -73,7 +73,7 @@ def build(name: str, num_ranks: int, num_microbatches: int, csv_path: str):
 
 def program_figures(num_ranks: int, num_microbatches: int, slack: int, csv_path: str) -> list:
     """Per schedule, rank, stage and direction: sets with and without the pool, bounds."""
-    from pp_core.schedule.buffers import recv_buffer_report
+    from pp_core.schedule.buffer_plan import recv_buffer_report
     from pp_core.schedule.lower import lower
 
     rows = []
@@ -120,7 +120,7 @@ class FreshCounter:
     """pp-core's default allocator, counting the bytes it hands out per step."""
 
     def __init__(self, device):
-        from pp_core.runtime.buffers import DefaultRecvBufferAllocator
+        from pp_core.runtime.allocator import DefaultRecvBufferAllocator
 
         self.inner = DefaultRecvBufferAllocator(device)
         self.bytes_per_step = 0
@@ -174,13 +174,14 @@ def _run_case(name, mode, args, csv_path):
     import torch.distributed as dist
 
     from pp_core import PipelineConfig
-    from pp_core.plugins import load_plugins
+    from pp_core.plugin_manager import load_plugins
     from pp_core.runtime.pipeline import build_pipeline
 
     plugins = None
     if mode != "pool":
         factory = TorchLikeAllocator if mode == "torch" else FreshCounter
-        plugins = load_plugins(plugins=[AllocatorPlugin(factory)], disabled=["pp_buffer_pool"])
+        plugins = load_plugins(plugins=[AllocatorPlugin(factory)],
+                               disabled=["pp_core_builtins.buffer_pool"])
     config = PipelineConfig(
         pp_schedule="1f1b" if name == "csv" else name,
         pp_schedule_csv=csv_path if name == "csv" else None,

@@ -1,6 +1,8 @@
 """PP x torch data parallelism on 4 CPU ranks: per-rank bytes of parameters + gradients + AdamW
-state, and step time, for pp2 alone (2 ranks, the whole global batch), pp2 x fsdp2 and
-pp2 x replicate2 (DDP semantics), the demo GPT, 1f1b. Run by hand:
+state, and step time, for pp2 alone (2 ranks, the whole global batch), pp2 x fsdp2,
+pp2 x replicate2 (DDP semantics through FSDP's ``replicate``) and pp2 x ddp2 (torch's
+``DistributedDataParallel`` with ``patch_stage_backward_maybe_with_nosync``), the demo GPT, 1f1b.
+Run by hand:
 
     .venv/bin/python benchmarks/bench_fsdp.py [--steps 6] [--dim 256] [--layers 8]
 
@@ -17,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pp_core.testing_dist import DistPool  # noqa: E402
+from pp_core.testing.dist_pool import DistPool  # noqa: E402
 
 
 def _local_bytes(tensor) -> int:
@@ -35,7 +37,7 @@ def measure(layout: str, steps: int, dim: int, layers: int, microbatches: int) -
 
     from pp_core import PipelineConfig, build_pipeline
     from pp_core.parallel import apply_data_parallel
-    from pp_models.gpt import GPT
+    from pp_core_builtins.models.gpt import GPT
 
     world = dist.get_world_size()
     dp = 1 if layout == "pp2" else 2
@@ -48,11 +50,18 @@ def measure(layout: str, steps: int, dim: int, layers: int, microbatches: int) -
     local = global_batch // dp
     config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=local,
                             pp_microbatch_size=local // microbatches, loss_fn="cross_entropy",
-                            scale_grads_in_schedule=True)
+                            scale_grads_in_schedule=True,
+                            patch_stage_backward_maybe_with_nosync=layout == "pp2_ddp2")
     pipe = build_pipeline(model, config, pp_group=mesh["pp"])
-    if layout != "pp2":
+    if layout == "pp2_ddp2":  # one all-reduce per stage and step, through no_sync
+        from torch.nn.parallel import DistributedDataParallel
+
+        for index, part in enumerate(pipe.model_parts):
+            pipe.model_parts[index] = DistributedDataParallel(part,
+                                                              process_group=mesh["dp"].get_group())
+    elif layout != "pp2":
         apply_data_parallel(pipe, mesh["dp"], shard=layout == "pp2_fsdp2")
-    params = [p for part in pipe.model_parts for p in part.parameters()]
+    params = list({id(p): p for part in pipe.model_parts for p in part.parameters()}.values())
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     tokens = torch.randint(0, 256, (global_batch, 65), generator=torch.Generator().manual_seed(1))
     dp_rank = mesh["dp"].get_local_rank()
@@ -82,7 +91,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     args = parser.parse_args()
     rows = []
-    for world, layouts in ((2, ["pp2"]), (4, ["pp2_fsdp2", "pp2_replicate2"])):
+    for world, layouts in ((2, ["pp2"]), (4, ["pp2_fsdp2", "pp2_replicate2", "pp2_ddp2"])):
         with DistPool(world, timeout=600) as pool:
             for layout in layouts:
                 ranks = pool.run(measure, layout, args.steps, args.dim, args.layers,

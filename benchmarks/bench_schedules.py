@@ -7,7 +7,7 @@
 
 (a) Bubble table: every built-in schedule at pp in {2,4,8}, m in {pp,2pp,4pp,8pp}, default
     stages per rank, unit costs (F=I=W=1, B=2, no communication): pp-core's simulated bubble
-    ratio, the reference's formula (docs/schedules.md), and torch's schedule of the same name
+    ratio, the closed-form formula (docs/schedules.md), and torch's schedule of the same name
     replayed by the same simulator. torch's order is its ``pipeline_order`` for the multi-stage
     classes and, for ScheduleGPipe / Schedule1F1B (whose declared IR is informational only and
     wrong on the last rank), the order its runtime loop executes, recorded by running
@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 
 from pp_core.errors import PPCoreError
-from pp_core.plugins import default_plugins
-from pp_core.schedule.build import build_schedule
+from pp_core.plugin_manager import default_plugins
+from pp_core.schedule.build import build_schedule, resolve_schedule_def
 from pp_core.schedule.csv_io import parse_csv
 from pp_core.schedule.simulate import simulate
 from pp_core.schedule.validate import validate_schedule
@@ -55,7 +55,7 @@ SINGLE_STAGE = {"ScheduleGPipe", "Schedule1F1B"}
 
 
 def formula(name: str, p: int, m: int, v: int):
-    """(ratio, expression, exact) from reference section 4, per-action unit costs."""
+    """(ratio, expression, exact): the schedule's closed-form bubble, per-action unit costs."""
     work = 3 * v * m  # F + B (or F + I + W) per (stage, microbatch), v stages per rank
     if name in ("gpipe", "1f1b", "interleaved_1f1b", "dfs", "looped_bfs"):
         bubble, text = 3 * (p - 1), "(p-1)(F+B)"
@@ -212,7 +212,7 @@ def compile_speed(names: list[str], p: int, m: int) -> list[dict]:
     lower = _lower()
     rows = []
     for name in names:
-        sdef = plugins.schedule_def(name)
+        sdef = resolve_schedule_def(name, plugins)[1]
         v = 2 if (sdef.stages_per_rank == 2 or sdef.variable_stages_per_rank) else 1
         row = {"schedule": name, "pp": p, "microbatches": m, "stages_per_rank": v}
         t0 = time.perf_counter()
@@ -269,7 +269,7 @@ def _command_s(p: int) -> tuple[float, float]:
 
 
 def scale(pps=SCALE_PP) -> list[dict]:
-    from pp_core.schedule.buffers import recv_buffer_report
+    from pp_core.schedule.buffer_plan import recv_buffer_report
 
     lower = _lower()
     default_plugins()  # loaded once, as the command does before its work

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from pp_core.errors import PPCoreError
-from pp_core.plugins import default_plugins
-from pp_core.schedule.build import build_schedule
+from pp_core.plugin_manager import default_plugins
+from pp_core.schedule.build import build_schedule, resolve_schedule_def
 from pp_core.schedule.render import render_text
 from pp_core.schedule.simulate import simulate
 
@@ -156,7 +156,7 @@ def gallery() -> str:
              "Timelines: one column per time unit, `.` idle, `~` the second slot of a `B`. "
              "Peak = in-flight (stage, microbatch) pairs per rank.\n"]
     for entry in plugins.schedules:
-        sdef = plugins.schedule_def(entry.name)
+        sdef = resolve_schedule_def(entry.name, plugins)[1]
         try:
             schedule = build_schedule(entry.name, num_ranks=4, num_microbatches=8)
         except PPCoreError as exc:
@@ -192,7 +192,8 @@ def benchmark_section() -> str:
            "timings are indicative.\n",
            "### Bubble ratio: pp-core vs the formula vs torch 2.13\n",
            "Unit costs, default stages per rank. Each cell: pp-core's simulated bubble ratio / "
-           "the formula of section 4 of the reference (`~` approximate) / torch's schedule of "
+           "the closed-form formula (`formula` in benchmarks/bench_schedules.py; `~` "
+           "approximate) / torch's schedule of "
            "the same name replayed by the same simulator (`=` when torch's order is identical "
            "to pp-core's; `-` torch has no such schedule or refuses the size).\n"]
     rows: dict[tuple[str, int], dict[int, str]] = {}
@@ -223,7 +224,7 @@ def benchmark_section() -> str:
         "formulas are exact for m >= 2p; below that:\n\n"
         "* `v_schedule` at m = p: the warm-up cannot be filled, so the ratio is above "
         "`(p-1)F` (torch's order gives the same figure);\n"
-        "* `dualpipe_v`: the reference's formula times each `OVERLAP_F_B` pair as one unit that "
+        "* `dualpipe_v`: the closed-form formula times each `OVERLAP_F_B` pair as one unit that "
         "waits for both inputs; pp-core (like torch's runtime without a registered overlap "
         "function) runs the two halves one after the other, each waiting only for its own "
         "input, which measures a bubble of `(p-1)F` instead of `2(p-1)` (p=4, m=8: 3 vs 6);\n"

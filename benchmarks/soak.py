@@ -74,7 +74,7 @@ def last_step(metrics: Path) -> int:
 
 
 def soak(ranks: int, steps: int, microbatches: int, schedule: str, warmup: int) -> dict:
-    from pp_core.launch import free_port
+    from pp_core.app.launch import free_port
 
     log_every = 10
     with tempfile.TemporaryDirectory(prefix="pp_core_soak_") as tmp:

@@ -26,8 +26,8 @@ from torch import nn
 
 from _common import proc_status, reset_peak
 from pp_core import PipelineConfig
-from pp_core.runtime.parts import build_model_parts, prune_model
-from pp_core.runtime.split import plan_split
+from pp_core.planning.parts import build_model_parts, prune_model
+from pp_core.planning.split import plan_split
 from pp_core.testing import plugins_with
 
 MIB = 1024 * 1024
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=32)
     parser.add_argument("--stages", type=int, default=8)
     args = parser.parse_args()
-    config, plugins = PipelineConfig(), plugins_with("pp_splitters.layers")
+    config, plugins = PipelineConfig(), plugins_with("pp_core_builtins.splitters.layers")
 
     with torch.device("meta"):
         model = Model(args.dim, args.depth)

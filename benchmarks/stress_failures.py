@@ -37,7 +37,7 @@ def _cases(only):
 
 
 def _worker(index: int, rounds: int, timeout: float, only, results) -> None:
-    from pp_core.testing_dist import DistPool
+    from pp_core.testing.dist_pool import DistPool
 
     cases = _cases(only)
     counts = {name: {"passed": 0, "failed": 0, "hangs": 0} for name, _ in cases}

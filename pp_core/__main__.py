@@ -2,6 +2,6 @@
 
 import sys
 
-from pp_core.cli import main
+from pp_core.app.cli import main
 
 sys.exit(main())

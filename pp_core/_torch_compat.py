@@ -60,7 +60,7 @@ def process_group_store(group):
 def set_state_dict_item(state_dict: dict, path, value) -> None:
     """Put ``value`` at a flattened key's ``path`` in a nested state dict, as DCP's own load
     planner does (``torch.distributed.checkpoint._traverse.set_element``; checked on 2.13,
-    2.14). Used by the safe load planner of :mod:`pp_core.checkpoint`."""
+    2.14). Used by the safe load planner of :mod:`pp_core.app.checkpoint`."""
     from torch.distributed.checkpoint._traverse import set_element
 
     set_element(state_dict, path, value)
@@ -69,7 +69,7 @@ def set_state_dict_item(state_dict: dict, path, value) -> None:
 def dcp_metadata_path(reader, rank: Optional[int]):
     """The path of a ``FileSystemReader``'s ``.metadata`` file (its private
     ``_get_metadata_path``; checked on 2.13, 2.14), which the safe reader of
-    :mod:`pp_core.checkpoint` opens itself so it can unpickle with an allow-list."""
+    :mod:`pp_core.app.checkpoint` opens itself so it can unpickle with an allow-list."""
     return reader._get_metadata_path(rank)
 
 

@@ -1,22 +1,35 @@
 """``PipelineConfig``: every knob of a pipeline, validated the moment it is built.
 
 Everything that can be checked without a model is checked in ``__post_init__``; each message names
-the field, the value found and what would fix it.
+the field, the value found and what would fix it, and the error carries the field
+(``ConfigError.field``). The fields are typed as ``docs/runtime.md`` lists them; the YAML
+schema of the ``pipeline:`` section is derived from these types (:func:`field_types`) and from
+each field's ``metadata["minimum"]``. Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import importlib
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal, Union
 
-from pp_core.errors import ConfigError
+from pp_core.callables import resolve_callable  # re-exported: its public path before issue 12
+from pp_core.errors import ConfigError, about, did_you_mean
+from pp_core.losses import get_loss
 
-__all__ = ["PipelineConfig", "resolve_dtype", "resolve_callable"]
+if TYPE_CHECKING:
+    import torch
 
-_ROUNDING = (None, "up", "down")
+__all__ = ["PipelineConfig", "resolve_dtype", "resolve_callable", "field_types", "field_specs",
+           "FieldSpec", "TorchDtype"]
+
+
+class TorchDtype:
+    """Stands for ``torch.dtype`` in :func:`field_types`, which reads the annotations without
+    importing torch."""
 
 
 def _is_int(value: Any) -> bool:
@@ -43,36 +56,6 @@ def resolve_dtype(value: Any):
     )
 
 
-def resolve_callable(value: Any, field_name: str = "loss_fn") -> Callable:
-    """A callable from a callable or an importable ``"module:attr"`` string (imports code!)."""
-    if callable(value):
-        return value
-    if not isinstance(value, str) or value.count(":") != 1:
-        raise ConfigError(
-            f"{field_name}={value!r} is neither a callable nor a 'module:attr' string; pass a "
-            f"function, or a string such as 'torch.nn.functional:cross_entropy'"
-        )
-    module_name, _, attr = value.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"{field_name}={value!r}: cannot import module {module_name!r} ({exc}); check the "
-            f"spelling or install the package that provides it"
-        ) from None
-    target = module
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            names = [n for n in dir(module) if not n.startswith("_")]
-            guess = difflib.get_close_matches(part, names, n=1)
-            hint = f"; did you mean '{module_name}:{guess[0]}'?" if guess else ""
-            raise ConfigError(f"{field_name}={value!r}: {module_name!r} has no attribute {attr!r}{hint}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ConfigError(f"{field_name}={value!r} names {type(target).__name__}, not a callable")
-    return target
-
-
 @dataclass
 class PipelineConfig:
     """How to split, schedule and run a model as a pipeline.
@@ -88,93 +71,75 @@ class PipelineConfig:
     ``scale_grads_in_schedule`` divides gradients by the number of microbatches (mean instead of
     sum). ``loss_fn(output, target)`` runs on the last stage. ``pp_seq_len`` fixes the sequence
     length so stage shapes are static. ``pp_recv_buffer_pool`` reuses receive buffers, keeping
-    ``pp_recv_buffer_pool_slack`` spare buffer sets.
+    ``pp_recv_buffer_pool_slack`` spare buffer sets. An int field is >= 1 unless its
+    ``metadata["minimum"]`` says otherwise.
     """
 
-    pp_schedule: Optional[str] = "1f1b"
-    pp_schedule_csv: Optional[str] = None
+    pp_schedule: str | None = "1f1b"
+    pp_schedule_csv: str | None = None
     pp_microbatch_size: int = 1
     pp_batch_size: int = 1
-    layers_per_stage: Optional[int] = None
-    round_virtual_stages_to_pp_multiple: Optional[str] = None
-    module_fqns_per_model_part: Optional[list] = None
+    layers_per_stage: int | None = None
+    round_virtual_stages_to_pp_multiple: Literal["up", "down"] | None = None
+    module_fqns_per_model_part: list[list[str]] | None = None
     patch_inner_model: bool = True
     patch_causal_lm_model: bool = True
     patch_stage_backward_maybe_with_nosync: bool = False
-    dtype: Any = None
+    dtype: torch.dtype | None = None
     scale_grads_in_schedule: bool = False
-    loss_fn: Optional[Union[Callable, str]] = None
-    pp_seq_len: Optional[int] = None
+    loss_fn: Callable | str | None = None
+    pp_seq_len: int | None = None
     pp_recv_buffer_pool: bool = False
-    pp_recv_buffer_pool_slack: int = 2
+    pp_recv_buffer_pool_slack: int = field(default=2, metadata={"minimum": 0})
 
     def __post_init__(self) -> None:
         if self.pp_schedule is None:
             if self.pp_schedule_csv is None:
                 raise ConfigError(
                     "pp_schedule=None needs pp_schedule_csv: set one of the two, a schedule name "
-                    "such as pp_schedule='1f1b' or a compute-only CSV file as pp_schedule_csv"
-                )
+                    "such as pp_schedule='1f1b' or a compute-only CSV file as pp_schedule_csv",
+                    field="pp_schedule")
         elif not isinstance(self.pp_schedule, str) or not self.pp_schedule.strip():
             raise ConfigError(
                 f"pp_schedule={self.pp_schedule!r} must be a schedule name such as '1f1b' (or "
-                f"None with pp_schedule_csv); run 'pp-core plugins' to list the installed schedules"
-            )
+                f"None with pp_schedule_csv); run 'pp-core plugins' to list the installed "
+                f"schedules", field="pp_schedule")
         if self.pp_schedule_csv is not None and not isinstance(self.pp_schedule_csv, (str, bytes)) \
                 and not hasattr(self.pp_schedule_csv, "__fspath__"):
-            raise ConfigError(f"pp_schedule_csv={self.pp_schedule_csv!r} must be a path to a CSV file")
-        for name in ("pp_microbatch_size", "pp_batch_size"):
-            self._positive_int(name)
+            raise ConfigError(f"pp_schedule_csv={self.pp_schedule_csv!r} must be a path to a CSV "
+                              f"file", field="pp_schedule_csv")
+        for declared in field_specs():
+            declared.check(getattr(self, declared.name))
         if self.pp_batch_size % self.pp_microbatch_size:
             lower = self.pp_batch_size - self.pp_batch_size % self.pp_microbatch_size
             raise ConfigError(
                 f"pp_batch_size={self.pp_batch_size} is not divisible by "
                 f"pp_microbatch_size={self.pp_microbatch_size}; use pp_batch_size="
                 + (f"{lower} or " if lower else "") + f"{lower + self.pp_microbatch_size}, or a "
-                f"pp_microbatch_size that divides {self.pp_batch_size}"
-            )
-        if self.layers_per_stage is not None:
-            self._positive_int("layers_per_stage")
-        if self.pp_seq_len is not None:
-            self._positive_int("pp_seq_len")
-        if self.round_virtual_stages_to_pp_multiple not in _ROUNDING:
-            raise ConfigError(
-                f"round_virtual_stages_to_pp_multiple={self.round_virtual_stages_to_pp_multiple!r}"
-                f" must be None, 'up' or 'down'"
-            )
-        slack = self.pp_recv_buffer_pool_slack
-        if not _is_int(slack) or slack < 0:
-            raise ConfigError(
-                f"pp_recv_buffer_pool_slack={slack!r} must be an int >= 0 (a bool is not "
-                f"accepted); use e.g. 2"
-            )
-        for name in ("patch_inner_model", "patch_causal_lm_model",
-                     "patch_stage_backward_maybe_with_nosync", "scale_grads_in_schedule",
-                     "pp_recv_buffer_pool"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
-        self._check_fqns()
-        if self.dtype is not None and not resolve_dtype(self.dtype).is_floating_point:
-            raise ConfigError(f"dtype={self.dtype!r} is not a floating-point dtype; parameters "
-                              f"and activations need one: use 'float32', 'bfloat16' or 'float16'")
-        if self.loss_fn is not None:
-            if isinstance(self.loss_fn, str) and ":" not in self.loss_fn:
-                if "." in self.loss_fn:  # kedro-style guess: a dotted path meant as module:attr
-                    module, _, attr = self.loss_fn.rpartition(".")
-                    raise ConfigError(
-                        f"loss_fn={self.loss_fn!r} is neither a built-in loss nor a 'module:attr' "
-                        f"string; did you mean '{module}:{attr}'?"
-                    )
-                from pp_core.losses import get_loss  # a bare built-in name such as cross_entropy
+                f"pp_microbatch_size that divides {self.pp_batch_size}", field="pp_batch_size")
+        with about("module_fqns_per_model_part"):
+            self._check_fqns()
+        with about("dtype"):
+            if self.dtype is not None and not resolve_dtype(self.dtype).is_floating_point:
+                raise ConfigError(f"dtype={self.dtype!r} is not a floating-point dtype; "
+                                  f"parameters and activations need one: use 'float32', "
+                                  f"'bfloat16' or 'float16'")
+        with about("loss_fn"):
+            self._check_loss()
 
-                get_loss(self.loss_fn)
-            else:
-                resolve_callable(self.loss_fn, "loss_fn")
-
-    def _positive_int(self, name: str) -> None:
-        value = getattr(self, name)
-        if not _is_int(value) or value < 1:
-            raise ConfigError(f"{name}={value!r} must be a positive int (>= 1)")
+    def _check_loss(self) -> None:
+        if self.loss_fn is None:
+            return
+        if isinstance(self.loss_fn, str) and ":" not in self.loss_fn:
+            if "." in self.loss_fn:  # kedro-style guess: a dotted path meant as module:attr
+                module, _, attr = self.loss_fn.rpartition(".")
+                raise ConfigError(
+                    f"loss_fn={self.loss_fn!r} is neither a built-in loss nor a 'module:attr' "
+                    f"string; did you mean '{module}:{attr}'?"
+                )
+            get_loss(self.loss_fn)  # a bare built-in name such as cross_entropy
+        else:
+            resolve_callable(self.loss_fn, "loss_fn")
 
     def _check_fqns(self) -> None:
         parts = self.module_fqns_per_model_part
@@ -227,9 +192,68 @@ class PipelineConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         for key in values:
             if key not in names:
-                guess = difflib.get_close_matches(str(key), names, n=1)
-                hint = f"; did you mean {guess[0]!r}?" if guess else ""
+                hint = did_you_mean(key, names, before="; ")
                 raise ConfigError(
                     f"unknown PipelineConfig field {key!r}{hint} (valid fields: {', '.join(names)})"
                 )
         return cls(**values)
+
+
+# ----------------------------------------------------------------------------- declared types
+
+_TORCH_NAMES = type("torch", (), {"dtype": TorchDtype})  # the name the annotations use
+
+
+@functools.lru_cache(maxsize=1)
+def field_types() -> dict[str, Any]:
+    """Every field's annotation, evaluated (``torch.dtype`` read as :class:`TorchDtype`)."""
+    return typing.get_type_hints(PipelineConfig, localns={"torch": _TORCH_NAMES})
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """A field as its annotation declares it: the kind both the config and the YAML schema
+    check (``bool``, ``int`` with its minimum, ``"choice"`` of a ``Literal``, ``str``; ``None``
+    for the types :class:`PipelineConfig` checks with its own messages: ``str`` fields included,
+    :meth:`check` leaves them to it), and whether ``None`` is allowed."""
+
+    name: str
+    kind: Any
+    optional: bool
+    default: Any
+    choices: tuple = ()
+    minimum: int = 1
+
+    def check(self, value) -> None:
+        """Raise the field's :class:`ConfigError` when ``value`` is not of the declared kind."""
+        if (value is None and self.optional) or self.kind is None:
+            return
+        if self.kind is bool and not isinstance(value, bool):
+            raise ConfigError(f"{self.name}={value!r} must be True or False", field=self.name)
+        if self.kind is int and (not _is_int(value) or value < self.minimum):
+            want = "a positive int (>= 1)" if self.minimum == 1 else \
+                f"an int >= {self.minimum} (a bool is not accepted); use e.g. {self.default}"
+            raise ConfigError(f"{self.name}={value!r} must be {want}", field=self.name)
+        if self.kind == "choice" and value not in self.choices:
+            options = (["None"] if self.optional else []) + [repr(c) for c in self.choices]
+            raise ConfigError(f"{self.name}={value!r} must be {', '.join(options[:-1])} or "
+                              f"{options[-1]}", field=self.name)
+
+
+@functools.lru_cache(maxsize=1)
+def field_specs() -> tuple[FieldSpec, ...]:
+    """:class:`FieldSpec` of every field, in field order."""
+    specs = []
+    for declared in dataclasses.fields(PipelineConfig):
+        hint, optional = field_types()[declared.name], False
+        args = typing.get_args(hint)
+        if type(None) in args and typing.get_origin(hint) in (Union, types.UnionType):
+            optional = True
+            rest = tuple(a for a in args if a is not type(None))
+            hint = rest[0] if len(rest) == 1 else Union[rest]
+        kind, choices = (hint, ()) if hint in (bool, int, str) else (None, ())
+        if typing.get_origin(hint) is Literal:
+            kind, choices = "choice", typing.get_args(hint)
+        specs.append(FieldSpec(declared.name, kind, optional, declared.default, choices,
+                               declared.metadata.get("minimum", 1)))
+    return tuple(specs)

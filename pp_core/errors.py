@@ -3,12 +3,29 @@
 Each message names the thing that is wrong (YAML key, plugin, schedule action, stage) and the fix.
 """
 
+from __future__ import annotations
+
+import contextlib
+import difflib
+
 __all__ = ["PPCoreError", "PluginError", "ScheduleError", "ConfigError", "PipelineError", "quoted",
-           "shorten"]
+           "shorten", "closest", "did_you_mean", "about"]
 
 
 class PPCoreError(Exception):
-    """Base class of every error pp-core raises on purpose."""
+    """Base class of every error pp-core raises on purpose.
+
+    ``field`` names the setting the error is about - a :class:`~pp_core.PipelineConfig` field
+    such as ``"pp_batch_size"`` - when one is known, so that the YAML application can report it
+    as ``pipeline.<field>`` without reading the message.
+    """
+
+    field: str | None = None
+
+    def __init__(self, *args, field: str | None = None):
+        super().__init__(*args)
+        if field is not None:
+            self.field = field
 
 
 class PluginError(PPCoreError):
@@ -43,3 +60,32 @@ def quoted(value, limit: int = 80) -> str:
 def shorten(text: str, limit: int = 300) -> str:
     """``text`` cut to about ``limit`` characters, saying how long it was."""
     return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text):,} chars)"
+
+
+def closest(word, options, cutoff: float = 0.6) -> str | None:
+    """The option most like ``word`` (``difflib``), or ``None`` when none is close enough."""
+    found = difflib.get_close_matches(str(word), list(options), n=1, cutoff=cutoff)
+    return found[0] if found else None
+
+
+def did_you_mean(word, options, *, n: int = 1, cutoff: float = 0.6, show=repr,
+                 before: str = "", after: str = "") -> str:
+    """``before + "did you mean 'x'?" + after`` naming up to ``n`` options like ``word``, or ``""``
+    when none is close: the one "did you mean" hint of every message. ``show`` writes an option
+    as the user would type it (e.g. ``'pipeline.pp_schedule'``)."""
+    found = difflib.get_close_matches(str(word), list(options), n=n, cutoff=cutoff)
+    if not found:
+        return ""
+    return f"{before}did you mean {', '.join(show(option) for option in found)}?{after}"
+
+
+@contextlib.contextmanager
+def about(field: str):
+    """Tag the pp-core errors raised inside with ``field`` (see :class:`PPCoreError`) unless
+    they already name one: for checks that call code which does not know the setting."""
+    try:
+        yield
+    except PPCoreError as exc:
+        if exc.field is None:
+            exc.field = field
+        raise

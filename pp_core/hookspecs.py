@@ -49,7 +49,7 @@ def pp_register_schedules(register: Callable[[str, Any], None]) -> None:
         loop placement and one stage per rank. Names and aliases are case-insensitive.
 
     Calling: every implementation runs; a name or alias registered twice is an error naming both
-    plugins. Built-ins: ``pp_schedules.*``.
+    plugins. Built-ins: ``pp_core_builtins.schedules.*``.
     """
 
 
@@ -68,8 +68,8 @@ def pp_register_splitters(register: Callable[[str, Any], None]) -> None:
         ``docs/splitting.md``.
 
     Calling: every implementation runs; a name registered twice is an error naming both plugins.
-    Built-ins: ``pp_splitters.fqn``, ``pp_splitters.sequential``, ``pp_splitters.layers``,
-    ``pp_splitters.balanced``.
+    Built-ins: ``pp_core_builtins.splitters.fqn``, ``pp_core_builtins.splitters.sequential``,
+    ``pp_core_builtins.splitters.layers``, ``pp_core_builtins.splitters.balanced``.
     """
 
 
@@ -81,7 +81,7 @@ def pp_register_models(register: Callable[[str, Callable[..., "nn.Module"]], Non
         an ``nn.Module``.
 
     Calling: every implementation runs; a name registered twice is an error naming both plugins.
-    Built-ins: ``pp_models``.
+    Built-ins: ``pp_core_builtins.models``.
     """
 
 
@@ -94,7 +94,7 @@ def pp_register_datasets(register: Callable[[str, Callable[..., Iterable]], None
         dimension = the global batch size; ``inputs`` a tensor, or a tuple or dict of tensors).
 
     Calling: every implementation runs; a name registered twice is an error naming both plugins.
-    Built-ins: ``pp_models``.
+    Built-ins: ``pp_core_builtins.models``.
     """
 
 
@@ -130,10 +130,10 @@ def pp_make_recv_buffer_allocator(
     :param program: this rank's lowered program, with each receive buffer's lifetime.
     :param rank: this rank's index in the pipeline group.
     :param device: where the buffers live.
-    :returns: an allocator (see ``pp_core.runtime.buffers``), or ``None`` to pass.
+    :returns: an allocator (see ``pp_core.runtime.allocator``), or ``None`` to pass.
 
     Calling: first non-``None`` result wins; with none, the runtime allocates one buffer per
-    microbatch and direction, as torch does. Built-in: ``pp_buffer_pool`` (when
+    microbatch and direction, as torch does. Built-in: ``pp_core_builtins.buffer_pool`` (when
     ``pp_recv_buffer_pool=True``).
     """
 
@@ -152,7 +152,7 @@ def pp_pipeline_step(pipeline: Any, training: bool) -> Optional[Any]:
     ``return result``. If the step fails, ``yield`` raises. A plain (non-wrapper)
     implementation is refused: it could replace the step.
     Use it for work that spans stages once per step — summing the gradients of weights tied
-    across stages (``pp_transformers`` does), counting, timing. A wrapper may talk to the
+    across stages (``pp_core_builtins.transformers`` does), counting, timing. A wrapper may talk to the
     pipeline's peers over ``pipeline.group``; it runs on every rank, so every rank must agree on
     what it sends.
 

@@ -8,10 +8,10 @@ common cases.
 
 from __future__ import annotations
 
-import difflib
 from typing import Callable
 
-from pp_core.errors import ConfigError
+from pp_core.callables import resolve_callable
+from pp_core.errors import ConfigError, did_you_mean
 
 __all__ = ["cross_entropy", "mse", "l1", "BUILTIN_LOSSES", "get_loss", "resolve_loss"]
 
@@ -49,8 +49,7 @@ def get_loss(name: str) -> Callable:
     found = BUILTIN_LOSSES.get(str(name).lower())
     if found is not None:
         return found
-    guess = difflib.get_close_matches(str(name).lower(), list(BUILTIN_LOSSES), n=1)
-    hint = f"did you mean {guess[0]!r}? " if guess else ""
+    hint = did_you_mean(str(name).lower(), BUILTIN_LOSSES, after=" ")
     raise ConfigError(
         f"unknown loss {name!r}; {hint}built-in losses: {', '.join(BUILTIN_LOSSES)}; "
         f"or name your own as 'module:attr' (this imports that module)"
@@ -63,6 +62,4 @@ def resolve_loss(value) -> Callable:
         return value
     if isinstance(value, str) and ":" not in value:
         return get_loss(value)
-    from pp_core.config import resolve_callable
-
     return resolve_callable(value, "loss_fn")

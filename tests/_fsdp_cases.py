@@ -20,13 +20,35 @@ _MESH: dict = {}
 
 def mesh_2x2():
     """The (pp, dp_shard) mesh of the 4 ranks, made once per process group."""
+    return _mesh((2, 2), ("pp", "dp_shard"))
+
+
+def _mesh(shape: tuple, names: tuple):
     from torch.distributed.device_mesh import init_device_mesh
 
-    key = id(dist.group.WORLD)
+    key = (id(dist.group.WORLD), shape)
     if key not in _MESH:
         _MESH.clear()
-        _MESH[key] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+        _MESH[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
     return _MESH[key]
+
+
+def pp_and_dp_mesh(hsdp: bool):
+    """``(pp mesh, dp mesh)``: pp2 x dp_shard2 on 4 ranks, or pp2 x dp_replicate2 x dp_shard2
+    on 8 ranks (HSDP: the dp mesh is 2-D), pp outermost as ``pp-core run`` lays them out."""
+    if not hsdp:
+        mesh = mesh_2x2()
+        return mesh["pp"], mesh["dp_shard"]
+    mesh = _mesh((2, 2, 2), ("pp", "dp_replicate", "dp_shard"))
+    return mesh["pp"], mesh["dp_replicate", "dp_shard"]
+
+
+def dp_rank_and_size(dp_mesh) -> tuple[int, int]:
+    """This rank's index in the flattened dp mesh (replicate-major) and the dp degree."""
+    rank = 0
+    for dim in range(dp_mesh.ndim):
+        rank = rank * dp_mesh.size(dim) + dp_mesh.get_local_rank(dim)
+    return rank, dp_mesh.size()
 
 
 class CollectiveCounter:
@@ -77,48 +99,84 @@ def wrap_parts(pipe, engine: str, dp_mesh, reshard_after_forward: bool) -> int:
     return units
 
 
+def _model_and_data(kind: str):
+    """The model (same weights on every rank), its loss, ``data(size, seed)`` and
+    ``ref(model, inputs, target, n)``: loss and gradients of the unsplit model on one process
+    for the mean of ``n`` microbatch losses."""
+    if kind == "hf":  # a tiny Llama whose embedding is tied to lm_head, across stages
+        from pp_core_builtins.transformers import causal_lm_loss
+        from test_transformers_models import batch as hf_batch, reference_step, tiny_model
+
+        def ref(model, inputs, target, n):
+            loss, grads = reference_step(model, inputs, target, n)
+            return float(loss), {name: grad / n for name, grad in grads.items()}
+
+        return (tiny_model("llama", 4, tie_word_embeddings=True), causal_lm_loss,
+                lambda size, seed: hf_batch(size, seed=seed), ref)
+    loss_name = mse if kind == "mlp" else "cross_entropy"
+
+    def ref(model, inputs, target, n):
+        model.zero_grad(set_to_none=True)
+        loss = reference(model, resolve_loss(loss_name), inputs, target, n, scale=True)
+        return loss, {name: p.grad for name, p in model.named_parameters()}
+
+    return (mlp(8) if kind == "mlp" else gpt(8)), loss_name, \
+        lambda size, seed: batch(kind, size, seed=seed), ref
+
+
+def _rows(value, rows: slice):
+    return {k: v[rows] for k, v in value.items()} if isinstance(value, dict) else value[rows]
+
+
 def dp_case(schedule: str, engine: str = "fsdp", kind: str = "mlp", pool: bool = False,
             num_microbatches: int = 4, reshard_after_forward: bool = False,
-            steps: int = 2) -> dict:
-    """``steps`` steps of pp2 x dp2; the last step's loss and full gradients vs one process."""
-    mesh = mesh_2x2()
-    dp_mesh = mesh["dp_shard"]
-    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
-    model = mlp(8) if kind == "mlp" else gpt(8)
-    ref_model = copy.deepcopy(model)
-    loss_name = mse if kind == "mlp" else "cross_entropy"
+            steps: int = 2, ac: str = "none", backend: str | None = None,
+            hsdp: bool = False) -> dict:
+    """``steps`` steps of pp2 x dp2; the last step's loss and full gradients vs one process.
+
+    ``kind``: ``mlp``, ``gpt`` (the demo GPT) or ``hf`` (tiny tied Llama); ``ac`` / ``backend``:
+    activation checkpointing / compile applied before the data parallelism, as the YAML does;
+    ``hsdp``: 8 ranks, pp2 x dp_replicate2 x dp_shard2.
+    """
+    pp_mesh, dp_mesh = pp_and_dp_mesh(hsdp)
+    dp_rank, dp_size = dp_rank_and_size(dp_mesh)
     local = 2 * num_microbatches
+    model, loss_name, data, ref_step = _model_and_data(kind)
+    ref_model = copy.deepcopy(model)
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local, pp_microbatch_size=2,
                             loss_fn=loss_name, scale_grads_in_schedule=True,
-                            pp_recv_buffer_pool=pool, pp_seq_len=8 if pool else None,
+                            pp_recv_buffer_pool=pool, pp_seq_len=None if not pool else
+                            (12 if kind == "hf" else 8),
                             patch_stage_backward_maybe_with_nosync=True)
-    pipe = build_pipeline(model, config, pp_group=mesh["pp"])
+    pipe = build_pipeline(model, config, pp_group=pp_mesh)
+    if ac != "none" or backend:
+        from pp_core.parallel import apply_activation_checkpointing, apply_compile
+
+        apply_activation_checkpointing(pipe.model_parts, ac)
+        if backend:
+            apply_compile(pipe.model_parts, backend=backend)
     units = wrap_parts(pipe, engine, dp_mesh, reshard_after_forward)
-    loss_fn = resolve_loss(loss_name)
     for step in range(steps):
         for part in pipe.model_parts:
             part.zero_grad(set_to_none=True)
-        ref_model.zero_grad(set_to_none=True)
-        inputs, target = batch(kind, dp_size * local, seed=step + 1)
+        inputs, target = data(dp_size * local, step + 1)
         mine = slice(dp_rank * local, (dp_rank + 1) * local)
         with CollectiveCounter() as counter:
-            loss = pipe.step(inputs[mine], target=target[mine])
-        ref_loss = reference(ref_model, loss_fn, inputs, target, dp_size * num_microbatches,
-                             scale=True)
+            loss = pipe.step(_rows(inputs, mine), target=target[mine])
+        ref_loss, ref_grads = ref_step(ref_model, inputs, target, dp_size * num_microbatches)
     loss_err = None
     if loss is not None:
-        dist.all_reduce(loss, group=dp_mesh.get_group())
+        for dim in range(dp_mesh.ndim):
+            dist.all_reduce(loss, group=dp_mesh.get_group(dim))
         loss_err = abs(loss.item() / dp_size - ref_loss)
-    ref = dict(ref_model.named_parameters())
     grad_err, names = 0.0, []
     for part in pipe.model_parts:
-        for name, param in part.named_parameters():
+        for name, param in part.named_parameters(remove_duplicate=False):
             name = name.removeprefix("module.")
             grad = param.grad
             if hasattr(grad, "full_tensor"):
                 grad = grad.full_tensor()
-            want = ref[name].grad
-            grad_err = max(grad_err, (grad - want).abs().max().item())
+            grad_err = max(grad_err, (grad - ref_grads[name]).abs().max().item())
             names.append(name)
     return {"loss_err": loss_err, "grad_err": grad_err, "names": names, "units": units,
             "counts": counter.counts}

@@ -89,7 +89,7 @@ def matrix_case(schedule: str, ac: str, compiled: str | None, pool: bool,
 
 def hf_case(schedule: str, ac: str, backend: str | None) -> dict:
     """A tiny tied-embedding Llama through the same helpers; worst |grad diff| vs unsplit."""
-    from pp_transformers import causal_lm_loss
+    from pp_core_builtins.transformers import causal_lm_loss
     from test_transformers_models import batch, reference_step, tiny_model
 
     reference = tiny_model("llama", 4, tie_word_embeddings=True)

@@ -31,7 +31,7 @@ def mlp(num_layers: int = 8) -> nn.Sequential:
 
 
 def gpt(num_layers: int):
-    from pp_models.gpt import GPT
+    from pp_core_builtins.models.gpt import GPT
 
     torch.manual_seed(0)
     return GPT(vocab_size=32, dim=16, num_layers=num_layers, num_heads=2, max_seq_len=16)

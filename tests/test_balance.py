@@ -12,7 +12,7 @@ import pytest
 from pp_core import ConfigError
 from pp_core.planning.balance import balance, split_by_profile, unit_costs
 from pp_core.planning.costs import ModelProfile, UnitCost
-from pp_core.runtime.partition import balanced_partition
+from pp_core.planning.partition import balanced_partition
 
 
 def max_stage_cost(costs, counts):

@@ -13,15 +13,15 @@ from pp_core import ConfigError, PipelineConfig, build_pipeline
 from pp_core.losses import cross_entropy
 from pp_core.planning.costs import ModelProfile, UnitCost
 from pp_core.planning.units import model_units
-from pp_core.runtime.parts import build_model_parts
-from pp_core.runtime.split import plan_split, select_splitter
+from pp_core.planning.parts import build_model_parts
+from pp_core.planning.split import plan_split, select_splitter
 from pp_core.testing import plugins_with
-from pp_core.testing_dist import DistPool
-from pp_models.gpt import GPT
-from pp_splitters.balanced import BalancedSplitter
+from pp_core.testing import DistPool
+from pp_core_builtins.models.gpt import GPT
+from pp_core_builtins.splitters.balanced import BalancedSplitter
 
-PLUGINS = plugins_with("pp_splitters.fqn", "pp_splitters.layers", "pp_splitters.sequential",
-                       "pp_splitters.balanced")
+PLUGINS = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers", "pp_core_builtins.splitters.sequential",
+                       "pp_core_builtins.splitters.balanced")
 
 
 def gpt(num_layers=4):
@@ -100,11 +100,11 @@ def test_never_chosen_automatically_and_checks_what_it_is_given():
 
 def test_hugging_face_parts_come_from_hf_decoder():
     pytest.importorskip("transformers")
-    from pp_transformers import causal_lm_loss
+    from pp_core_builtins.transformers import causal_lm_loss
     from test_transformers_models import batch, tiny_model
 
-    plugins = plugins_with("pp_splitters.fqn", "pp_splitters.layers", "pp_transformers",
-                           "pp_splitters.balanced")
+    plugins = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers", "pp_core_builtins.transformers",
+                           "pp_core_builtins.splitters.balanced")
     model = tiny_model("llama", num_layers=3)
     reference = copy.deepcopy(model)
     inputs, labels = batch(batch_size=2)

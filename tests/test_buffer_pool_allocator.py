@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-import pp_buffer_pool
-from pp_buffer_pool import RecvBufferPool
+import pp_core_builtins.buffer_pool
+from pp_core_builtins.buffer_pool import RecvBufferPool
 from pp_core import PipelineConfig
 from pp_core.errors import PipelineError
-from pp_core.plugins import load_plugins
+from pp_core.plugin_manager import load_plugins
 from pp_core.schedule import RECV_B, RECV_F, build_schedule
 from pp_core.schedule.lower import lower
 from pp_core.runtime.comm import TensorMeta
@@ -132,7 +132,7 @@ def test_allocating_a_receive_twice_is_an_error_naming_it():
 
 def test_hook_answers_only_when_the_pool_is_enabled():
     program = _program()
-    plugins = load_plugins(entry_points=False, plugins=[pp_buffer_pool])
+    plugins = load_plugins(entry_points=False, plugins=[pp_core_builtins.buffer_pool])
     off = PipelineConfig()
     on = PipelineConfig(pp_recv_buffer_pool=True, pp_recv_buffer_pool_slack=0)
     assert plugins.recv_buffer_allocator(off, program, 1, torch.device("cpu")) is None
@@ -142,10 +142,10 @@ def test_hook_answers_only_when_the_pool_is_enabled():
 
 
 def test_pool_is_an_allocator_the_runtime_accepts():
-    from pp_core.runtime.buffers import RecvBufferAllocator, make_recv_buffer_allocator
+    from pp_core.runtime.allocator import RecvBufferAllocator, make_recv_buffer_allocator
 
     program = _program()
-    plugins = load_plugins(entry_points=False, plugins=[pp_buffer_pool])
+    plugins = load_plugins(entry_points=False, plugins=[pp_core_builtins.buffer_pool])
     config = PipelineConfig(pp_recv_buffer_pool=True)
     allocator = make_recv_buffer_allocator(plugins, config, program, 1, torch.device("cpu"))
     assert isinstance(allocator, RecvBufferPool)

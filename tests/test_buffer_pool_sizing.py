@@ -8,7 +8,7 @@ import pytest
 
 from pp_core.errors import ScheduleError
 from pp_core.schedule import RECV_B, RECV_F, build_schedule, read_csv
-from pp_core.schedule.buffers import (
+from pp_core.schedule.buffer_plan import (
     BufferClass,
     colour_intervals,
     max_live,
@@ -189,7 +189,7 @@ def test_receives_of_different_classes_never_share():
 
 
 def test_schedule_simulate_json_reports_recv_buffers(capsys, tmp_path):
-    from pp_core.cli import main
+    from pp_core.app.cli import main
 
     code = main(["schedule", "simulate", "gpipe", "--pp", "4", "--microbatches", "16", "--json",
                  "--pool-slack", "1", "--recv-bytes", "1024"])

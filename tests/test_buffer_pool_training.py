@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pp_buffer_pool import RecvBufferPool
+from pp_core_builtins.buffer_pool import RecvBufferPool
 from pp_core import hookimpl
 from tests._dist import DistPool
 from tests.test_buffer_pool_sizing import CUSTOM_CSV
@@ -108,7 +108,7 @@ def train(schedule: str, pool: bool, checkpointed: bool, seq_lens, csv_path=None
           unsafe: str = ""):
     """Losses (last stage's rank) and gradients of this rank's parameters, step by step."""
     from pp_core import PipelineConfig
-    from pp_core.plugins import load_plugins
+    from pp_core.plugin_manager import load_plugins
     from pp_core.runtime.pipeline import build_pipeline
 
     stages_per_rank = 2 if schedule not in ("1f1b", "gpipe", "zero_bubble", "zb_h2") else 1
@@ -118,7 +118,8 @@ def train(schedule: str, pool: bool, checkpointed: bool, seq_lens, csv_path=None
                             pp_microbatch_size=1, loss_fn=mse_sum, pp_recv_buffer_pool=pool)
     plugins = None
     if unsafe:
-        plugins = load_plugins(plugins=[UnsafePlugin(unsafe)], disabled=["pp_buffer_pool"])
+        plugins = load_plugins(plugins=[UnsafePlugin(unsafe)],
+                               disabled=["pp_core_builtins.buffer_pool"])
     pipe = build_pipeline(make_model(num_stages, checkpointed), config, plugins=plugins)
     history = []
     for inputs, target in batches(seq_lens):

@@ -1,5 +1,5 @@
-"""The built-in schedule plugins (``pp_schedules.*``): registration, names, docstring pictures,
-which sizes each admits, validity of every admitted size, and the reference's figures.
+"""The built-in schedule plugins (``pp_core_builtins.schedules.*``): registration, names, docstring
+pictures, which sizes each admits, validity of every admitted size, and the reference's figures.
 
 Every order is checked by :func:`pp_core.schedule.build.build_schedule`, which validates it
 (placement, completeness, local order, deadlock freedom by list scheduling). Action-for-action
@@ -48,7 +48,7 @@ TORCH_NAMES = {
 
 @pytest.fixture(scope="module")
 def plugins():
-    return plugins_with(*(f"pp_schedules.{module}" for module in SCHEDULES))
+    return plugins_with(*(f"pp_core_builtins.schedules.{module}" for module in SCHEDULES))
 
 
 def build(plugins, name, p, m, v=None):
@@ -57,7 +57,7 @@ def build(plugins, name, p, m, v=None):
 
 
 def admitted(name: str, p: int, m: int, v: int) -> bool:
-    """Which microbatch counts each algorithm admits (reference sections 4-5)."""
+    """Which microbatch counts each algorithm admits (the rules in each plugin's docstring)."""
     if name == "interleaved_1f1b" or (name == "zero_bubble" and v > 1):
         return m % max(1, m // p) == 0  # torch's automatic group size N = m // (m // p)
     if name == "dfs":
@@ -73,8 +73,8 @@ def admitted(name: str, p: int, m: int, v: int) -> bool:
 @pytest.mark.parametrize("module", list(SCHEDULES))
 def test_each_module_registers_one_schedule_with_its_shape(module):
     name, placement, stages_per_rank, variable = SCHEDULES[module]
-    plugin = importlib.import_module(f"pp_schedules.{module}")
-    registry = plugins_with(f"pp_schedules.{module}").schedules
+    plugin = importlib.import_module(f"pp_core_builtins.schedules.{module}")
+    registry = plugins_with(f"pp_core_builtins.schedules.{module}").schedules
     assert registry.names() == [name]
     sdef = registry.get(name)
     assert isinstance(sdef, ScheduleDef)
@@ -97,7 +97,7 @@ def test_all_names_and_aliases_coexist_and_resolve_case_insensitively(plugins):
 
 @pytest.mark.parametrize("module", list(SCHEDULES))
 def test_docstring_picture_is_the_generated_order(module):
-    plugin = importlib.import_module(f"pp_schedules.{module}")
+    plugin = importlib.import_module(f"pp_core_builtins.schedules.{module}")
     doc = plugin.__doc__
     head = re.search(r"num_ranks=(\d+), num_stages=(\d+), num_microbatches=(\d+)\n", doc)
     assert head, f"{module}'s docstring has no 'num_ranks=.., num_stages=.., ...' picture"
@@ -109,7 +109,7 @@ def test_docstring_picture_is_the_generated_order(module):
 
 @pytest.mark.parametrize("module", list(SCHEDULES))
 def test_modules_are_small_and_import_only_top_level_pp_core(module):
-    plugin = importlib.import_module(f"pp_schedules.{module}")
+    plugin = importlib.import_module(f"pp_core_builtins.schedules.{module}")
     source = inspect.getsource(plugin)
     assert len(source.splitlines()) <= 150
     imported = set()
@@ -119,8 +119,8 @@ def test_modules_are_small_and_import_only_top_level_pp_core(module):
         elif isinstance(node, ast.Import):
             imported.update(alias.name for alias in node.names)
     # Schedules that share an engine import it from a private module of the package.
-    allowed = {"pp_core", "collections", "heapq", "pp_schedules._controllable_memory",
-               "pp_schedules._interleaved"}
+    allowed = {"pp_core", "collections", "heapq", "pp_core_builtins.schedules._controllable_memory",
+               "pp_core_builtins.schedules._interleaved"}
     assert imported <= allowed
 
 
@@ -162,14 +162,18 @@ def test_refusals_name_the_constraint_and_the_fix(plugins, name, p, m, v, messag
         build(plugins, name, p, m, v)
 
 
-def test_generators_refuse_a_stage_count_that_does_not_fit_their_placement():
-    from pp_schedules.gpipe import gpipe
-    from pp_schedules.v_schedule import v_schedule
-
-    with pytest.raises(ScheduleError, match="one stage per rank"):
-        gpipe(8, 4, 4)
-    with pytest.raises(ScheduleError, match="exactly 2 stages per rank"):
-        v_schedule(12, 4, 4)
+@pytest.mark.parametrize("name, default", [(name, v) for name, _, v, variable in
+                                           SCHEDULES.values() if not variable])
+def test_build_schedule_refuses_a_stage_count_that_does_not_fit_the_placement(plugins, name,
+                                                                              default):
+    """The sizes every generator may assume are checked once, by build_schedule."""
+    other = 3 - default  # 1 <-> 2
+    with pytest.raises(ScheduleError, match=rf"^schedule '{name}' runs exactly {default} "
+                                            rf"stage\(s\) per rank, got stages_per_rank={other}; "
+                                            rf"set stages_per_rank={default}"):
+        build(plugins, name, 4, 8, other)
+    with pytest.raises(ScheduleError, match=r"^num_microbatches must be an integer >= 1, got 0"):
+        build(plugins, name, 4, 0)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -208,9 +212,9 @@ def test_zero_bubble_with_one_stage_per_rank_is_zb_h1(plugins, p):
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 8, 12])
 def test_controllable_memory_repeats_its_stable_phase_exactly(module, p):
     """Beyond 2p+8 microbatches the stable phase is repeated; it must equal computing it all."""
-    from pp_schedules._controllable_memory import controllable_memory_orders
+    from pp_core_builtins.schedules._controllable_memory import controllable_memory_orders
 
-    block = importlib.import_module(f"pp_schedules.{module}")._block(p)
+    block = importlib.import_module(f"pp_core_builtins.schedules.{module}")._block(p)
     for m in (2 * p + 9, 2 * p + 10, 3 * p + 15):
         assert controllable_memory_orders(block, m) == \
             controllable_memory_orders(block, m, repeat_after=m)
@@ -261,7 +265,8 @@ def test_orders_match_torch_pipeline_order(plugins, torch_name):
 # ----------------------------------------------------------------------------- figures
 
 # (name, p, m, v) -> (makespan, bubble, span bubble, peak per rank), unit costs F=I=W=1, B=2:
-# the reference's section-4 table, and its p=8, m=32 bubbles (span and peaks from its formulas).
+# the published bubble table (docs/schedules.md), and its p=8, m=32 bubbles (span and peaks from
+# its formulas).
 SECTION_4 = {
     ("gpipe", 4, 8, 1): (33, 9, 9, [8, 8, 8, 8]),
     ("1f1b", 4, 8, 1): (33, 9, 9, [4, 3, 2, 1]),

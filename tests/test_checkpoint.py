@@ -14,13 +14,13 @@ import shutil
 import pytest
 import torch
 
-from pp_core import cli
-from pp_core.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint,
+from pp_core.app import cli
+from pp_core.app.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint,
                                 load_into_model, read_model_state_dict, save_checkpoint)
 from pp_core.errors import PipelineError
-from pp_core.launch import launch
-from pp_core.spec import apply_overrides, parse_spec
-from pp_models import GPT
+from pp_core.app.launch import launch
+from pp_core.app.spec import apply_overrides, parse_spec
+from pp_core_builtins.models import GPT
 
 MODEL = {"vocab_size": 32, "dim": 16, "num_layers": 4, "num_heads": 2, "max_seq_len": 8}
 BASE = {

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pp_core import cli
-from pp_core.checkpoint import (checkpoint_path, latest_checkpoint, read_model_state_dict,
+from pp_core.app import cli
+from pp_core.app.checkpoint import (checkpoint_path, latest_checkpoint, read_model_state_dict,
                                 save_checkpoint)
 from pp_core.errors import PipelineError
-from pp_core.launch import launch
-from pp_core.spec import apply_overrides, parse_spec
-from pp_models import GPT
+from pp_core.app.launch import launch
+from pp_core.app.spec import apply_overrides, parse_spec
+from pp_core_builtins.models import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"vocab_size": 32, "dim": 16, "num_layers": 4, "num_heads": 2, "max_seq_len": 8}
@@ -107,8 +107,8 @@ def test_a_rank_killed_while_overwriting_a_checkpoint_loses_nothing(tmp_path):
 # save in place; ``os.rename``/``os.replace``/``shutil.rmtree`` are where those instants are.
 _KILLED_SAVE = """
 import os, shutil, sys, torch
-from pp_core.checkpoint import save_checkpoint
-from pp_models import GPT
+from pp_core.app.checkpoint import save_checkpoint
+from pp_core_builtins.models import GPT
 
 directory, moment = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)

@@ -1,11 +1,15 @@
 """PipelineConfig: exact fields and defaults, and a message naming field, value and fix."""
 
 import dataclasses
+import subprocess
+import sys
+from typing import Callable, Literal
 
 import pytest
 import torch
 
 from pp_core import ConfigError, PipelineConfig
+from pp_core.config import TorchDtype, field_types
 
 DESIGN_DEFAULTS = {
     "pp_schedule": "1f1b", "pp_schedule_csv": None, "pp_microbatch_size": 1, "pp_batch_size": 1,
@@ -53,6 +57,41 @@ def test_fields_and_defaults_are_exactly_the_design():
 def test_invalid_values_are_named_with_the_fix(kwargs, pattern):
     with pytest.raises(ConfigError, match=pattern):
         PipelineConfig(**kwargs)
+
+
+def test_fields_are_typed_as_the_design_types_them():
+    types = field_types()
+    assert types["pp_schedule"] == types["pp_schedule_csv"] == str | None
+    assert types["round_virtual_stages_to_pp_multiple"] == Literal["up", "down"] | None
+    assert types["module_fqns_per_model_part"] == list[list[str]] | None
+    assert types["dtype"] == TorchDtype | None  # torch.dtype, read without importing torch
+    assert types["loss_fn"] == Callable | str | None
+    assert types["pp_batch_size"] is int and types["patch_inner_model"] is bool
+    assert types["layers_per_stage"] == types["pp_seq_len"] == int | None
+
+
+def test_the_config_module_does_not_import_torch():
+    code = "import sys, pp_core.config as c; c.field_types(); print('torch' in sys.modules)"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True)
+    assert found.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"pp_batch_size": 0}, "pp_batch_size"),
+    ({"pp_batch_size": 10, "pp_microbatch_size": 4}, "pp_batch_size"),
+    ({"pp_recv_buffer_pool_slack": -1}, "pp_recv_buffer_pool_slack"),
+    ({"round_virtual_stages_to_pp_multiple": "nearest"}, "round_virtual_stages_to_pp_multiple"),
+    ({"module_fqns_per_model_part": [["a"], ["b", "a"]]}, "module_fqns_per_model_part"),
+    ({"dtype": "pp_seq_len"}, "dtype"),
+    ({"loss_fn": "layers_per_stage"}, "loss_fn"),
+    ({"pp_schedule": None}, "pp_schedule"),
+    ({"pp_recv_buffer_pool": 1}, "pp_recv_buffer_pool"),
+])
+def test_errors_carry_the_field_they_are_about(kwargs, field):
+    with pytest.raises(ConfigError) as refused:
+        PipelineConfig(**kwargs)
+    assert refused.value.field == field
 
 
 def test_pp_schedule_none_needs_the_csv_that_overrides_it():

@@ -62,7 +62,7 @@ def test_help_teaches():
 def test_plugin_missing_an_optional_dependency_is_listed_as_unavailable_with_the_fix():
     import types
 
-    from pp_core.commands.plugins import describe
+    from pp_core.app.commands.plugins import describe
     from pp_core.testing import plugins_with
 
     plugin = types.ModuleType("pp_needs_extra")

@@ -40,7 +40,7 @@ def test_pp_core_plugins_lists_the_installed_package(installed):
 COLLECT = """
 import torch
 from torch import nn
-from pp_core.plugins import default_plugins
+from pp_core.plugin_manager import default_plugins
 from pp_core.runtime import collect_pipeline_runtime_initializers
 
 model = default_plugins().models.get("example_mlp")(num_layers=4)

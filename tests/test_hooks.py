@@ -9,6 +9,7 @@ import pytest
 from torch import nn
 
 from pp_core import ScheduleDef, hookimpl, hookspecs
+from pp_core.schedule.build import resolve_schedule_def
 from pp_core.runtime import collect_pipeline_runtime_initializers
 from pp_core.testing import plugins_with
 
@@ -57,7 +58,7 @@ def _plugin_from_doc(heading):
 
 def test_hook_pp_register_schedules():
     plugins = plugins_with(_plugin_from_doc("pp_register_schedules(register)"))
-    definition = plugins.schedule_def("GPIPEREVERSED")
+    definition = resolve_schedule_def("GPIPEREVERSED", plugins)[1]
     assert isinstance(definition, ScheduleDef)
     rows = definition.generate(2, 2, 2)
     assert [" ".join(map(str, row)) for row in rows] == ["0F0 0F1 0B1 0B0", "1F0 1F1 1B1 1B0"]

@@ -22,10 +22,10 @@ import yaml
 
 from pp_core.devices import choose_device, local_ranks
 from pp_core.errors import ConfigError, PipelineError
-from pp_core.launch import launch
-from pp_core.rendezvous import _wait_for_listener, prepare_endpoint
-from pp_core.spec import SpecError, parse_spec
-from pp_models import GPT
+from pp_core.app.launch import launch
+from pp_core.app.rendezvous import _wait_for_listener, prepare_endpoint
+from pp_core.app.spec import SpecError, parse_spec
+from pp_core_builtins.models import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {

@@ -1,28 +1,28 @@
-"""The demo plugin ``pp_models``: the GPT follows the ``layers`` contract, the datasets are
-deterministic per batch index, and the shipped text is there."""
+"""The demo plugin ``pp_core_builtins.models``: the GPT follows the ``layers`` contract, the
+datasets are deterministic per batch index, and the shipped text is there."""
 
 from __future__ import annotations
 
 import torch
 
-import pp_models
+import pp_core_builtins.models
 from pp_core import PipelineConfig
 from pp_core.losses import cross_entropy, get_loss, resolve_loss
-from pp_core.runtime.parts import build_model_parts
-from pp_core.runtime.split import plan_split
+from pp_core.planning.parts import build_model_parts
+from pp_core.planning.split import plan_split
 from pp_core.testing import plugins_with
-from pp_models.datasets import DEFAULT_TEXT, SyntheticLM, TextBytes, synthetic
+from pp_core_builtins.models.datasets import DEFAULT_TEXT, SyntheticLM, TextBytes, synthetic
 
 
 def small_gpt(**kwargs):
     torch.manual_seed(0)
-    return pp_models.GPT(**{"dim": 32, "num_layers": 4, "num_heads": 4, "max_seq_len": 16,
+    return pp_core_builtins.models.GPT(**{"dim": 32, "num_layers": 4, "num_heads": 4, "max_seq_len": 16,
                             **kwargs})
 
 
 def test_registered_by_the_plugin():
-    plugins = plugins_with("pp_models")
-    assert plugins.models.get("gpt") is pp_models.GPT
+    plugins = plugins_with("pp_core_builtins.models")
+    assert plugins.models.get("gpt") is pp_core_builtins.models.GPT
     assert {"synthetic", "text_bytes"} <= set(plugins.datasets.names())
 
 
@@ -32,7 +32,7 @@ def test_gpt_forward_and_the_layers_contract():
     assert names.index("tok_embeddings") < names.index("layers") < names.index("norm")
     tokens = torch.randint(256, (2, 8))
     assert model(tokens).shape == (2, 8, 256)
-    plugins = plugins_with("pp_splitters.layers")
+    plugins = plugins_with("pp_core_builtins.splitters.layers")
     for num_ranks, stages_per_rank in ((2, 1), (2, 2), (4, 1)):
         plan = plan_split(model, PipelineConfig(), num_ranks, stages_per_rank, plugins)
         assert plan.splitter == "layers"
@@ -92,7 +92,7 @@ def test_text_bytes_uses_the_shipped_text_and_splits_it():
 def test_blocks_of_two_widths():
     import pytest
 
-    from pp_models.gpt import uneven_gpt
+    from pp_core_builtins.models.gpt import uneven_gpt
 
     model = small_gpt(num_layers=3, mlp_ratios=[1, 2, 8])
     assert [block.ffn[0].out_features for block in model.layers.values()] == [32, 64, 256]
@@ -100,4 +100,4 @@ def test_blocks_of_two_widths():
         small_gpt(num_layers=3, mlp_ratios=[1, 2])
     uneven = uneven_gpt(vocab_size=64, dim=16, num_layers=4, num_heads=2, narrow=1, wide=4)
     assert [block.ffn[0].out_features for block in uneven.layers.values()] == [16, 16, 64, 64]
-    assert "uneven_gpt" in plugins_with("pp_models").models
+    assert "uneven_gpt" in plugins_with("pp_core_builtins.models").models

@@ -14,7 +14,7 @@ from torch import nn
 
 from pp_core import ConfigError
 from pp_core.parallel import apply_activation_checkpointing, apply_compile, find_blocks
-from pp_core.spec import SpecError, parse_spec
+from pp_core.app.spec import SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = "examples/v_schedule_ac_compile.yaml"
@@ -105,7 +105,7 @@ def test_compile_helper_keeps_names_and_gradients():
 
 def test_hf_gradient_checkpointing_is_the_same_switch():
     pytest.importorskip("transformers")
-    from pp_core.train import activation_checkpointing_of
+    from pp_core.app.train import activation_checkpointing_of
     from test_transformers_models import tiny_model
 
     model = tiny_model("llama", 2)

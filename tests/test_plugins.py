@@ -6,7 +6,8 @@ import textwrap
 import pytest
 
 from pp_core import PluginError, ScheduleDef, hookimpl
-from pp_core.plugins import Plugins, load_plugins, make_plugin_manager
+from pp_core.schedule.build import resolve_schedule_def
+from pp_core.plugin_manager import Plugins, load_plugins, make_plugin_manager
 from pp_core.testing import plugins_with
 
 
@@ -42,7 +43,7 @@ def test_entry_point_plugin_is_loaded_with_its_distribution(on_path):
     plugins = load_plugins(disabled=())
     assert plugins.models.entry("tiny").plugin == "tiny"
     assert plugins.distribution("tiny") == ("pp-tiny", "1.2.3")
-    assert "pp_schedules.gpipe" in dict(plugins.pm.list_name_plugin())
+    assert "pp_core_builtins.schedules.gpipe" in dict(plugins.pm.list_name_plugin())
 
 
 def test_plugin_that_fails_to_import_is_reported_and_others_still_load(on_path):
@@ -74,7 +75,7 @@ def test_misspelled_hook_names_the_plugin_and_suggests_the_hook(on_path):
 def test_disabled_plugin_is_not_imported(on_path, monkeypatch):
     make_dist(on_path, "pp-broken", {"ppt_broken": "raise SystemError('boom')\n"},
               {"broken": "ppt_broken"})
-    monkeypatch.setenv("PP_CORE_DISABLE_PLUGINS", "broken, pp_schedules.gpipe")
+    monkeypatch.setenv("PP_CORE_DISABLE_PLUGINS", "broken, pp_core_builtins.schedules.gpipe")
     plugins = load_plugins()
     assert not [b for b in plugins.broken if b.name == "broken"]
     assert "gpipe" not in plugins.schedules
@@ -87,9 +88,10 @@ def test_duplicate_schedule_name_names_both_plugins():
         def pp_register_schedules(self, register):
             register("GPipe", ScheduleDef(generate=lambda *a: []))
 
-    plugins = plugins_with("pp_schedules.gpipe", ("clash", Clash()))
+    plugins = plugins_with("pp_core_builtins.schedules.gpipe", ("clash", Clash()))
     with pytest.raises(PluginError, match=r"schedule 'GPipe' is registered twice: by plugin "
-                                          r"'pp_schedules.gpipe' \(as 'gpipe'\) and by plugin 'clash'"):
+                                          r"'pp_core_builtins.schedules.gpipe' \(as 'gpipe'\) "
+                                          r"and by plugin 'clash'"):
         plugins.schedules
 
 
@@ -110,16 +112,17 @@ def test_duplicate_names_in_every_registry(hook, kind):
 
 
 def test_unknown_name_lists_installed_ones_with_their_plugin():
-    plugins = plugins_with("pp_schedules.gpipe", "pp_schedules.one_f_one_b")
+    plugins = plugins_with("pp_core_builtins.schedules.gpipe", "pp_core_builtins.schedules.one_f_one_b")
     with pytest.raises(PluginError) as info:
         plugins.schedules.get("gpipee")
     message = str(info.value)
     assert "unknown schedule 'gpipee'; did you mean 'gpipe'?" in message
-    assert "gpipe (from pp_schedules.gpipe)" in message and "1f1b (from pp_schedules.one_f_one_b)" in message
+    assert "gpipe (from pp_core_builtins.schedules.gpipe)" in message
+    assert "1f1b (from pp_core_builtins.schedules.one_f_one_b)" in message
 
 
 def test_names_and_aliases_are_case_insensitive():
-    plugins = plugins_with("pp_schedules.gpipe")
+    plugins = plugins_with("pp_core_builtins.schedules.gpipe")
     assert plugins.schedules.entry("GPIPE").name == "gpipe"
 
 
@@ -139,8 +142,8 @@ def test_bare_generator_is_wrapped_in_a_schedule_def():
         def pp_register_schedules(self, register):
             register("mine", lambda num_stages, num_microbatches, num_ranks: [])
 
-    definition = plugins_with(Bare()).schedule_def("mine")
-    assert isinstance(definition, ScheduleDef) and definition.placement == "loop"
+    name, definition = resolve_schedule_def("mine", plugins_with(Bare()))
+    assert name == "mine" and isinstance(definition, ScheduleDef) and definition.placement == "loop"
 
 
 def test_plugin_manager_factory_has_no_shared_state():
@@ -150,10 +153,12 @@ def test_plugin_manager_factory_has_no_shared_state():
 
 
 def test_an_unknown_disabled_name_is_named_with_the_known_ones(monkeypatch):
-    monkeypatch.setenv("PP_CORE_DISABLE_PLUGINS", "pp_schedules.gpipe, pp_schedules.gpip3")
+    monkeypatch.setenv("PP_CORE_DISABLE_PLUGINS",
+                       "pp_core_builtins.schedules.gpipe, pp_core_builtins.schedules.gpip3")
     with pytest.warns(UserWarning, match=r"PP_CORE_DISABLE_PLUGINS: no installed plugin is named "
-                                         r"'pp_schedules.gpip3', so it disables nothing; did you "
-                                         r"mean 'pp_schedules.gpipe'\? installed plugins: .*"
-                                         r"pp_schedules.gpipe") as caught:
+                                         r"'pp_core_builtins.schedules.gpip3', so it disables "
+                                         r"nothing; did you mean 'pp_core_builtins.schedules.gpipe'"
+                                         r"\? installed plugins: .*"
+                                         r"pp_core_builtins.schedules.gpipe") as caught:
         plugins = load_plugins()
     assert len(caught) == 1 and "gpipe" not in plugins.schedules

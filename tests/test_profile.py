@@ -13,13 +13,13 @@ from torch import nn
 from pp_core import ConfigError
 from pp_core.losses import cross_entropy, mse
 from pp_core.planning.costs import ModelProfile
-from pp_core.planning.profile import measure_p2p, profile_model
+from pp_core.runtime.profile import measure_p2p, profile_model
 from pp_core.planning.units import model_units
 from pp_core.testing import plugins_with
-from pp_core.testing_dist import DistPool
-from pp_models.gpt import GPT
+from pp_core.testing import DistPool
+from pp_core_builtins.models.gpt import GPT
 
-PLUGINS = plugins_with("pp_splitters.fqn", "pp_splitters.layers", "pp_splitters.sequential")
+PLUGINS = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers", "pp_core_builtins.splitters.sequential")
 
 
 class RootParam(nn.Module):
@@ -138,12 +138,12 @@ def test_profile_errors():
 
 def test_profile_of_a_hugging_face_decoder_uses_its_splitter():
     pytest.importorskip("transformers")
-    from pp_transformers import causal_lm_loss
+    from pp_core_builtins.transformers import causal_lm_loss
     from test_transformers_models import batch, tiny_model
 
     model = tiny_model("llama", num_layers=2)
     inputs, labels = batch(batch_size=2)
-    plugins = plugins_with("pp_splitters.fqn", "pp_splitters.layers", "pp_transformers")
+    plugins = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers", "pp_core_builtins.transformers")
     prof = profile_model(model, inputs, labels, causal_lm_loss, [1], repeats=1,
                          plugins=plugins)[1]
     assert [u.fqns for u in prof.units] == [("model.embed_tokens",), ("model.layers.0",),

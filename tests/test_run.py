@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pp_core.launch import free_port
-from pp_models import GPT
+from pp_core.app.launch import free_port
+from pp_core_builtins.models import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -176,7 +176,7 @@ def test_launcher_stores_listen_on_loopback_only():
     import torch.distributed as dist
 
     from pp_core._torch_compat import tcp_stores_listening_on_their_host
-    from pp_core.launch import is_loopback
+    from pp_core.app.launch import is_loopback
 
     with tcp_stores_listening_on_their_host(is_loopback):
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from pp_core import PipelineConfig, build_pipeline
-from pp_core.run_outputs import TRACE_STEPS, RunRecorder
-from pp_core.spec import parse_spec
+from pp_core.app.run_outputs import TRACE_STEPS, RunRecorder
+from pp_core.app.spec import parse_spec
 
 PER_STEP_SERIES = ("steps", "losses", "step_times", "tokens_per_s")
 

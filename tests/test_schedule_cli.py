@@ -1,4 +1,4 @@
-"""``pp-core schedule show|simulate|export`` end to end through pp_core.cli.main."""
+"""``pp-core schedule show|simulate|export`` end to end through pp_core.app.cli.main."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from pp_core.cli import main
+from pp_core.app.cli import main
 from pp_core.schedule.csv_io import read_csv
 from tests.fixtures.reference_examples import SUPPORTED
 

@@ -1,10 +1,11 @@
-"""The worked examples of the schedule reference (docs/reference, section 5), replayed.
+"""The worked examples of ``tests/fixtures/reference_examples.py``, replayed.
 
 Each built-in schedule plugin must reproduce the reference's per-rank order action for action, and
 the unit-cost figures (``F = I = W = 1``, ``B = 2``, no communication) the reference measured.
 DualPipeV's overlapped pairs ``(aF;bB)`` are compared as their two halves, forward first: pp-core's
-IR has no composite action (see ``pp_schedules.dualpipe_v``). Not replayed: the sail-sg greedy ZB-V
-(pp-core's ``v_schedule`` is torch's handcrafted ZB-V) and bidirectional DualPipe (not built in).
+IR has no composite action (see ``pp_core_builtins.schedules.dualpipe_v``). Not replayed: the
+sail-sg greedy ZB-V (pp-core's ``v_schedule`` is torch's handcrafted ZB-V) and bidirectional
+DualPipe (not built in).
 """
 
 import pytest
@@ -49,7 +50,7 @@ FLATTENED_FIGURES = {"DualPipeV p=2 m=4": (25, 1, 1), "DualPipeV p=4 m=8": (51, 
 
 @pytest.fixture(scope="module")
 def plugins():
-    return plugins_with(*(f"pp_schedules.{module}" for module in MODULES))
+    return plugins_with(*(f"pp_core_builtins.schedules.{module}" for module in MODULES))
 
 
 def flat(row: str) -> str:

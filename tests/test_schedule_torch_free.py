@@ -1,4 +1,4 @@
-"""``pp-core schedule ...`` and the help screens never import torch (DESIGN.md, Layout rules).
+"""``pp-core schedule ...`` and the help screens never import torch.
 
 The schedule half is pure Python, but every command loads every installed plugin, so one plugin
 module that imports torch at import time costs a schedule command seconds. Each case runs the
@@ -62,7 +62,7 @@ def test_schedule_command_does_not_import_torch(case, tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = imported_modules(done.stderr)
-    assert any(name == "pp_core.cli" for _, name in rows)  # -X importtime saw the command run
+    assert any(name == "pp_core.app.cli" for _, name in rows)  # -X importtime saw the command run
     chain = importers_of("torch", rows)
     assert chain is None, (f"'pp-core {' '.join(argv)}' imported torch: "
                            f"{' <- '.join(chain)}; import torch lazily there")

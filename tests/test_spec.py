@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pp_core import cli
-from pp_core.preflight import dataset_args, dataset_factory, preflight
-from pp_core.spec import SCHEMA, SpecError, apply_overrides, load_spec, parse_override, parse_spec
+from pp_core.app import cli
+from pp_core.app.factories import dataset_args, dataset_factory
+from pp_core.app.preflight import preflight
+from pp_core.app.spec import SCHEMA, SpecError, apply_overrides, load_spec, parse_override, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -91,7 +92,7 @@ def test_missing_sections_and_keys():
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (("model.target=pp_models.gpt:GPT",), "expected exactly one of model.name"),
+    (("model.target=pp_core_builtins.models.gpt:GPT",), "expected exactly one of model.name"),
     (("model.name=null",), "found neither"),
     (("checkpoint.every=5",), "checkpoint.every: needs checkpoint.dir"),
     (("checkpoint.resume=true",), "checkpoint.resume: needs checkpoint.dir"),
@@ -106,6 +107,9 @@ def test_missing_sections_and_keys():
      "pipeline.pp_batch_size: pp_batch_size=6 is not divisible by pp_microbatch_size=4"),
     (("pipeline.loss_fn=cross_entropi",), "pipeline.loss_fn: unknown loss 'cross_entropi'; did "
                                           "you mean 'cross_entropy'?"),
+    # the key comes from the error (ConfigError.field), not from the first field its text names
+    (("pipeline.loss_fn=pp_seq_len",), "pipeline.loss_fn: unknown loss 'pp_seq_len'"),
+    (("pipeline.dtype=pp_batch_size",), "pipeline.dtype: dtype='pp_batch_size' is not a torch"),
     (("train.optimizer={name: adamw}",), "did you mean 'AdamW'?"),
     (("train.optimizer={name: SGD, lr: 0.1, momentun: 0.9}",),
      "train.optimizer.momentun: unknown argument of torch.optim.SGD; did you mean "
@@ -128,7 +132,7 @@ def test_impossible_combinations(overrides, expected):
     (("pipeline.pp_schedule=dualpipe_v", "pipeline.pp_batch_size=2"), "microbatches = "
                                                                      "pp_batch_size / pp_microbatch_size = 2"),
     (("distributed.pp_size=8",), "pipeline: cannot split the model: model has 4 layers"),
-    (("model.target=pp_models.gpt:GTP", "model.name=null"), "model.target: model.target="),
+    (("model.target=pp_core_builtins.models.gpt:GTP", "model.name=null"), "model.target: model.target="),
 ])
 def test_plugin_checks_name_the_key(overrides, expected):
     found = problems_of(*overrides, plugins=True)

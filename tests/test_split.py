@@ -6,16 +6,17 @@ import random
 import pytest
 from torch import nn
 
-import pp_splitters.fqn
-import pp_splitters.layers
+import pp_core_builtins.splitters.fqn
+import pp_core_builtins.splitters.layers
 from pp_core import ConfigError, PipelineConfig, PluginError, hookimpl
-from pp_core.plugins import load_plugins
-from pp_core.runtime.split import balanced_partition, plan_split, spread, virtual_stages
+from pp_core.plugin_manager import load_plugins
+from pp_core.planning.split import balanced_partition, plan_split, spread, virtual_stages
 from pp_core.testing import plugins_with
 
 from _split_models import Chain, TinyLM, mlp
 
-BUILTINS = ("pp_splitters.fqn", "pp_splitters.layers", "pp_splitters.sequential")
+BUILTINS = ("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers",
+            "pp_core_builtins.splitters.sequential")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_auto_selection_order_does_not_depend_on_registration_order(order):
 def test_builtins_are_installed_through_entry_points():
     registry = load_plugins().splitters
     assert {"fqn", "layers", "sequential"} <= set(registry.names())
-    assert registry.entry("layers").plugin == "pp_splitters.layers"
+    assert registry.entry("layers").plugin == "pp_core_builtins.splitters.layers"
 
 
 class BlocksSplitter:
@@ -75,15 +76,16 @@ def _plugin(splitter, name="blocks"):
 
 
 def test_hook_pp_register_splitters_third_party_wins_with_priority():
-    from pp_core.plugins import make_plugin_manager
-    from pp_core.runtime.split import select_splitter
+    from pp_core.plugin_manager import make_plugin_manager
+    from pp_core.planning.split import select_splitter
 
     model = nn.Module()  # acceptable to both `layers` and the third-party `blocks`
     model.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
     model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
     for priority, expected in ((None, "layers"), (250, "blocks")):
         pm = make_plugin_manager(entry_points=False, plugins=[
-            _plugin(BlocksSplitter(priority)), ("pp_splitters.layers", pp_splitters.layers)])
+            _plugin(BlocksSplitter(priority)),
+            ("pp_core_builtins.splitters.layers", pp_core_builtins.splitters.layers)])
         assert select_splitter(model, cfg(), pm)[0] == expected
     plan = plan_split(nn.ModuleDict({"blocks": model.blocks}), cfg(), 2, 1, pm)
     assert plan.splitter == "blocks"
@@ -97,7 +99,7 @@ def test_named_splitter(plugins):
         plan_split(TinyLM(), cfg(), 2, 1, plugins, splitter="sequential")
     with pytest.raises(PluginError, match=r"unknown splitter 'layer'; did you mean 'layers'"):
         plan_split(TinyLM(), cfg(), 2, 1, plugins, splitter="layer")
-    mine = pp_splitters.layers.LayersSplitter()
+    mine = pp_core_builtins.splitters.layers.LayersSplitter()
     mine.name = "mine"
     assert plan_split(TinyLM(), cfg(), 2, 1, plugins, splitter=mine).splitter == "mine"
 
@@ -261,7 +263,8 @@ def test_fqn_may_name_a_parameter(plugins):
 
 def test_fqn_splitter_checks_count_itself():
     with pytest.raises(ConfigError, match=r"has 2 parts but the pipeline has 3 stages"):
-        pp_splitters.fqn.FqnSplitter().split(TinyLM(), 3, cfg(module_fqns_per_model_part=FQNS))
+        pp_core_builtins.splitters.fqn.FqnSplitter().split(TinyLM(), 3,
+                                                           cfg(module_fqns_per_model_part=FQNS))
 
 
 def test_layers_and_sequential_refuse_fqns(plugins):

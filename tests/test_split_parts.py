@@ -6,13 +6,14 @@ import torch
 from torch import nn
 
 from pp_core import ConfigError, PipelineConfig, PluginError
-from pp_core.runtime.parts import build_model_parts, prune_model
-from pp_core.runtime.split import plan_split
+from pp_core.planning.parts import build_model_parts, prune_model
+from pp_core.planning.split import plan_split
 from pp_core.testing import plugins_with
 
 from _split_models import Chain, TinyLM, mlp
 
-PLUGINS = plugins_with("pp_splitters.fqn", "pp_splitters.layers", "pp_splitters.sequential")
+PLUGINS = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers",
+                       "pp_core_builtins.splitters.sequential")
 CFG = PipelineConfig()
 
 

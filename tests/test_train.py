@@ -3,20 +3,22 @@ step (not once per microbatch) - counted on the real collectives of a real 4-ran
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from pp_core.checkpoint import latest_checkpoint, read_model_state_dict
-from pp_core.data_parallel import finish_gradients
-from pp_core.launch import launch
+from pp_core.app.checkpoint import latest_checkpoint, read_model_state_dict
+from pp_core.parallel.gradients import finish_gradients
+from pp_core.app.launch import launch
 from pp_core.losses import cross_entropy
-from pp_core.spec import parse_spec
-from pp_core.train import count_tokens, dp_slice, lr_factor
-from pp_models import GPT
-from pp_models.datasets import SyntheticLM
+from pp_core.app.spec import parse_spec
+from pp_core.app.train import dp_slice, lr_factor
+from pp_core.runtime.microbatch import num_tokens
+from pp_core_builtins.models import GPT
+from pp_core_builtins.models.datasets import SyntheticLM
 
 MODEL = {"vocab_size": 32, "dim": 16, "num_layers": 4, "num_heads": 2, "max_seq_len": 8}
 DATA = {"seq_len": 8, "vocab_size": 32, "seed": 3}
@@ -40,7 +42,7 @@ def spec_values(tmp_path) -> dict:
 def counting_train(spec):
     """Train, counting every all_reduce by the ranks of the group it ran on (a spy: the real
     collective still runs)."""
-    from pp_core.train import train
+    from pp_core.app.train import train
 
     counts: dict[tuple, int] = {}
     real = dist.all_reduce
@@ -140,4 +142,10 @@ def test_lr_schedule_and_batch_helpers():
     assert dp_slice({"x": batch}, 1, 2, 4)["x"].tolist() == [[4, 5], [6, 7]]
     with pytest.raises(Exception, match=r"expected the global batch size"):
         dp_slice(batch, 0, 2, 8)
-    assert count_tokens(batch) == 8 and count_tokens(torch.zeros(4, 3, 5)) == 12
+    assert num_tokens(batch) == 8 and num_tokens(torch.zeros(4, 3, 5)) == 12
+    # one rule for the run's tokens/s and the runtime initializers: token ids count first
+    assert num_tokens((torch.zeros(4, 3, 5), batch)) == 8
+    # dp shares are cut as microbatches are: a namedtuple keeps its type, None passes through
+    pair = collections.namedtuple("Pair", "ids mask")
+    share = dp_slice(pair(batch, None), 1, 2, 4)
+    assert type(share) is pair and share.ids.tolist() == [[4, 5], [6, 7]] and share.mask is None

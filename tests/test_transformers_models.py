@@ -1,4 +1,5 @@
-"""Tiny Hugging Face models for the pp_transformers tests; tests of the ``hf_causal_lm`` factory.
+"""Tiny Hugging Face models for the pp_core_builtins.transformers tests; tests of the
+``hf_causal_lm`` factory.
 
 No network: every model is built from a config in code, with random weights. The helpers here
 are imported by the other ``test_transformers_*`` modules (and by their spawned ranks).
@@ -14,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pp_core import ConfigError, PipelineConfig  # noqa: E402
-from pp_transformers import causal_lm_loss, hf_causal_lm  # noqa: E402
+from pp_core_builtins.transformers import causal_lm_loss, hf_causal_lm  # noqa: E402
 
 VOCAB = 64
 SEQ = 12

@@ -31,8 +31,8 @@ def _step_and_compare(schedule, num_layers, extra, batch_size=8, microbatch_size
     they must be k times the reference's (a contribution counted twice would show).
     """
     from pp_core import PipelineConfig, build_pipeline
-    from pp_transformers import causal_lm_loss
-    from pp_transformers.tied import tied_groups
+    from pp_core_builtins.transformers import causal_lm_loss
+    from pp_core_builtins.transformers.tied import tied_groups
     from test_transformers_models import batch, reference_step, tiny_model
 
     reference = tiny_model(model_type, num_layers, **extra)
@@ -69,7 +69,7 @@ def _load_per_rank(directory, schedule):
     from transformers import AutoModelForCausalLM
 
     from pp_core import PipelineConfig, build_pipeline
-    from pp_transformers import causal_lm_loss, hf_causal_lm
+    from pp_core_builtins.transformers import causal_lm_loss, hf_causal_lm
     from test_transformers_models import batch
 
     model = hf_causal_lm(directory, attn_implementation="eager")

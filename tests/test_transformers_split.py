@@ -18,16 +18,16 @@ import torch
 pytest.importorskip("transformers")
 
 from pp_core import ConfigError, PipelineConfig  # noqa: E402
-from pp_core.runtime.parts import build_model_parts  # noqa: E402
-from pp_core.runtime.split import plan_split  # noqa: E402
+from pp_core.planning.parts import build_model_parts  # noqa: E402
+from pp_core.planning.split import plan_split  # noqa: E402
 from pp_core.testing import plugins_with  # noqa: E402
-from pp_transformers import causal_lm_loss, hf_causal_lm, sync_tied_gradients_of  # noqa: E402
-from pp_transformers.layout import find_layout  # noqa: E402
+from pp_core_builtins.transformers import causal_lm_loss, hf_causal_lm, sync_tied_gradients_of  # noqa: E402
+from pp_core_builtins.transformers.layout import find_layout  # noqa: E402
 from test_transformers_models import (  # noqa: E402
     ARCHITECTURES, VOCAB, batch, tiny_config, tiny_model)
 
-PLUGINS = plugins_with("pp_splitters.fqn", "pp_splitters.layers", "pp_splitters.sequential",
-                       "pp_transformers")
+PLUGINS = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers",
+                       "pp_core_builtins.splitters.sequential", "pp_core_builtins.transformers")
 
 
 def build(model, num_stages, config=None, num_ranks=None, stages_per_rank=1, **kw):
@@ -299,11 +299,11 @@ def test_checkpoint_that_does_not_match_is_refused(tmp_path):
 def test_plugin_stays_out_of_the_way_without_transformers():
     code = (
         "import sys; sys.modules['transformers'] = None\n"
-        "from pp_core.plugins import load_plugins\n"
+        "from pp_core.plugin_manager import load_plugins\n"
         "plugins = load_plugins()\n"
-        "assert not [b for b in plugins.broken if b.name == 'pp_transformers'], plugins.broken\n"
-        "import pp_transformers\n"
-        "print(pp_transformers.PP_CORE_UNAVAILABLE)\n"
+        "assert not [b for b in plugins.broken if b.name == 'pp_core_builtins.transformers'], plugins.broken\n"
+        "import pp_core_builtins.transformers\n"
+        "print(pp_core_builtins.transformers.PP_CORE_UNAVAILABLE)\n"
         "from torch import nn\n"
         "assert not plugins.splitters.get('hf_decoder').accepts(nn.Linear(2, 2))\n"
         "try:\n"
@@ -333,8 +333,8 @@ def _docs_plugin():
 
 
 def test_docs_example_adds_an_architecture_with_a_higher_priority_splitter():
-    plugins = plugins_with("pp_splitters.fqn", "pp_splitters.layers", "pp_transformers",
-                           ("my_pp_arch", _docs_plugin()))
+    plugins = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers",
+                           "pp_core_builtins.transformers", ("my_pp_arch", _docs_plugin()))
     model = tiny_model()
     model.config.model_type = "my_arch"
     model.config.my_embedding_scale = 2.0
@@ -351,7 +351,7 @@ def test_docs_example_adds_an_architecture_with_a_higher_priority_splitter():
 
 def test_gradient_norm_counts_a_tied_weight_once():
     """pp-core run's clipping norm over split tied parts equals the unsplit model's norm."""
-    from pp_core.data_parallel import clip_grad_norm, tied_copies
+    from pp_core.parallel.gradients import clip_grad_norm, tied_copies
 
     reference = tiny_model(tie_word_embeddings=True)
     model = copy.deepcopy(reference)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pp_core import cli
-from pp_core.spec import apply_overrides
+from pp_core.app import cli
+from pp_core.app.spec import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 

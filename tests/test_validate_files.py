@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from pp_core import cli
+from pp_core.app import cli
 from pp_core.errors import quoted
-from pp_core.spec import SpecError, load_spec
+from pp_core.app.spec import SpecError, load_spec
 
 GOOD = """\
 model: {name: gpt, args: {dim: 32, num_layers: 2, num_heads: 4, max_seq_len: 16}}
@@ -62,7 +62,7 @@ def test_a_merge_key_may_be_overridden_without_counting_as_a_duplicate(tmp_path)
 
 
 def test_a_set_override_is_read_the_same_way():
-    from pp_core.spec import parse_override
+    from pp_core.app.spec import parse_override
 
     with pytest.raises(SpecError, match="nested more than 64 levels deep"):
         parse_override("train.steps=" + "[" * 100 + "]" * 100)

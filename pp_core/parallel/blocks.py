@@ -1,7 +1,7 @@
 """The blocks of a model part that activation checkpointing and compilation act on.
 
 A *block* is one entry of the part's ``layers`` container (the ``layers`` splitter's contract,
-DESIGN.md; for Hugging Face models the decoder layers under ``model.layers``), or, for an
+docs/splitting.md; for Hugging Face models the decoder layers under ``model.layers``), or, for an
 ``nn.Sequential`` part (the ``sequential`` splitter), each of its children. Blocks keep their
 names: the FQN of a block is the same in the part and in the unsplit model.
 """

@@ -2,7 +2,7 @@
 
 A *unit* is the smallest thing a splitter may place on a stage: the modules before ``layers``
 (embedding) as one unit, each block of ``layers``, the modules after it (norm, head, loss) as
-one unit. The profiler (``pp_core.planning.profile``) fills these from measurements on the
+one unit. The profiler (``pp_core.runtime.profile``) fills these from measurements on the
 rank's own device; the balanced splitter and the planner read them. Pure data: no torch.
 """
 

@@ -17,7 +17,7 @@ Backends that match messages by tag (gloo: ``P2P.ordered`` is false) need no suc
 every kind of message has its own tag (:mod:`pp_core.runtime.wire`) and each kind is posted in
 program order at both ends: there a pending header is only checked without blocking when other
 operations are issued, and waited for when its message is consumed. Flushing there cost 2-7 ms
-of blocking waits per step in the reference benchmark (a receive posted early waited, at its
+of blocking waits per step in the runtime benchmark (a receive posted early waited, at its
 post, for the previous message of the same peer).
 
 Failures. A rank that fails publishes ``"rank r, stage s, action a: cause"`` under a key of the
@@ -198,7 +198,7 @@ class Incoming:
 class Mailbox:
     """Posts receives in program order and keeps each peer's operations in program order.
 
-    ``allocate(lifetime, metas)`` returns the receive buffers (see ``pp_core.runtime.buffers``);
+    ``allocate(lifetime, metas)`` returns the receive buffers (see ``pp_core.runtime.allocator``);
     ``edge_metas(message)`` gives the metas of a header-less message whose edge learned them from
     an earlier header (static shapes).
     """

@@ -50,6 +50,8 @@ import torch.distributed as dist
 from pp_core._torch_compat import (ddp_arm_reducer, fsdp_process_groups, fsdp_reduce_and_reshard,
                                    fsdp_reset, process_group_store)
 from pp_core.errors import ConfigError
+from pp_core.runtime.comm import PeerFailure, publish
+from pp_core.schedule.ir import B, I, W
 
 __all__ = ["DataParallelDriver", "StageDataParallel", "make_data_parallel"]
 
@@ -109,8 +111,6 @@ class StageDataParallel:
         try:
             yield
         except Exception as exc:
-            from pp_core.runtime.comm import PeerFailure
-
             raise PeerFailure(*self._peer_report(exc)) from exc
 
     def _peer_report(self, exc: BaseException) -> tuple[str, bool]:
@@ -129,8 +129,6 @@ class StageDataParallel:
         """This rank's step failed: tell the dp peers why, and destroy the FSDP groups. That
         does not release a peer already waiting on this rank in a collective (see the module's
         docstring): it fails at the group's timeout, then raises the published report."""
-        from pp_core.runtime.comm import publish
-
         while self.groups:
             group = self.groups.pop()
             try:
@@ -190,8 +188,6 @@ class DataParallelDriver:
 def make_data_parallel(stages: dict, config, actions) -> DataParallelDriver:
     """The driver of the stages (``{index: Stage}``) whose part uses torch's data parallelism;
     ``actions``: this rank's program. Raises ConfigError for DDP under split backward."""
-    from pp_core.schedule.ir import I
-
     split_backward = any(action.kind is I for action in actions)
     result: dict[int, StageDataParallel] = {}
     for index, stage in stages.items():
@@ -213,8 +209,6 @@ def make_data_parallel(stages: dict, config, actions) -> DataParallelDriver:
 def last_backward_positions(actions) -> dict[int, int]:
     """``{stage: position of its last B or W}`` in a rank's program (the step's last backward;
     with split backward ``W`` comes after ``I``)."""
-    from pp_core.schedule.ir import B, W
-
     last: dict[int, int] = {}
     for position, action in enumerate(actions):
         if action.kind is B or action.kind is W:

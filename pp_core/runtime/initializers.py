@@ -11,13 +11,11 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from pp_core.hookspecs import hookimpl
+from pp_core.plugin_manager import Plugins, plugins_or_default
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-    from pp_core.plugins import Plugins
 
 __all__ = ["PipelineRuntimeInitializer", "collect_pipeline_runtime_initializers"]
 
@@ -37,15 +35,6 @@ class PipelineRuntimeInitializer(Protocol):
     def prepare(self, num_tokens: int, device: "torch.device") -> None:
         """Make the resource ready for a microbatch of at most ``num_tokens`` tokens."""
         ...
-
-
-@hookimpl
-def pp_runtime_initializers(module):
-    """Built-in: a module that owns its resources lists them in ``pipeline_runtime_initializers()``."""
-    method = getattr(type(module), "pipeline_runtime_initializers", None)
-    if method is None:
-        return None
-    return module.pipeline_runtime_initializers()
 
 
 def _check_hashable(value, what: str, initializer, where: str, plugin: str) -> None:
@@ -70,10 +59,7 @@ def collect_pipeline_runtime_initializers(
     signature that is not hashable raises ``TypeError`` naming the module and the provider.
     Nothing is prepared here.
     """
-    if plugins is None:
-        from pp_core.plugins import default_plugins
-
-        plugins = default_plugins()
+    plugins = plugins_or_default(plugins)
     kept: dict = {}
     order: list[PipelineRuntimeInitializer] = []
     for part_index, part in enumerate(model_parts):

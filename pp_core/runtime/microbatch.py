@@ -6,7 +6,11 @@ string, a mask shared by the whole batch that is *not* a tensor) is passed uncha
 microbatch. A tensor whose dim 0 is not the batch size is a usage error, reported before any
 communication.
 
-Token count rule (``num_tokens`` passed to runtime initializers): the ``numel()`` of the first
+The same splitting (:func:`split_batch`) cuts a data-parallel step's global batch into the dp
+ranks' shares (:func:`pp_core.app.train.dp_slice`); only the message of a mismatch differs.
+
+Token count rule - the one pp-core counts tokens by: ``num_tokens`` passed to runtime
+initializers, and the tokens per step and tokens/s a run reports: the ``numel()`` of the first
 integer tensor in the microbatch (token ids, in traversal order: positional items, then dict
 values in insertion order); if there is none, ``shape[0] * shape[1]`` of the first tensor
 (``shape[0]`` when it is 1-D, 1 when 0-D); 0 when the microbatch holds no tensor. On a rank
@@ -15,13 +19,13 @@ without the step's inputs the same rule is applied to the tensors the stage rece
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from pp_core.errors import ConfigError
 
-__all__ = ["split_microbatches", "num_tokens", "to_device", "merge_microbatches", "first_tensor"]
+__all__ = ["split_batch", "split_microbatches", "num_tokens", "to_device", "merge_microbatches", "first_tensor"]
 
 
 def _iter_tensors(value):
@@ -39,6 +43,33 @@ def first_tensor(value) -> Optional[torch.Tensor]:
     return next(_iter_tensors(value), None)
 
 
+def split_batch(value: Any, pieces: int, batch_size: int,
+                mismatch: Callable[[str, torch.Tensor], Exception]) -> list:
+    """``value`` cut into ``pieces`` equal views along dim 0 (see the module docstring).
+
+    :param mismatch: ``mismatch(path, tensor)`` makes the error raised for a tensor whose dim 0
+        is not ``batch_size`` (``path`` locates it, e.g. ``"[0]['ids']"``).
+    """
+    size = batch_size // pieces
+
+    def split(item, path):
+        if isinstance(item, torch.Tensor):
+            if item.dim() == 0 or item.shape[0] != batch_size:
+                raise mismatch(path, item)
+            return item.split(size)
+        if isinstance(item, (tuple, list)):
+            parts = [split(x, f"{path}[{i}]") or [x] * pieces for i, x in enumerate(item)]
+            return [_rebuild(item, [p[k] for p in parts]) for k in range(pieces)]
+        if isinstance(item, dict):
+            parts = {key: split(x, f"{path}[{key!r}]") or [x] * pieces
+                     for key, x in item.items()}
+            return [{key: parts[key][k] for key in item} for k in range(pieces)]
+        return None  # passed through unchanged
+
+    result = split(value, "")
+    return [value] * pieces if result is None else list(result)
+
+
 def split_microbatches(value: Any, num_microbatches: int, batch_size: int, what: str) -> list:
     """``value`` cut into ``num_microbatches`` along dim 0 (see the module docstring).
 
@@ -47,28 +78,15 @@ def split_microbatches(value: Any, num_microbatches: int, batch_size: int, what:
     """
     size = batch_size // num_microbatches
 
-    def split(item, path):
-        if isinstance(item, torch.Tensor):
-            if item.dim() == 0 or item.shape[0] != batch_size:
-                got = "a 0-d tensor" if item.dim() == 0 else f"batch size {item.shape[0]}"
-                raise ConfigError(
-                    f"{what}{path} has {got} (shape {tuple(item.shape)}), but pp_batch_size="
-                    f"{batch_size}: every tensor of a step's {what} must have dim 0 = "
-                    f"pp_batch_size, split into {num_microbatches} microbatches of {size}; pass "
-                    f"a batch of {batch_size} or change pp_batch_size")
-            return item.split(size)
-        if isinstance(item, (tuple, list)):
-            parts = [split(x, f"{path}[{i}]") or [x] * num_microbatches
-                     for i, x in enumerate(item)]
-            return [_rebuild(item, [p[k] for p in parts]) for k in range(num_microbatches)]
-        if isinstance(item, dict):
-            parts = {key: split(x, f"{path}[{key!r}]") or [x] * num_microbatches
-                     for key, x in item.items()}
-            return [{key: parts[key][k] for key in item} for k in range(num_microbatches)]
-        return None  # passed through unchanged
+    def mismatch(path, item):
+        got = "a 0-d tensor" if item.dim() == 0 else f"batch size {item.shape[0]}"
+        return ConfigError(
+            f"{what}{path} has {got} (shape {tuple(item.shape)}), but pp_batch_size="
+            f"{batch_size}: every tensor of a step's {what} must have dim 0 = pp_batch_size, "
+            f"split into {num_microbatches} microbatches of {size}; pass a batch of "
+            f"{batch_size} or change pp_batch_size")
 
-    result = split(value, "")
-    return [value] * num_microbatches if result is None else list(result)
+    return split_batch(value, num_microbatches, batch_size, mismatch)
 
 
 def _is_namedtuple(value) -> bool:

@@ -1,10 +1,11 @@
 """``build_pipeline`` and :class:`Pipeline`: a model split over ranks, run by a lowered schedule.
 
-``build_pipeline(model, config, pp_group=None, device="cpu")`` builds the schedule (a registered
-name or a CSV), lowers it, plans the split, keeps only this rank's model parts (moved to
-``device`` and cast to ``config.dtype``), collects the runtime initializers and the receive-buffer
-allocator - all before any pipeline traffic, so configuration mistakes fail fast and identically
-on every rank. :meth:`Pipeline.step` then runs one training step.
+``build_pipeline(model, config, pp_group=None, device="cpu")`` plans the split, the schedule (a
+registered name or a CSV) and its lowered program with
+:func:`~pp_core.planning.plan.plan_pipeline` - the same function ``pp-core validate`` plans with -
+keeps only this rank's model parts (moved to ``device`` and cast to ``config.dtype``), collects
+the runtime initializers and the receive-buffer allocator - all before any pipeline traffic, so
+configuration mistakes fail fast and identically on every rank. :meth:`Pipeline.step` then runs one training step.
 
 What ``step`` returns: on the rank holding the last stage, the mean of the microbatch losses as a
 detached 0-dim float32 tensor on ``device`` (a tensor, so that CUDA need not synchronise; call
@@ -34,14 +35,21 @@ from torch import nn
 
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PPCoreError
+from pp_core.losses import resolve_loss
+from pp_core.planning.parts import build_model_parts
+from pp_core.plugin_manager import plugins_or_default
+from pp_core.planning.plan import plan_pipeline
 from pp_core.runtime.agreement import check_ranks_agree, config_fields, model_fields, plan_fields
-from pp_core.runtime.buffers import make_recv_buffer_allocator
+from pp_core.runtime.allocator import make_recv_buffer_allocator
 from pp_core.runtime.comm import P2P, PeerFailure
+from pp_core.runtime.dp_sync import make_data_parallel
 from pp_core.runtime.executor import Executor
+from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
 from pp_core.runtime.microbatch import merge_microbatches, split_microbatches, to_device
 from pp_core.runtime.stage import Stage
 from pp_core.schedule.ir import Schedule
 from pp_core.schedule.lower import Program, forward_only, lower
+from pp_core.schedule.validate import validate_schedule
 
 __all__ = ["Pipeline", "build_pipeline", "resolve_group"]
 
@@ -94,7 +102,7 @@ class Pipeline:
     def __init__(self, model_parts: Sequence[nn.Module], stage_indices: Sequence[int],
                  schedule: Schedule, config: PipelineConfig, pp_group=None, device="cpu", *,
                  program: Optional[Program] = None, plugins=None, timeout=None,
-                 initializers=None):
+                 initializers=None, plan=None):
         group, rank, num_ranks = resolve_group(pp_group)
         if schedule.num_ranks != num_ranks:
             raise ConfigError(f"the schedule has {schedule.num_ranks} ranks but the process group "
@@ -106,19 +114,17 @@ class Pipeline:
         if len(model_parts) != len(expected):
             raise ConfigError(f"rank {rank} holds {len(expected)} stages but got "
                               f"{len(model_parts)} model parts")
-        if plugins is None:
-            from pp_core.plugins import default_plugins
-
-            plugins = default_plugins()
+        plugins = plugins_or_default(plugins)
         self.config = config
         self.rank = rank
         self.num_ranks = num_ranks
         self.device = torch.device(device)
         self.dtype = config.torch_dtype
         self.schedule = schedule
+        self.plan = plan
+        """The :class:`~pp_core.planning.plan.PipelinePlan` it was built from (``None`` when it
+        was given ready-made parts)."""
         if program is None:  # a schedule made by hand: check it as build_schedule would
-            from pp_core.schedule.validate import validate_schedule
-
             validate_schedule(schedule)
             program = lower(schedule)
         self.program = program
@@ -134,12 +140,8 @@ class Pipeline:
                 f"{config.num_microbatches}")
         self.loss_fn = None
         if config.loss_fn is not None:
-            from pp_core.losses import resolve_loss
-
             self.loss_fn = resolve_loss(config.loss_fn)
         if initializers is None:
-            from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
-
             initializers = collect_pipeline_runtime_initializers(self.model_parts, plugins)
         self.initializers = list(initializers)
         self.has_first = 0 in self.stage_indices
@@ -229,8 +231,6 @@ class Pipeline:
     def _sync_parts(self, train: bool) -> None:
         """Stages run what ``model_parts`` holds now (a part may have been replaced by its DDP
         wrapper); a training step drives the parts' torch DP engines (:mod:`~.dp_sync`)."""
-        from pp_core.runtime.dp_sync import make_data_parallel
-
         for index, part in zip(self.stage_indices, self.model_parts):
             self.stages[index].module = part
         if train:
@@ -349,52 +349,30 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
     :param pp_group: a ProcessGroup or a 1-D DeviceMesh; ``None`` = the default group (or a
         single-process pipeline when torch.distributed is not initialised).
     :param device: where this rank's parts and tensors live (``"cuda:0"``, ``"cpu"``).
-    :param plugins: a :class:`pp_core.plugins.Plugins`; default: the installed plugins.
-    :param timeout: seconds a single wait may take before the step fails. ``splitter``: a
-        splitter name or object (``BalancedSplitter(profile)``); ``None`` chooses automatically.
+    :param plugins: a :class:`pp_core.plugin_manager.Plugins`; default: the installed plugins.
+    :param timeout: seconds a single wait may take before the step fails.
+    :param splitter: a splitter name or object (``BalancedSplitter(profile)``); None: automatic.
     """
     if not isinstance(config, PipelineConfig):
         raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
-    from pp_core.runtime.parts import build_model_parts
-    from pp_core.runtime.split import plan_split
-    from pp_core.schedule.build import build_schedule, resolve_schedule_def
 
-    if plugins is None:
-        from pp_core.plugins import default_plugins
-
-        plugins = default_plugins()
+    plugins = plugins_or_default(plugins)
     group, rank, num_ranks = resolve_group(pp_group)
     if num_ranks > 1:  # ranks that disagree would train on wrong gradients, then hang
         check_ranks_agree(group, {**config_fields(config), **model_fields(model)}, device,
                           "configurations or models")
-    m = config.num_microbatches
     try:
-        if config.pp_schedule_csv is not None:
-            csv_schedule = build_schedule(num_ranks=num_ranks, num_microbatches=m,
-                                          csv_path=config.pp_schedule_csv, plugins=plugins)
-            per_rank, variable = csv_schedule.num_stages // num_ranks, False
-        else:
-            csv_schedule = None
-            _, sdef = resolve_schedule_def(config.pp_schedule, plugins)
-            per_rank, variable = sdef.stages_per_rank, sdef.variable_stages_per_rank
-        plan = plan_split(model, config, num_ranks, per_rank, plugins, splitter,
-                          variable_stages_per_rank=variable)
-        schedule = csv_schedule or build_schedule(
-            config.pp_schedule, num_ranks=num_ranks, num_microbatches=m,
-            stages_per_rank=plan.stages_per_rank, plugins=plugins)
-        failure, built = None, plan_fields(schedule, plan)
+        plan = plan_pipeline(model, config, num_ranks, rank=rank, plugins=plugins,
+                             splitter=splitter)
+        failure, built = None, plan_fields(plan.schedule, plan.split)
     except Exception as exc:  # the others must still learn that this rank failed
         failure, built = exc, plan_fields(None, None, exc)
     if num_ranks > 1:  # the same installed plugins plan the same schedule and split
         check_ranks_agree(group, built, device, "schedules or splits")
     if failure is not None:
         raise failure
-    if schedule.num_stages != plan.num_stages:
-        raise ConfigError(f"the split has {plan.num_stages} stages but schedule "
-                          f"{schedule.name!r} runs {schedule.num_stages}; make them agree")
-    stage_indices = schedule.stages_of(rank)
-    parts = build_model_parts(model, plan, stage_indices, config, device=device)
-    return Pipeline(parts, stage_indices, schedule, config, group, device,
-                    program=lower(schedule), plugins=plugins, timeout=timeout)
+    parts = build_model_parts(model, plan.split, plan.stage_indices, config, device=device)
+    return Pipeline(parts, plan.stage_indices, plan.schedule, config, group, device,
+                    program=plan.program, plugins=plugins, timeout=timeout, plan=plan)

@@ -1,10 +1,10 @@
 """One pipeline stage on this rank: its model part, its neighbours, and the stage I/O contract.
 
-The contract (DESIGN.md, "Stage I/O"): the first stage is called as ``forward(x)`` for a tensor
-microbatch, ``forward(*x)`` for a tuple or list, ``forward(**x)`` for a dict; a later stage as
-``forward(*outs)`` where ``outs`` is the previous stage's output (a tensor, or a tuple of
-tensors). Integer and boolean tensors cross stages without gradients. The last stage's output
-goes to the loss function unchanged. Keyword inputs every stage needs (``step(...,
+The contract (docs/runtime.md, "the stage I/O contract"): the first stage is called as
+``forward(x)`` for a tensor microbatch, ``forward(*x)`` for a tuple or list, ``forward(**x)`` for a
+dict; a later stage as ``forward(*outs)`` where ``outs`` is the previous stage's output (a tensor,
+or a tuple of tensors). Integer and boolean tensors cross stages without gradients. The last
+stage's output goes to the loss function unchanged. Keyword inputs every stage needs (``step(...,
 stage_kwargs={"position_ids": ...})``) are added to every call as ``**kwargs``.
 """
 

@@ -16,6 +16,8 @@ import os
 from collections import defaultdict
 from typing import Optional
 
+from pp_core.schedule.simulate import Costs, simulate
+
 __all__ = ["gather_trace", "chrome_trace", "write_trace", "measured_costs"]
 
 _COMPUTE = ("F", "B", "I", "W")
@@ -81,8 +83,6 @@ def chrome_trace(traces, schedule=None) -> dict:
         summary["measured_busy_s"].append(busy)
         summary["measured_bubble_s"].append(summary["measured_makespan_s"] - busy)
     if schedule is not None and traces and any(traces):
-        from pp_core.schedule.simulate import Costs, simulate
-
         result = simulate(schedule, Costs(per_stage=measured_costs(traces)))
         summary["predicted_makespan_s"] = result.makespan
         summary["predicted_bubble_s"] = [result.makespan - b for b in result.busy]

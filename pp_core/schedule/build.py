@@ -12,6 +12,8 @@ import gc
 import os
 
 from pp_core.errors import ScheduleError
+from pp_core.plugin_manager import plugins_or_default
+from pp_core.schedule.csv_io import read_csv
 from pp_core.schedule.ir import Schedule, ScheduleDef, stage_to_rank
 from pp_core.schedule.validate import validate_schedule
 
@@ -38,7 +40,7 @@ def build_schedule(
         schedules registered with ``variable_stages_per_rank=True`` accept other values.
     :param csv_path: a torch-format CSV (compute-only or compute_comms); the placement is taken
         from the rows, and ``num_ranks`` / ``num_microbatches`` / ``stages_per_rank`` must match.
-    :param plugins: a :class:`pp_core.plugins.Plugins`; defaults to the installed plugins.
+    :param plugins: a :class:`pp_core.plugin_manager.Plugins`; defaults to the installed plugins.
     :raises ScheduleError: unknown name, impossible sizes, or an invalid schedule.
     """
     _check_int("num_ranks", num_ranks, 1)
@@ -104,11 +106,12 @@ def gc_paused():
 
 
 def resolve_schedule_def(name: str, plugins=None) -> tuple[str, ScheduleDef]:
-    """``(canonical name, ScheduleDef)`` for a name or alias; unknown names list the installed."""
-    if plugins is None:
-        from pp_core.plugins import default_plugins
+    """``(canonical name, ScheduleDef)`` for a name or alias; unknown names list the installed.
 
-        plugins = default_plugins()
+    A plugin that registered a bare generator function gets it wrapped in a default
+    :class:`ScheduleDef` (one stage per rank, loop placement).
+    """
+    plugins = plugins_or_default(plugins)
     if not isinstance(name, str) or not name:
         raise ScheduleError(f"schedule name must be a non-empty string, got {name!r}")
     registry = plugins.schedules
@@ -117,7 +120,9 @@ def resolve_schedule_def(name: str, plugins=None) -> tuple[str, ScheduleDef]:
             registry.entry(name)
         except Exception as exc:  # the registry's message lists installed names and plugins
             raise ScheduleError(str(exc)) from exc
-    return registry.entry(name).name, plugins.schedule_def(name)
+    entry = registry.entry(name)
+    value = entry.value
+    return entry.name, value if isinstance(value, ScheduleDef) else ScheduleDef(generate=value)
 
 
 def _check_int(what: str, value, minimum: int) -> None:
@@ -127,8 +132,6 @@ def _check_int(what: str, value, minimum: int) -> None:
 
 def _from_csv(csv_path, num_ranks: int, num_microbatches: int,
               stages_per_rank: int | None) -> Schedule:
-    from pp_core.schedule.csv_io import read_csv
-
     schedule = read_csv(csv_path)  # validated
     where = f"schedule CSV {os.fspath(csv_path)!r}"
     if schedule.num_ranks != num_ranks:

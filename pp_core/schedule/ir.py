@@ -173,8 +173,13 @@ class ScheduleDef:
     """What a schedule plugin registers: how to generate the order, and for which shapes.
 
     ``generate(num_stages, num_microbatches, num_ranks)`` returns one list of compute actions
-    per rank. It raises :class:`~pp_core.ScheduleError` for sizes its algorithm does not admit,
-    naming the constraint and the nearest valid microbatch counts.
+    per rank. :func:`~pp_core.schedule.build.build_schedule` calls it only with
+    ``num_ranks >= 1``, ``num_microbatches >= 1`` and ``num_stages = num_ranks * v``, ``v`` being
+    ``stages_per_rank`` unless ``variable_stages_per_rank`` lets the caller choose it (those
+    checks and their messages live there, once). The generator raises
+    :class:`~pp_core.ScheduleError` only for sizes its own algorithm does not admit (e.g. a
+    microbatch count, or ``v < 2`` for a looped schedule), naming the constraint and the nearest
+    valid values.
     """
 
     generate: Callable[[int, int, int], list]

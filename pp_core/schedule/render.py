@@ -1,6 +1,6 @@
 """Pictures of a simulated schedule: a text timeline for the terminal and an SVG image.
 
-The text form is the reference's: one row per rank, one column per time slot, ``.`` for an
+The text form: one row per rank, one column per time slot, ``.`` for an
 idle slot and ``~`` for the later slots of a multi-slot action (a ``B`` at unit costs)::
 
     rank0: 0F0 0F1 .   .   0B0 ~   0B1 ~

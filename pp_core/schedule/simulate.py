@@ -2,11 +2,11 @@
 
 Each rank executes its actions in order; an action starts at ``max(rank free, end of its input +
 comm latency)`` with the dependency rules of validation (``F(s,k)`` needs ``F(s-1,k)``,
-``I/B(s,k)`` needs ``I/B(s+1,k)``). This is the model the reference figures were measured with
-(reference sections 0 and 8), so with unit costs the results match its tables exactly. The run is
-linear in the number of actions (same per-rank pointers and wake-ups as validation).
+``I/B(s,k)`` needs ``I/B(s+1,k)``), the model the published bubble formulas assume, so with unit
+costs the results match them (docs/schedules.md, "Bubble ratio"). The run is linear in the number
+of actions (same per-rank pointers and wake-ups as validation).
 
-Figures (reference section 0):
+Figures:
 
 * **bubble** (makespan bubble): ``max over ranks of (makespan - busy)``; ``bubble_ratio`` =
   bubble / makespan.

@@ -4,7 +4,7 @@ A schedule is data produced by plugins or read from a CSV, so everything here is
 raised as :class:`~pp_core.ScheduleError` (never ``assert``), naming the rank, the step (the
 position in that rank's list, idle cells included, i.e. the CSV column) and the action.
 
-The rules are those of ``docs/schedules.md`` / the reference, section 2:
+The rules (``docs/schedules.md``, "Validation"):
 
 1. every action of stage ``s`` is on ``schedule.stage_ranks[s]``;
 2. every ``(stage, microbatch)`` has exactly one ``F`` and either one ``B`` or one ``I`` followed

@@ -1,0 +1,108 @@
+"""Hugging Face ``transformers`` causal LMs for pp-core: split, patch, tie, load, name in YAML.
+
+Provides the ``hf_decoder`` splitter (decoder-only models and the text half of vision-language
+models, stage-friendly forwards, tied embeddings across stages) and the ``hf_causal_lm`` model a
+YAML pipeline can name. Needs ``pip install "pp-core[transformers]"``; without it this plugin
+still loads (nothing here imports ``transformers`` at import time), its splitter accepts no
+model, and ``hf_causal_lm`` says what to install. See ``docs/transformers.md``.
+
+Nor does it import torch: ``pp-core schedule`` loads every plugin and must stay fast. The hooks
+import this package's modules when they are called, and the names below load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+from pp_core import PluginError, hookimpl
+
+__all__ = [
+    "HFDecoderSplitter",
+    "DecoderAdapter",
+    "DecoderLayout",
+    "find_layout",
+    "hf_causal_lm",
+    "causal_lm_loss",
+    "load_part",
+    "checkpoint_index",
+    "sync_tied_gradients",
+    "sync_tied_gradients_of",
+    "INSTALL",
+    "PP_CORE_UNAVAILABLE",
+]
+
+INSTALL = "pip install 'pp-core[transformers]'"
+
+_HOMES = {"HFDecoderSplitter": "splitter", "DecoderAdapter": "forward", "DecoderLayout": "layout",
+          "find_layout": "layout", "load_part": "loading", "checkpoint_index": "loading",
+          "sync_tied_gradients": "tied", "sync_tied_gradients_of": "tied"}
+
+
+def __getattr__(name):
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"pp_core_builtins.transformers.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'pp_core_builtins.transformers' has no attribute {name!r}")
+
+
+def _missing() -> list[str]:
+    missing = []
+    for name in ("transformers", "safetensors"):
+        try:
+            found = sys.modules[name] is not None if name in sys.modules else \
+                importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+_MISSING = _missing()
+PP_CORE_UNAVAILABLE = (f"{' and '.join(_MISSING)} {'is' if len(_MISSING) == 1 else 'are'} not "
+                       f"installed; {INSTALL}") if _MISSING else None
+"""Why this plugin cannot work here (``pp-core plugins`` shows it), or ``None``."""
+
+
+def hf_causal_lm(config, **kwargs):
+    """The ``hf_causal_lm`` model factory (see
+    :func:`pp_core_builtins.transformers.models.hf_causal_lm`)."""
+    if _missing():
+        raise PluginError(f"model 'hf_causal_lm' needs Hugging Face transformers: "
+                          f"{PP_CORE_UNAVAILABLE or INSTALL}")
+    from pp_core_builtins.transformers.models import hf_causal_lm as build
+
+    return build(config, **kwargs)
+
+
+def causal_lm_loss(logits, labels):
+    """Shifted next-token cross entropy ignoring ``-100``
+    (``pp_core_builtins.transformers:causal_lm_loss``)."""
+    from pp_core_builtins.transformers.models import causal_lm_loss as loss
+
+    return loss(logits, labels)
+
+
+@hookimpl
+def pp_register_splitters(register):
+    from pp_core_builtins.transformers.splitter import HFDecoderSplitter
+
+    register("hf_decoder", HFDecoderSplitter())
+
+
+@hookimpl
+def pp_register_models(register):
+    register("hf_causal_lm", hf_causal_lm)
+
+
+@hookimpl(wrapper=True)
+def pp_pipeline_step(pipeline, training):
+    """Sum this step's gradient contributions of tied weights across the stages holding them."""
+    from pp_core_builtins.transformers.tied import grad_baseline, sync_tied_gradients
+
+    baseline = grad_baseline(pipeline.model_parts) if training else None
+    result = yield
+    if baseline:
+        sync_tied_gradients(pipeline, baseline)
+    return result

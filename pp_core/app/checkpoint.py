@@ -1,0 +1,396 @@
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP), keyed by the model's own names.
+
+A checkpoint is a DCP directory ``<dir>/step_00000100`` holding
+
+- ``model.<name>``: every parameter and buffer under its name in the *unsplit* model (a model
+  part keeps the original names, so no stage prefix ever enters the file);
+- ``optim.state.<name>.<slot>`` / ``optim.param_groups.<name>.<option>``: the optimizer state,
+  flattened per parameter name by ``torch.distributed.checkpoint.state_dict``;
+- ``trainer.step``: the last completed step.
+
+Because every key is a parameter name, a checkpoint written with one pipeline layout loads into
+any other (pp=4 -> pp=2, or the unsplit model): each rank asks DCP for the keys its parts hold.
+Parts sharded by FSDP2 / HSDP need nothing more: their parameters and optimizer moments are
+DTensors, which DCP writes shard by shard under the same keys (with the whole shape) and reads
+back into whatever shards or whole tensors the loading layout has (docs/composition.md).
+
+Crash-safe: a checkpoint is written beside its final place (``step_00000100.tmp-<id>``); once
+every rank has finished, rank 0 moves an existing ``step_00000100`` aside, renames the new one in,
+points the ``latest`` file at it (written to a temporary file, then ``os.replace``) and only then
+removes the old one. A process killed at any instant leaves the previous checkpoint of that step
+intact and ``latest`` naming a complete checkpoint; leftovers (``*.tmp-*``, ``*.old-*``) are never
+taken for a checkpoint. A checkpoint that is incomplete or corrupt all the same (copied in part,
+truncated) is refused with one message naming its directory.
+
+Safe by default: a checkpoint from elsewhere is data. DCP's reader unpickles its ``.metadata``
+file and ``torch.load``\\ s non-tensor items with ``weights_only=False``; here the metadata goes
+through an unpickler that only admits DCP's own metadata classes and torch dtypes/sizes, and
+non-tensor items load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import io
+import os
+import pickle
+import re
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from pp_core._torch_compat import dcp_metadata_path, set_state_dict_item
+from pp_core.errors import PipelineError
+
+__all__ = ["checkpoint_path", "latest_checkpoint", "resume_checkpoint", "save_checkpoint",
+           "load_checkpoint",
+           "read_model_state_dict", "load_into_model", "export_checkpoint", "SafeReader",
+           "SafeLoadPlanner"]
+
+_STEP_DIR = re.compile(r"step_(\d{8})$")
+LATEST = "latest"
+"""The file in a checkpoint directory naming the checkpoint saved last (``step_00000100``)."""
+
+
+def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
+    """``<directory>/step_<step, 8 digits>``: sorts by step as text."""
+    return Path(directory) / f"step_{step:08d}"
+
+
+def _complete(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file()  # DCP writes .metadata last
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The checkpoint saved last in ``directory``, or None.
+
+    That is the one the ``latest`` file names; if a save was killed between moving the old
+    checkpoint of a step aside and renaming the new one in, the old one (``step_N.old-<id>``);
+    without a ``latest`` file (older directories), the complete ``step_N`` with the highest step.
+    Half-written saves (``step_N.tmp-<id>``) are never returned.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    pointer = root / LATEST
+    name = pointer.read_text(encoding="utf-8", errors="replace").strip() \
+        if pointer.is_file() else ""
+    if _STEP_DIR.match(name):
+        if _complete(root / name):
+            return root / name
+        aside = sorted(p for p in root.glob(f"{name}.old-*") if _complete(p))
+        if aside:
+            return aside[-1]
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and _complete(p)]
+    return max(found, key=lambda p: p.name) if found else None
+
+
+def resume_checkpoint(directory, resume) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` names (``True``: the latest in ``directory``) after
+    checking that it is complete, or None to start fresh (``True`` and nothing saved yet)."""
+    if not resume:
+        return None
+    path = (latest_checkpoint(directory) if directory else None) if resume is True \
+        else Path(resume)
+    if path is not None:
+        _check_dir(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- safe reading
+
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                    "torch.distributed.checkpoint.planner")
+_ALLOWED = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+            ("pathlib", "Path"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+            ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+            ("builtins", "slice")}
+
+
+def _enum_member(cls, name: str):
+    """``getattr(cls, name)`` for an enum member only: how Python 3.11.0 to 3.11.x (Debian 12's
+    3.11.2 among them) pickle enum members, such as those in DCP's metadata."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
+        return cls[name]
+    raise PipelineError(f"checkpoint metadata calls getattr({cls!r}, {name!r}); pp-core only "
+                        f"admits it for a member of one of DCP's enums, so it refuses this file")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP metadata classes, torch dtypes/sizes/layouts and plain containers, nothing else."""
+
+    def find_class(self, module: str, name: str):
+        if module in ("builtins", "__builtin__") and name == "getattr":
+            return _enum_member  # its arguments went through find_class too
+        allowed = (module, name) in _ALLOWED or (
+            module in _ALLOWED_MODULES and isinstance(
+                getattr(__import__(module, fromlist=[name]), name, None), type))
+        if module == "torch" and isinstance(getattr(torch, name, None),
+                                             (torch.dtype, torch.layout, torch.memory_format)):
+            allowed = True
+        if not allowed:
+            raise PipelineError(
+                f"checkpoint metadata refers to {module}.{name}; pp-core loads checkpoints "
+                f"without unpickling arbitrary objects, so it refuses this file (only DCP's own "
+                f"metadata classes and torch dtypes are allowed)")
+        return super().find_class(module, name)
+
+
+def _reader_classes():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        """A FileSystemReader whose metadata is read by :class:`_MetadataUnpickler`."""
+
+        def read_metadata(self, *args, **kwargs):
+            path = dcp_metadata_path(self, kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = _MetadataUnpickler(stream).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """Loads non-tensor items (optimizer hyper-parameters, ints) with ``weights_only=True``."""
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_state_dict_item(self.original_state_dict,
+                                    self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return SafeReader, SafeLoadPlanner
+
+
+SafeReader, SafeLoadPlanner = _reader_classes()
+
+
+def _check_dir(path: Path):
+    """The metadata of the checkpoint at ``path``, after checking that every file it names is
+    there in full; otherwise one :class:`PipelineError` naming the directory."""
+    if not path.exists():
+        raise PipelineError(f"checkpoint {str(path)!r} does not exist; pass a step_NNNNNNNN "
+                            f"directory written by pp-core run, or the checkpoint.dir holding it")
+    if not (path / ".metadata").is_file():
+        raise PipelineError(f"{str(path)!r} is not a complete checkpoint (no .metadata file: a "
+                            f"save that was interrupted, or not a checkpoint); pass a "
+                            f"step_NNNNNNNN directory written by pp-core run")
+    try:
+        metadata = SafeReader(str(path)).read_metadata()
+    except PipelineError:
+        raise
+    except Exception as exc:  # truncated or garbled pickle: EOFError, UnpicklingError, ...
+        raise _corrupt(path, f"its .metadata cannot be read ({type(exc).__name__}: "
+                             f"{str(exc)[:200]})") from None
+    sizes: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        sizes[name] = max(sizes.get(name, 0), int(getattr(info, "offset", 0))
+                          + int(getattr(info, "length", 0)))
+    for name, needed in sorted(sizes.items()):
+        file = path / name
+        if not file.is_file():
+            raise _corrupt(path, f"its data file {name} is missing")
+        if file.stat().st_size < needed:
+            raise _corrupt(path, f"its data file {name} is truncated ({file.stat().st_size} of "
+                                 f"at least {needed} bytes)")
+    return metadata
+
+
+def _corrupt(path: Path, why: str) -> PipelineError:
+    return PipelineError(f"checkpoint {str(path)!r} is incomplete or corrupt: {why}; resume or "
+                         f"export from another step_NNNNNNNN directory, or delete this one")
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Without a process group DCP warns that it assumes one process: that is the intent here."""
+    import torch.distributed as dist
+
+    with warnings.catch_warnings():
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to",
+                                    category=UserWarning)
+        yield
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _state(parts: Iterable[nn.Module], optimizers: Iterable, step: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    model: dict = {}
+    optim: dict = {}
+    for part, optimizer in zip(parts, optimizers):
+        model.update(get_model_state_dict(part))
+        if optimizer is not None:
+            optim.update(get_optimizer_state_dict(part, optimizer, options=_options()))
+    return {"model": model, "optim": optim, "trainer": {"step": torch.tensor(step)}}
+
+
+def save_checkpoint(directory, step: int, parts, optimizers, process_group=None) -> Path:
+    """Save this rank's parts and optimizers at ``<directory>/step_<step>`` (collective).
+
+    Written beside and renamed into place (see the module docstring): a crash at any instant
+    leaves the previous checkpoint intact and ``latest`` naming a complete one.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    path = checkpoint_path(directory, step)
+    distributed = dist.is_available() and dist.is_initialized()
+    token = [uuid.uuid4().hex[:12]]
+    if distributed:  # one staging directory for all ranks, named by rank 0
+        dist.broadcast_object_list(token, group=process_group, group_src=0)
+    staging = path.with_name(f"{path.name}.tmp-{token[0]}")
+    with _single_process_quiet():
+        dcp.save(_state(parts, optimizers, step), checkpoint_id=str(staging),
+                 process_group=process_group)
+    if distributed:
+        dist.barrier(group=process_group)  # every rank's shards are on disk
+    if not distributed or dist.get_rank(process_group) == 0:
+        _publish(staging, path, token[0])
+    if distributed:
+        dist.barrier(group=process_group)  # nobody reads or saves again before it is in place
+    return path
+
+
+def _publish(staging: Path, path: Path, token: str) -> None:
+    """Rename the finished ``staging`` checkpoint to ``path``, point ``latest`` at it, then drop
+    the checkpoint it replaces and the leftovers of earlier saves of this step that were killed."""
+    aside = path.with_name(f"{path.name}.old-{token}")
+    if path.exists():
+        os.rename(path, aside)
+    os.rename(staging, path)
+    pointer = path.parent / f".{LATEST}.tmp-{token}"
+    with open(pointer, "w", encoding="utf-8") as fh:
+        fh.write(path.name + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(pointer, path.parent / LATEST)
+    for leftover in [aside, *path.parent.glob(f"{path.name}.tmp-*"),
+                     *path.parent.glob(f"{path.name}.old-*")]:
+        if leftover.is_dir():
+            (leftover / ".metadata").unlink(missing_ok=True)  # never complete-looking again
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def load_checkpoint(path, parts, optimizers, process_group=None) -> int:
+    """Load the keys this rank's parts and optimizers hold; returns the checkpoint's step.
+
+    Works whatever pipeline layout wrote the checkpoint: the keys are parameter names.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = Path(path)
+    _check_dir(path)
+    state = _state(parts, optimizers, 0)
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeReader(str(path)),
+                     planner=SafeLoadPlanner(), process_group=process_group)
+    except PipelineError:
+        raise
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        cause = _cause(exc)
+        if _is_damage(cause):
+            raise _corrupt(path, f"{type(cause).__name__}: {str(cause)[:200]}") from None
+        raise PipelineError(
+            f"cannot load checkpoint {str(path)!r} into this pipeline: {type(cause).__name__}: "
+            f"{str(cause)[:300]}; was it written for this model (model.args)?") from None
+    for part, optimizer in zip(parts, optimizers):
+        names = set(part.state_dict().keys())
+        set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in names})
+        if optimizer is not None:
+            set_optimizer_state_dict(part, optimizer, state["optim"], options=_options())
+    return int(state["trainer"]["step"])
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's ``CheckpointException``, else ``exc``."""
+    failures = getattr(exc, "failures", None) or {}
+    cause = next(iter(failures.values()), exc)
+    return cause[0] if isinstance(cause, tuple) else cause  # (exception, stack)
+
+
+def _is_damage(cause: BaseException) -> bool:
+    """Whether a load failed on the files (missing, short, garbled), not on the model's keys."""
+    return isinstance(cause, (OSError, EOFError, pickle.UnpicklingError)) or any(
+        text in str(cause)
+        for text in ("PytorchStreamReader", "unexpected EOF", "invalid load key"))
+
+
+def read_model_state_dict(path) -> dict[str, torch.Tensor]:
+    """Every ``model.*`` tensor of a checkpoint, under its original name, on the CPU (no PG)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    metadata = _check_dir(path)
+    state = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
+            state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    try:
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
+                     no_dist=True)
+    except PipelineError:
+        raise
+    except (Exception, CheckpointException) as exc:
+        cause = _cause(exc)
+        raise _corrupt(path, f"{type(cause).__name__}: {str(cause)[:200]}") from None
+    return {key[len("model."):]: value for key, value in state.items()}
+
+
+def load_into_model(path, model: nn.Module, strict: bool = True):
+    """Load a checkpoint's weights into an unsplit model (any pipeline layout wrote it)."""
+    return model.load_state_dict(read_model_state_dict(path), strict=strict)
+
+
+def export_checkpoint(path, output) -> Path:
+    """Write a checkpoint's weights as one ``state_dict`` file: ``.safetensors`` or torch ``.pt``."""
+    output = Path(output)
+    state = read_model_state_dict(path)
+    if output.suffix == ".safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise PipelineError("writing .safetensors needs the safetensors package; "
+                                "pip install safetensors, or export to a .pt file") from None
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        if output.suffix == ".safetensors":
+            save_file({k: v.contiguous() for k, v in state.items()}, str(output))
+        else:
+            torch.save(state, output)
+    except OSError as exc:
+        raise PipelineError(f"cannot write {str(output)!r}: {exc.strerror or exc}") from None
+    return output

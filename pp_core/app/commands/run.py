@@ -1,0 +1,164 @@
+"""``pp-core run|validate|export``: run a YAML pipeline, check one, or export a checkpoint.
+
+``run`` checks the whole file first (unknown keys, types, combinations, plugin names, the split
+and the schedule), so a mistake is reported before any process starts; then it starts
+``pp_size * dp_size`` ranks through torch's launcher, or runs as one rank under ``torchrun``.
+
+Every command module is imported to build the parser, so each command imports what it runs
+inside its function: ``pp-core schedule ...`` and ``--help`` never pay for the spec machinery or
+torch (``tests/test_schedule_torch_free.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from pp_core.errors import ConfigError
+
+RUN_HELP = """\
+Train the pipeline described in a YAML file (see docs/yaml.md).
+
+On one machine pp-core starts pp_size x dp_size processes itself through
+torch's launcher API, listening on 127.0.0.1 unless the file names another
+address. On several machines run the same command on each one with
+distributed.nnodes and a reachable distributed.master_addr/master_port, or let
+torchrun start the processes (each then runs as one rank):
+
+  torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\
+      --rdzv-endpoint HOST:29500 --rdzv-id job1 -m pp_core run pipe.yaml
+
+A YAML 'module:attr' value (model.target, pipeline.loss_fn) imports and runs
+that module's code: only run pipeline files you trust.
+"""
+
+VALIDATE_HELP = """\
+Check a pipeline file without starting a process: every key, the plugins it
+names, the model split (planned on the meta device, no memory), the schedule
+for these sizes, and what each rank would build: the datasets and one batch,
+the optimizer, the resume path and every output path (nothing is written).
+
+validate imports and calls the code the file names: model.target is called
+with model.args, and a 'module:attr' loss_fn runs on one microbatch. Only
+validate pipeline files you trust.
+"""
+
+SET_HELP = ("override a key, e.g. --set train.steps=10 --set pipeline.pp_schedule=gpipe "
+            "(the value is parsed as YAML; repeatable)")
+
+
+def register(subparsers) -> None:
+    run = subparsers.add_parser("run", help="train a YAML pipeline", description=RUN_HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("pipeline", metavar="PIPELINE.yaml", help="the pipeline file")
+    run.add_argument("--set", dest="overrides", action="append", default=[],
+                     metavar="KEY.PATH=VALUE", help=SET_HELP)
+    run.set_defaults(func=run_command)
+
+    validate = subparsers.add_parser(
+        "validate", help="check a YAML pipeline without running it",
+        description=VALIDATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    validate.add_argument("pipeline", metavar="PIPELINE.yaml")
+    validate.add_argument("--set", dest="overrides", action="append", default=[],
+                          metavar="KEY.PATH=VALUE", help=SET_HELP)
+    validate.set_defaults(func=validate_command)
+
+    export = subparsers.add_parser(
+        "export", help="write a checkpoint's weights as one state_dict file",
+        description="Gather a pp-core checkpoint (any pipeline layout) into one state_dict "
+                    "with the model's own parameter names: a torch file (.pt) loadable with "
+                    "torch.load(weights_only=True), or .safetensors when safetensors is "
+                    "installed.")
+    export.add_argument("checkpoint", metavar="CKPT",
+                        help="a step_NNNNNNNN directory, or a checkpoint.dir (its latest step)")
+    export.add_argument("-o", "--output", required=True, metavar="FILE",
+                        help="model.pt or model.safetensors")
+    export.set_defaults(func=export_command)
+
+
+def _checked(args):
+    from pp_core.app.preflight import preflight
+    from pp_core.app.spec import load_spec
+
+    spec = load_spec(args.pipeline, args.overrides)
+    return spec, preflight(spec)
+
+
+def run_command(args) -> int:
+    from pp_core.app.launch import launch, started_by_torchrun
+
+    spec, found = _checked(args)
+    if not started_by_torchrun() or os.environ.get("RANK") == "0":  # once, not once per rank
+        for note in found.notes:
+            print(f"pp-core: note: {note}", flush=True)
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    try:
+        launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True))
+    except (KeyboardInterrupt, SignalException) as exc:
+        reason = getattr(exc, "sigval", None) or signal.SIGINT
+        print(f"\npp-core: interrupted by {reason.name}; the ranks were stopped", file=sys.stderr)
+        return 128 + int(reason)  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
+    return 0
+
+
+def validate_command(args) -> int:
+    from pp_core.app.rendezvous import resolve
+    from pp_core.app.spec import SpecError
+
+    spec, found = _checked(args)
+    if spec.distributed["nnodes"] == 1:  # then the rendezvous host is this machine
+        try:
+            resolve(spec.distributed)
+        except ConfigError as exc:
+            raise SpecError([str(exc)], spec.source) from None
+    dist, pipeline = spec.distributed, spec.pipeline
+    print(f"{spec.source}: ok")
+    print(f"  model {spec.model['name'] or spec.model['target']}, data {spec.data['name']}, "
+          f"loss {pipeline['loss_fn']}")
+    print(f"  {spec.world_size} ranks: pp {dist['pp_size']} x dp {dist['dp_size']}; global batch "
+          f"{spec.global_batch_size} = {pipeline['pp_batch_size']} per pipeline x "
+          f"{dist['dp_size']}, {spec.pipeline_config().num_microbatches} microbatches of "
+          f"{pipeline['pp_microbatch_size']}")
+    if found.plan is not None:
+        print("  split: " + found.plan.describe().replace("\n", "\n  "))
+    if found.schedule is not None:
+        from pp_core.schedule.simulate import simulate
+
+        result = simulate(found.schedule)
+        print(f"  schedule {found.schedule.name}: {found.schedule.num_stages} stages, "
+              f"simulated bubble {100 * result.bubble_ratio:.1f}% at unit costs, peak "
+              f"activations per rank {result.peak_activations}")
+    print(f"  {_parallelisms(spec)}")
+    for note in found.notes:
+        print(f"  note: {note}")
+    return 0
+
+
+def _parallelisms(spec) -> str:
+    """``activation checkpointing full (every block), compile on (mode default)``."""
+    ac, compiled = spec.train["activation_checkpointing"], spec.train["compile"]
+    every = "every block" if ac["every"] == 1 else f"every {ac['every']}th block"
+    text = "activation checkpointing " + ("off" if ac["mode"] == "none" else
+                                          f"{ac['mode']} ({every})")
+    options = ", ".join(f"{k} {v}" for k, v in compiled.items() if k != "enabled")
+    text += ", compile " + (f"on ({options or 'torch defaults'})" if compiled["enabled"]
+                            else "off")
+    return text + "; with the schedule: supported (docs/composition.md)"
+
+
+def export_command(args) -> int:
+    from pathlib import Path
+
+    from pp_core.app.checkpoint import export_checkpoint, latest_checkpoint
+
+    source = Path(args.checkpoint)
+    if not (source / ".metadata").is_file():
+        latest = latest_checkpoint(source)
+        if latest is not None:
+            source = latest
+    output = export_checkpoint(source, args.output)
+    print(f"wrote {output} from {source}")
+    return 0

@@ -1,0 +1,247 @@
+"""``pp-core schedule show|simulate|export``: look at a schedule before spending a GPU on it.
+
+Each sub-command imports the parts of the schedule half it uses inside its function, so that
+``pp-core --help`` and every other command, which import this module to build the parser, do
+not pay for them. Nothing here imports torch (``tests/test_schedule_torch_free.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pp_core.errors import PPCoreError, ScheduleError
+
+HELP = """\
+Build a pipeline schedule (a registered name or a torch-format CSV), check it
+(placement, completeness, deadlock freedom), then:
+
+  show      draw its timeline in the terminal (and as an SVG with -o FILE.svg)
+  simulate  report makespan, bubble ratio and peak in-flight activations per rank
+  export    write it as a compute-only CSV that torch's _load_csv (and pp-core) read
+
+Times are per action (default F=1, B=2, I=1, W=1, no communication cost);
+peak activations count (stage, microbatch) pairs whose F has started and whose
+B (or W) has not finished.
+"""
+
+EXAMPLES = """\
+examples:
+  pp-core schedule show 1f1b --pp 4 --microbatches 8
+  pp-core schedule show zero_bubble --pp 4 --microbatches 8 -o zb.svg
+  pp-core schedule show interleaved_1f1b --pp 4 --microbatches 8 --stages-per-rank 3
+  pp-core schedule simulate v_schedule --pp 8 --microbatches 32 --json
+  pp-core schedule simulate zero_bubble --pp 4 --microbatches 16 --cost-i 1.2 --cost-w 0.8
+  pp-core schedule simulate 1f1b --pp 4 --microbatches 8 --trace 1f1b.json   (ui.perfetto.dev)
+  pp-core schedule export Interleaved1F1B --pp 4 --microbatches 8 -o order.csv
+  pp-core schedule simulate --csv order.csv --json
+"""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "schedule", help="show, simulate or export a pipeline schedule",
+        description=HELP, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = parser.add_subparsers(dest="schedule_command", metavar="ACTION")
+    parser.set_defaults(func=lambda args: _usage(parser))
+    specs = {
+        "show": ("draw the timeline (text; SVG with -o)",
+                 "Print the schedule's timeline, one row per rank ('.' idle, '~' continuation), "
+                 "and its figures. With -o FILE, also write an SVG picture."),
+        "simulate": ("makespan, bubble ratio, peak activations per rank",
+                     "Simulate the schedule and report its figures as a table, or as JSON with "
+                     "--json. --trace FILE writes a Chrome/Perfetto trace of the timeline."),
+        "export": ("write the compute-only CSV (torch format)",
+                   "Write the schedule as torch's compute-only CSV (one row per rank) to -o "
+                   "FILE, or to stdout."),
+    }
+    for name, (short, long) in specs.items():
+        sub = actions.add_parser(name, help=short, description=long, epilog=EXAMPLES,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        _add_common(sub)
+        if name == "show":
+            sub.add_argument("-o", "--output", metavar="FILE", help="also write an SVG picture")
+        elif name == "simulate":
+            sub.add_argument("-o", "--output", metavar="FILE", help="write the JSON figures here")
+            sub.add_argument("--trace", metavar="FILE",
+                             help="write a Chrome/Perfetto trace (JSON) of the timeline")
+            sub.add_argument("--timeline", action="store_true",
+                             help="include every action's start and end in the JSON")
+            sub.add_argument("--pool-slack", type=int, default=2, metavar="N",
+                             help="spare sets of the receive-buffer pool in the JSON's "
+                                  "recv_buffers figures (default 2)")
+            sub.add_argument("--recv-bytes", type=_amount(int), metavar="N",
+                             help="bytes of one received message; adds receive-buffer bytes "
+                                  "with and without the pool to recv_buffers")
+        else:
+            sub.add_argument("-o", "--output", metavar="FILE", help="CSV file (default: stdout)")
+        sub.set_defaults(func=globals()[f"_{name}"])
+
+
+def _amount(kind):
+    """An argparse type for costs, latencies and byte counts: a finite number >= 0 (``nan``
+    would print "makespan nan", ``-5`` negative byte counts)."""
+    def parse(text: str):
+        import math
+
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < 0:
+            word = "an int" if kind is int else "a finite number"
+            raise argparse.ArgumentTypeError(f"expected {word} >= 0, found {text[:40]!r}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+def _add_common(sub) -> None:
+    sub.add_argument("name", nargs="?", metavar="NAME",
+                     help="schedule name or alias (see 'pp-core plugins'), e.g. 1f1b")
+    sub.add_argument("--csv", metavar="FILE", help="read the schedule from a CSV instead of NAME")
+    sub.add_argument("--pp", type=int, metavar="P", help="pipeline ranks")
+    sub.add_argument("--microbatches", "-m", type=int, metavar="M", help="microbatches per step")
+    sub.add_argument("--stages-per-rank", "-v", type=int, metavar="V",
+                     help="stages per rank (default: the schedule's own)")
+    for kind, default in (("f", 1.0), ("b", 2.0), ("i", 1.0), ("w", 1.0)):
+        sub.add_argument(f"--cost-{kind}", type=_amount(float), default=default, metavar="X",
+                         help=f"time of one {kind.upper()} action (default {default:g})")
+    sub.add_argument("--comm-latency", type=_amount(float), default=0.0, metavar="X",
+                     help="added to every hand-off between different ranks (default 0)")
+    sub.add_argument("--activation-bytes", type=_amount(float), metavar="N",
+                     help="bytes one stage keeps per microbatch; adds peak bytes per rank")
+    sub.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _usage(parser) -> int:
+    parser.print_help()
+    return 2
+
+
+def _schedule(args):
+    from pp_core.schedule.build import build_schedule
+
+    if args.csv and args.name:
+        raise ScheduleError(f"give a schedule NAME or --csv FILE, not both (got {args.name!r} "
+                            f"and --csv {args.csv!r})")
+    if args.csv:
+        from pp_core.schedule.csv_io import read_csv
+
+        schedule = read_csv(args.csv, format="auto")
+        if args.pp is not None or args.microbatches is not None or args.stages_per_rank:
+            build_schedule(csv_path=args.csv,
+                           num_ranks=args.pp if args.pp is not None else schedule.num_ranks,
+                           num_microbatches=args.microbatches if args.microbatches is not None
+                           else schedule.num_microbatches,
+                           stages_per_rank=args.stages_per_rank)
+        return schedule
+    if not args.name:
+        raise ScheduleError("name a schedule (e.g. 'pp-core schedule show 1f1b --pp 4 "
+                            "--microbatches 8') or pass --csv FILE; 'pp-core plugins' lists them")
+    missing = [flag for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches))
+               if value is None]
+    if missing:
+        raise ScheduleError(f"schedule {args.name!r} needs {' and '.join(missing)} "
+                            f"(e.g. --pp 4 --microbatches 8)")
+    return build_schedule(args.name, num_ranks=args.pp, num_microbatches=args.microbatches,
+                          stages_per_rank=args.stages_per_rank)
+
+
+def _simulated(args):
+    from pp_core.schedule.simulate import Costs, simulate
+
+    costs = Costs(F=args.cost_f, B=args.cost_b, I=args.cost_i, W=args.cost_w)
+    return simulate(_schedule(args), costs, comm_latency=args.comm_latency,
+                    activation_bytes=args.activation_bytes)
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8", newline="") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise PPCoreError(f"cannot write {path!r}: {exc.strerror or exc}") from None
+
+
+def _show(args) -> int:
+    from pp_core.schedule.render import caption, render_svg, render_text
+
+    result = _simulated(args)
+    timeline = render_text(result)  # refuses a timeline too large to draw before writing files
+    if args.output:
+        _write(args.output, render_svg(result))
+    if args.json:
+        figures = result.to_dict()
+        figures["rows"] = result.schedule.rows()
+        figures["timeline_text"] = timeline.splitlines()
+        print(json.dumps(figures, indent=2))
+        return 0
+    print(caption(result))
+    print(timeline)
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _simulate(args) -> int:
+    if args.pool_slack < 0:  # checked here too: the text table skips the receive-buffer figures
+        raise ScheduleError(f"--pool-slack: slack={args.pool_slack} must be an int >= 0 (spare "
+                            f"receive-buffer sets per stage and direction)")
+    result = _simulated(args)
+    figures = result.to_dict(timeline=args.timeline)
+    if args.json or args.output:  # the text table does not show them; lowering every rank costs
+        figures["recv_buffers"] = _recv_buffers(result.schedule, args)
+    if args.trace:
+        from pp_core.schedule.trace import chrome_trace
+
+        _write(args.trace, json.dumps(chrome_trace(result)))
+    if args.output:
+        _write(args.output, json.dumps(figures, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return 0
+    from pp_core.schedule.render import caption
+
+    print(caption(result))
+    print(f"{'rank':>4}  {'stages':<12} {'busy':>8} {'idle':>8} {'peak act.':>9}"
+          + ("  peak bytes" if result.peak_activation_bytes is not None else ""))
+    schedule = result.schedule
+    for rank in range(schedule.num_ranks):
+        stages = ",".join(map(str, schedule.stages_of(rank)))
+        line = (f"{rank:>4}  {stages:<12} {figures['busy'][rank]:>8} {figures['idle'][rank]:>8} "
+                f"{figures['peak_activations'][rank]:>9}")
+        if result.peak_activation_bytes is not None:
+            line += f"  {figures['peak_activation_bytes'][rank]:>10}"
+        print(line)
+    for path, what in ((args.trace, "trace"), (args.output, "figures")):
+        if path:
+            print(f"wrote {what} to {path}")
+    return 0
+
+
+def _recv_buffers(schedule, args) -> dict:
+    """Receive-buffer sets (and bytes) per rank, stage and direction, with and without the pool."""
+    from pp_core.schedule.buffer_plan import recv_buffer_report
+    from pp_core.schedule.lower import lower
+
+    return recv_buffer_report(lower(schedule), slack=args.pool_slack,
+                              bytes_per_set=args.recv_bytes)
+
+
+def _export(args) -> int:
+    from pp_core.schedule.csv_io import format_csv
+
+    schedule = _schedule(args)
+    text = format_csv(schedule)
+    if args.output:
+        _write(args.output, text)
+        stages = f", {schedule.num_stages} stages" if schedule.num_stages != schedule.num_ranks \
+            else ""
+        print(f"wrote {args.output}: {schedule.name}, pp={schedule.num_ranks}{stages}, "
+              f"microbatches={schedule.num_microbatches} ({schedule.num_ranks} rows, one per "
+              f"rank)")
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,270 @@
+"""Start the ranks of a pipeline through torch's own launcher (the API behind ``torchrun``).
+
+``pp-core run`` on one machine starts ``pp_size * dp_size`` processes with
+:func:`torch.distributed.launcher.api.elastic_launch` (the torchelastic agent, c10d rendezvous),
+listening on loopback (``127.0.0.1``) with a free port unless the YAML names an address. On
+several machines every node runs the same command with ``distributed.nnodes`` and a reachable
+``master_addr``/``master_port`` (or ``rdzv_endpoint``); or ``torchrun`` starts the processes and
+each one runs ``pp-core run`` as a single rank (detected by ``RANK``/``WORLD_SIZE``).
+
+A rank that raises or dies makes the agent stop the others (``max_restarts=0``), and
+:func:`launch` raises :class:`~pp_core.PipelineError` with that rank's error (and traceback,
+unless pp-core raised it) instead of hanging. Before any process starts, the device
+(:mod:`pp_core.devices`), the rendezvous endpoint (:mod:`pp_core.app.rendezvous`) and
+``$PP_CORE_TIMEOUT`` are checked; torch's launcher files go to a temp dir removed afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import tempfile
+import threading
+from typing import Any, Callable
+
+from pp_core.app.balanced_launch import balanced_spec, wants_balanced
+from pp_core.app.rendezvous import prepare_endpoint
+from pp_core.app.spec import Spec
+from pp_core.devices import choose, local_ranks
+from pp_core.errors import ConfigError, PPCoreError, PipelineError
+
+__all__ = ["launch", "started_by_torchrun", "free_port", "rank_main", "is_loopback"]
+
+SHUTDOWN_TIMEOUT_S = 5
+"""Seconds a rank gets to exit after SIGTERM before SIGKILL (a stopped rank never exits)."""
+
+
+def started_by_torchrun(environ=None) -> bool:
+    """Whether this process is already one rank of a launched job (torchrun, elastic agent)."""
+    env = os.environ if environ is None else environ
+    return "RANK" in env and "WORLD_SIZE" in env
+
+
+def is_loopback(address: str) -> bool:
+    return address in ("localhost", "::1") or address.startswith("127.")
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A port nobody listens on at ``address`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def rank_main(spec_values: dict, entrypoint: Callable | None = None) -> Any:
+    """What every rank runs: rebuild the :class:`Spec` and train (or call ``entrypoint(spec)``)."""
+    values = dict(spec_values)
+    spec = Spec(values, values.pop("_source", "pipeline"))
+    if entrypoint is not None:
+        return entrypoint(spec)
+    from pp_core.app.train import train  # torch: only the ranks need it, not the launcher
+
+    return train(spec)
+
+
+@contextlib.contextmanager
+def _loopback_gloo(enabled: bool):
+    """Workers inherit ``GLOO_SOCKET_IFNAME=lo`` (gloo's sockets on loopback) unless it is set."""
+    if not enabled or "GLOO_SOCKET_IFNAME" in os.environ or not _has_interface("lo"):
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
+def _has_interface(name: str) -> bool:
+    try:
+        return name in {n for _, n in socket.if_nameindex()}
+    except (OSError, AttributeError):  # platforms without if_nameindex
+        return False
+
+
+def launch(spec: Spec, entrypoint: Callable | None = None,
+           announce: Callable[[str], None] | None = None) -> dict[int, Any]:
+    """Run the pipeline on this machine's ranks; returns each local rank's return value.
+
+    :param entrypoint: a picklable ``entrypoint(spec)`` to run on every rank instead of
+        :func:`pp_core.app.train.train` (tests use it to inspect a rank from inside).
+    :param announce: called with one line (ranks, device and why) once every check passed,
+        just before the processes start.
+    When this process is itself a rank (started by torchrun), it just runs that rank.
+    """
+    from pp_core.runtime.pipeline import _timeout as timeout_from_env  # torch: once launching
+
+    timeout_from_env(None)  # a bad $PP_CORE_TIMEOUT fails here, not in every rank
+    if started_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != spec.world_size:
+            raise ConfigError(
+                f"torchrun started {world} ranks, but distributed.pp_size * dp_size = "
+                f"{spec.distributed['pp_size']} * {spec.distributed['dp_size']} = "
+                f"{spec.world_size}; pass --nnodes/--nproc-per-node that multiply to "
+                f"{spec.world_size}")
+        if wants_balanced(spec) and spec.pipeline["module_fqns_per_model_part"] is None:
+            raise ConfigError("model.splitter: balanced profiles once in the launching process, "
+                              "which torchrun does not have; start it with `pp-core run`, or "
+                              "put the cut into pipeline.module_fqns_per_model_part")
+        return {int(os.environ.get("LOCAL_RANK", 0)): rank_main(_values(spec), entrypoint)}
+    dist = spec.distributed
+    nproc = local_ranks(dist)
+    choice = choose(spec)
+    with _signals_raise():  # SIGTERM during the checks or the rendezvous ends us cleanly too
+        if wants_balanced(spec):  # every rank gets the same cut, measured here once
+            spec = balanced_spec(spec, say=announce)
+        endpoint = prepare_endpoint(dist)
+        if announce is not None:
+            node = f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else ""
+            announce(f"starting {nproc} rank(s) on this machine (pp {dist['pp_size']} x dp "
+                     f"{dist['dp_size']}{node}) on {choice.device} ({choice.reason})")
+        with _launch_temp_dir() as logs:
+            return _elastic_launch(spec, entrypoint, nproc, endpoint, logs)
+
+
+@contextlib.contextmanager
+def _launch_temp_dir():
+    """One temporary directory for what torch's launcher leaves behind, removed afterwards.
+
+    The agent makes a ``torchelastic_*`` log directory per run and ``torch.multiprocessing``
+    a ``pytorch-errorfile-*`` per failed rank, in the temp dir, and never removes them; so while
+    the ranks run, this process's temp dir is this one (the ranks' own is unchanged).
+    """
+    previous = tempfile.tempdir
+    with tempfile.TemporaryDirectory(prefix="pp-core-launch-") as path:
+        tempfile.tempdir = path
+        try:
+            yield path
+        finally:
+            tempfile.tempdir = previous
+
+
+def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from pp_core._torch_compat import tcp_stores_listening_on_their_host
+
+    dist = spec.distributed
+    host = endpoint.host
+    if dist["rdzv_backend"] == "static":
+        rdzv_configs: dict[str, Any] = {"timeout": dist["timeout_s"],
+                                        "rank": dist["node_rank"] or 0}
+    else:  # the c10d handler reads join_timeout (not timeout); is_host: we know, torch guesses
+        rdzv_configs = {"join_timeout": dist["timeout_s"], "is_host": endpoint.is_host}
+    config = LaunchConfig(
+        min_nodes=dist["nnodes"], max_nodes=dist["nnodes"], nproc_per_node=nproc,
+        run_id=dist["rdzv_id"], rdzv_backend=dist["rdzv_backend"], rdzv_endpoint=str(endpoint),
+        rdzv_configs=rdzv_configs, max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        local_addr=host if is_loopback(host) else None,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # not a /tmp/torchelastic_* per run
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+    )
+    # we report a failed rank ourselves, once, below
+    quiet = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+             if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
+    previous = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
+    listeners = tcp_stores_listening_on_their_host(is_loopback) if is_loopback(host) else \
+        contextlib.nullcontext()  # else torch's TCPStore servers listen on every interface
+    try:
+        with listeners, _loopback_gloo(is_loopback(host)):
+            return elastic_launch(config, rank_main)(_values(spec), entrypoint)
+    except ChildFailedError as exc:
+        raise PipelineError(_failure_message(exc)) from None
+    except RendezvousError as exc:
+        raise PipelineError(_rendezvous_message(exc, endpoint, dist)) from None
+    finally:
+        for logger, level in zip(quiet, previous):
+            logger.setLevel(level)
+
+
+def _rendezvous_message(exc, endpoint, dist: dict) -> str:
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    keys = endpoint.address_key if endpoint.address_key == endpoint.port_key else \
+        f"{endpoint.address_key}/{endpoint.port_key}"
+    if isinstance(exc, RendezvousTimeoutError):
+        return (f"the rendezvous at {endpoint} did not complete within distributed.timeout_s = "
+                f"{dist['timeout_s']} s: expected {dist['nnodes']} nodes; start pp-core run (or "
+                f"torchrun) on every node with the same {keys} and distributed.rdzv_id, or "
+                f"raise distributed.timeout_s")
+    cause = exc.__cause__ or exc.__context__
+    detail = str(cause).splitlines()[0] if cause is not None and str(cause) else str(exc)
+    return f"the rendezvous at {endpoint} failed ({detail}); check {keys}"
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """Make SIGTERM, SIGHUP and SIGQUIT raise ``SignalException`` (as torch's agent does while the
+    ranks run) so that cleanup runs and ``pp-core run`` exits 128 + the signal's number; every
+    handler (SIGINT too, which the agent replaces and never restores) is put back afterwards."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    def raise_signal(signum, frame):
+        sigval = signal.Signals(signum)
+        raise SignalException(f"pp-core got {sigval.name}", sigval=sigval)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+               if hasattr(signal, name)]
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    for sig in signals:
+        if sig != signal.SIGINT:  # Ctrl-C stays a KeyboardInterrupt until the agent takes over
+            signal.signal(sig, raise_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _values(spec: Spec) -> dict:
+    values = spec.to_dict()
+    values["_source"] = spec.source
+    return values
+
+
+def _failure_message(exc) -> str:
+    """The first failed rank's error, and its traceback unless pp-core raised it (the others
+    were stopped because of it)."""
+    rank, failure = exc.get_first_failure()
+    data = failure.error_file_data or {}
+    recorded = data.get("message") if isinstance(data, dict) else None
+    trace = ""
+    if isinstance(recorded, dict):
+        message = recorded.get("message", "")
+        trace = (recorded.get("extraInfo") or {}).get("py_callstack", "")
+    elif isinstance(recorded, str) and recorded not in ("", "<NONE>", "<N/A>"):
+        message = recorded
+    else:  # no error file: the process died without raising (os._exit, a signal, OOM killer)
+        message = f"the process exited with code {failure.exitcode}"
+        if failure.exitcode is not None and failure.exitcode < 0:
+            message += f" (killed by {failure.signal_name()})"
+    others = len(exc.failures) - 1
+    also = f"; {others} other rank(s) failed too" if others > 0 else \
+        "; the other ranks were stopped"
+    text = f"rank {rank} failed: {message}{also}"
+    if trace and not _own_error(message):  # pp-core's own messages say all; a traceback is noise
+        text += "\n" + trace.rstrip()
+    return text
+
+
+def _own_error(message: str) -> bool:
+    """Whether a rank's recorded ``"Type: text"`` is one of pp-core's error types."""
+    def names(cls):
+        yield cls.__name__
+        for sub in cls.__subclasses__():
+            yield from names(sub)
+
+    return message.split(":", 1)[0] in set(names(PPCoreError))

@@ -1,0 +1,167 @@
+"""Checks of a pipeline spec that need the installed plugins: run before any process starts.
+
+:func:`preflight` resolves the model and dataset names, checks their ``args`` against the
+factories' signatures, builds the model on the meta device (no memory, no init) to plan the
+split with the splitter plugins, and builds and validates the schedule for ``pp_size`` ranks.
+Every mistake becomes a line of one :class:`~pp_core.app.spec.SpecError` that names the YAML key.
+
+:func:`~pp_core.planning.plan.plan_pipeline` plans here as it does on every rank, and the model
+and dataset factories come from :mod:`pp_core.app.factories` as they do in a run, so what
+``pp-core validate`` checks is exactly what ``pp-core run`` builds.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pp_core.app.factories import dataset_args, dataset_factory, model_factory  # re-exported
+from pp_core.app.preflight_build import (
+    build_meta_model, check_build, check_local_ranks, check_outputs,
+)
+from pp_core.app.spec import Spec, SpecError
+from pp_core.devices import choose as choose_device
+from pp_core.devices import resolve_device
+from pp_core.errors import PPCoreError, did_you_mean
+from pp_core.planning.plan import plan_pipeline, schedule_field, schedule_shape
+from pp_core.plugin_manager import plugins_or_default
+
+__all__ = ["Preflight", "preflight", "model_factory", "dataset_factory", "dataset_args",
+           "resolve_device"]
+
+
+@dataclass
+class Preflight:
+    """What validation found: the split plan and schedule (``None`` where they could not be made)."""
+
+    plan: Any = None
+    schedule: Any = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _splitter(spec: Spec):
+    """``model.splitter`` as the meta-device plan uses it: ``balanced`` cuts where measured time
+    says, at launch (:mod:`pp_core.app.balanced_launch`); its stage count is its base splitter's."""
+    name = spec.model.get("splitter")
+    return None if name is not None and name.lower() == "balanced" else name
+
+
+def _check_args(where: str, factory: Callable, args: dict, problems: list[str]) -> None:
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in args:
+        if key not in names:
+            hint = did_you_mean(key, names, cutoff=0.5, show=lambda name: f"'{where}.{name}'",
+                                after=" ")
+            problems.append(f"{where}.{key}: unknown argument of "
+                            f"{getattr(factory, '__qualname__', factory)}; {hint}"
+                            f"its arguments: {', '.join(names) or 'none'}")
+
+
+def preflight(spec: Spec, plugins=None, *, build: bool = True,
+              run_checks: bool = True) -> Preflight:
+    """Check names, arguments, batch sizes, the split and the schedule; raise one SpecError.
+
+    With ``run_checks`` it also builds what a rank builds (datasets and a batch, the optimizer,
+    the resume path, the output paths: :mod:`pp_core.app.preflight_build`), so that what would fail
+    after the ranks start is refused before.
+    """
+    plugins = plugins_or_default(plugins)
+    problems: list[str] = []
+    result = Preflight()
+    model_fn = data_fn = None
+    key = "model.target" if spec.model["target"] is not None else "model.name"
+    try:
+        model_fn = model_factory(spec, plugins)
+        _check_args("model.args", model_fn, spec.model["args"], problems)
+    except PPCoreError as exc:
+        problems.append(f"{key}: {exc}")
+    try:
+        data_fn = dataset_factory(spec, plugins)
+        for section in ("args", "eval_args"):
+            _check_args(f"data.{section}", data_fn, spec.data[section], problems)
+        _check_batch(spec, problems)
+    except PPCoreError as exc:
+        problems.append(f"data.name: {exc}")
+    if spec.pipeline["loss_fn"] is None:
+        problems.append("pipeline.loss_fn: expected a loss for the last stage, found none; "
+                        "e.g. loss_fn: cross_entropy, or 'module:attr'")
+    try:
+        choose_device(spec)
+    except PPCoreError as exc:
+        problems.append(str(exc))
+    if run_checks:
+        check_outputs(spec, problems, result.notes)
+        check_local_ranks(spec, problems)
+    if problems:
+        raise SpecError(problems, spec.source)
+    if build:
+        model = _plan_and_schedule(spec, plugins, model_fn, result, problems)
+        if run_checks and not problems:
+            check_build(spec, model, data_fn, problems, result.notes, plugins)
+    if problems:
+        raise SpecError(problems, spec.source)
+    return result
+
+
+def _check_batch(spec: Spec, problems: list[str]) -> None:
+    for section in ("args", "eval_args"):
+        size = spec.data[section].get("batch_size")
+        if size is not None and size != spec.global_batch_size:
+            problems.append(
+                f"data.{section}.batch_size: expected pipeline.pp_batch_size * "
+                f"distributed.dp_size = {spec.pipeline['pp_batch_size']} * "
+                f"{spec.distributed['dp_size']} = {spec.global_batch_size} (each step's global "
+                f"batch), found {size}; leave it out and pp-core fills it in")
+
+
+def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
+    """``train.activation_checkpointing`` / ``train.compile`` act per block: the model needs some."""
+    from pp_core.parallel import find_blocks  # torch: only when AC or compile is asked for
+
+    wanted = [key for key, on in (("activation_checkpointing",
+                                   spec.train["activation_checkpointing"]["mode"] != "none"),
+                                  ("compile", spec.train["compile"]["enabled"])) if on]
+    if not wanted:
+        return
+    try:
+        find_blocks(model)
+    except PPCoreError as exc:
+        problems.append(f"train.{wanted[0]}: {exc}")
+
+
+def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: list[str]):
+    """Plan the split and the schedule on the meta device with the function every rank plans
+    with; returns the meta model (``None`` where it could not be built)."""
+    config = spec.pipeline_config()
+    num_ranks = spec.distributed["pp_size"]
+    sizes = (f" (pp_size={num_ranks}, microbatches = pp_batch_size / pp_microbatch_size = "
+             f"{config.num_microbatches})")
+    try:  # a wrong schedule name or CSV is reported before the model is built
+        schedule_shape(config, num_ranks, plugins)
+    except PPCoreError as exc:
+        csv = config.pp_schedule_csv is not None
+        problems.append(f"pipeline.{schedule_field(config)}: {exc}" + (sizes if csv else ""))
+        return None
+    model = build_meta_model(spec, model_fn, problems, result.notes)
+    if problems:
+        return None
+    if model is not None:
+        _check_blocks(spec, model, problems)
+    try:
+        planned = plan_pipeline(model, config, num_ranks, plugins=plugins,
+                                splitter=_splitter(spec))
+    except PPCoreError as exc:
+        if exc.field in ("pp_schedule", "pp_schedule_csv"):
+            problems.append(f"pipeline.{exc.field}: {exc}{sizes}")
+        else:
+            problems.append(f"pipeline: cannot split the model: {exc}")
+        return model
+    result.plan, result.schedule = planned.split, planned.schedule
+    return model

@@ -1,0 +1,303 @@
+"""Build what ``pp-core run`` builds, before any process starts, and refuse what would fail there.
+
+``run`` builds the model, the datasets and their batches, one optimizer per model part, and opens
+the output files; each of these used to fail only on the ranks, after they started, with a
+traceback. :func:`check_build` does the same work cheaply: the model on the meta device (no
+memory), the dataset and its first batch (shapes checked against the model and ``pp_seq_len``,
+one microbatch run through the meta model and the loss), the optimizer on the meta parameters,
+the resume path, and every output path's writability (nothing is created). Each failure is one
+line naming the YAML key and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pp_core.app.factories import dataset_args
+from pp_core.app.launch import started_by_torchrun
+from pp_core.app.spec import Spec
+from pp_core.errors import PPCoreError, quoted, shorten
+from pp_core.losses import resolve_loss
+from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
+
+__all__ = ["build_meta_model", "check_build", "check_outputs", "check_local_ranks",
+           "LOCAL_RANKS_PER_CPU"]
+
+LOCAL_RANKS_PER_CPU = 8  # beyond this many processes per core a local launch cannot work
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {shorten(str(exc))}"
+
+
+def _meta_limit(exc: BaseException) -> bool:
+    """Whether an error is the meta device's limit (no values), not the file's mistake."""
+    return isinstance(exc, NotImplementedError) or \
+        (isinstance(exc, RuntimeError) and "meta" in str(exc).lower())
+
+
+def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]):
+    """The model built on the meta device, or ``None`` (a problem or a note says why)."""
+    import torch
+
+    from pp_core._torch_compat import nn_init_skipped
+
+    key = "model.target" if spec.model["target"] is not None else "model.name"
+    try:
+        with torch.device("meta"), nn_init_skipped():
+            model = model_fn(**spec.model["args"])
+    except PPCoreError as exc:  # e.g. a missing optional dependency, named with its extra
+        problems.append(f"{key}: {exc}")
+        return None
+    except Exception as exc:  # noqa: BLE001 - the factory refused the arguments, or meta did
+        if _meta_limit(exc):
+            notes.append(f"split not checked: the model could not be built on the meta device "
+                         f"({_why(exc)})")
+        else:
+            problems.append(f"model.args: the model factory refused these arguments "
+                            f"({_why(exc)}); fix model.args")
+        return None
+    if not isinstance(model, torch.nn.Module):
+        problems.append(f"{key}: expected the factory to return a torch.nn.Module, found "
+                        f"{type(model).__name__}")
+        return None
+    return model
+
+
+def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str],
+                plugins=None) -> None:
+    """The datasets, one batch, the optimizer and the resume path, as a rank would build them."""
+    if data_fn is not None:
+        batch = _check_dataset(spec, data_fn, False, problems)
+        if spec.train["eval_every"]:
+            _check_dataset(spec, data_fn, True, problems)
+        if batch is not None:
+            _check_batch(spec, model, batch, problems, notes, plugins)
+    _check_optimizer(spec, model, problems)
+    _check_resume(spec, problems)
+
+
+def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str]):
+    """The dataset's first batch, or ``None`` with a problem naming data.args (or eval_args)."""
+    key = "data.eval_args" if evaluation else "data.args"
+    why = " (train.eval_every is set, so evaluation builds it)" if evaluation else ""
+    try:
+        data = data_fn(**dataset_args(spec, data_fn, evaluation))
+        batch = next(iter(data))
+    except StopIteration:
+        problems.append(f"{key}: the dataset yields no batch{why}")
+        return None
+    except Exception as exc:  # noqa: BLE001 - the factory refused the file's arguments
+        problems.append(f"{key}: dataset {spec.data['name']!r} refused these arguments{why} "
+                        f"({_why(exc)}); fix {key}")
+        return None
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        problems.append(f"data.name: dataset {spec.data['name']!r} yielded "
+                        f"{type(batch).__name__}, expected (inputs, target) pairs")
+        return None
+    return batch
+
+
+def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str],
+                 plugins=None) -> None:
+    """Shapes against the global batch and ``pp_seq_len``; one microbatch through the meta model."""
+    import torch
+
+    from pp_core.app.train import dp_slice  # torch: only with a batch in hand
+    from pp_core.runtime.microbatch import first_tensor
+
+    inputs, target = batch
+    global_batch = spec.global_batch_size
+    try:
+        pieces = global_batch // spec.pipeline["pp_microbatch_size"]
+        micro = [dp_slice(v, 0, pieces, global_batch) for v in (inputs, target)]
+    except PPCoreError as exc:
+        problems.append(f"data.args: {exc}")
+        return
+    first = first_tensor(inputs)
+    if first is None:
+        problems.append(f"data.args: a batch's inputs hold no tensor ({type(inputs).__name__}); "
+                        f"a dataset yields (inputs, target) with inputs a tensor, tuple or dict "
+                        f"of tensors")
+        return
+    if any(size == 0 for size in first.shape):
+        problems.append(f"data.args: the dataset yields an empty batch (inputs of shape "
+                        f"{tuple(first.shape)}); every dimension must be at least 1 (e.g. "
+                        f"data.args.seq_len)")
+        return
+    seq_len = spec.pipeline["pp_seq_len"]
+    if seq_len is not None and (first.dim() < 2 or first.shape[1] != seq_len):
+        found = f"sequence length {first.shape[1]}" if first.dim() >= 2 else \
+            f"shape {tuple(first.shape)}"
+        problems.append(f"pipeline.pp_seq_len: expected the data's sequence length, found "
+                        f"pp_seq_len={seq_len} but the dataset yields {found}; set them equal "
+                        f"(or leave pp_seq_len out)")
+    if model is None:
+        return
+    from pp_core.runtime.microbatch import num_tokens  # torch: only with a model in hand
+
+    meta = [_to_meta(v) for v in micro]
+    initializers = _runtime_initializers(model, plugins, problems)
+    if initializers is None:
+        return
+    try:
+        with torch.no_grad():
+            for initializer in initializers:  # as the executor does before each microbatch
+                initializer.prepare(num_tokens(meta[0]), torch.device("meta"))
+            output = model(*meta[0]) if isinstance(meta[0], tuple) else \
+                model(**meta[0]) if isinstance(meta[0], dict) else model(meta[0])
+            if isinstance(output, torch.Tensor):  # (a patched model's output is the split's)
+                resolve_loss(spec.pipeline["loss_fn"])(output, meta[1])
+    except Exception as exc:  # noqa: BLE001 - the model or loss refuses the data, or meta does
+        if _meta_limit(exc):
+            notes.append(f"one microbatch was not run on the meta device ({_why(exc)})")
+        else:
+            problems.append(f"data.args: a microbatch of this data fails in the model or the "
+                            f"loss ({_why(exc)}); make data.args and model.args agree")
+
+
+def _runtime_initializers(model, plugins, problems: list[str]):
+    """The model's runtime initializers as the executor collects them, or None (a problem)."""
+    try:
+        return collect_pipeline_runtime_initializers([model], plugins)
+    except (RuntimeError, TypeError) as exc:
+        problems.append(f"model.args: the model's runtime initializers disagree ({_why(exc)}); "
+                        f"give every module that shares a resource_key the same signature")
+        return None
+
+
+def _to_meta(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return tuple(_to_meta(v) for v in value)
+    return value
+
+
+def _check_optimizer(spec: Spec, model, problems: list[str]) -> None:
+    """Build the optimizer as a rank does (on meta parameters); refuse closure-only optimizers."""
+    import inspect
+
+    import torch
+
+    options = dict(spec.train["optimizer"])
+    name = options.pop("name", None)
+    cls = getattr(torch.optim, str(name), None)
+    if not isinstance(cls, type):
+        return  # spec.py already reported the name
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        problems.append(f"train.optimizer.name: torch.optim.{name} needs a closure that "
+                        f"re-evaluates the loss, which a pipeline step cannot give it; use "
+                        f"AdamW, Adam or SGD")
+        return
+    params = list(model.parameters()) if model is not None else []
+    params = params or [torch.nn.Parameter(torch.empty(1, device="meta"))]
+    try:
+        cls(params, **options)
+    except Exception as exc:  # noqa: BLE001 - torch.optim refused the file's arguments
+        problems.append(f"train.optimizer: torch.optim.{name} refused these arguments "
+                        f"({_why(exc)}); fix train.optimizer")
+
+
+def _check_resume(spec: Spec, problems: list[str]) -> None:
+    """The checkpoint a resume names exists and is complete (every data file there in full)."""
+    from pp_core.app.checkpoint import latest_checkpoint, resume_checkpoint  # torch's DCP: seconds
+
+    resume = spec.checkpoint["resume"]
+    if isinstance(resume, str) and not (Path(resume) / ".metadata").is_file():
+        latest = latest_checkpoint(resume)
+        hint = f"; did you mean {quoted(str(latest))} (its latest)?" if latest else \
+            "; give a step_NNNNNNNN directory written by pp-core run, or resume: true"
+        what = "does not exist" if not Path(resume).exists() else \
+            "is not a complete checkpoint (no .metadata file)"
+        problems.append(f"checkpoint.resume: {quoted(resume)} {what}{hint}")
+        return
+    try:
+        resume_checkpoint(spec.checkpoint["dir"], resume)
+    except PPCoreError as exc:
+        problems.append(f"checkpoint.resume: {exc}")
+
+# ----------------------------------------------------------------------------- output paths
+
+
+def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
+    """Every output path can be written (nothing is created); an existing file gets a note."""
+    resume = bool(spec.checkpoint["resume"])
+    directory = spec.checkpoint["dir"]
+    if directory is not None and _check_path("checkpoint.dir", Path(directory), True, problems) \
+            and not resume and any(Path(directory).glob("step_*")):
+        from pp_core.app.checkpoint import latest_checkpoint  # (imports torch's DCP: seconds)
+
+        latest = latest_checkpoint(directory)
+        if latest is not None:
+            notes.append(f"checkpoint.dir: {quoted(directory)} holds checkpoints up to "
+                         f"{latest.name}; this run starts at step 0 and replaces those it "
+                         f"saves again (checkpoint.resume: true continues from {latest.name})")
+    for name in ("metrics", "trace", "schedule_image"):
+        path = spec.output[name]
+        if path is None:
+            continue
+        key = f"output.{name}"
+        if _check_path(key, Path(path), False, problems) and Path(path).is_file():
+            kept = "appended to (checkpoint.resume is set)" if name == "metrics" and resume \
+                else "replaced"
+            notes.append(f"{key}: {quoted(path)} exists and will be {kept}")
+
+
+def _check_path(key: str, path: Path, is_dir: bool, problems: list[str]) -> bool:
+    """Whether ``path`` can be created or written as a file (``is_dir``: a directory)."""
+    expected = "a directory" if is_dir else "a file"
+    if path.exists():
+        if path.is_dir() != is_dir:
+            found = "a directory" if path.is_dir() else "a file"
+            problems.append(f"{key}: {quoted(str(path))} is {found}, expected {expected}; "
+                            f"choose another path")
+            return False
+        if not os.access(path, os.W_OK | (os.X_OK if is_dir else 0)):
+            problems.append(f"{key}: {quoted(str(path))} is not writable by this user; fix its "
+                            f"permissions or choose another path")
+            return False
+        return _has_space(key, path if is_dir else path.parent, problems)
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        problems.append(f"{key}: cannot create {quoted(str(path))}: {quoted(str(ancestor))} is a "
+                        f"file, not a directory; choose another path")
+        return False
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        problems.append(f"{key}: cannot create {quoted(str(path))}: no permission to write in "
+                        f"{quoted(str(ancestor))}; choose a writable place")
+        return False
+    return _has_space(key, ancestor, problems)
+
+
+def _has_space(key: str, directory: Path, problems: list[str]) -> bool:
+    import shutil
+
+    if shutil.disk_usage(directory).free == 0:
+        problems.append(f"{key}: no space left on the device holding {quoted(str(directory))}; "
+                        f"free some space or choose another place")
+        return False
+    return True
+
+
+def check_local_ranks(spec: Spec, problems: list[str]) -> None:
+    """Refuse a local launch of more processes than this machine could run (not under torchrun,
+    where the launcher's world size decides)."""
+    if started_by_torchrun():
+        return
+    local = spec.world_size // spec.distributed["nnodes"]
+    bound = LOCAL_RANKS_PER_CPU * (os.cpu_count() or 1)
+    if local > bound:
+        dist = spec.distributed
+        problems.append(f"distributed.dp_size: pp_size * dp_size / nnodes = {dist['pp_size']} * "
+                        f"{dist['dp_size']} / {dist['nnodes']} = {local:,} processes on this "
+                        f"machine, more than it can run ({LOCAL_RANKS_PER_CPU} per CPU core, "
+                        f"{bound}); use smaller sizes, or more machines (distributed.nnodes)")

@@ -1,0 +1,153 @@
+"""What a person watching a run sees: a progress line on the first rank, then a summary table.
+
+On a terminal :class:`Progress` redraws one line (``\\r``) with a bar, the step, the loss,
+tokens/s, the step time and the ETA; when stdout is not a terminal (CI logs, a file) it prints a
+plain line every ``log_every`` steps instead, so logs stay readable. :func:`format_summary` renders
+the end-of-run table (loss first -> last, throughput, bubble per rank measured and simulated,
+peak memory per rank).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import IO, Any, Sequence
+
+__all__ = ["Progress", "format_duration", "format_bytes", "format_summary"]
+
+
+def format_duration(seconds: float | None) -> str:
+    """``75.0 -> '1m15s'``; ``None -> '?'``."""
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.0f}s" if seconds >= 10 else f"{seconds:.1f}s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def format_bytes(count: float | None) -> str:
+    if count is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+class Progress:
+    """The first rank's progress display. ``mode``: ``auto``, ``bar``, ``plain`` or ``off``."""
+
+    def __init__(self, total_steps: int, start_step: int = 0, mode: str = "auto",
+                 log_every: int = 10, stream: IO[str] | None = None, width: int = 24):
+        self.stream = stream if stream is not None else sys.stdout
+        if mode == "auto":
+            mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "plain"
+        self.mode = mode
+        self.total, self.start, self.log_every, self.width = total_steps, start_step, log_every, width
+        self.started = time.perf_counter()
+        self._drawn = False
+
+    def eta(self, step: int) -> float | None:
+        done = step - self.start
+        if done <= 0:
+            return None
+        return (time.perf_counter() - self.started) / done * (self.total - step)
+
+    def line(self, step: int, loss: float | None, tokens_per_s: float, step_time: float) -> str:
+        loss_text = "   n/a" if loss is None else f"{loss:7.4f}"
+        return (f"step {step:>{len(str(self.total))}}/{self.total}  loss {loss_text}  "
+                f"{tokens_per_s:,.0f} tok/s  {step_time * 1000:,.0f} ms/step  "
+                f"ETA {format_duration(self.eta(step))}")
+
+    def update(self, step: int, loss: float | None, tokens_per_s: float, step_time: float) -> None:
+        if self.mode == "off":
+            return
+        text = self.line(step, loss, tokens_per_s, step_time)
+        if self.mode == "bar":
+            filled = int(self.width * step / max(self.total, 1))
+            bar = "#" * filled + "-" * (self.width - filled)
+            self.stream.write(f"\r[{bar}] {text}\x1b[K")
+            self._drawn = True
+        elif step % self.log_every == 0 or step == self.total or step == self.start + 1:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        """A line that must not be overwritten by the bar (evaluation, checkpoints)."""
+        if self.mode == "off":
+            return
+        if self._drawn:
+            self.stream.write("\r\x1b[K")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.mode == "bar" and self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = False
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
+    out = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
+    out.append("  ".join("-" * w for w in widths))
+    out.extend("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    return out
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The end-of-run table; ``summary`` is what :func:`pp_core.app.train.train` returns on rank 0."""
+    losses = summary.get("losses") or []
+    times = summary.get("step_times") or []
+    tps = summary.get("tokens_per_s") or []
+    lines = [f"pp-core run summary: {summary.get('source', '')}".rstrip()]
+    lines.append(
+        f"  {summary['model']} ({summary['num_params'] / 1e6:.2f}M params) on {summary['data']}; "
+        f"schedule {summary['schedule']}, pp {summary['pp_size']} x dp {summary['dp_size']}, "
+        f"{summary['num_stages']} stages, {summary['num_microbatches']} microbatches/step")
+    first_step, last_step = summary["first_step"], summary["last_step"]
+    lines.append(f"  steps {first_step}..{last_step} in {format_duration(summary['wall_s'])} "
+                 f"({summary['tokens_per_step']:,} tokens/step)")
+    if losses:
+        tail = losses[-min(10, len(losses)):]
+        lines.append(f"  loss {losses[0]:.4f} -> {losses[-1]:.4f} (first -> last step; mean of "
+                     f"last {len(tail)}: {statistics.fmean(tail):.4f})")
+    if summary.get("eval_loss") is not None:
+        lines.append(f"  eval loss {summary['eval_loss']:.4f}")
+    if times:
+        steady = times[1:] if len(times) > 1 else times
+        lines.append(f"  throughput {statistics.median(tps[1:] if len(tps) > 1 else tps):,.0f} "
+                     f"tokens/s (median), step time {statistics.median(steady) * 1000:,.0f} ms "
+                     f"(median, first step {times[0] * 1000:,.0f} ms)")
+    rows = []
+    for rank in summary.get("ranks", []):
+        rows.append([str(rank["rank"]), ",".join(map(str, rank["stages"])),
+                     _percent(rank.get("bubble_measured")), _percent(rank.get("comm_share")),
+                     _percent(rank.get("bubble_simulated")),
+                     format_bytes(rank.get("peak_memory"))
+                     + (f" ({rank['memory_kind']})" if rank.get("memory_kind") else "")])
+    if rows:
+        lines.append("")
+        lines.extend("  " + row for row in _table(
+            ["rank", "stages", "bubble (measured)", "of it in send/recv", "bubble (simulated)",
+             "peak memory"],
+            rows))
+        note = summary.get("bubble_note")
+        if note:
+            lines.append(f"  {note}")
+    outputs = summary.get("outputs") or {}
+    if outputs:
+        lines.append("")
+        lines.extend(f"  {name}: {path}" for name, path in outputs.items() if path)
+    return "\n".join(lines)

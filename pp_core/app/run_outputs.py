@@ -1,0 +1,358 @@
+"""Everything a run leaves behind: metrics lines, the Chrome trace, the schedule image, the summary.
+
+:class:`RunRecorder` lives on every rank. It times each pipeline step (and each action, when the
+executor reports per-action times), writes one JSON object per logged step to
+``output.metrics`` on the first rank, and at the end gathers every rank's figures there to write
+the trace of the real run (one process row per rank, one event per action or step), the SVG of the
+schedule, and the summary table: measured bubble per rank next to what the simulator predicts
+for the same schedule with the per-action costs this run measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pp_core.app.progress import format_summary
+from pp_core.schedule.render import render_svg
+from pp_core.schedule.simulate import Costs, simulate
+
+__all__ = ["RunRecorder", "ActionTimer", "peak_memory"]
+
+TRACE_STEPS = 20  # the trace keeps the last this-many steps (a long run's trace stays small)
+_CATEGORIES = {"F": "forward", "B": "backward", "I": "backward (input grads)",
+               "W": "backward (weight grads)"}
+
+
+def peak_memory(device: torch.device) -> tuple[int | None, str]:
+    """``(bytes, kind)``: CUDA's max allocated, or the process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda allocated"
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss * (1 if sys.platform == "darwin" else 1024), "process RSS"
+    except ImportError:  # Windows
+        return None, ""
+
+
+class StepTotals:
+    """Sums over steps of the seconds in ``Pipeline.step`` and, when actions are timed, of the
+    seconds in compute actions (``busy``) and in send/receive actions (``comm``)."""
+
+    __slots__ = ("steps", "seconds", "timed", "busy", "comm")
+
+    def __init__(self):
+        self.steps, self.seconds, self.timed, self.busy, self.comm = 0, 0.0, False, 0.0, 0.0
+
+    def add(self, seconds: float, busy: float | None, comm: float | None) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        if busy is not None:
+            self.timed = True
+            self.busy += busy
+            self.comm += comm
+
+
+class ActionTimer:
+    """Times every action of the pipeline's training program (host clock, ``perf_counter``).
+
+    The runtime has no public per-action timing hook yet, so this wraps the executor's action
+    handlers and its mailbox's ``receive`` (the only place a compute action waits for a peer):
+    an action's *busy* time is its duration minus that wait. If the executor's internals are not
+    what it expects, :attr:`enabled` is False and the run records whole steps instead. On CUDA
+    each action is synchronised so the host clock measures the kernels (a small slowdown).
+    """
+
+    def __init__(self, pipe, device: torch.device):
+        executor = getattr(pipe, "_train", None)
+        handlers = getattr(executor, "handlers", None)
+        mailbox = getattr(executor, "mailbox", None)
+        self.enabled = isinstance(handlers, dict) and callable(getattr(mailbox, "receive", None))
+        self.records: list[tuple[Any, float, float, float]] = []
+        self._wait = 0.0
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else None
+        if not self.enabled:
+            return
+        # the wrappers hold no strong reference to the mailbox or the executor they are stored
+        # in (a cycle would keep the model alive after the pipeline is deleted)
+        receive, owner = type(mailbox).receive, weakref.ref(mailbox)
+
+        def timed_receive(message):
+            start = time.perf_counter()
+            try:
+                return receive(owner(), message)
+            finally:
+                self._wait += time.perf_counter() - start
+
+        mailbox.receive = timed_receive
+        for kind, handler in list(handlers.items()):
+            handlers[kind] = self._wrap(handler)
+
+    def _wrap(self, handler):
+        def timed(executor, action):
+            self._wait = 0.0
+            start = time.perf_counter()
+            handler(executor, action)
+            if self._sync is not None:
+                self._sync()
+            self.records.append((action, start, time.perf_counter(), self._wait))
+        return timed
+
+    def take(self) -> list[tuple[Any, float, float, float]]:
+        """This step's ``(action, start, end, wait)`` records, and forget them."""
+        records, self.records = self.records, []
+        return records
+
+
+class RunRecorder:
+    """Per-rank bookkeeping of a run; only the first rank writes files and prints."""
+
+    def __init__(self, spec, ctx, pipe, num_params: int):
+        self.spec, self.ctx, self.pipe, self.num_params = spec, ctx, pipe, num_params
+        self.rank = ctx.rank
+        self.progress = None
+        self.losses: list[float] = []
+        self.steps: list[int] = []
+        self.step_times: list[float] = []
+        self.tokens_per_s: list[float] = []
+        self.eval_loss: float | None = None
+        self.events: list[tuple] = []  # (name, category, start, end, step), last TRACE_STEPS
+        # Running figures, in space that does not grow with the run (a long run would otherwise
+        # keep every action's time): the step totals of the first step apart (it pays for
+        # warm-up) and of the later ones, and per "<stage><kind>" the sum and count of times.
+        self.first_totals: StepTotals | None = None
+        self.steady_totals = StepTotals()
+        self.kind_times: dict[str, list[float]] = {}  # "<stage><kind>" -> [seconds, count]
+        self.clock_offset = time.time() - time.perf_counter()
+        self.tokens_per_step = 0
+        self.timer = ActionTimer(pipe, ctx.device)
+        self.metrics = None  # opened by open_metrics once the first step is known
+
+    def say(self, text: str) -> None:
+        if self.rank != 0:
+            return
+        if self.progress is not None:
+            self.progress.message(text)
+        else:
+            print(text, flush=True)
+
+    def open_metrics(self, start_step: int) -> None:
+        """Open ``output.metrics`` on the first rank for a run that continues after
+        ``start_step``: the lines of later steps (a resumed run is about to write them again)
+        are dropped, so every step appears once; a fresh run starts an empty file."""
+        path = self.spec.output["metrics"]
+        if not path or self.rank != 0:
+            return
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if start_step and path.is_file():
+            kept = _metrics_lines_up_to(path, start_step)
+            staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            staging.write_text("".join(kept), encoding="utf-8")
+            os.replace(staging, path)
+            self.metrics = open(path, "a", encoding="utf-8")
+        else:
+            self.metrics = open(path, "w", encoding="utf-8")
+
+    # ------------------------------------------------------------------ per step
+
+    def timed_step(self, pipe, inputs, target):
+        start = time.perf_counter()
+        loss = pipe.step(inputs, target=target)
+        end = time.perf_counter()
+        step = len(self.step_times) + 1
+        busy = comm = None
+        if not self.timer.enabled:
+            self.events.append(("step", "step", start, end, step))
+        else:
+            busy = comm = 0.0
+            for action, t0, t1, wait in self.timer.take():
+                kind = action.kind.value
+                if wait > 0:
+                    self.events.append((f"wait {action}", "wait", t0, t0 + wait, step))
+                if kind in "FBIW":
+                    busy += t1 - t0 - wait
+                    total = self.kind_times.setdefault(f"{action.stage}{kind}", [0.0, 0])
+                    total[0] += t1 - t0 - wait
+                    total[1] += 1
+                    self.events.append((str(action), _CATEGORIES[kind], t0 + wait, t1, step))
+                else:
+                    comm += t1 - t0
+                    self.events.append((str(action), "comm", t0 + wait, t1, step))
+        if self.first_totals is None:
+            self.first_totals = StepTotals()
+            self.first_totals.add(end - start, busy, comm)
+        else:
+            self.steady_totals.add(end - start, busy, comm)
+        self._trim_events(step)
+        return loss
+
+    def _trim_events(self, step: int) -> None:
+        if self.events and self.events[0][4] <= step - TRACE_STEPS:
+            self.events = [e for e in self.events if e[4] > step - TRACE_STEPS]
+
+    def record_step(self, step, loss, step_time, tokens, grad_norm, lr, started) -> None:
+        self.steps.append(step)
+        self.step_times.append(step_time)
+        self.tokens_per_s.append(tokens / step_time if step_time > 0 else 0.0)
+        self.tokens_per_step = tokens
+        if loss is not None:
+            self.losses.append(loss)
+        log_every = self.spec.train["log_every"]
+        if self.metrics and (step % log_every == 0 or step == self.spec.train["steps"]
+                             or len(self.steps) == 1):
+            line = {"step": step, "loss": loss, "tokens_per_s": round(self.tokens_per_s[-1], 2),
+                    "step_time_s": round(step_time, 6), "lr": lr, "grad_norm": grad_norm,
+                    "time": round(started + self.clock_offset, 3)}
+            self.metrics.write(json.dumps(line) + "\n")
+            self.metrics.flush()
+
+    def record_eval(self, step: int, loss: float | None) -> None:
+        self.eval_loss = loss
+        if loss is None:
+            return
+        self.say(f"step {step}: eval loss {loss:.4f}")
+        if self.metrics:
+            self.metrics.write(json.dumps({"step": step, "eval_loss": loss}) + "\n")
+            self.metrics.flush()
+
+    # ------------------------------------------------------------------ end of run
+
+    def _rank_figures(self, dp_units: int) -> dict[str, Any]:
+        memory, kind = peak_memory(self.ctx.device)
+        # the first step pays for warm-up: it counts only when it is the only one
+        steady = self.steady_totals if self.steady_totals.steps else self.first_totals
+        bubble = comm = None
+        if steady is not None and steady.timed and steady.seconds > 0:
+            bubble = max(0.0, 1.0 - steady.busy / steady.seconds)
+            comm = steady.comm / steady.seconds
+        return {
+            "rank": self.rank, "pp_rank": self.ctx.pp_rank, "dp_rank": self.ctx.dp_rank,
+            "stages": list(self.pipe.stage_indices), "bubble_measured": bubble,
+            "comm_share": comm,
+            "peak_memory": memory, "memory_kind": kind, "dp_units": dp_units,
+            "kind_times": {k: seconds / count for k, (seconds, count) in self.kind_times.items()
+                           if count},
+            "events": [(n, c, s + self.clock_offset, e + self.clock_offset, st)
+                       for n, c, s, e, st in self.events],
+        }
+
+    def finish(self, start_step: int, wall_s: float, dp_units: int) -> dict[str, Any]:
+        """Gather every rank's figures on rank 0, write trace/image/summary; rank 0 returns it."""
+        if self.metrics:
+            self.metrics.close()
+        mine = self._rank_figures(dp_units)
+        gathered = [None] * self.ctx.world_size if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if self.rank != 0:
+            return {"rank": self.rank, "dp_units": dp_units, "stages": mine["stages"]}
+        summary = self._summarise(gathered, start_step, wall_s)
+        summary["dp_units"] = dp_units
+        return summary
+
+    def _summarise(self, ranks: list[dict], start_step: int, wall_s: float) -> dict[str, Any]:
+        spec, out = self.spec, self.spec.output
+        schedule = self._schedule()
+        simulated, note = self._simulate(schedule, ranks)
+        for figures in ranks:
+            figures["bubble_simulated"] = None if simulated is None else \
+                simulated[figures["pp_rank"]]
+        if out["trace"]:
+            _write_trace(out["trace"], ranks)
+        if out["schedule_image"] and schedule is not None:
+            Path(out["schedule_image"]).parent.mkdir(parents=True, exist_ok=True)
+            Path(out["schedule_image"]).write_text(render_svg(simulate(schedule)))
+        model = spec.model["name"] or spec.model["target"]
+        summary = {
+            "source": spec.source, "model": model, "data": spec.data["name"],
+            "num_params": self.num_params, "schedule": schedule.name if schedule else
+            spec.pipeline["pp_schedule"], "pp_size": self.ctx.pp_size, "dp_size": self.ctx.dp_size,
+            "num_stages": schedule.num_stages if schedule else None,
+            "num_microbatches": spec.pipeline_config().num_microbatches,
+            "first_step": start_step + 1, "last_step": self.steps[-1] if self.steps else start_step,
+            "wall_s": wall_s, "tokens_per_step": self.tokens_per_step, "losses": self.losses,
+            "steps": self.steps, "step_times": self.step_times, "tokens_per_s": self.tokens_per_s,
+            "eval_loss": self.eval_loss, "bubble_note": note,
+            "ranks": [{k: v for k, v in r.items() if k not in ("events", "kind_times")}
+                      for r in ranks],
+            "outputs": {"metrics": out["metrics"], "trace": out["trace"],
+                        "schedule image": out["schedule_image"],
+                        "checkpoints": spec.checkpoint["dir"]},
+        }
+        if out["summary"] and self.steps:
+            print(format_summary(summary), flush=True)
+        return summary
+
+    def _schedule(self):
+        """The schedule this run ran: the one :func:`~pp_core.planning.plan.plan_pipeline`
+        planned for the pipeline (no second planning that could disagree with it)."""
+        return getattr(self.pipe, "schedule", None)
+
+    def _simulate(self, schedule, ranks: list[dict]):
+        """Per pp rank idle share predicted by the simulator, with this run's mean action costs."""
+        if schedule is None:
+            return None, None
+
+        per_stage: dict[int, dict[str, float]] = {}
+        for figures in ranks:
+            for key, value in figures["kind_times"].items():
+                per_stage.setdefault(int(key[:-1]), {})[key[-1]] = value
+        per_stage = {s: kinds for s, kinds in per_stage.items() if s < schedule.num_stages}
+        if per_stage:
+            costs = Costs(per_stage=per_stage)
+            shown = ", ".join(f"stage {s}: " + " ".join(f"{k}={v * 1000:.1f}" for k, v in
+                                                        sorted(per_stage[s].items()))
+                              for s in sorted(per_stage))
+            note = f"simulated with this run's mean action times in ms ({shown})"
+        else:
+            costs = Costs()
+            note = "simulated with unit costs (F=1, B=2, I=1, W=1); per-action times not recorded"
+        result = simulate(schedule, costs)
+        makespan = result.makespan or 1.0
+        return [idle / makespan for idle in result.idle], note
+
+
+def _metrics_lines_up_to(path: Path, step: int) -> list[str]:
+    """The lines of a metrics file for steps ``<= step`` (a torn last line is dropped too)."""
+    kept = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int) \
+                    and record["step"] <= step and line.endswith("\n"):
+                kept.append(line)
+    return kept
+
+
+def _write_trace(path: str, ranks: list[dict]) -> None:
+    """The real run as Chrome trace JSON: one process per rank, one event per action or step."""
+    events: list[dict] = []
+    origin = min((e[2] for r in ranks for e in r["events"]), default=0.0)
+    for figures in ranks:
+        pid = figures["rank"]
+        label = f"rank {pid} (pp {figures['pp_rank']}, dp {figures['dp_rank']}, stages " \
+                f"{','.join(map(str, figures['stages']))})"
+        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": label}})
+        events.append({"ph": "M", "pid": pid, "name": "process_sort_index",
+                       "args": {"sort_index": pid}})
+        for name, category, start, end, step in figures["events"]:
+            events.append({"name": name, "cat": category, "ph": "X", "pid": pid,
+                           "tid": 1 if category in ("comm", "wait") else 0,
+                           "ts": round((start - origin) * 1e6, 1),
+                           "dur": round((end - start) * 1e6, 1), "args": {"step": step}})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)

@@ -1,0 +1,293 @@
+"""The schema of a pipeline file: every section, key, default, checker and one line of docs.
+
+Each checker takes the YAML value and returns it (normalised: ``1e-3`` read as a string becomes a
+float) or raises :class:`Mismatch` saying what would have been accepted; :mod:`pp_core.app.spec` turns
+that into ``key.path: expected ..., found ...``. ``docs/yaml.md`` has one table row per key here
+(a test checks it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pp_core.app.rendezvous import address_problem, port_problem, split_endpoint
+from pp_core.config import field_specs
+from pp_core.errors import ConfigError, did_you_mean, quoted
+
+__all__ = ["Key", "SCHEMA", "REQUIRED_SECTIONS", "Mismatch", "describe_value"]
+
+
+class Mismatch(Exception):
+    """Raised by a checker: ``expected`` says what would have been accepted."""
+
+    def __init__(self, expected: str):
+        super().__init__(expected)
+        self.expected = expected
+
+
+def describe_value(value: Any) -> str:
+    """``'ten' (str)``: the value as found (cut short), with its YAML-visible type."""
+    return f"{quoted(value, 60)} ({type(value).__name__})"
+
+
+# ----------------------------------------------------------------------------- checkers
+
+
+def _int(minimum: int | None = None, maximum: int | None = None) -> Callable:
+    word = {0: "an int >= 0", 1: "a positive int"}.get(minimum, "an int")
+    if maximum is not None:
+        word = f"an int in [{minimum}, {maximum}]"
+
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int) or \
+                (minimum is not None and value < minimum) or \
+                (maximum is not None and value > maximum):
+            raise Mismatch(word)
+        return value
+    return check
+
+
+def _float(minimum: float | None = None, maximum: float | None = None) -> Callable:
+    bounds = f" in [{minimum}, {maximum}]" if maximum is not None else \
+        (f" >= {minimum}" if minimum is not None else "")
+
+    def check(value):
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise Mismatch(f"a finite number{bounds}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or (minimum is not None and value < minimum) or \
+                (maximum is not None and value > maximum):
+            raise Mismatch(f"a finite number{bounds}")
+        return float(value)
+    return check
+
+
+def _str(value):
+    if not isinstance(value, str) or not value:
+        raise Mismatch("a non-empty string")
+    return value
+
+
+def _bool(value):
+    if not isinstance(value, bool):
+        raise Mismatch("true or false")
+    return value
+
+
+def _mapping(value):
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise Mismatch("a mapping (key: value lines)")
+    return dict(value)
+
+
+def _choice(*options: str) -> Callable:
+    def check(value):
+        if isinstance(value, bool) and "off" in options:  # YAML 1.1 reads `off` as false
+            return "off" if not value else options[0]
+        if not isinstance(value, str) or value.lower() not in options:
+            hint = did_you_mean(str(value).lower(), options, before=" (", after=")")
+            raise Mismatch(f"one of {', '.join(map(repr, options))}{hint}")
+        return value.lower()
+    return check
+
+
+def _optional(inner: Callable) -> Callable:
+    def check(value):
+        return None if value is None else inner(value)
+    check.__name__ = f"optional_{getattr(inner, '__name__', 'value')}"
+    return check
+
+
+def _resume(value):
+    if isinstance(value, bool) or value is None:
+        return bool(value)
+    if isinstance(value, str) and value:
+        return value
+    raise Mismatch("true, false, or the path of a checkpoint directory")
+
+
+def _address(value):
+    problem = address_problem(_str(value))
+    if problem is not None:
+        raise Mismatch(problem)
+    return value
+
+
+def _port(value):
+    problem = port_problem(value)
+    if problem is not None:
+        raise Mismatch(problem)
+    return value
+
+
+def _endpoint(value):
+    try:
+        split_endpoint(_str(value))
+    except ValueError as exc:
+        raise Mismatch(str(exc)) from None
+    return value
+
+
+def _anything(value):
+    return value
+
+
+def _activation_checkpointing(value):
+    """``{mode: none|full|selective, every: N}``; a bare mode string is accepted too."""
+    if isinstance(value, str) or value is None or isinstance(value, bool):
+        value = {"mode": "none" if not value else value}
+    expected = "a mapping {mode: none | full | selective, every: a positive int}"
+    if not isinstance(value, dict) or set(value) - {"mode", "every"}:
+        raise Mismatch(expected)
+    mode = value.get("mode", "full")
+    every = value.get("every", 1)
+    if not isinstance(mode, str) or mode.lower() not in ("none", "full", "selective") or \
+            isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise Mismatch(expected)
+    return {"mode": mode.lower(), "every": every}
+
+
+def _compile(value):
+    """``{enabled: bool, ...torch.compile keyword arguments}``; ``true``/``false`` alone too."""
+    if isinstance(value, bool) or value is None:
+        return {"enabled": bool(value)}
+    allowed = {"enabled", "mode", "fullgraph", "dynamic", "backend", "options"}
+    if not isinstance(value, dict) or set(value) - allowed or \
+            not isinstance(value.get("enabled", True), bool):
+        raise Mismatch(f"true, false, or a mapping with keys {', '.join(sorted(allowed))} "
+                       f"(enabled: a bool; the others go to torch.compile)")
+    return {"enabled": True, **value}
+
+
+def _mixed_precision(value):
+    """``{param_dtype, reduce_dtype}``: floating-point torch dtype names."""
+    # torch: only a spec that sets mixed_precision pays for it; parsing a spec stays torch-free
+    from pp_core.parallel.data_parallel import mixed_precision_policy
+
+    expected = "a mapping {param_dtype, reduce_dtype} of float32, bfloat16 or float16"
+    if not isinstance(value, dict) or not value or set(value) - {"param_dtype", "reduce_dtype"}:
+        raise Mismatch(expected)
+    try:
+        mixed_precision_policy(value)
+    except ConfigError:
+        raise Mismatch(expected) from None
+    return dict(value)
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key of the schema: its checker, its default, and one line of documentation."""
+
+    name: str
+    check: Callable[[Any], Any]
+    default: Any = None
+    doc: str = ""
+    required: bool = False
+    open_mapping: bool = False  # its value is a free mapping (model.args, optimizer kwargs)
+
+
+def _pipeline_keys() -> list[Key]:
+    """``pipeline`` holds the :class:`~pp_core.config.PipelineConfig` fields, verbatim; each
+    key's checker follows from the field's declared type (:func:`~pp_core.config.field_specs`)."""
+    keys = []
+    for declared in field_specs():
+        if declared.kind is bool:
+            check = _bool
+        elif declared.kind is int:
+            check = _int(declared.minimum)
+        elif declared.kind is str:
+            check = _str  # pp_schedule and pp_schedule_csv both None: PipelineConfig names it
+        elif declared.kind == "choice":
+            check = _choice(*declared.choices)
+        else:
+            check = _anything  # PipelineConfig itself checks these
+        if declared.optional and check is not _anything:
+            check = _optional(check)
+        keys.append(Key(declared.name, check, declared.default, f"PipelineConfig.{declared.name}"))
+    return keys
+
+
+SCHEMA: dict[str, list[Key]] = {
+    "model": [
+        Key("name", _optional(_str), None, "a model registered by a plugin (pp_register_models)"),
+        Key("target", _optional(_str), None, "or an importable 'module:callable' (imports code)"),
+        Key("args", _mapping, {}, "keyword arguments of the model factory", open_mapping=True),
+        Key("splitter", _optional(_str), None, "a splitter plugin by name (default: chosen "
+            "automatically); balanced: profile before launch, split by measured time"),
+    ],
+    "data": [
+        Key("name", _str, None, "a dataset registered by a plugin (pp_register_datasets)",
+            required=True),
+        Key("args", _mapping, {}, "keyword arguments of the dataset factory", open_mapping=True),
+        Key("eval_args", _mapping, {}, "overrides of args for evaluation (e.g. split: val)",
+            open_mapping=True),
+    ],
+    "pipeline": _pipeline_keys(),
+    "distributed": [
+        Key("pp_size", _int(1), 2, "pipeline ranks (stages are spread over them)"),
+        Key("dp_shard", _int(1), 1, "FSDP2 degree: each pipeline stage's parameters, gradients "
+            "and optimizer state are sharded over this many ranks"),
+        Key("dp_replicate", _int(1), 1, "replicas of the whole pipeline (DDP semantics; HSDP "
+            "together with dp_shard)"),
+        Key("dp_size", _int(1), 1, "dp_replicate * dp_shard; written alone (older files) it "
+            "means dp_replicate"),
+        Key("mixed_precision", _optional(_mixed_precision), None, "{param_dtype, reduce_dtype} "
+            "of the dp engines (FSDP2's MixedPrecisionPolicy), e.g. bfloat16 / float32"),
+        Key("backend", _choice("auto", "gloo", "nccl"), "auto", "auto: nccl on CUDA, else gloo"),
+        Key("device", _choice("auto", "cpu", "cuda"), "auto",
+            "auto: cuda when every rank on the machine gets a GPU of its own, else cpu"),
+        Key("nnodes", _int(1), 1, "machines taking part; each runs the same command"),
+        Key("nproc_per_node", _optional(_int(1)), None, "ranks per machine; default "
+            "pp_size * dp_replicate * dp_shard / nnodes"),
+        Key("node_rank", _optional(_int(0)), None, "this machine's index (static rendezvous)"),
+        Key("master_addr", _address, "127.0.0.1", "address of the rendezvous host; loopback unless "
+            "you name another"),
+        Key("master_port", _optional(_port), None, "its port; default a free port (one node)"),
+        Key("rdzv_backend", _choice("c10d", "static"), "c10d", "torchrun's rendezvous backend"),
+        Key("rdzv_endpoint", _optional(_endpoint), None,
+            "host:port; default master_addr:master_port"),
+        Key("rdzv_id", _str, "pp-core", "the job id every node passes"),
+        Key("timeout_s", _int(1), 300, "rendezvous and process-group timeout in seconds"),
+    ],
+    "train": [
+        Key("steps", _int(1), 100, "optimizer steps"),
+        Key("optimizer", _mapping, {"name": "AdamW", "lr": 1e-3},
+            "{name: a torch.optim class, then its keyword arguments}", open_mapping=True),
+        Key("warmup_steps", _int(0), 0, "linear learning-rate warm-up from 0"),
+        Key("lr_decay", _choice("constant", "linear", "cosine"), "constant",
+            "learning-rate shape after warm-up"),
+        Key("min_lr_ratio", _float(0.0, 1.0), 0.1, "final lr / peak lr for linear or cosine"),
+        Key("grad_clip", _optional(_float(0.0)), None, "clip the global gradient norm to this"),
+        Key("seed", _int(0, 2**64 - 1), 0, "model initialisation and data order"),
+        Key("log_every", _int(1), 10, "steps between metric lines"),
+        Key("eval_every", _optional(_int(1)), None, "steps between evaluations (data.eval_args)"),
+        Key("eval_steps", _int(1), 2, "batches per evaluation"),
+        Key("activation_checkpointing", _activation_checkpointing,
+            {"mode": "none", "every": 1}, "{mode: none | full | selective, every: N} per block "
+            "(docs/composition.md)"),
+        Key("compile", _compile, {"enabled": False}, "{enabled: bool, mode, fullgraph, "
+            "dynamic, backend}: torch.compile each block (docs/composition.md)"),
+    ],
+    "checkpoint": [
+        Key("dir", _optional(_str), None, "where checkpoints go (one step_NNNNNNNN dir each)"),
+        Key("every", _optional(_int(1)), None, "steps between checkpoints"),
+        Key("save_final", _bool, True, "also save after the last step (when dir is set)"),
+        Key("resume", _resume, False, "true: latest checkpoint in dir; or a checkpoint path"),
+    ],
+    "output": [
+        Key("metrics", _optional(_str), None, "JSON-lines metrics file"),
+        Key("trace", _optional(_str), None, "Chrome trace (chrome://tracing, Perfetto)"),
+        Key("schedule_image", _optional(_str), None, "SVG timeline of the schedule"),
+        Key("progress", _choice("auto", "bar", "plain", "off"), "auto",
+            "auto: a bar on a terminal, plain lines otherwise"),
+        Key("summary", _bool, True, "print the summary table at the end"),
+    ],
+}
+REQUIRED_SECTIONS = ("model", "data")

@@ -1,0 +1,284 @@
+"""The training loop every rank of ``pp-core run`` executes.
+
+One rank's life: join the process group, lay the ranks out as a 3-D device mesh
+``(pp, dp_replicate, dp_shard)``,
+build the whole model with the run's seed (so every rank starts from the same weights, whatever
+the layout), cut out this rank's stages with :func:`pp_core.build_pipeline` over the mesh's pp
+group, hand the parts to torch's data parallelism (FSDP2 / HSDP / ``replicate``, through
+:func:`pp_core.parallel.apply_data_parallel`; ``Pipeline.step`` reduces their gradients once per
+step), then for each step: take this dp rank's slice of the global batch, run the pipeline step,
+clip, step the optimizers, and report. Checkpoints, evaluation, metrics, the trace and the summary hang off the
+loop; the first rank draws the progress line.
+
+The numbers are those of one process training the unsplit model on the global batch with
+gradient accumulation: the reported loss is the mean microbatch loss over the global batch and the
+gradient is the gradient of that mean.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pp_core import build_pipeline
+from pp_core.app.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from pp_core.app.factories import dataset_args, dataset_factory, model_factory
+from pp_core.app.progress import Progress
+from pp_core.app.run_outputs import RunRecorder
+from pp_core.app.spec import Spec
+from pp_core.devices import resolve_device
+from pp_core.errors import PipelineError
+from pp_core.parallel import apply_activation_checkpointing, apply_compile, apply_data_parallel
+from pp_core.parallel.gradients import clip_grad_norm, finish_gradients, tied_copies
+from pp_core.runtime.microbatch import num_tokens, split_batch
+
+__all__ = ["train", "lr_factor", "dp_slice", "RankContext"]
+
+
+def lr_factor(step: int, train: dict) -> float:
+    """Learning-rate multiplier for ``step`` (1-based): linear warm-up, then constant/linear/cosine."""
+    import math
+
+    warmup, total = train["warmup_steps"], train["steps"]
+    if warmup and step <= warmup:
+        return step / warmup
+    if train["lr_decay"] == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    floor = train["min_lr_ratio"]
+    if train["lr_decay"] == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def dp_slice(value, dp_rank: int, dp_size: int, global_batch: int):
+    """This dp rank's contiguous share of a global batch: :func:`split_batch`, the rule that
+    splits microbatches (tensors, tuples, dicts), with a message about the dataset."""
+    def mismatch(path, tensor):
+        found = "a scalar" if tensor.dim() == 0 else f"leading dimension {tensor.shape[0]}"
+        return PipelineError(
+            f"the dataset yielded a batch with {found}, expected the global batch size "
+            f"pipeline.pp_batch_size * distributed.dp_size = {global_batch}; make the "
+            f"dataset yield {global_batch} samples per step (data.args.batch_size)")
+
+    return split_batch(value, dp_size, global_batch, mismatch)[dp_rank]
+
+
+class RankContext:
+    """Process group, mesh and device of this rank (``dp_rank``, ``pp_rank``, groups)."""
+
+    def __init__(self, spec: Spec):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type, backend = resolve_device(spec)
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if device_type == "cuda":
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        else:
+            self.device = torch.device("cpu")
+            if "OMP_NUM_THREADS" not in os.environ:  # share the cores among the local ranks
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=timedelta(seconds=spec.distributed["timeout_s"]))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        pp, dp = spec.distributed["pp_size"], spec.distributed["dp_size"]
+        replicate, shard = spec.distributed["dp_replicate"], spec.distributed["dp_shard"]
+        if self.world_size != pp * dp:
+            raise PipelineError(f"{self.world_size} ranks joined, but pp_size * dp_replicate * "
+                                f"dp_shard = {pp} * {replicate} * {shard} = {pp * dp}")
+        # pp outermost (as torchtitan): a dp group's ranks are neighbours, on one node if possible
+        self.mesh = init_device_mesh(device_type, (pp, replicate, shard),
+                                     mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+        self.pp_mesh, self.dp_mesh = self.mesh["pp"], self.mesh["dp_replicate", "dp_shard"]
+        self.pp_group = self.pp_mesh.get_group()
+        self.pp_rank = self.pp_mesh.get_local_rank()
+        self.dp_rank = (self.mesh["dp_replicate"].get_local_rank() * shard
+                        + self.mesh["dp_shard"].get_local_rank())
+        self.pp_size, self.dp_size = pp, dp
+
+    def data_parallel_mesh(self):
+        """The sub-mesh torch's dp engines run on: ``dp_shard`` (FSDP2), ``dp_replicate``
+        (replicas only) or both (HSDP)."""
+        replicate, shard = self.mesh["dp_replicate"].size(), self.mesh["dp_shard"].size()
+        if replicate > 1 and shard > 1:
+            return self.dp_mesh
+        return self.mesh["dp_shard" if shard > 1 else "dp_replicate"]
+
+
+def _build(spec: Spec, ctx: RankContext):
+    """Model (seeded, whole, then split), pipeline, one optimizer per model part."""
+    torch.manual_seed(spec.train["seed"])
+    model = model_factory(spec)(**spec.model["args"])
+    num_params = sum(p.numel() for p in model.parameters())
+    checkpointing = activation_checkpointing_of(spec, model)
+    # each wait is bounded by distributed.timeout_s (so a stuck peer's message says how long),
+    # unless $PP_CORE_TIMEOUT sets it for every pipeline
+    timeout = None if os.environ.get("PP_CORE_TIMEOUT") else spec.distributed["timeout_s"]
+    splitter = spec.model.get("splitter")  # `balanced` was resolved into module lists at launch
+    if spec.pipeline["module_fqns_per_model_part"] is not None:
+        splitter = None
+    pipe = build_pipeline(model, spec.pipeline_config(), pp_group=ctx.pp_mesh, device=ctx.device,
+                          timeout=timeout, splitter=splitter)
+    del model
+    apply_parallelisms(pipe.model_parts, checkpointing, spec.train["compile"])
+    dp_units = 0
+    if ctx.dp_size > 1:  # last, after AC and compile, as torchtitan does
+        dp_units = apply_data_parallel(pipe.model_parts, ctx.data_parallel_mesh(),
+                                       shard=spec.distributed["dp_shard"] > 1,
+                                       mixed_precision=spec.distributed["mixed_precision"])
+    options = dict(spec.train["optimizer"])
+    cls = getattr(torch.optim, options.pop("name"))
+    optimizers = [cls(list(part.parameters()), **options) if any(True for _ in part.parameters())
+                  else None for part in pipe.model_parts]
+    return pipe, optimizers, num_params, dp_units
+
+
+def activation_checkpointing_of(spec: Spec, model) -> dict:
+    """``train.activation_checkpointing``, with a Hugging Face model's own switch folded in.
+
+    ``model.gradient_checkpointing_enable()`` (or a config that turns it on) asks for the same
+    thing as ``mode: full``; HF's own wrapper is turned off so that one mechanism, pp-core's
+    (one recompute per block with split backward), does it.
+    """
+    setting = dict(spec.train["activation_checkpointing"])
+    new_name = hasattr(type(model), "is_activation_checkpointing")  # transformers >= 5
+    on = getattr(model, "is_activation_checkpointing" if new_name else
+                 "is_gradient_checkpointing", False)
+    if on:
+        getattr(model, "activation_checkpointing_disable" if new_name else
+                "gradient_checkpointing_disable")()
+        if setting["mode"] == "none":
+            setting["mode"] = "full"
+    return setting
+
+
+def apply_parallelisms(parts, checkpointing: dict, compile_options: dict) -> None:
+    """AC, then compile, on this rank's parts (:mod:`pp_core.parallel`; dp comes after)."""
+    apply_activation_checkpointing(parts, checkpointing["mode"], checkpointing["every"])
+    options = dict(compile_options)
+    if options.pop("enabled"):
+        apply_compile(parts, **options)
+
+
+def _set_lr(optimizers, base_lrs, factor: float) -> float:
+    """Scale every group's learning rate from the YAML's (not a resumed checkpoint's) value."""
+    for optimizer, bases in zip(optimizers, base_lrs):
+        for group, base in zip(optimizer.param_groups if optimizer else (), bases):
+            group["lr"] = base * factor
+    return next((b for bases in base_lrs for b in bases), 0.0) * factor
+
+
+def _dataset(spec: Spec, evaluation: bool = False):
+    factory = dataset_factory(spec)
+    return factory(**dataset_args(spec, factory, evaluation))
+
+
+def _mean_over_dp(value: float | None, ctx: RankContext) -> float | None:
+    """The mean over dp replicas of a value only the last-stage ranks hold, on every rank."""
+    buffer = torch.tensor([0.0 if value is None else float(value),
+                           0.0 if value is None else 1.0], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(buffer)
+    return float(buffer[0] / buffer[1]) if buffer[1] > 0 else None
+
+
+def _resume_step(spec: Spec, pipe, optimizers, ctx: RankContext, say) -> int:
+    resume = spec.checkpoint["resume"]
+    if not resume:
+        return 0
+    path = resume_checkpoint(spec.checkpoint["dir"], resume)
+    if path is None:
+        say(f"checkpoint.resume: no checkpoint in {spec.checkpoint['dir']!r} yet; starting at "
+            f"step 0")
+        return 0
+    step = load_checkpoint(path, pipe.model_parts, optimizers)
+    say(f"resumed from {path} (step {step})")
+    return step
+
+
+def _evaluate(spec: Spec, pipe, ctx: RankContext, global_batch: int) -> float | None:
+    losses = []
+    for index, (inputs, target) in enumerate(_dataset(spec, evaluation=True)):
+        if index >= spec.train["eval_steps"]:
+            break
+        with torch.no_grad():
+            loss = pipe.eval_step(dp_slice(inputs, ctx.dp_rank, ctx.dp_size, global_batch),
+                                  target=dp_slice(target, ctx.dp_rank, ctx.dp_size, global_batch))
+        losses.append(_mean_over_dp(None if loss is None else float(loss), ctx))
+    return sum(losses) / len(losses) if losses and losses[0] is not None else None
+
+
+def train(spec: Spec) -> dict[str, Any]:
+    """Run this rank's part of the pipeline; rank 0 returns the summary (see ``format_summary``)."""
+    started = time.perf_counter()
+    ctx = RankContext(spec)
+    pipe, optimizers, num_params, dp_units = _build(spec, ctx)
+    config = spec.pipeline_config()
+    base_lrs = [[g["lr"] for g in o.param_groups] if o else [] for o in optimizers]
+    recorder = RunRecorder(spec, ctx, pipe, num_params)
+    say = recorder.say
+    start_step = _resume_step(spec, pipe, optimizers, ctx, say)
+    recorder.open_metrics(start_step)
+    train_cfg, steps = spec.train, spec.train["steps"]
+    params = [p for part in pipe.model_parts for p in part.parameters()]
+    counted_once = tied_copies(pipe.model_parts, pipe.stage_indices)
+    batches = _batches(_dataset(spec), start_step)
+    global_batch = spec.global_batch_size
+    progress = Progress(steps, start_step, spec.output["progress"] if ctx.rank == 0 else "off",
+                        train_cfg["log_every"])
+    recorder.progress = progress
+    for step in range(start_step + 1, steps + 1):
+        try:
+            inputs, target = next(batches)
+        except StopIteration:
+            raise PipelineError(f"dataset {spec.data['name']!r} ran out after {step - 1} steps; "
+                                f"train.steps={steps} needs more batches") from None
+        lr = _set_lr(optimizers, base_lrs, lr_factor(step, train_cfg))
+        local_inputs = dp_slice(inputs, ctx.dp_rank, ctx.dp_size, global_batch)
+        local_target = dp_slice(target, ctx.dp_rank, ctx.dp_size, global_batch)
+        for param in params:
+            param.grad = None
+        t0 = time.perf_counter()
+        loss = recorder.timed_step(pipe, local_inputs, local_target)
+        finish_gradients(params, 1 if config.scale_grads_in_schedule else config.num_microbatches)
+        grad_norm = clip_grad_norm(params, train_cfg["grad_clip"], ctx.pp_group, counted_once)
+        for optimizer in optimizers:
+            if optimizer is not None:
+                optimizer.step()
+        step_time = time.perf_counter() - t0
+        global_loss = _mean_over_dp(None if loss is None else float(loss), ctx)
+        tokens = num_tokens(inputs)
+        recorder.record_step(step, global_loss, step_time, tokens, grad_norm, lr, t0)
+        progress.update(step, global_loss, tokens / step_time, step_time)
+        if train_cfg["eval_every"] and step % train_cfg["eval_every"] == 0:
+            recorder.record_eval(step, _evaluate(spec, pipe, ctx, global_batch))
+        every, directory = spec.checkpoint["every"], spec.checkpoint["dir"]
+        last = step == steps and spec.checkpoint["save_final"]
+        if directory and ((every and step % every == 0) or last):
+            path = save_checkpoint(directory, step, pipe.model_parts, optimizers)
+            say(f"checkpoint saved: {path}")
+    progress.close()
+    result = recorder.finish(start_step, time.perf_counter() - started, dp_units)
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def _batches(data, start_step: int):
+    """An iterator over the dataset from batch ``start_step`` on (a resumed run's position).
+
+    A dataset with ``skip(n)`` jumps there; any other iterable is replayed from the start.
+    """
+    if start_step and hasattr(data, "skip"):
+        data.skip(start_step)
+        return iter(data)
+    batches = iter(data)
+    for _ in range(start_step):
+        next(batches)
+    return batches

@@ -1,0 +1,259 @@
+"""Plan how a model is cut into pipeline stages: which splitter, how many stages, which modules.
+
+The plan is pure bookkeeping (module names per stage), kept apart from the code that builds the
+parts (:mod:`pp_core.planning.parts`) so every rank can compute the same plan cheaply, check it,
+and only then build its own parts. Everything here raises :class:`~pp_core.ConfigError` with the
+offending values and the fix *before* any process group traffic. See ``docs/splitting.md``.
+The stage-count arithmetic (:func:`spread`, :func:`balanced_partition`, :func:`virtual_stages`)
+lives in :mod:`pp_core.planning.partition` and is re-exported here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pp_core.errors import ConfigError, did_you_mean
+from pp_core.planning.partition import balanced_partition, spread, virtual_stages  # re-exported
+from pp_core.plugin_manager import plugins_or_default
+
+__all__ = [
+    "SplitPlan",
+    "plan_split",
+    "select_splitter",
+    "virtual_stages",
+    "spread",
+    "balanced_partition",
+    "check_stage_fqns",
+    "DEFAULT_PRIORITY",
+]
+
+DEFAULT_PRIORITY = 0
+"""Priority of a splitter without a ``priority`` attribute (the built-ins use 100, 200, 300)."""
+
+
+@dataclass
+class SplitPlan:
+    """Which modules each stage holds. The same on every rank; computed before any traffic.
+
+    ``stages_per_rank`` is what the runtime must build its schedule with: it differs from the
+    schedule's default when ``layers_per_stage`` or ``module_fqns_per_model_part`` fix the stage
+    count. ``tied_parameters`` lists parameters reachable under several names that land on
+    different stages (e.g. a tied embedding and output head): each holder gets the tensor, and
+    keeping their gradients in sync across ranks is up to the caller.
+    """
+
+    num_stages: int
+    fqns_per_stage: list[list[str]]
+    splitter: str
+    num_ranks: int = 1
+    stages_per_rank: int = 1
+    param_counts: list[int] = field(default_factory=list)
+    tied_parameters: list[tuple[str, ...]] = field(default_factory=list)
+    splitter_object: Any = field(default=None, repr=False, compare=False)
+
+    def describe(self) -> str:
+        """One line per stage: index, parameter count, module names."""
+        lines = [f"{self.num_stages} stages ({self.num_ranks} ranks x {self.stages_per_rank}), "
+                 f"splitter {self.splitter!r}"]
+        for index, fqns in enumerate(self.fqns_per_stage):
+            count = self.param_counts[index] if index < len(self.param_counts) else "?"
+            shown = ", ".join(fqns[:6]) + (f", ... (+{len(fqns) - 6})" if len(fqns) > 6 else "")
+            lines.append(f"  stage {index}: {count} params: {shown}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def _accepts(splitter, model, config) -> bool:
+    accepts = getattr(splitter, "accepts", None)
+    if accepts is None:
+        return True
+    try:
+        wants_config = len(inspect.signature(accepts).parameters) >= 2
+    except (TypeError, ValueError):
+        wants_config = False
+    return bool(accepts(model, config) if wants_config else accepts(model))
+
+
+def _rejection(splitter, model) -> str:
+    reason = getattr(splitter, "rejection", None)
+    return reason(model) if callable(reason) else "does not accept it"
+
+
+def select_splitter(model, config, plugins=None, splitter=None) -> tuple[str, Any]:
+    """``(name, splitter)``: the one named (a registry name or an object), else automatic.
+
+    Automatic: registered splitters sorted by their ``priority`` attribute, highest first (ties:
+    registration order); the first whose ``accepts(model)`` (or ``accepts(model, config)``) is
+    true wins. Built-ins: ``fqn`` 300 (only when ``module_fqns_per_model_part`` is set),
+    ``layers`` 200, ``sequential`` 100; a splitter without ``priority`` has 0.
+    """
+    if splitter is not None and not isinstance(splitter, str):
+        name = getattr(splitter, "name", type(splitter).__name__)
+        return name, splitter
+    registry = plugins_or_default(plugins).splitters
+    if isinstance(splitter, str):
+        entry = registry.entry(splitter)
+        if not _accepts(entry.value, model, config):
+            raise ConfigError(
+                f"splitter {entry.name!r} (from {entry.plugin}) cannot split "
+                f"{type(model).__name__}: {_rejection(entry.value, model)}; name another splitter "
+                f"or leave it unset to choose automatically")
+        return entry.name, entry.value
+    entries = sorted(enumerate(registry), key=lambda item: (
+        -getattr(item[1].value, "priority", DEFAULT_PRIORITY), item[0]))
+    tried = []
+    for _, entry in entries:
+        if _accepts(entry.value, model, config):
+            return entry.name, entry.value
+        tried.append(f"{entry.name}: {_rejection(entry.value, model)}")
+    raise ConfigError(
+        f"no splitter can split {type(model).__name__} ({'; '.join(tried) or 'none installed'}); "
+        f"set module_fqns_per_model_part, give the model a `layers` ModuleList/ModuleDict, make it "
+        f"an nn.Sequential, or install a splitter for it (see docs/splitting.md)")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _names(model) -> tuple[dict, dict, dict]:
+    modules = dict(model.named_modules(remove_duplicate=False))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    return modules, params, buffers
+
+
+def check_stage_fqns(model, fqns_per_stage, num_stages: int, source: str) -> tuple[list, list]:
+    """Check a split and return ``(param_counts, tied_parameters)``; raise ConfigError if bad.
+
+    Every name must be a module, parameter or buffer of ``model``; every parameter must be held
+    by exactly one stage (a parameter reachable under several names may be held once per name:
+    a tied weight); a parameter-free module may appear on several stages.
+    """
+    if not isinstance(fqns_per_stage, (list, tuple)) or len(fqns_per_stage) != num_stages:
+        got = len(fqns_per_stage) if isinstance(fqns_per_stage, (list, tuple)) else fqns_per_stage
+        raise ConfigError(f"{source} gave {got!r} stages, expected {num_stages}")
+    modules, params, buffers = _names(model)
+    known = set(modules) | set(params) | set(buffers)
+    holder: dict[str, list[int]] = {}
+    for stage, fqns in enumerate(fqns_per_stage):
+        if not fqns:
+            raise ConfigError(f"{source}: stage {stage} holds no module; every stage needs at "
+                              f"least one (use fewer stages)")
+        for fqn in fqns:
+            if fqn not in known:
+                hint = did_you_mean(fqn, sorted(known), n=3, before="; ")
+                raise ConfigError(f"{source}: stage {stage} names {fqn!r}, which is not a module, "
+                                  f"parameter or buffer of {type(model).__name__}{hint}")
+            holder.setdefault(fqn, []).append(stage)
+
+    def stages_of(name: str) -> set[int]:
+        found, parts = set(), name.split(".")
+        for end in range(1, len(parts) + 1):
+            found.update(holder.get(".".join(parts[:end]), ()))
+        return found
+
+    by_tensor: dict[int, list[str]] = {}
+    for name, param in params.items():
+        by_tensor.setdefault(id(param), []).append(name)
+    uncovered, doubled, tied = [], [], []
+    counts = [0] * num_stages
+    for names in by_tensor.values():
+        per_name = {name: stages_of(name) for name in names}
+        held = set().union(*per_name.values())
+        if not held:
+            uncovered.append(names[0])
+        for name, stages in per_name.items():
+            if len(stages) > 1:
+                doubled.append(f"{name} (stages {sorted(stages)})")
+        if len(held) > 1 and len(names) > 1:
+            tied.append(tuple(n for n in names if per_name[n]))
+        for stage in held:
+            counts[stage] += params[names[0]].numel()
+    if uncovered:
+        more = f" and {len(uncovered) - 8} more" if len(uncovered) > 8 else ""
+        raise ConfigError(
+            f"{source}: parameters {uncovered[:8]}{more} are on no stage; add their modules "
+            f"(e.g. {_owner(uncovered[0])!r}) to a stage")
+    if doubled:
+        raise ConfigError(f"{source}: parameters on more than one stage: {doubled[:8]}; each "
+                          f"module with parameters belongs to exactly one stage")
+    return counts, tied
+
+
+def _owner(name: str) -> str:
+    return name.rpartition(".")[0] or name
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def plan_split(
+    model,
+    config,
+    num_ranks: int,
+    stages_per_rank: Optional[int] = 1,
+    plugins=None,
+    splitter=None,
+    *,
+    variable_stages_per_rank: bool = False,
+) -> SplitPlan:
+    """Choose a splitter, fix the stage count and return the checked :class:`SplitPlan`.
+
+    :param stages_per_rank: the schedule's stages per rank (``ScheduleDef.stages_per_rank``, or
+        ``num_stages / num_ranks`` of a CSV schedule); ``None`` accepts any count.
+    :param variable_stages_per_rank: the schedule accepts any count >= 2 (looped schedules).
+    :param splitter: a registered name, a splitter object, or ``None`` (automatic).
+    Stage count: ``len(config.module_fqns_per_model_part)`` when set, else from
+    ``layers_per_stage`` (:func:`virtual_stages`), else ``num_ranks * stages_per_rank``; the
+    runtime then builds its schedule with ``plan.stages_per_rank``.
+    """
+    if not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ConfigError(f"num_ranks={num_ranks!r} must be a positive int")
+    name, chosen = select_splitter(model, config, plugins, splitter)
+    schedule = f"schedule {config.pp_schedule!r}" if not config.pp_schedule_csv else \
+        f"the CSV schedule {config.pp_schedule_csv!r}"
+    fixed = config.module_fqns_per_model_part
+    counter = getattr(chosen, "num_layers", None)
+    if fixed is not None and config.layers_per_stage is not None:
+        raise ConfigError(f"both module_fqns_per_model_part and layers_per_stage="
+                          f"{config.layers_per_stage} are set; the first fixes the stages by "
+                          f"name, so unset layers_per_stage (or the module list)")
+    if fixed is not None:
+        num_stages, per_rank = _stages_from_fqns(len(fixed), num_ranks, stages_per_rank,
+                                                 variable_stages_per_rank, schedule)
+    elif counter is not None:
+        num_stages, per_rank = virtual_stages(
+            counter(model), config.layers_per_stage, num_ranks, stages_per_rank,
+            variable_stages_per_rank, config.round_virtual_stages_to_pp_multiple, schedule)
+    elif config.layers_per_stage is not None:
+        raise ConfigError(f"layers_per_stage={config.layers_per_stage} is set, but splitter "
+                          f"{name!r} does not count layers (no num_layers(model)); unset "
+                          f"layers_per_stage or use module_fqns_per_model_part")
+    else:
+        per_rank = stages_per_rank or 1
+        num_stages = num_ranks * per_rank
+    fqns = chosen.split(model, num_stages, config)
+    fqns = [list(stage) for stage in fqns] if isinstance(fqns, (list, tuple)) else fqns
+    counts, tied = check_stage_fqns(model, fqns, num_stages, f"splitter {name!r}")
+    return SplitPlan(num_stages, fqns, name, num_ranks, per_rank, counts, tied, chosen)
+
+
+def _stages_from_fqns(parts, num_ranks, stages_per_rank, variable, schedule) -> tuple[int, int]:
+    per_rank, remainder = divmod(parts, num_ranks)
+    expected = num_ranks * (stages_per_rank or 1)
+    ok = not remainder and (stages_per_rank is None or per_rank == stages_per_rank
+                            or (variable and per_rank >= 2))
+    if ok:
+        return parts, per_rank
+    if variable:
+        need = (f"a multiple of num_ranks={num_ranks} with at least 2 per rank "
+                f"(e.g. {2 * num_ranks})")
+    else:
+        need = f"exactly {expected} (num_ranks={num_ranks} x {stages_per_rank} stage(s) per rank)"
+    raise ConfigError(
+        f"module_fqns_per_model_part has {parts} parts, but {schedule} needs {need}; give that "
+        f"many parts, or change the number of ranks or the schedule")

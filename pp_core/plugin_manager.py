@@ -1,0 +1,342 @@
+"""The plugin manager: loads the ``pp_core`` entry points and turns hook results into registries.
+
+Nothing here runs at import time. :func:`make_plugin_manager` builds a fresh manager;
+:class:`Plugins` is the one facade through which the engine calls hooks, so the rest of pp-core
+calls typed methods, never ``pm.hook.*``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Callable, Iterable
+
+import pluggy
+
+from pp_core import hookspecs
+from pp_core.errors import PluginError, did_you_mean
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "DISABLE_ENV",
+    "BrokenPlugin",
+    "Registry",
+    "Plugins",
+    "make_plugin_manager",
+    "load_plugins",
+    "default_plugins",
+    "plugins_or_default",
+]
+
+ENTRY_POINT_GROUP = "pp_core"
+DISABLE_ENV = "PP_CORE_DISABLE_PLUGINS"
+CORE_PLUGIN_NAME = "pp_core.model_initializers"
+
+
+class ModelInitializers:
+    """The core's own plugin, in every manager: a module that owns process-local resources
+    lists them itself, in a ``pipeline_runtime_initializers()`` method (see
+    :mod:`pp_core.runtime.initializers`)."""
+
+    @hookspecs.hookimpl
+    def pp_runtime_initializers(self, module):
+        method = getattr(type(module), "pipeline_runtime_initializers", None)
+        if method is None:
+            return None
+        return module.pipeline_runtime_initializers()
+
+
+@dataclass(frozen=True)
+class BrokenPlugin:
+    """An entry point that could not be loaded; listed by ``pp-core plugins`` instead of crashing."""
+
+    name: str
+    distribution: str
+    version: str
+    error: str
+
+    def message(self) -> str:
+        return (
+            f"plugin {self.name!r} ({self.distribution} {self.version}) failed to import: "
+            f"{self.error}; fix or reinstall {self.distribution}, or skip it with "
+            f"{DISABLE_ENV}={self.name}"
+        )
+
+
+def disabled_plugin_names(environ: dict | None = None) -> set[str]:
+    value = (environ if environ is not None else os.environ).get(DISABLE_ENV, "")
+    return {name.strip() for name in value.split(",") if name.strip()}
+
+
+def _warn_unknown_disabled(blocked: set[str]) -> None:
+    """A name in $PP_CORE_DISABLE_PLUGINS that no plugin has disables nothing: say so, with the
+    closest name and the known ones, rather than leave the user believing it worked."""
+    known = [ep.name for ep in _entry_points()]
+    for name in sorted(blocked - set(known)):
+        import warnings
+
+        hint = did_you_mean(name, known, after=" ")
+        warnings.warn(f"{DISABLE_ENV}: no installed plugin is named {name!r}, so it disables "
+                      f"nothing; {hint}installed plugins: {', '.join(known) or 'none'}",
+                      UserWarning, stacklevel=3)
+
+
+def _entry_points() -> list[metadata.EntryPoint]:
+    return sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+
+
+def _distribution_of(ep: metadata.EntryPoint) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "unknown distribution", "?"
+    return dist.metadata["Name"], dist.version
+
+
+def make_plugin_manager(
+    entry_points: bool = True,
+    plugins: Iterable[Any] = (),
+    disabled: Iterable[str] | None = None,
+) -> pluggy.PluginManager:
+    """A fresh plugin manager with pp-core's hook specs and built-in model-initializer hook.
+
+    :param entry_points: load the ``pp_core`` entry-point group, one entry at a time; a plugin
+        that fails to import is recorded in ``pm.pp_broken`` (a list of :class:`BrokenPlugin`)
+        and the others still load.
+    :param plugins: extra plugin objects (or ``(name, object)`` pairs) to register in-process.
+    :param disabled: entry-point names to skip; defaults to ``$PP_CORE_DISABLE_PLUGINS``.
+    """
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    pm.pp_broken = []  # type: ignore[attr-defined]
+    pm.pp_distributions = {}  # type: ignore[attr-defined]
+
+    pm.register(ModelInitializers(), name=CORE_PLUGIN_NAME)
+    blocked = disabled_plugin_names() if disabled is None else set(disabled)
+    for name in blocked:
+        pm.set_blocked(name)
+    if entry_points:
+        _warn_unknown_disabled(blocked)
+        for ep in _entry_points():
+            if ep.name in blocked or pm.get_plugin(ep.name) is not None:
+                continue
+            dist, version = _distribution_of(ep)
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a plugin defect: report it, keep the others
+                pm.pp_broken.append(
+                    BrokenPlugin(ep.name, dist, version, f"{type(exc).__name__}: {exc}")
+                )
+                continue
+            pm.register(plugin, name=ep.name)
+            pm.pp_distributions[ep.name] = (dist, version)
+    for item in plugins:
+        name, plugin = item if isinstance(item, tuple) else (_plugin_name(pm, item), item)
+        pm.register(plugin, name=name)
+    check_pending(pm)
+    return pm
+
+
+def _plugin_name(pm: pluggy.PluginManager, plugin: Any) -> str:
+    """A readable name for an in-process plugin: its module name or class name, made unique."""
+    base = getattr(plugin, "__name__", None) or type(plugin).__name__
+    name, suffix = base, 1
+    while pm.get_plugin(name) is not None or pm.is_blocked(name):
+        suffix += 1
+        name = f"{base}#{suffix}"
+    return name
+
+
+def check_pending(pm: pluggy.PluginManager) -> None:
+    """pluggy's ``check_pending`` with a message that names the plugin and lists the known hooks."""
+    known = sorted(name for name in dir(hookspecs) if name.startswith("pp_"))
+    for name, plugin in pm.list_name_plugin():
+        for attr in dir(plugin):
+            if not attr.startswith("pp_"):
+                continue
+            caller = getattr(pm.hook, attr, None)
+            if caller is None or not caller.has_spec():
+                if pm.parse_hookimpl_opts(plugin, attr) is None:
+                    continue
+                hint = did_you_mean(attr, known, after=" ")
+                raise PluginError(
+                    f"plugin {name!r} implements unknown hook {attr!r}; {hint}"
+                    f"known hooks: {', '.join(known)}"
+                )
+    pm.check_pending()
+
+
+@dataclass
+class RegistryEntry:
+    name: str
+    value: Any
+    plugin: str
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass
+class Registry:
+    """Named things registered by plugins (schedules, splitters, models, datasets)."""
+
+    kind: str
+    entries: dict[str, RegistryEntry] = field(default_factory=dict)
+    _lookup: dict[str, RegistryEntry] = field(default_factory=dict)
+
+    def add(self, name: str, value: Any, plugin: str, aliases: Iterable[str] = ()) -> None:
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"plugin {plugin!r} registered a {self.kind} with name {name!r}; "
+                              f"names must be non-empty strings")
+        entry = RegistryEntry(name, value, plugin, tuple(aliases))
+        for key in (name, *entry.aliases):
+            other = self._lookup.get(key.lower())
+            if other is not None:
+                raise PluginError(
+                    f"{self.kind} {key!r} is registered twice: by plugin {other.plugin!r} "
+                    f"(as {other.name!r}) and by plugin {plugin!r} (as {name!r}); uninstall one, "
+                    f"or skip one with {DISABLE_ENV}=<plugin name>"
+                )
+        for key in (name, *entry.aliases):
+            self._lookup[key.lower()] = entry
+        self.entries[name] = entry
+
+    def __contains__(self, name: str) -> bool:
+        return isinstance(name, str) and name.lower() in self._lookup
+
+    def __iter__(self):
+        return iter(self.entries.values())
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def entry(self, name: str) -> RegistryEntry:
+        found = self._lookup.get(str(name).lower())
+        if found is not None:
+            return found
+        installed = ", ".join(f"{e.name} (from {e.plugin})" for e in self.entries.values())
+        hint = did_you_mean(str(name).lower(), self._lookup,
+                            show=lambda key: repr(self._lookup[key].name), after=" ")
+        raise PluginError(
+            f"unknown {self.kind} {name!r}; {hint}installed {self.kind}s: {installed or 'none'}; "
+            f"run 'pp-core plugins' to see every plugin"
+        )
+
+    def get(self, name: str) -> Any:
+        return self.entry(name).value
+
+
+class Plugins:
+    """The facade over one plugin manager: every hook call of the engine goes through here."""
+
+    def __init__(self, pm: pluggy.PluginManager):
+        self.pm = pm
+
+    @property
+    def broken(self) -> list[BrokenPlugin]:
+        return list(getattr(self.pm, "pp_broken", []))
+
+    def distribution(self, plugin_name: str) -> tuple[str, str]:
+        return getattr(self.pm, "pp_distributions", {}).get(plugin_name, ("in-process", ""))
+
+    def _collect(self, hook_name: str, kind: str, aliases_of: Callable[[Any], Iterable[str]]):
+        registry = Registry(kind)
+        hook = getattr(self.pm.hook, hook_name)
+        for impl in hook.get_hookimpls():
+            plugin = impl.plugin_name
+
+            def register(name, value, _plugin=plugin):
+                registry.add(name, value, _plugin, aliases_of(value))
+
+            try:
+                impl.function(register)
+            except PluginError:
+                raise
+            except Exception as exc:
+                dist, version = self.distribution(plugin)
+                raise PluginError(
+                    f"plugin {plugin!r} ({dist} {version}) raised in {hook_name}: "
+                    f"{type(exc).__name__}: {exc}; fix the plugin or skip it with "
+                    f"{DISABLE_ENV}={plugin}"
+                ) from exc
+        return registry
+
+    @functools.cached_property
+    def schedules(self) -> Registry:
+        # a ScheduleDef carries its aliases; a bare generator function has none. The schedule
+        # half (pp_core.schedule.build) turns either into a ScheduleDef: the manager sits below
+        # it and does not import it.
+        return self._collect("pp_register_schedules", "schedule",
+                             lambda value: tuple(getattr(value, "aliases", ())))
+
+    @functools.cached_property
+    def splitters(self) -> Registry:
+        return self._collect("pp_register_splitters", "splitter", lambda v: ())
+
+    @functools.cached_property
+    def models(self) -> Registry:
+        return self._collect("pp_register_models", "model", lambda v: ())
+
+    @functools.cached_property
+    def datasets(self) -> Registry:
+        return self._collect("pp_register_datasets", "dataset", lambda v: ())
+
+    def runtime_initializers(self, module) -> list:
+        """Every plugin's initializers for ``module``, in hook-call order (``None`` skipped)."""
+        found = []
+        for impl in reversed(self.pm.hook.pp_runtime_initializers.get_hookimpls()):
+            try:
+                result = impl.function(module=module)
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r} raised in pp_runtime_initializers for "
+                    f"{type(module).__name__}: {type(exc).__name__}: {exc}"
+                ) from exc
+            if result is not None:
+                found.extend((impl.plugin_name, item) for item in result)
+        return found
+
+    def run_step(self, pipeline, training: bool, step: Callable[[], Any]) -> Any:
+        """Run ``step()`` inside every ``pp_pipeline_step`` wrapper; return what it returned."""
+        hook = self.pm.hook.pp_pipeline_step
+        impls = hook.get_hookimpls()
+        if not impls:
+            return step()
+        for impl in impls:
+            if not (impl.wrapper or impl.hookwrapper):
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r} implements pp_pipeline_step without "
+                    f"wrapper=True; write @hookimpl(wrapper=True) and 'result = yield' around "
+                    f"the step, then 'return result'"
+                )
+
+        def run(pipeline, training):
+            return step()
+
+        # call_extra adds the step itself as the innermost implementation, for this call only
+        return hook.call_extra([run], {"pipeline": pipeline, "training": training})
+
+    def recv_buffer_allocator(self, config, program, rank, device):
+        return self.pm.hook.pp_make_recv_buffer_allocator(
+            config=config, program=program, rank=rank, device=device
+        )
+
+
+def load_plugins(entry_points: bool = True, plugins: Iterable[Any] = (), disabled=None) -> Plugins:
+    """A fresh :class:`Plugins` facade (see :func:`make_plugin_manager` for the arguments)."""
+    return Plugins(make_plugin_manager(entry_points=entry_points, plugins=plugins, disabled=disabled))
+
+
+@functools.lru_cache(maxsize=1)
+def default_plugins() -> Plugins:
+    """The installed plugins, loaded once per process on first use (never at import time)."""
+    return load_plugins()
+
+
+def plugins_or_default(plugins=None) -> Plugins:
+    """``plugins`` as a :class:`Plugins`: the installed ones when ``None``, a pluggy
+    ``PluginManager`` wrapped. Every function that takes ``plugins=None`` resolves it here."""
+    if plugins is None:
+        return default_plugins()
+    if isinstance(plugins, Plugins):
+        return plugins
+    return Plugins(plugins)

@@ -1,0 +1,20 @@
+"""Helpers for testing pp-core plugins and pipelines, for plugin authors and pp-core's own tests.
+
+Two jobs, two modules: :mod:`pp_core.testing.plugins` builds plugin managers holding exactly the
+plugins a test names (``plugins_with``); :mod:`pp_core.testing.dist_pool` runs test functions on
+N local gloo ranks (``DistPool``). Both are importable from here.
+"""
+
+from pp_core.testing.plugins import installed_entry_point, plugin_manager, plugins_with
+
+__all__ = ["plugin_manager", "plugins_with", "installed_entry_point", "DistPool", "Outcome",
+           "RankError"]
+
+
+def __getattr__(name):
+    # Lazy: DistPool imports torch; plugin-manager tests (and `pp-core plugins`) need not.
+    if name in ("DistPool", "Outcome", "RankError"):
+        from pp_core.testing import dist_pool
+
+        return getattr(dist_pool, name)
+    raise AttributeError(f"module 'pp_core.testing' has no attribute {name!r}")
