@@ -50,12 +50,23 @@ def test_splits_by_measured_cost_not_by_block_count():
     # a slow first block: it gets a stage of its own
     slow = synthetic(model, [0.5, 6.0, 1.0, 1.0, 1.0, 0.5])
     plan = plan_split(model, PipelineConfig(), 2, 1, PLUGINS, BalancedSplitter(slow))
-    assert plan.fqns_per_stage[0] == ["tok_embeddings", "pos_embeddings", "layers.0"]
+    assert plan.fqns_per_stage[0] == ["tok_embeddings", "pos_embeddings"]  # cost 4: alone
+    assert plan.fqns_per_stage[-1] == ["norm", "output"]
     # a dict of profiles (what profile_model returns): the config's microbatch size picks one
     both = {2: heavy_ends, 1: slow}
     plan = plan_split(model, PipelineConfig(pp_microbatch_size=1), 2, 1, PLUGINS,
                       BalancedSplitter(both))
     assert plan.fqns_per_stage[0][-1] == "layers.0"
+
+
+def test_layers_per_stage_counts_blocks_as_the_base_splitter_does():
+    model = gpt(4)
+    profile = synthetic(model, [4.0, 1.0, 1.0, 1.0, 1.0, 4.0])
+    plan = plan_split(model, PipelineConfig(pp_schedule="interleaved_1f1b", layers_per_stage=1),
+                      2, None, PLUGINS, BalancedSplitter(profile), variable_stages_per_rank=True)
+    assert plan.num_stages == 4 and plan.stages_per_rank == 2  # 4 blocks, one per stage
+    assert plan.fqns_per_stage[0] == ["tok_embeddings", "pos_embeddings"]  # cost 4: alone
+    assert plan.fqns_per_stage[-1] == ["norm", "output"]
 
 
 def test_parts_of_a_balanced_split_compute_the_model():
