@@ -25,6 +25,7 @@ import threading
 from typing import Any, Callable
 
 from pp_core.app.logs import configure_logging
+from pp_core.app.balanced_launch import balanced_spec, wants_balanced
 from pp_core.app.rendezvous import prepare_endpoint
 from pp_core.app.spec import Spec
 from pp_core.devices import choose, local_ranks
@@ -108,11 +109,17 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
                 f"{spec.distributed['pp_size']} * {spec.distributed['dp_size']} = "
                 f"{spec.world_size}; pass --nnodes/--nproc-per-node that multiply to "
                 f"{spec.world_size}")
+        if wants_balanced(spec) and spec.pipeline["module_fqns_per_model_part"] is None:
+            raise ConfigError("model.splitter: balanced profiles once in the launching process, "
+                              "which torchrun does not have; start it with `pp-core run`, or "
+                              "put the cut into pipeline.module_fqns_per_model_part")
         return {int(os.environ.get("LOCAL_RANK", 0)): rank_main(_values(spec), entrypoint)}
     dist = spec.distributed
     nproc = local_ranks(dist)
     choice = choose(spec)
     with _signals_raise():  # SIGTERM during the checks or the rendezvous ends us cleanly too
+        if wants_balanced(spec):  # every rank gets the same cut, measured here once
+            spec = balanced_spec(spec, say=announce)
         endpoint = prepare_endpoint(dist)
         if announce is not None:
             node = f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else ""

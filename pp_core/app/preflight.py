@@ -40,6 +40,13 @@ class Preflight:
     notes: list[str] = field(default_factory=list)
 
 
+def _splitter(spec: Spec):
+    """``model.splitter`` as the meta-device plan uses it: ``balanced`` cuts where measured time
+    says, at launch (:mod:`pp_core.app.balanced_launch`); its stage count is its base splitter's."""
+    name = spec.model.get("splitter")
+    return None if name is not None and name.lower() == "balanced" else name
+
+
 def _check_args(where: str, factory: Callable, args: dict, problems: list[str]) -> None:
     try:
         params = inspect.signature(factory).parameters
@@ -148,7 +155,8 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
     if model is not None:
         _check_blocks(spec, model, problems)
     try:
-        planned = plan_pipeline(model, config, num_ranks, plugins=plugins)
+        planned = plan_pipeline(model, config, num_ranks, plugins=plugins,
+                                splitter=_splitter(spec))
     except PPCoreError as exc:
         if exc.field in ("pp_schedule", "pp_schedule_csv"):
             problems.append(f"pipeline.{exc.field}: {exc}{sizes}")

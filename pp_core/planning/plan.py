@@ -94,19 +94,20 @@ def schedule_shape(config, num_ranks: int, plugins=None) -> ScheduleShape:
 
 
 def plan_pipeline(model, config, num_ranks: int, *, rank: Optional[int] = None,
-                  plugins=None) -> PipelinePlan:
+                  plugins=None, splitter=None) -> PipelinePlan:
     """Plan ``model`` (real or on the meta device; ``None``: schedule only) for ``num_ranks``.
 
     :param config: a :class:`~pp_core.PipelineConfig`.
     :param rank: this rank, for :attr:`PipelinePlan.stage_indices`.
     :param plugins: a :class:`~pp_core.plugin_manager.Plugins` (default: the installed plugins).
+    :param splitter: a splitter name or object (``BalancedSplitter(profile)``); None: automatic.
     :raises PPCoreError: the first step that fails (see the module docstring); nothing is built.
     """
     plugins = plugins_or_default(plugins)
     shape = schedule_shape(config, num_ranks, plugins)
     split, per_rank = None, shape.stages_per_rank
     if model is not None:
-        split = plan_split(model, config, num_ranks, shape.stages_per_rank, plugins,
+        split = plan_split(model, config, num_ranks, shape.stages_per_rank, plugins, splitter,
                            variable_stages_per_rank=shape.variable)
         per_rank = split.stages_per_rank
     schedule = shape.csv_schedule

@@ -327,7 +327,7 @@ class Pipeline:
 
 
 def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, device="cpu", *,
-                   plugins=None, timeout=None) -> Pipeline:
+                   plugins=None, timeout=None, splitter=None) -> Pipeline:
     """Split ``model`` over the ranks of ``pp_group`` and return this rank's :class:`Pipeline`.
 
     :param pp_group: a ProcessGroup or a 1-D DeviceMesh; ``None`` = the default group (or a
@@ -335,6 +335,7 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
     :param device: where this rank's parts and tensors live (``"cuda:0"``, ``"cpu"``).
     :param plugins: a :class:`pp_core.plugin_manager.Plugins`; default: the installed plugins.
     :param timeout: seconds a single wait may take before the step fails.
+    :param splitter: a splitter name or object (``BalancedSplitter(profile)``); None: automatic.
     """
     if not isinstance(config, PipelineConfig):
         raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
@@ -347,7 +348,8 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
         check_ranks_agree(group, {**config_fields(config), **model_fields(model)}, device,
                           "configurations or models")
     try:
-        plan = plan_pipeline(model, config, num_ranks, rank=rank, plugins=plugins)
+        plan = plan_pipeline(model, config, num_ranks, rank=rank, plugins=plugins,
+                             splitter=splitter)
         failure, built = None, plan_fields(plan.schedule, plan.split)
     except Exception as exc:  # the others must still learn that this rank failed
         failure, built = exc, plan_fields(None, None, exc)
