@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from pp_core._torch_compat import profiler_enabled
 from pp_core.schedule.labels import profiler_label
 
 __all__ = ["ActionObserver", "ActionTrace", "run_action", "waiting", "profiling"]
@@ -75,7 +76,7 @@ class ActionTrace(ActionObserver):
 
 def profiling() -> bool:
     """Whether a torch profiler is recording now (a cheap flag; ``record_function`` is not)."""
-    return torch.autograd._profiler_enabled()
+    return profiler_enabled()
 
 
 def run_action(handler, executor, action, observers, profiled: bool) -> None:
