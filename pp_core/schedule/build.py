@@ -15,7 +15,7 @@ from pp_core.errors import ScheduleError
 from pp_core.schedule.ir import Schedule, ScheduleDef, stage_to_rank
 from pp_core.schedule.validate import validate_schedule
 
-__all__ = ["build_schedule", "resolve_schedule_def", "gc_paused"]
+__all__ = ["build_schedule", "schedule_from_def", "resolve_schedule_def", "gc_paused"]
 
 
 def build_schedule(
@@ -50,6 +50,14 @@ def build_schedule(
     if name is None:
         raise ScheduleError("build_schedule needs a schedule name (e.g. '1f1b') or csv_path")
     canonical, sdef = resolve_schedule_def(name, plugins)
+    return schedule_from_def(canonical, sdef, num_ranks=num_ranks,
+                             num_microbatches=num_microbatches, stages_per_rank=stages_per_rank)
+
+
+def schedule_from_def(canonical: str, sdef: ScheduleDef, *, num_ranks: int,
+                      num_microbatches: int, stages_per_rank: int | None = None) -> Schedule:
+    """The validated schedule of an already resolved :class:`ScheduleDef` (the planner walks a
+    registry's definitions and needs no name lookup per candidate)."""
     v = sdef.stages_per_rank if stages_per_rank is None else stages_per_rank
     if v != sdef.stages_per_rank and not sdef.variable_stages_per_rank:
         raise ScheduleError(
