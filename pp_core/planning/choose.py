@@ -25,6 +25,7 @@ from typing import Any, Iterator, Mapping
 from pp_core.errors import ConfigError, PPCoreError
 from pp_core.planning.costs import ModelProfile
 from pp_core.planning.memory import RankMemory, predict_memory, stage_sums
+from pp_core.planning.sizes import format_bytes
 
 __all__ = ["Option", "Candidate", "Ranking", "candidates", "choose_plan", "schedule_defs"]
 
@@ -240,15 +241,4 @@ def _fit(candidate: Candidate, cap: int | None, pool: bool | None) -> None:
 def _label(candidate: Candidate) -> str:
     o = candidate.option
     return f"{o.schedule} v={o.stages_per_rank} mbs={o.microbatch_size}"
-
-
-def format_bytes(num: float | None) -> str:
-    """``1.5 GiB``-style: what a reader compares with a ``--memory-cap`` they typed."""
-    if num is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(num) < 1024 or unit == "TiB":
-            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
-        num /= 1024
-    return f"{num:.1f} TiB"
 
