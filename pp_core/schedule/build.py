@@ -11,7 +11,7 @@ import contextlib
 import gc
 import os
 
-from pp_core.errors import ScheduleError
+from pp_core.errors import ConfigError, ScheduleError
 from pp_core.schedule.ir import Schedule, ScheduleDef, stage_to_rank
 from pp_core.schedule.validate import validate_schedule
 
@@ -119,6 +119,11 @@ def resolve_schedule_def(name: str, plugins=None) -> tuple[str, ScheduleDef]:
         plugins = default_plugins()
     if not isinstance(name, str) or not name:
         raise ScheduleError(f"schedule name must be a non-empty string, got {name!r}")
+    if name.lower() == "auto" and "auto" not in plugins.schedules:
+        raise ConfigError(
+            "pp_schedule='auto' is not a schedule but a request to choose one: plan it with "
+            "pp_core.planning.plan_pipeline(model, config, inputs, target, pp_size) and pass "
+            "its .config to build_pipeline (the YAML launcher and 'pp-core plan' do this)")
     registry = plugins.schedules
     if name not in registry:
         try:
