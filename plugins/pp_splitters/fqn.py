@@ -11,6 +11,7 @@ every stage, where it costs nothing, so the model's forward still finds it.
 from __future__ import annotations
 
 from pp_core import ConfigError, hookimpl
+from pp_core.planning.units import shared_modules
 
 __all__ = ["FqnSplitter"]
 
@@ -37,30 +38,8 @@ class FqnSplitter:
                 f"module_fqns_per_model_part has {len(parts)} parts but the pipeline has "
                 f"{num_stages} stages; give exactly {num_stages} lists of module names")
         stages = [list(part) for part in parts]
-        shared = _unnamed_parameter_free(model, {fqn for part in stages for fqn in part})
+        shared = shared_modules(model, {fqn for part in stages for fqn in part})
         return [stage + [fqn for fqn in shared if fqn not in stage] for stage in stages]
-
-
-def _unnamed_parameter_free(model, named: set[str]) -> list[str]:
-    """The top-most modules that hold no parameter and are neither named nor above a name."""
-    above = set()
-    for fqn in named:
-        pieces = fqn.split(".")
-        above.update(".".join(pieces[:end]) for end in range(1, len(pieces)))
-    found = []
-
-    def visit(module, prefix):
-        for name, child in module.named_children():
-            fqn = f"{prefix}{name}"
-            if fqn in named:
-                continue
-            if fqn in above:
-                visit(child, fqn + ".")
-            elif next(child.parameters(), None) is None:
-                found.append(fqn)
-
-    visit(model, "")
-    return found
 
 
 @hookimpl

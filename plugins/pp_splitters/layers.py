@@ -49,22 +49,22 @@ class LayersSplitter:
     def num_layers(self, model) -> int:
         return len(_layers(model))
 
+    def units(self, model) -> list[tuple[str, ...]]:
+        """The pieces a cost-balanced split moves (``pp_core.planning.units``): the modules
+        before ``layers`` (with the root's parameters), each block, the modules after."""
+        before, keys, after = _pieces(model)
+        blocks = [(f"layers.{key}",) for key in keys]
+        return ([tuple(before)] if before else []) + blocks + ([tuple(after)] if after else [])
+
     def split(self, model, num_stages, config) -> list[list[str]]:
         if config is not None and config.module_fqns_per_model_part is not None:
             raise ConfigError("module_fqns_per_model_part is set, which splitter 'layers' does "
                               "not read; use splitter 'fqn' (the default when it is set)")
-        keys = [key for key, block in _layers(model)._modules.items() if block is not None]
+        before, keys, after = _pieces(model)
         if len(keys) < num_stages:
             raise ConfigError(
                 f"model has {len(keys)} layers, cannot give {num_stages} stages at least one "
                 f"each; use at most {len(keys)} stages (fewer ranks or stages per rank)")
-        before, after, seen = [], [], False
-        for name, child in model._modules.items():
-            if name == "layers":
-                seen = True
-            elif child is not None:
-                (after if seen else before).append(name)
-        before += [name for name, p in model._parameters.items() if p is not None]
         stages, start = [], 0
         for stage, count in enumerate(spread(len(keys), num_stages)):
             fqns = [f"layers.{key}" for key in keys[start:start + count]]
@@ -75,6 +75,20 @@ class LayersSplitter:
                 fqns = fqns + after
             stages.append(fqns)
         return stages
+
+
+def _pieces(model) -> tuple[list[str], list[str], list[str]]:
+    """``(before, layer keys, after)``: children before ``layers`` plus root parameters, the
+    keys of the blocks, children after ``layers``."""
+    keys = [key for key, block in _layers(model)._modules.items() if block is not None]
+    before, after, seen = [], [], False
+    for name, child in model._modules.items():
+        if name == "layers":
+            seen = True
+        elif child is not None:
+            (after if seen else before).append(name)
+    before += [name for name, p in model._parameters.items() if p is not None]
+    return before, keys, after
 
 
 @hookimpl

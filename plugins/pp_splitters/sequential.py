@@ -68,6 +68,10 @@ class SequentialSplitter:
     def num_layers(self, model) -> int:
         return len(_children(model))
 
+    def units(self, model) -> list[tuple[str, ...]]:
+        """Each child is a unit of a cost-balanced split (``pp_core.planning.units``)."""
+        return [(name,) for name, _ in _children(model)]
+
     def split(self, model, num_stages, config) -> list[list[str]]:
         if config is not None and config.module_fqns_per_model_part is not None:
             raise ConfigError("module_fqns_per_model_part is set, which splitter 'sequential' "

@@ -85,6 +85,14 @@ class HFDecoderSplitter:
     def num_layers(self, model) -> int:
         return len(find_layout(model).layer_keys)
 
+    def units(self, model) -> list[tuple[str, ...]]:
+        """Embedding (and whatever goes to the first stage), each decoder layer, norm and head:
+        the pieces a cost-balanced split moves; ``rotary_emb`` & co. go to every stage."""
+        layout = find_layout(model)
+        blocks = [(fqn,) for fqn in layout.layer_fqns()]
+        return ([layout.first] if layout.first else []) + blocks + \
+            ([layout.last] if layout.last else [])
+
     def split(self, model, num_stages, config) -> list[list[str]]:
         layout = find_layout(model)
         fixed = getattr(config, "module_fqns_per_model_part", None)

@@ -8,7 +8,7 @@ rank's own device; the balanced splitter and the planner read them. Pure data: n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 __all__ = ["UnitCost", "ModelProfile"]
 
@@ -36,7 +36,30 @@ class ModelProfile:
     p2p_latency_s: float           # one small send/recv between two ranks
     p2p_bytes_per_s: float         # bandwidth of a large send/recv
     optimizer_bytes_per_param_byte: float = 2.0   # AdamW: exp_avg + exp_avg_sq
+    shared_fqns: tuple[str, ...] = ()   # parameter-free modules every stage holds (rotary table)
+    device: str = ""                    # where it was measured ("cpu", "cuda:0")
 
     def transfer_s(self, num_bytes: int) -> float:
         """Predicted time of one point-to-point hand-off of ``num_bytes``."""
         return self.p2p_latency_s + num_bytes / self.p2p_bytes_per_s
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able data (lists, numbers, strings): to store a profile or send it."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelProfile":
+        """The inverse of :meth:`to_dict`; unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        unit_known = {f.name for f in fields(UnitCost)}
+        extra = sorted(set(data) - known) + sorted(
+            {k for unit in data.get("units", ()) for k in unit} - unit_known)
+        if extra:
+            raise ValueError(f"ModelProfile data has unknown keys {extra}; expected keys of "
+                             f"ModelProfile {sorted(known)} and UnitCost {sorted(unit_known)}")
+        units = tuple(UnitCost(**{**unit, "fqns": tuple(unit["fqns"])})
+                      for unit in data.get("units", ()))
+        rest = {k: v for k, v in data.items() if k != "units"}
+        if "shared_fqns" in rest:
+            rest["shared_fqns"] = tuple(rest["shared_fqns"])
+        return cls(units=units, **rest)

@@ -8,9 +8,10 @@ They raise :class:`~pp_core.ConfigError` with the offending values and the fix.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional
 
 from pp_core.errors import ConfigError
+from pp_core.planning.balance import balance as balanced_partition  # one function, both callers
 
 __all__ = ["spread", "balanced_partition", "virtual_stages"]
 
@@ -30,46 +31,6 @@ def spread(num_items: int, num_stages: int) -> list[int]:
     for stage in order[:extra]:
         counts[stage] += 1
     return counts
-
-
-def balanced_partition(weights: Sequence[int], num_stages: int) -> list[int]:
-    """Contiguous item counts per stage minimising the heaviest stage (every stage non-empty).
-
-    Binary search on the bound, then a left-to-right greedy fill that closes a stage when the
-    next item would exceed the bound or when the items left are just enough for the stages left.
-    Among equally good splits the earlier stages are filled first, so weightless items (an
-    activation after a Linear) stay with the item before them.
-    """
-    num_items = len(weights)
-    if num_stages < 1 or num_items < num_stages:
-        raise ConfigError(f"cannot split {num_items} modules into {num_stages} non-empty stages; "
-                          f"use at most {num_items} stages")
-
-    def fill(bound: int) -> Optional[list[int]]:
-        counts, load, size = [], 0, 0
-        for index, weight in enumerate(weights):
-            stages_left = num_stages - len(counts)
-            must_close = size > 0 and (load + weight > bound or num_items - index < stages_left)
-            if must_close:
-                counts.append(size)
-                load, size = 0, 0
-            if weight > bound or len(counts) >= num_stages:
-                return None
-            load, size = load + weight, size + 1
-        counts.append(size)
-        return counts if len(counts) == num_stages else None
-
-    low, high = max(weights, default=0), sum(weights)
-    while low < high:
-        mid = (low + high) // 2
-        if fill(mid) is None:
-            low = mid + 1
-        else:
-            high = mid
-    result = fill(low)
-    if result is None:  # cannot happen: fill(sum) always succeeds when num_items >= num_stages
-        raise ConfigError(f"no balanced split of {list(weights)} into {num_stages} stages")
-    return result
 
 
 def virtual_stages(

@@ -10,7 +10,9 @@ Pruning rules (the ``layers`` contract of DESIGN.md):
 - a child of a container (``ModuleList``, ``ModuleDict``, ``Sequential``, ``ParameterList``,
   ``ParameterDict``) that the stage does not hold is removed; the others keep their original
   keys, so iterating the container yields the stage's blocks in order;
-- any other absent child module, or absent parameter, is set to ``None`` (``self.norm is None``);
+- an absent ``ModuleList`` / ``ModuleDict`` (a stage with none of the blocks) is kept empty, so
+  iterating it yields nothing; any other absent child module, or absent parameter, is set to
+  ``None`` (``self.norm is None``);
 - buffers of a module on the path are kept (shared tensors, e.g. a rotary table on the root).
 
 A model built on the meta device is materialised part by part (``device=``): only this rank's
@@ -46,6 +48,14 @@ def _shallow(module: nn.Module) -> nn.Module:
     return new
 
 
+def _emptied(container: nn.Module) -> nn.Module:
+    """``container`` without its entries: a stage holding none of ``layers`` (only the embedding
+    or only the head) still runs ``for layer in self.layers`` - over nothing."""
+    new = _shallow(container)
+    new._modules.clear()
+    return new
+
+
 def prune_model(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
     """The part of ``model`` that holds exactly ``fqns`` (module, parameter or buffer names)."""
     keep = set(fqns)
@@ -65,6 +75,8 @@ def prune_model(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
                 new._modules[name] = prune(child, fqn + ".")
             elif container:
                 del new._modules[name]
+            elif isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                new._modules[name] = _emptied(child)  # a forward iterates it; nothing to call
             else:
                 new._modules[name] = None
         for name, param in module._parameters.items():

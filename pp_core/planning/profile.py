@@ -1,0 +1,322 @@
+"""Measure a model before planning: time and memory per unit, and the link between ranks.
+
+:func:`profile_model` cuts the model into its units (:mod:`pp_core.planning.units`), builds one
+part per unit the way the runtime builds stages (:func:`~pp_core.runtime.parts.build_model_parts`,
+the splitter's own ``make_part``), and runs a few microbatches through them as a pipeline of one
+unit per stage would: the runtime's stage call and hand-off (detached leaf inputs), the loss on
+the last unit, and the runtime's own backward functions - :func:`backward_full` for B,
+:func:`backward_input` then :func:`backward_weight` for I and W - so the costs the planner
+simulates are the costs of what executes. Each microbatch size gets one warm-up pass (which also
+records memory: saved tensors through ``saved_tensors_hooks``, once per storage, parameters
+excluded) and ``repeats`` timed passes; a time is the median.
+
+:func:`measure_p2p` times round trips between the first two ranks of a group and broadcasts the
+result, so every rank plans with the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from pp_core.errors import ConfigError
+from pp_core.planning.costs import ModelProfile, UnitCost
+from pp_core.planning.units import model_units, shared_modules, stage_fqns, unit_splitter
+
+__all__ = ["profile_model", "measure_p2p"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
+    _sync(device)
+    start = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return result, time.perf_counter() - start
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _Saved:
+    """``saved_tensors_hooks`` that add up the storages autograd keeps for backward, once each."""
+
+    def __init__(self, exclude: set[int]):
+        self.exclude, self.seen, self.total = exclude, set(), 0
+
+    def pack(self, tensor):
+        try:
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in self.exclude and key not in self.seen:
+                self.seen.add(key)
+                self.total += storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested)
+            pass
+        return tensor
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+
+
+class _Units:
+    """One part per unit and the runtime's stage call for each; runs one microbatch at a time."""
+
+    def __init__(self, model, units, config, plugins, splitter, device):
+        from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
+        from pp_core.runtime.parts import build_model_parts
+        from pp_core.runtime.split import SplitPlan
+        from pp_core.runtime.stage import Stage
+
+        name, chosen = unit_splitter(model, plugins, splitter)
+        self.shared = shared_modules(model, {fqn for unit in units for fqn in unit})
+        stages = stage_fqns(units, [1] * len(units), self.shared)
+        config = _config_for(config, stages)
+        self.dtype = config.torch_dtype if config is not None else None
+        n = len(units)
+        plan = SplitPlan(n, stages, name, n, 1, splitter_object=chosen)
+        parts = build_model_parts(model, plan, range(n), config)
+        self.stages = [Stage(i, part.to(device), (0,) * n, 0) for i, part in enumerate(parts)]
+        self.params = [list({id(p): p for p in part.parameters()}.values()) for part in parts]
+        self.initializers = collect_pipeline_runtime_initializers(parts)
+        self.device = device
+
+    def forward(self, x, target, loss_fn, index, inputs, saved=None):
+        """Unit ``index`` on its inputs (the microbatch for unit 0); returns the outputs that
+        need a gradient (the loss on the last unit) and all of them (to hand on)."""
+        from pp_core.runtime.stage import as_outputs
+
+        stage = self.stages[index]
+        if index == 0 and self.initializers:
+            from pp_core.runtime.microbatch import num_tokens
+
+            for initializer in self.initializers:
+                initializer.prepare(num_tokens(x), self.device)
+        with torch.enable_grad(), (saved.hooks() if saved else _nothing()):
+            output = stage(x if index == 0 else inputs)
+            if stage.is_last:
+                loss = loss_fn(output, target)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ConfigError(f"loss_fn returned {type(loss).__name__}; it must return "
+                                      f"a scalar tensor (e.g. a mean over the batch)")
+                return [loss.reshape(())], ()
+            outs = as_outputs(output, index, self.dtype)
+        return [t for t in outs if t.requires_grad], outs
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _config_for(config, stages):
+    """The config the parts are built with: the caller's, naming these stages (a splitter such
+    as ``hf_decoder`` reads ``module_fqns_per_model_part`` when it builds a part)."""
+    import dataclasses
+
+    from pp_core.config import PipelineConfig
+
+    base = config if config is not None else PipelineConfig()
+    return dataclasses.replace(base, module_fqns_per_model_part=stages, layers_per_stage=None,
+                               round_virtual_stages_to_pp_multiple=None)
+
+
+def _one_microbatch(runner: _Units, x, target, loss_fn, split: bool, saved: list | None):
+    """Forward every unit, then backward in reverse: B, or I for all then W for all.
+
+    Returns per unit ``(F, B or I, W or 0.0, output bytes)``."""
+    from pp_core.runtime.backward import backward_full, backward_input, backward_weight
+    from pp_core.runtime.stage import make_stage_inputs
+
+    n = len(runner.stages)
+    forward, grad_outs, leaves, out_bytes = [0.0] * n, [None] * n, [()] * n, [0] * n
+    handed = ()
+    for i in range(n):
+        leaves[i] = () if i == 0 else make_stage_inputs(handed, True)
+        (grad_outs[i], handed), forward[i] = _timed(runner.device, lambda i=i: runner.forward(
+            x, target, loss_fn, i, leaves[i], saved[i] if saved else None))
+        out_bytes[i] = _nbytes(handed)
+    backward, weight, grads, pending = [0.0] * n, [0.0] * n, None, [None] * n
+    for i in reversed(range(n)):
+        inputs = [t for t in leaves[i] if t.requires_grad]
+        if split:
+            (grads_in, pending[i]), backward[i] = _timed(
+                runner.device, lambda i=i, g=grads, a=inputs: backward_input(grad_outs[i], g, a))
+        else:
+            grads_in, backward[i] = _timed(
+                runner.device, lambda i=i, g=grads, a=inputs: backward_full(grad_outs[i], g, a))
+        grads = grads_in
+    if split:
+        for i in reversed(range(n)):
+            _, weight[i] = _timed(runner.device, lambda i=i: backward_weight(pending[i]))
+    return [(forward[i], backward[i], weight[i], out_bytes[i]) for i in range(n)]
+
+
+def _take(value, size: int, what: str):
+    """The first ``size`` rows of a batch (a tensor, or a tuple/list/dict of them)."""
+    from pp_core.runtime.microbatch import first_tensor, split_microbatches
+
+    first = first_tensor(value)
+    if first is None:
+        return value
+    batch = first.shape[0] if first.dim() else 0
+    if size > batch or batch % size:
+        raise ConfigError(f"profile: microbatch size {size} does not divide the {what} batch of "
+                          f"{batch}; pass a batch whose size is a multiple of every microbatch "
+                          f"size (e.g. {size * max(1, batch // size or 1)})")
+    return split_microbatches(value, batch // size, batch, what)[0]
+
+
+def profile_model(
+    model: torch.nn.Module,
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable,
+    microbatch_sizes: Sequence[int],
+    device="cpu",
+    *,
+    repeats: int = 5,
+    config=None,
+    plugins=None,
+    splitter=None,
+    p2p: tuple[float, float] = (0.0, math.inf),
+) -> dict[int, ModelProfile]:
+    """Measure ``model`` unit by unit; ``{microbatch_size: ModelProfile}``.
+
+    :param inputs: a batch (dim 0 a multiple of every microbatch size); its first rows make a
+        microbatch. ``target`` likewise, for ``loss_fn(output, target)``.
+    :param device: where to measure; the model's parameters are moved there (in place, as
+        ``model.to(device)`` does). The model's gradients and the RNG state are left as found.
+    :param repeats: timed microbatches per size, after one warm-up; a time is their median.
+    :param config: a :class:`~pp_core.config.PipelineConfig` whose ``dtype`` and model patches
+        the parts are built with (optional).
+    :param splitter: the splitter whose ``units`` define the units (default: pp-core's choice).
+    :param p2p: ``(latency_s, bytes_per_s)`` to record (:func:`measure_p2p`); default a free link.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"profile: repeats={repeats!r} must be a positive int")
+    sizes = list(microbatch_sizes)
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ConfigError(f"profile: microbatch_sizes={sizes!r} must be positive ints")
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError("profile: the model is on the meta device; materialise it (or build "
+                          "it on a real device) before profiling")
+    device = torch.device(device)
+    units = model_units(model, plugins, splitter)
+    runner = _Units(model, units, config, plugins, splitter, device)
+    params = [p for group in runner.params for p in group]
+    kept = {id(p): p.grad for p in params}
+    exclude = {p.untyped_storage().data_ptr() for p in params}
+    from pp_core.runtime.microbatch import to_device
+
+    rng_devices = [device] if device.type == "cuda" else []
+    result = {}
+    try:
+        with torch.random.fork_rng(devices=rng_devices):
+            for size in sorted(set(sizes)):
+                x = to_device(_take(inputs, size, "inputs"), device, None)
+                y = to_device(_take(target, size, "target"), device, None)
+                result[size] = _profile_size(runner, units, x, y, loss_fn, size, repeats,
+                                             exclude, p2p)
+    finally:
+        for p in params:
+            p.grad = kept[id(p)]
+    return result
+
+
+def _profile_size(runner, units, x, y, loss_fn, size, repeats, exclude, p2p) -> ModelProfile:
+    n = len(units)
+    saved = [_Saved(exclude) for _ in range(n)]
+    first = _one_microbatch(runner, x, y, loss_fn, False, saved)  # warm-up + memory
+    samples: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in "FBIW"}
+    for _ in range(repeats):
+        for i, (f, b, _, _) in enumerate(_one_microbatch(runner, x, y, loss_fn, False, None)):
+            samples["F"][i].append(f)
+            samples["B"][i].append(b)
+        for i, (f, inp, w, _) in enumerate(_one_microbatch(runner, x, y, loss_fn, True, None)):
+            samples["F"][i].append(f)
+            samples["I"][i].append(inp)
+            samples["W"][i].append(w)
+    for group in runner.params:
+        for p in group:
+            p.grad = None
+    med = {k: [statistics.median(v) for v in lists] for k, lists in samples.items()}
+    costs = tuple(
+        UnitCost(fqns=tuple(units[i]), forward_s=med["F"][i], backward_s=med["B"][i],
+                 input_grad_s=med["I"][i], weight_grad_s=med["W"][i],
+                 activation_bytes=saved[i].total, param_bytes=_nbytes(runner.params[i]),
+                 output_bytes=first[i][3])
+        for i in range(n))
+    return ModelProfile(size, costs, p2p[0], p2p[1], shared_fqns=tuple(runner.shared),
+                        device=str(runner.device))
+
+
+def measure_p2p(group=None, sizes: Sequence[int] = (4, 1 << 22), *, device=None,
+                round_trips: int = 5) -> tuple[float, float]:
+    """``(latency_s, bytes_per_s)`` of a send/recv between the group's first two ranks.
+
+    Rank 0 and rank 1 of ``group`` bounce a float32 tensor of ``sizes[0]`` elements (latency:
+    half the median round trip) and one of ``sizes[-1]`` elements (bandwidth from the extra
+    bytes over the extra time) ``round_trips`` times each after one warm-up; every rank of the
+    group then gets rank 0's numbers (a broadcast), so all ranks plan alike. A group of one rank
+    returns ``(0.0, inf)``: there is no link.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ConfigError("measure_p2p needs an initialised process group "
+                          "(torch.distributed.init_process_group)")
+    ranks = dist.get_process_group_ranks(group) if group is not None else \
+        list(range(dist.get_world_size()))
+    if len(ranks) < 2:
+        return 0.0, math.inf
+    small, large = int(sizes[0]), int(sizes[-1])
+    if large <= small:
+        raise ConfigError(f"measure_p2p: sizes={list(sizes)} must end larger than they start")
+    if device is None:
+        backend = dist.get_backend(group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else \
+            torch.device("cpu")
+    me = dist.get_rank()
+    result = torch.zeros(2, dtype=torch.float64, device=device)
+    if me in ranks[:2]:
+        peer = ranks[1] if me == ranks[0] else ranks[0]
+        times = [_round_trips(n, me == ranks[0], peer, group, device, round_trips)
+                 for n in (small, large)]
+        half = [statistics.median(t) / 2 for t in times]
+        extra_s = max(half[1] - half[0], 1e-9)
+        result[0], result[1] = half[0], (large - small) * 4 / extra_s
+    dist.broadcast(result, src=ranks[0], group=group)
+    return float(result[0]), float(result[1])
+
+
+def _round_trips(numel: int, leader: bool, peer: int, group, device, count: int) -> list[float]:
+    import torch.distributed as dist
+
+    buffer = torch.zeros(numel, dtype=torch.float32, device=device)
+    times = []
+    for trip in range(count + 1):  # the first one warms the connection up
+        _sync(device)
+        start = time.perf_counter()
+        if leader:
+            dist.send(buffer, peer, group=group)
+            dist.recv(buffer, peer, group=group)
+        else:
+            dist.recv(buffer, peer, group=group)
+            dist.send(buffer, peer, group=group)
+        _sync(device)
+        if trip:
+            times.append(time.perf_counter() - start)
+    return times
