@@ -213,12 +213,13 @@ def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: 
 
 
 def _split(profile: ModelProfile, num_stages: int) -> tuple[list[list[str]], list[list[int]]]:
-    """The cost-balanced split: FQNs per stage, and the unit indices behind them."""
+    """The cost-balanced split: FQNs per stage, and the unit indices behind them (modules shared
+    by every stage, such as a rotary table, belong to no unit)."""
     from pp_core.planning.balance import split_by_profile
 
     fqns = split_by_profile(profile, num_stages)
     unit_of = {fqn: index for index, unit in enumerate(profile.units) for fqn in unit.fqns}
-    units = [sorted({unit_of[fqn] for fqn in stage}) for stage in fqns]
+    units = [sorted({unit_of[fqn] for fqn in stage if fqn in unit_of}) for stage in fqns]
     return [list(stage) for stage in fqns], units
 
 

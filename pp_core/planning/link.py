@@ -12,11 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-__all__ = ["measure_local_link", "LINK_SIZES"]
-
-LINK_SIZES = (4, 4 * 2 ** 20)
-"""Bytes of the timed messages: one small (latency), one large (bandwidth)."""
-
+__all__ = ["measure_local_link"]
 
 def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path: str) -> None:
     import torch
@@ -30,7 +26,7 @@ def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path
     store = dist.FileStore(store_path, 2)
     dist.init_process_group(backend, store=store, rank=rank, world_size=2)
     try:
-        latency, bandwidth = measure_p2p(dist.group.WORLD, LINK_SIZES)
+        latency, bandwidth = measure_p2p(dist.group.WORLD)
         if rank == 0:
             with open(out_path, "w", encoding="utf-8") as fh:
                 fh.write(f"{latency!r} {bandwidth!r}")

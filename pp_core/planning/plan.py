@@ -95,15 +95,14 @@ def plan_pipeline(model, config: PipelineConfig, inputs, target, pp_size: int, *
 
         plugins = default_plugins()
     if link is None and group is not None:
-        from pp_core.planning.link import LINK_SIZES
         from pp_core.planning.profile import measure_p2p
 
-        link = measure_p2p(group, LINK_SIZES)
+        link = measure_p2p(group)
     ranking, profile_s = None, 0.0
     if group is None or _group_rank(group) == 0:
         started = time.perf_counter()
         profiles = _profiles(model, config, inputs, target, pp_size, device, microbatch_sizes,
-                             link)
+                             link, plugins)
         profile_s = time.perf_counter() - started
         ranking = choose_plan(profiles, pp_size, config.pp_batch_size,
                               schedules if schedules is not None else plugins.schedules, cap,
@@ -117,7 +116,9 @@ def plan_pipeline(model, config: PipelineConfig, inputs, target, pp_size: int, *
 
 
 
-def _profiles(model, config, inputs, target, pp_size, device, sizes, link):
+def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugins):
+    import math
+
     from pp_core.losses import resolve_loss
     from pp_core.planning.profile import profile_model
 
@@ -125,12 +126,9 @@ def _profiles(model, config, inputs, target, pp_size, device, sizes, link):
         raise ConfigError("plan_pipeline times the loss with the last unit: set config.loss_fn")
     sizes = list(sizes) if sizes is not None else \
         default_microbatch_sizes(config.pp_batch_size, pp_size)
-    profiles = profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device)
-    if link is not None:
-        latency, bandwidth = link
-        profiles = {size: dataclasses.replace(p, p2p_latency_s=latency, p2p_bytes_per_s=bandwidth)
-                    for size, p in profiles.items()}
-    return profiles
+    parts_like = dataclasses.replace(config, pp_schedule="1f1b")  # dtype, patches: as run
+    return profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device,
+                         config=parts_like, plugins=plugins, p2p=link or (0.0, math.inf))
 
 
 def _group_rank(group) -> int:
