@@ -97,6 +97,7 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
 
     timeout_from_env(None)  # a bad $PP_CORE_TIMEOUT fails here, not in every rank
     if started_by_torchrun():
+        spec = _planned(spec, announce)  # refused there: a rank cannot plan for its peers
         world = int(os.environ["WORLD_SIZE"])
         if world != spec.world_size:
             raise ConfigError(
@@ -109,6 +110,7 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
     nproc = local_ranks(dist)
     choice = choose(spec)
     with _signals_raise():  # SIGTERM during the checks or the rendezvous ends us cleanly too
+        spec = _planned(spec, announce)
         endpoint = prepare_endpoint(dist)
         if announce is not None:
             node = f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else ""
@@ -116,6 +118,13 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
                      f"{dist['dp_size']}{node}) on {choice.device} ({choice.reason})")
         with _launch_temp_dir() as logs:
             return _elastic_launch(spec, entrypoint, nproc, endpoint, logs)
+
+
+def _planned(spec: Spec, announce) -> Spec:
+    """``pipeline.pp_schedule: auto`` resolved once, here, into the spec every rank gets."""
+    from pp_core.autoplan import is_auto, resolve_for_launch
+
+    return resolve_for_launch(spec, announce) if is_auto(spec) else spec
 
 
 @contextlib.contextmanager

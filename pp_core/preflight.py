@@ -193,13 +193,14 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
 
     config = spec.pipeline_config()
     num_ranks = spec.distributed["pp_size"]
+    auto = str(spec.pipeline["pp_schedule"]).lower() == "auto"
     try:
-        sdef = schedule_def_for(spec, plugins)
+        sdef = None if auto else schedule_def_for(spec, plugins)
     except ScheduleError as exc:
         problems.append(f"pipeline.pp_schedule: {exc}")
         return None
     stages_per_rank = sdef.stages_per_rank if sdef is not None else None
-    if sdef is None:  # a CSV determines its stage count: derive stages_per_rank as run does
+    if sdef is None and not auto:  # a CSV fixes its stage count: derive stages_per_rank
         try:
             csv_schedule = build_schedule(num_ranks=num_ranks,
                                           num_microbatches=config.num_microbatches,
@@ -218,6 +219,11 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
         return None
     if model is not None:
         _check_blocks(spec, model, problems)
+    if auto:  # the launcher profiles the model and chooses; 'pp-core plan' shows the choice
+        result.notes.append("pipeline.pp_schedule: auto: the schedule, microbatch size and split "
+                            "are chosen when the run starts ('pp-core plan FILE' shows them)")
+        return model
+    if model is not None:
         from pp_core.runtime.split import plan_split
 
         try:
