@@ -89,12 +89,13 @@ def split_by_profile(profile, num_stages: int, kind: str = "train") -> list[list
     placement, loops - is the schedule's business), so the first unit (the embedding) is on
     stage 0 and the last (head and loss) on the last stage by construction. Transfers are not
     in the cost: every cut between blocks hands on the same hidden state, so they cost the same
-    whichever blocks a stage holds. ``profile.shared_fqns`` (parameter-free modules such as a
-    rotary table) go to every stage.
+    whichever blocks a stage holds. The lists have the form of ``module_fqns_per_model_part``:
+    parameter-free modules every stage needs (``profile.shared_fqns``, a rotary table) are not
+    in them; the splitter that builds the parts adds them (``fqn``, ``hf_decoder``, ``balanced``).
     """
     units = profile.units
     if not units:
         raise ConfigError("the profile has no units; profile the model with "
                           "pp_core.planning.profile.profile_model first")
     counts = balance(unit_costs(profile, kind), num_stages)
-    return stage_fqns([unit.fqns for unit in units], counts, profile.shared_fqns)
+    return stage_fqns([unit.fqns for unit in units], counts)

@@ -79,8 +79,8 @@ class _Units:
 
         name, chosen = unit_splitter(model, plugins, splitter)
         self.shared = shared_modules(model, {fqn for unit in units for fqn in unit})
+        config = _config_for(config, stage_fqns(units, [1] * len(units)))
         stages = stage_fqns(units, [1] * len(units), self.shared)
-        config = _config_for(config, stages)
         self.dtype = config.torch_dtype if config is not None else None
         n = len(units)
         plan = SplitPlan(n, stages, name, n, 1, splitter_object=chosen)
@@ -165,7 +165,8 @@ def _one_microbatch(runner: _Units, x, target, loss_fn, split: bool, saved: list
 
 
 def _take(value, size: int, what: str):
-    """The first ``size`` rows of a batch (a tensor, or a tuple/list/dict of them)."""
+    """A copy of the first ``size`` rows of a batch (a tensor, or a tuple/list/dict of them):
+    a view would keep (and be counted as) the whole batch's storage."""
     from pp_core.runtime.microbatch import first_tensor, split_microbatches
 
     first = first_tensor(value)
@@ -176,7 +177,18 @@ def _take(value, size: int, what: str):
         raise ConfigError(f"profile: microbatch size {size} does not divide the {what} batch of "
                           f"{batch}; pass a batch whose size is a multiple of every microbatch "
                           f"size (e.g. {size * max(1, batch // size or 1)})")
-    return split_microbatches(value, batch // size, batch, what)[0]
+    return _copied(split_microbatches(value, batch // size, batch, what)[0])
+
+
+def _copied(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        items = [_copied(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    return value
 
 
 def profile_model(
@@ -218,6 +230,8 @@ def profile_model(
     runner = _Units(model, units, config, plugins, splitter, device)
     params = [p for group in runner.params for p in group]
     kept = {id(p): p.grad for p in params}
+    for p in params:  # or backward would add into the caller's gradient tensors
+        p.grad = None
     exclude = {p.untyped_storage().data_ptr() for p in params}
     from pp_core.runtime.microbatch import to_device
 
