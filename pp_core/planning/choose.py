@@ -27,7 +27,8 @@ from pp_core.planning.costs import ModelProfile
 from pp_core.planning.memory import RankMemory, predict_memory, stage_sums
 from pp_core.planning.sizes import format_bytes
 
-__all__ = ["Option", "Candidate", "Ranking", "candidates", "choose_plan", "schedule_defs"]
+__all__ = ["Option", "Candidate", "Ranking", "candidates", "choose_plan", "predict",
+           "schedule_defs"]
 
 MAX_STAGES_PER_RANK = 4
 """Largest stage count per rank tried for schedules that take any (looped schedules): beyond it
@@ -176,6 +177,18 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
                    pp_batch_size)
 
 
+def predict(option: Option, sdef, profile: ModelProfile, pp_size: int,
+            fqns_per_stage: list[list[str]] | None = None, slack: int = 2) -> Candidate:
+    """One candidate's prediction; ``fqns_per_stage`` replaces the cost-balanced split (to
+    predict a split made another way, e.g. the ``layers`` splitter's). The stages must be made
+    of whole units."""
+    splits = {}
+    if fqns_per_stage is not None:
+        splits[(option.microbatch_size, len(fqns_per_stage))] = \
+            (fqns_per_stage, _units_of(profile, fqns_per_stage))
+    return _predict(option, sdef, profile, pp_size, splits, slack)
+
+
 def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: dict,
              slack: int) -> Candidate:
     from pp_core.schedule.build import schedule_from_def
@@ -213,14 +226,18 @@ def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: 
 
 
 def _split(profile: ModelProfile, num_stages: int) -> tuple[list[list[str]], list[list[int]]]:
-    """The cost-balanced split: FQNs per stage, and the unit indices behind them (modules shared
-    by every stage, such as a rotary table, belong to no unit)."""
+    """The cost-balanced split: FQNs per stage, and the unit indices behind them."""
     from pp_core.planning.balance import split_by_profile
 
-    fqns = split_by_profile(profile, num_stages)
+    fqns = [list(stage) for stage in split_by_profile(profile, num_stages)]
+    return fqns, _units_of(profile, fqns)
+
+
+def _units_of(profile: ModelProfile, fqns_per_stage) -> list[list[int]]:
+    """Per stage, the indices of the units its FQNs make up (modules shared by every stage,
+    such as a rotary table, belong to no unit)."""
     unit_of = {fqn: index for index, unit in enumerate(profile.units) for fqn in unit.fqns}
-    units = [sorted({unit_of[fqn] for fqn in stage if fqn in unit_of}) for stage in fqns]
-    return [list(stage) for stage in fqns], units
+    return [sorted({unit_of[f] for f in stage if f in unit_of}) for stage in fqns_per_stage]
 
 
 def _fit(candidate: Candidate, cap: int | None, pool: bool | None) -> None:

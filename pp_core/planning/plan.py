@@ -32,6 +32,8 @@ class Plan:
     ranking: Ranking
     profile_s: float = 0.0
     link: tuple[float, float] | None = None
+    profiles: dict | None = None
+    """``{microbatch size: ModelProfile}``: rank again (another cap) without profiling again."""
 
     @property
     def chosen(self) -> Candidate:
@@ -98,7 +100,7 @@ def plan_pipeline(model, config: PipelineConfig, inputs, target, pp_size: int, *
         from pp_core.planning.profile import measure_p2p
 
         link = measure_p2p(group)
-    ranking, profile_s = None, 0.0
+    ranking, profile_s, profiles = None, 0.0, None
     if group is None or _group_rank(group) == 0:
         started = time.perf_counter()
         profiles = _profiles(model, config, inputs, target, pp_size, device, microbatch_sizes,
@@ -109,8 +111,8 @@ def plan_pipeline(model, config: PipelineConfig, inputs, target, pp_size: int, *
                               recv_buffer_pool=True if config.pp_recv_buffer_pool else None,
                               pool_slack=config.pp_recv_buffer_pool_slack)
     if group is not None:
-        ranking, profile_s = _broadcast((ranking, profile_s), group)
-    return Plan(concrete_config(config, ranking.chosen), ranking, profile_s, link)
+        ranking, profile_s, profiles = _broadcast((ranking, profile_s, profiles), group)
+    return Plan(concrete_config(config, ranking.chosen), ranking, profile_s, link, profiles)
 
 
 
