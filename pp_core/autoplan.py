@@ -16,7 +16,7 @@ from typing import Callable
 from pp_core.errors import ConfigError
 from pp_core.spec import Spec
 
-__all__ = ["is_auto", "plan_spec", "resolved_spec", "PLANNED_KEYS"]
+__all__ = ["is_auto", "plan_spec", "resolved_spec", "resolve_for_launch", "PLANNED_KEYS"]
 
 PLANNED_KEYS = ("pp_schedule", "pp_schedule_csv", "pp_microbatch_size", "layers_per_stage",
                 "round_virtual_stages_to_pp_multiple", "module_fqns_per_model_part",
@@ -79,7 +79,8 @@ def resolved_spec(spec: Spec, plan) -> Spec:
     return Spec(values, spec.source)
 
 
-def resolve_for_launch(spec: Spec, announce: Callable[[str], None] | None = None) -> Spec:
+def resolve_for_launch(spec: Spec, announce: Callable[[str], None] | None = None,
+                       memory_cap: int | None = None) -> Spec:
     """What the launcher runs when the file says ``auto``; a rank started by torchrun cannot
     plan alone (its peers would time the model differently), so that case is refused."""
     from pp_core.launch import started_by_torchrun
@@ -90,7 +91,7 @@ def resolve_for_launch(spec: Spec, announce: Callable[[str], None] | None = None
                           "under torchrun every process is a rank; run 'pp-core plan FILE' and "
                           "put the chosen schedule, pp_microbatch_size and "
                           "module_fqns_per_model_part in the file, or start with 'pp-core run'")
-    plan = plan_spec(spec, say=announce)
+    plan = plan_spec(spec, memory_cap=memory_cap, say=announce)
     if announce is not None:
         announce(f"auto: chose {describe(plan.chosen)} (predicted step "
                  f"{plan.predicted_step_s * 1e3:.1f} ms; profiled in {plan.profile_s:.1f} s, "

@@ -84,20 +84,22 @@ def _has_interface(name: str) -> bool:
 
 
 def launch(spec: Spec, entrypoint: Callable | None = None,
-           announce: Callable[[str], None] | None = None) -> dict[int, Any]:
+           announce: Callable[[str], None] | None = None,
+           memory_cap: int | None = None) -> dict[int, Any]:
     """Run the pipeline on this machine's ranks; returns each local rank's return value.
 
     :param entrypoint: a picklable ``entrypoint(spec)`` to run on every rank instead of
         :func:`pp_core.train.train` (tests use it to inspect a rank from inside).
     :param announce: called with one line (ranks, device and why) once every check passed,
         just before the processes start.
+    :param memory_cap: bytes per rank for ``pipeline.pp_schedule: auto`` (planned here, once).
     When this process is itself a rank (started by torchrun), it just runs that rank.
     """
     from pp_core.runtime.pipeline import _timeout as timeout_from_env
 
     timeout_from_env(None)  # a bad $PP_CORE_TIMEOUT fails here, not in every rank
     if started_by_torchrun():
-        spec = _planned(spec, announce)  # refused there: a rank cannot plan for its peers
+        spec = _planned(spec, announce, memory_cap)  # refused: a rank cannot plan for peers
         world = int(os.environ["WORLD_SIZE"])
         if world != spec.world_size:
             raise ConfigError(
@@ -110,7 +112,7 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
     nproc = local_ranks(dist)
     choice = choose(spec)
     with _signals_raise():  # SIGTERM during the checks or the rendezvous ends us cleanly too
-        spec = _planned(spec, announce)
+        spec = _planned(spec, announce, memory_cap)
         endpoint = prepare_endpoint(dist)
         if announce is not None:
             node = f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else ""
@@ -120,11 +122,11 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
             return _elastic_launch(spec, entrypoint, nproc, endpoint, logs)
 
 
-def _planned(spec: Spec, announce) -> Spec:
+def _planned(spec: Spec, announce, memory_cap) -> Spec:
     """``pipeline.pp_schedule: auto`` resolved once, here, into the spec every rank gets."""
     from pp_core.autoplan import is_auto, resolve_for_launch
 
-    return resolve_for_launch(spec, announce) if is_auto(spec) else spec
+    return resolve_for_launch(spec, announce, memory_cap) if is_auto(spec) else spec
 
 
 @contextlib.contextmanager

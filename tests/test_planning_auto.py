@@ -36,7 +36,7 @@ def ran(spec):
 
 def test_yaml_auto_is_planned_once_and_every_rank_runs_the_same_concrete_plan(tmp_path):
     spec = parse_spec(apply_overrides(BASE, ()), "auto.yaml")
-    results = launch(spec, entrypoint=ran)
+    results = launch(spec, entrypoint=ran, memory_cap=2 ** 30)
     assert sorted(results) == [0, 1]
     first, second = results[0]["pipeline"], results[1]["pipeline"]
     assert first == second
@@ -130,3 +130,13 @@ def test_validate_accepts_auto_and_says_when_it_is_decided(tmp_path, capsys):
     assert cli.main(["validate", str(path)]) == 0
     assert "auto: the schedule, microbatch size and split are chosen when the run starts" in \
         capsys.readouterr().out
+
+
+def test_run_memory_cap_needs_auto(tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "fixed.yaml"
+    path.write_text(yaml.safe_dump(apply_overrides(BASE, ["pipeline.pp_schedule=1f1b"])))
+    assert cli.main(["run", str(path), "--memory-cap", "1GiB"]) == 1
+    assert "--memory-cap=1GiB only steers pipeline.pp_schedule: auto, and the file names " \
+           "'1f1b'" in capsys.readouterr().err
