@@ -72,7 +72,8 @@ def concrete_config(config: PipelineConfig, candidate: Candidate) -> PipelineCon
 def plan_pipeline(model, config: PipelineConfig, inputs, target, pp_size: int, *,
                   device="cpu", memory_cap: int | str | None = None, plugins=None, group=None,
                   microbatch_sizes: Sequence[int] | None = None,
-                  link: tuple[float, float] | None = None, schedules=None) -> Plan:
+                  link: tuple[float, float] | None = None, schedules=None,
+                  repeats: int = 5) -> Plan:
     """Profile ``model`` on ``device``, choose the fastest plan that fits, return it.
 
     :param inputs, target: one step's batch (``pp_batch_size`` samples), real tensors.
@@ -83,6 +84,7 @@ def plan_pipeline(model, config: PipelineConfig, inputs, target, pp_size: int, *
     :param link: ``(latency_s, bytes_per_s)`` between ranks; default: measured over ``group``,
         or none (0 s, unlimited) without one.
     :param schedules: restrict the choice (``{name: ScheduleDef}``); default: the installed.
+    :param repeats: timed microbatches per unit and size (their median counts).
     """
     from pp_core.planning.sizes import parse_size
 
@@ -104,7 +106,7 @@ def plan_pipeline(model, config: PipelineConfig, inputs, target, pp_size: int, *
     if group is None or _group_rank(group) == 0:
         started = time.perf_counter()
         profiles = _profiles(model, config, inputs, target, pp_size, device, microbatch_sizes,
-                             link, plugins)
+                             link, plugins, repeats)
         profile_s = time.perf_counter() - started
         ranking = choose_plan(profiles, pp_size, config.pp_batch_size,
                               schedules if schedules is not None else plugins.schedules, cap,
@@ -118,7 +120,7 @@ def plan_pipeline(model, config: PipelineConfig, inputs, target, pp_size: int, *
 
 
 
-def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugins):
+def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugins, repeats):
     import math
 
     from pp_core.losses import resolve_loss
@@ -130,7 +132,8 @@ def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugi
         default_microbatch_sizes(config.pp_batch_size, pp_size)
     parts_like = dataclasses.replace(config, pp_schedule="1f1b")  # dtype, patches: as run
     return profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device,
-                         config=parts_like, plugins=plugins, p2p=link or (0.0, math.inf))
+                         repeats=repeats, config=parts_like, plugins=plugins,
+                         p2p=link or (0.0, math.inf))
 
 
 def _group_rank(group) -> int:
