@@ -170,3 +170,27 @@ def test_parse_size(text, size):
 def test_parse_size_refuses_with_the_units_it_takes(text):
     with pytest.raises(ConfigError, match=r"--memory-cap=.*(512MiB, 8GiB|more than 0)"):
         parse_size(text)
+
+
+def test_default_microbatch_sizes_keep_every_rank_busy():
+    from pp_core.planning.plan import default_microbatch_sizes
+
+    assert default_microbatch_sizes(16, 2) == [1, 2, 4, 8]
+    assert default_microbatch_sizes(16, 4) == [1, 2, 4]
+    assert default_microbatch_sizes(12, 2, limit=3) == [1, 2, 3]
+    assert default_microbatch_sizes(2, 4) == [1]
+
+
+def test_concrete_config_is_what_build_pipeline_runs():
+    from pp_core import PipelineConfig
+    from pp_core.planning.plan import concrete_config
+
+    ranking = choose_plan(PROFILES, 2, 8, memory_cap=None)
+    chosen = ranking.chosen
+    config = concrete_config(PipelineConfig(pp_schedule="auto", pp_batch_size=8,
+                                            loss_fn="cross_entropy"), chosen)
+    assert config.pp_schedule == chosen.option.schedule
+    assert config.pp_microbatch_size == chosen.option.microbatch_size
+    assert config.module_fqns_per_model_part == chosen.fqns_per_stage
+    assert [f for stage in chosen.fqns_per_stage for f in stage] == \
+        [f"layers.{i}" for i in range(8)]
