@@ -60,13 +60,16 @@ def pp_register_splitters(register: Callable[[str, Any], None]) -> None:
     :param register: ``register(name: str, splitter: Splitter) -> None``. A splitter has
         ``accepts(model) -> bool`` (may it split this model when no splitter is named?) and
         ``split(model, num_stages, config) -> list[list[str]]`` (the module FQNs of each stage,
-        in stage order); optional ``priority`` (int, default 0), ``num_layers(model)`` and
-        ``make_part(model, fqns, stage_index, num_stages, config)``. Automatic selection tries
-        splitters by descending ``priority`` (built-ins: fqn 300, layers 200, sequential 100),
-        ties in registration order; see ``docs/splitting.md``.
+        in stage order); optional ``priority`` (int, default 0), ``num_layers(model)``,
+        ``make_part(model, fqns, stage_index, num_stages, config)`` and ``units(model)`` (the
+        pieces, in model order, a cost-balanced split may move: ``pp_core.planning.units``).
+        Automatic selection tries splitters by descending ``priority`` (built-ins: fqn 300,
+        layers 200, sequential 100, balanced -1000), ties in registration order; see
+        ``docs/splitting.md``.
 
     Calling: every implementation runs; a name registered twice is an error naming both plugins.
-    Built-ins: ``pp_splitters.fqn``, ``pp_splitters.sequential``, ``pp_splitters.layers``.
+    Built-ins: ``pp_splitters.fqn``, ``pp_splitters.sequential``, ``pp_splitters.layers``,
+    ``pp_splitters.balanced``.
     """
 
 

@@ -24,6 +24,7 @@ import tempfile
 import threading
 from typing import Any, Callable
 
+from pp_core.balanced_launch import balanced_spec, wants_balanced
 from pp_core.devices import choose, local_ranks
 from pp_core.errors import ConfigError, PipelineError
 from pp_core.rendezvous import prepare_endpoint
@@ -99,7 +100,7 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
 
     timeout_from_env(None)  # a bad $PP_CORE_TIMEOUT fails here, not in every rank
     if started_by_torchrun():
-        spec = _planned(spec, announce, memory_cap)  # refused: a rank cannot plan for peers
+        spec = _planned(spec, announce, memory_cap)  # auto is refused: no launching process
         world = int(os.environ["WORLD_SIZE"])
         if world != spec.world_size:
             raise ConfigError(
@@ -107,12 +108,19 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
                 f"{spec.distributed['pp_size']} * {spec.distributed['dp_size']} = "
                 f"{spec.world_size}; pass --nnodes/--nproc-per-node that multiply to "
                 f"{spec.world_size}")
+        if wants_balanced(spec) and spec.pipeline["module_fqns_per_model_part"] is None:
+            raise ConfigError("model.splitter: balanced profiles once in the launching process, "
+                              "which torchrun does not have; start it with `pp-core run`, or "
+                              "put the cut into pipeline.module_fqns_per_model_part")
         return {int(os.environ.get("LOCAL_RANK", 0)): rank_main(_values(spec), entrypoint)}
     dist = spec.distributed
     nproc = local_ranks(dist)
     choice = choose(spec)
     with _signals_raise():  # SIGTERM during the checks or the rendezvous ends us cleanly too
-        spec = _planned(spec, announce, memory_cap)
+        planned = _planned(spec, announce, memory_cap)  # auto: schedule and cost-balanced cut
+        if wants_balanced(spec) and planned is spec:  # every rank gets the same cut
+            planned = balanced_spec(spec, say=announce)
+        spec = planned
         endpoint = prepare_endpoint(dist)
         if announce is not None:
             node = f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else ""

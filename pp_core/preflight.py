@@ -92,6 +92,13 @@ def schedule_def_for(spec: Spec, plugins=None):
     return resolve_schedule_def(spec.pipeline["pp_schedule"], _plugins(plugins))[1]
 
 
+def _splitter(spec: Spec):
+    """``model.splitter`` as the meta-device plan uses it: ``balanced`` cuts where measured time
+    says, at launch (:mod:`pp_core.balanced_launch`); its stage count is its base splitter's."""
+    name = spec.model.get("splitter")
+    return None if name is not None and name.lower() == "balanced" else name
+
+
 def _check_args(where: str, factory: Callable, args: dict, problems: list[str]) -> None:
     try:
         params = inspect.signature(factory).parameters
@@ -228,7 +235,7 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
 
         try:
             result.plan = plan_split(
-                model, config, num_ranks, stages_per_rank, plugins,
+                model, config, num_ranks, stages_per_rank, plugins, _splitter(spec),
                 variable_stages_per_rank=bool(sdef and sdef.variable_stages_per_rank))
             stages_per_rank = result.plan.stages_per_rank
         except PPCoreError as exc:

@@ -227,6 +227,8 @@ SCHEMA: dict[str, list[Key]] = {
         Key("name", _optional(_str), None, "a model registered by a plugin (pp_register_models)"),
         Key("target", _optional(_str), None, "or an importable 'module:callable' (imports code)"),
         Key("args", _mapping, {}, "keyword arguments of the model factory", open_mapping=True),
+        Key("splitter", _optional(_str), None, "a splitter plugin by name (default: chosen "
+            "automatically); balanced: profile before launch, split by measured time"),
     ],
     "data": [
         Key("name", _str, None, "a dataset registered by a plugin (pp_register_datasets)",

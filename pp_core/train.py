@@ -141,8 +141,11 @@ def _build(spec: Spec, ctx: RankContext):
     # each wait is bounded by distributed.timeout_s (so a stuck peer's message says how long),
     # unless $PP_CORE_TIMEOUT sets it for every pipeline
     timeout = None if os.environ.get("PP_CORE_TIMEOUT") else spec.distributed["timeout_s"]
+    splitter = spec.model.get("splitter")  # `balanced` was resolved into module lists at launch
+    if spec.pipeline["module_fqns_per_model_part"] is not None:
+        splitter = None
     pipe = build_pipeline(model, spec.pipeline_config(), pp_group=ctx.pp_mesh, device=ctx.device,
-                          timeout=timeout)
+                          timeout=timeout, splitter=splitter)
     del model
     apply_parallelisms(pipe.model_parts, checkpointing, spec.train["compile"])
     dp_units = 0

@@ -87,3 +87,17 @@ def test_text_bytes_uses_the_shipped_text_and_splits_it():
     assert len(train.data) > 8 * len(val.data)
     text = bytes(next(iter(val))[0][0].tolist()).decode("utf-8", "replace")
     assert text.isprintable() or "\n" in text
+
+
+def test_blocks_of_two_widths():
+    import pytest
+
+    from pp_models.gpt import uneven_gpt
+
+    model = small_gpt(num_layers=3, mlp_ratios=[1, 2, 8])
+    assert [block.ffn[0].out_features for block in model.layers.values()] == [32, 64, 256]
+    with pytest.raises(ValueError, match="mlp_ratios has 2 entries for num_layers=3"):
+        small_gpt(num_layers=3, mlp_ratios=[1, 2])
+    uneven = uneven_gpt(vocab_size=64, dim=16, num_layers=4, num_heads=2, narrow=1, wide=4)
+    assert [block.ffn[0].out_features for block in uneven.layers.values()] == [16, 16, 64, 64]
+    assert "uneven_gpt" in plugins_with("pp_models").models

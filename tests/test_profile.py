@@ -128,6 +128,8 @@ def test_profile_errors():
         profile_model(model, x, x, mse, [0], plugins=PLUGINS)
     with pytest.raises(ConfigError, match="repeats=0"):
         profile_model(model, x, x, mse, [2], repeats=0, plugins=PLUGINS)
+    with pytest.raises(ConfigError, match="clock='sun': expected one of 'auto', 'wall', 'cpu'"):
+        profile_model(model, x, x, mse, [2], clock="sun", plugins=PLUGINS)
     with torch.device("meta"):
         meta = chain()
     with pytest.raises(ConfigError, match="meta device; materialise it"):

@@ -1,6 +1,7 @@
 """pp-core's demo models and datasets, registered exactly as a third-party plugin would.
 
-Models: ``gpt`` (a small decoder-only transformer following the ``layers`` contract).
+Models: ``gpt`` (a small decoder-only transformer following the ``layers`` contract) and
+``uneven_gpt`` (the same with a large vocabulary and blocks of two widths: uneven costs).
 Datasets: ``synthetic`` (a learnable bigram language or a linear regression, no files needed)
 and ``text_bytes`` (byte-level language modelling over a text file; a public-domain text ships in
 ``pp_models/data/``).
@@ -28,9 +29,10 @@ def __getattr__(name):
 
 @hookimpl
 def pp_register_models(register):
-    from pp_models.gpt import GPT
+    from pp_models.gpt import GPT, uneven_gpt
 
     register("gpt", GPT)
+    register("uneven_gpt", uneven_gpt)
 
 
 @hookimpl

@@ -10,12 +10,13 @@ The same ``forward`` therefore runs the whole model (``tokens -> logits``), the 
 from __future__ import annotations
 
 import math
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as functional
 from torch import nn
 
-__all__ = ["GPT", "Block"]
+__all__ = ["GPT", "Block", "uneven_gpt"]
 
 
 class Block(nn.Module):
@@ -48,13 +49,20 @@ class GPT(nn.Module):
     """A small decoder-only language model: ``forward(tokens [B, S]) -> logits [B, S, vocab]``."""
 
     def __init__(self, vocab_size: int = 256, dim: int = 64, num_layers: int = 4,
-                 num_heads: int = 4, max_seq_len: int = 256, mlp_ratio: int = 4):
+                 num_heads: int = 4, max_seq_len: int = 256, mlp_ratio: int = 4,
+                 mlp_ratios: Optional[Sequence[int]] = None):
+        """``mlp_ratios``: one MLP width factor per block instead of ``mlp_ratio`` for all
+        (blocks of different cost, to exercise a split by measured time)."""
         super().__init__()
+        ratios = [mlp_ratio] * num_layers if mlp_ratios is None else list(mlp_ratios)
+        if len(ratios) != num_layers:
+            raise ValueError(f"mlp_ratios has {len(ratios)} entries for num_layers={num_layers}; "
+                             f"give one per block")
         self.max_seq_len = max_seq_len
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.pos_embeddings = nn.Embedding(max_seq_len, dim)
-        self.layers = nn.ModuleDict({str(i): Block(dim, num_heads, mlp_ratio)
-                                     for i in range(num_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(dim, num_heads, ratio)
+                                     for i, ratio in enumerate(ratios)})
         self.norm = nn.LayerNorm(dim)
         self.output = nn.Linear(dim, vocab_size, bias=False)
         self._init_weights(num_layers)
@@ -87,3 +95,14 @@ class GPT(nn.Module):
             x = self.output(x)
         return x
 
+
+
+def uneven_gpt(vocab_size: int = 8192, dim: int = 64, num_layers: int = 8, num_heads: int = 4,
+               max_seq_len: int = 256, narrow: int = 1, wide: int = 8) -> GPT:
+    """A GPT whose pieces cost very different times: a large vocabulary (a heavy embedding and
+    head) and blocks of two widths, the first half with MLP factor ``narrow``, the second half
+    ``wide``. Splitting it by block count leaves the last stage far slower than the first; the
+    ``balanced`` splitter cuts by measured time instead (``benchmarks/bench_balanced.py``)."""
+    half = num_layers // 2
+    return GPT(vocab_size, dim, num_layers, num_heads, max_seq_len,
+               mlp_ratios=[narrow] * half + [wide] * (num_layers - half))

@@ -8,7 +8,7 @@ the last unit, and the runtime's own backward functions - :func:`backward_full` 
 :func:`backward_input` then :func:`backward_weight` for I and W - so the costs the planner
 simulates are the costs of what executes. Each microbatch size gets one warm-up pass (which also
 records memory: saved tensors through ``saved_tensors_hooks``, once per storage, parameters
-excluded) and ``repeats`` timed passes; a time is the median.
+excluded) and ``repeats`` timed passes; a time is the median, by the clock :data:`CLOCKS` says.
 
 :func:`measure_p2p` times round trips between the first two ranks of a group and broadcasts the
 result, so every rank plans with the same numbers.
@@ -27,7 +27,7 @@ from pp_core.errors import ConfigError
 from pp_core.planning.costs import ModelProfile, UnitCost
 from pp_core.planning.units import model_units, shared_modules, stage_fqns, unit_splitter
 
-__all__ = ["profile_model", "measure_p2p"]
+__all__ = ["profile_model", "measure_p2p", "CLOCKS"]
 
 
 def _sync(device: torch.device) -> None:
@@ -35,12 +35,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
-    _sync(device)
-    start = time.perf_counter()
-    result = fn()
-    _sync(device)
-    return result, time.perf_counter() - start
+CLOCKS = ("auto", "wall", "cpu")
+"""How a profile times: ``wall`` seconds, or ``cpu`` seconds of this process. ``cpu`` measures
+the work itself on a shared machine (a process that waits for a core is not charged for it), and
+equals wall time on an idle one; ``auto`` takes it on the CPU with one thread (torch runs the
+forward and the backward in the calling thread), wall time otherwise (GPUs, thread pools)."""
+
+
+def _clock(name: str, device: torch.device) -> Callable[[], float]:
+    if name not in CLOCKS:
+        raise ConfigError(f"profile: clock={name!r}: expected one of {', '.join(map(repr, CLOCKS))}")
+    if name == "auto":
+        name = "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
+    return time.process_time if name == "cpu" else time.perf_counter
 
 
 def _nbytes(tensors) -> int:
@@ -89,6 +96,15 @@ class _Units:
         self.params = [list({id(p): p for p in part.parameters()}.values()) for part in parts]
         self.initializers = collect_pipeline_runtime_initializers(parts)
         self.device = device
+        self.clock = time.perf_counter
+
+    def timed(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        """``(fn(), seconds)`` by ``self.clock``, the device synchronised around it."""
+        _sync(self.device)
+        start = self.clock()
+        result = fn()
+        _sync(self.device)
+        return result, self.clock() - start
 
     def forward(self, x, target, loss_fn, index, inputs, saved=None):
         """Unit ``index`` on its inputs (the microbatch for unit 0); returns the outputs that
@@ -145,22 +161,22 @@ def _one_microbatch(runner: _Units, x, target, loss_fn, split: bool, saved: list
     handed = ()
     for i in range(n):
         leaves[i] = () if i == 0 else make_stage_inputs(handed, True)
-        (grad_outs[i], handed), forward[i] = _timed(runner.device, lambda i=i: runner.forward(
+        (grad_outs[i], handed), forward[i] = runner.timed(lambda i=i: runner.forward(
             x, target, loss_fn, i, leaves[i], saved[i] if saved else None))
         out_bytes[i] = _nbytes(handed)
     backward, weight, grads, pending = [0.0] * n, [0.0] * n, None, [None] * n
     for i in reversed(range(n)):
         inputs = [t for t in leaves[i] if t.requires_grad]
         if split:
-            (grads_in, pending[i]), backward[i] = _timed(
-                runner.device, lambda i=i, g=grads, a=inputs: backward_input(grad_outs[i], g, a))
+            (grads_in, pending[i]), backward[i] = runner.timed(
+                lambda i=i, g=grads, a=inputs: backward_input(grad_outs[i], g, a))
         else:
-            grads_in, backward[i] = _timed(
-                runner.device, lambda i=i, g=grads, a=inputs: backward_full(grad_outs[i], g, a))
+            grads_in, backward[i] = runner.timed(
+                lambda i=i, g=grads, a=inputs: backward_full(grad_outs[i], g, a))
         grads = grads_in
     if split:
         for i in reversed(range(n)):
-            _, weight[i] = _timed(runner.device, lambda i=i: backward_weight(pending[i]))
+            _, weight[i] = runner.timed(lambda i=i: backward_weight(pending[i]))
     return [(forward[i], backward[i], weight[i], out_bytes[i]) for i in range(n)]
 
 
@@ -204,6 +220,7 @@ def profile_model(
     plugins=None,
     splitter=None,
     p2p: tuple[float, float] = (0.0, math.inf),
+    clock: str = "auto",
 ) -> dict[int, ModelProfile]:
     """Measure ``model`` unit by unit; ``{microbatch_size: ModelProfile}``.
 
@@ -216,6 +233,7 @@ def profile_model(
         the parts are built with (optional).
     :param splitter: the splitter whose ``units`` define the units (default: pp-core's choice).
     :param p2p: ``(latency_s, bytes_per_s)`` to record (:func:`measure_p2p`); default a free link.
+    :param clock: ``"auto"``, ``"wall"`` or ``"cpu"`` (:data:`CLOCKS`).
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"profile: repeats={repeats!r} must be a positive int")
@@ -226,8 +244,10 @@ def profile_model(
         raise ConfigError("profile: the model is on the meta device; materialise it (or build "
                           "it on a real device) before profiling")
     device = torch.device(device)
+    timer = _clock(clock, device)
     units = model_units(model, plugins, splitter)
     runner = _Units(model, units, config, plugins, splitter, device)
+    runner.clock = timer
     params = [p for group in runner.params for p in group]
     kept = {id(p): p.grad for p in params}
     for p in params:  # or backward would add into the caller's gradient tensors

@@ -343,14 +343,15 @@ def _forget_frames(exc: BaseException) -> None:
 
 
 def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, device="cpu", *,
-                   plugins=None, timeout=None) -> Pipeline:
+                   plugins=None, timeout=None, splitter=None) -> Pipeline:
     """Split ``model`` over the ranks of ``pp_group`` and return this rank's :class:`Pipeline`.
 
     :param pp_group: a ProcessGroup or a 1-D DeviceMesh; ``None`` = the default group (or a
         single-process pipeline when torch.distributed is not initialised).
     :param device: where this rank's parts and tensors live (``"cuda:0"``, ``"cpu"``).
     :param plugins: a :class:`pp_core.plugins.Plugins`; default: the installed plugins.
-    :param timeout: seconds a single wait may take before the step fails.
+    :param timeout: seconds a single wait may take before the step fails. ``splitter``: a
+        splitter name or object (``BalancedSplitter(profile)``); ``None`` chooses automatically.
     """
     if not isinstance(config, PipelineConfig):
         raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
@@ -378,7 +379,7 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
             csv_schedule = None
             _, sdef = resolve_schedule_def(config.pp_schedule, plugins)
             per_rank, variable = sdef.stages_per_rank, sdef.variable_stages_per_rank
-        plan = plan_split(model, config, num_ranks, per_rank, plugins,
+        plan = plan_split(model, config, num_ranks, per_rank, plugins, splitter,
                           variable_stages_per_rank=variable)
         schedule = csv_schedule or build_schedule(
             config.pp_schedule, num_ranks=num_ranks, num_microbatches=m,
@@ -393,8 +394,7 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
     if schedule.num_stages != plan.num_stages:
         raise ConfigError(f"the split has {plan.num_stages} stages but schedule "
                           f"{schedule.name!r} runs {schedule.num_stages}; make them agree")
-    program = lower(schedule)
     stage_indices = schedule.stages_of(rank)
     parts = build_model_parts(model, plan, stage_indices, config, device=device)
-    return Pipeline(parts, stage_indices, schedule, config, group, device, program=program,
-                    plugins=plugins, timeout=timeout)
+    return Pipeline(parts, stage_indices, schedule, config, group, device,
+                    program=lower(schedule), plugins=plugins, timeout=timeout)
