@@ -34,33 +34,30 @@ def plan_spec(spec: Spec, memory_cap=None, plugins=None, measure_link: bool = Tr
     """Profile the spec's model on its device and choose: a :class:`pp_core.planning.Plan`."""
     import torch
 
+    from pp_core.balanced_launch import _rank_threads, spec_model_and_batch
     from pp_core.devices import choose
     from pp_core.planning.plan import plan_pipeline
-    from pp_core.preflight import dataset_args, dataset_factory, model_factory
-    from pp_core.train import dp_slice
 
-    choice = choose(spec)
-    device = torch.device("cuda", 0) if choice.device == "cuda" else torch.device("cpu")
     pp_size = spec.distributed["pp_size"]
-    torch.manual_seed(spec.train["seed"])
-    model = model_factory(spec, plugins)(**spec.model["args"]).to(device)
-    factory = dataset_factory(spec, plugins)
-    inputs, target = next(iter(factory(**dataset_args(spec, factory))))
-    global_batch = spec.global_batch_size  # the ranks of dp replica 0 see this slice
-    inputs, target = (dp_slice(v, 0, spec.distributed["dp_size"], global_batch)
-                      for v in (inputs, target))
+    model, inputs, target, device = spec_model_and_batch(spec, plugins)  # as a rank builds them
     link = None
     if measure_link and pp_size > 1:
         from pp_core.planning.link import measure_local_link
 
         if say is not None:
             say("auto: measuring the link between two local ranks")
+        choice = choose(spec)
         link = measure_local_link(choice.backend, choice.device)
     if say is not None:
         say(f"auto: profiling {type(model).__name__} on {device}")
-    config = spec.pipeline_config()
-    return plan_pipeline(model, config, inputs, target, pp_size, device=device,
-                         memory_cap=memory_cap, plugins=plugins, link=link)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":  # a rank's thread count, so the times are a rank's
+        torch.set_num_threads(_rank_threads(spec))
+    try:
+        return plan_pipeline(model, spec.pipeline_config(), inputs, target, pp_size,
+                             device=device, memory_cap=memory_cap, plugins=plugins, link=link)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def resolved_spec(spec: Spec, plan) -> Spec:
