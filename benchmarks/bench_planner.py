@@ -127,8 +127,8 @@ def predicted_for(values: dict, profiles, pp: int, plugins) -> dict:
 
 def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
     from pp_core import PipelineConfig
-    from pp_core.planning import choose_plan, plan_pipeline
-    from pp_core.planning.plan import concrete_config
+    from pp_core.planning import choose_plan, plan_auto
+    from pp_core.planning.auto import concrete_config
     from pp_core.planning.report import describe, format_ranking
     from pp_core.plugins import default_plugins
     from pp_core.testing_dist import DistPool
@@ -138,7 +138,7 @@ def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
     torch.set_num_threads(1)
     sizes = sorted({1, 2, 4, BATCH // (2 * pp)})
     base = PipelineConfig(pp_schedule="auto", pp_batch_size=BATCH, loss_fn="cross_entropy")
-    plan = plan_pipeline(make_model(), base, x, y, pp, link=link, microbatch_sizes=sizes,
+    plan = plan_auto(make_model(), base, x, y, pp, link=link, microbatch_sizes=sizes,
                          repeats=9)
     ranking, profiles = plan.ranking, plan.profiles
     print(format_ranking(ranking, top=6), flush=True)

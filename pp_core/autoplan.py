@@ -4,7 +4,7 @@ Every rank must run the same plan, and a plan made from timings differs from one
 next; so the decision is made once, here, before any rank starts: the model is built for real on
 the run's device (same seed, same arguments as the ranks build it), one step's batch is taken
 from the dataset, the model is profiled, the link between two local processes is measured, and
-:func:`pp_core.planning.plan_pipeline` chooses. The ranks then receive a *concrete* pipeline
+:func:`pp_core.planning.plan_auto` chooses. The ranks then receive a *concrete* pipeline
 section (schedule, microbatch size, module FQNs per stage, receive-buffer pool): identical inputs
 on every rank, nothing decided there. ``pp-core plan`` runs the same steps and prints the ranking.
 """
@@ -31,12 +31,12 @@ def is_auto(spec: Spec) -> bool:
 
 def plan_spec(spec: Spec, memory_cap=None, plugins=None, measure_link: bool = True,
               say: Callable[[str], None] | None = None):
-    """Profile the spec's model on its device and choose: a :class:`pp_core.planning.Plan`."""
+    """Profile the spec's model on its device and choose: a :class:`pp_core.planning.AutoPlan`."""
     import torch
 
     from pp_core.balanced_launch import _rank_threads, spec_model_and_batch
     from pp_core.devices import choose
-    from pp_core.planning.plan import plan_pipeline
+    from pp_core.planning.auto import plan_auto
 
     pp_size = spec.distributed["pp_size"]
     model, inputs, target, device = spec_model_and_batch(spec, plugins)  # as a rank builds them
@@ -54,7 +54,7 @@ def plan_spec(spec: Spec, memory_cap=None, plugins=None, measure_link: bool = Tr
     if device.type == "cpu":  # a rank's thread count, so the times are a rank's
         torch.set_num_threads(_rank_threads(spec))
     try:
-        return plan_pipeline(model, spec.pipeline_config(), inputs, target, pp_size,
+        return plan_auto(model, spec.pipeline_config(), inputs, target, pp_size,
                              device=device, memory_cap=memory_cap, plugins=plugins, link=link)
     finally:
         torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
 """``pp_schedule: auto``: planned once, the same concrete plan on every rank (YAML launcher and
-``plan_pipeline`` over a group); refused where it cannot be honoured; ``pp-core plan``."""
+``plan_auto`` over a group); refused where it cannot be honoured; ``pp-core plan``."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def plan_on_ranks(restrict: bool):
     """Every rank plans with the group; rank 1 passes other arguments, which must not matter."""
     import torch.distributed as dist
 
-    from pp_core.planning import plan_pipeline
+    from pp_core.planning import plan_auto
 
     torch.manual_seed(0)
     model = GPT(**MODEL)
@@ -66,14 +66,14 @@ def plan_on_ranks(restrict: bool):
         from pp_core.plugins import default_plugins
 
         schedules = {"gpipe": default_plugins().schedule_def("gpipe")}
-    plan = plan_pipeline(model, config, x, y, 2, group=dist.group.WORLD, schedules=schedules)
+    plan = plan_auto(model, config, x, y, 2, group=dist.group.WORLD, schedules=schedules)
     pipe = build_pipeline(model, plan.config)
     loss = pipe.step(x, target=y)
     return {"config": plan.config.to_dict(), "chosen": plan.chosen.to_dict(),
             "link": plan.link, "loss": None if loss is None else float(loss)}
 
 
-def test_plan_pipeline_over_a_group_gives_every_rank_rank_0s_plan():
+def test_plan_auto_over_a_group_gives_every_rank_rank_0s_plan():
     with DistPool(2) as pool:
         results = pool.run(plan_on_ranks, True)
     assert results[0]["config"] == results[1]["config"]
@@ -84,7 +84,7 @@ def test_plan_pipeline_over_a_group_gives_every_rank_rank_0s_plan():
 
 def test_build_pipeline_refuses_auto_and_names_the_planner():
     config = PipelineConfig(pp_schedule="auto", pp_batch_size=2, loss_fn="cross_entropy")
-    with pytest.raises(ConfigError, match=r"pp_core.planning.plan_pipeline\(model, config, "
+    with pytest.raises(ConfigError, match=r"pp_core.planning.plan_auto\(model, config, "
                                           r"inputs, target, pp_size\)"):
         build_pipeline(GPT(**MODEL), config)
 

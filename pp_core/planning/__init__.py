@@ -2,6 +2,6 @@
 or measured inputs only). Imports nothing heavy, so schedule commands stay torch-free."""
 
 from pp_core.planning.choose import Ranking, choose_plan
-from pp_core.planning.plan import Plan, plan_pipeline
+from pp_core.planning.auto import AutoPlan, plan_auto
 
-__all__ = ["Plan", "Ranking", "choose_plan", "plan_pipeline"]
+__all__ = ["AutoPlan", "Ranking", "choose_plan", "plan_auto"]

@@ -122,7 +122,7 @@ def resolve_schedule_def(name: str, plugins=None) -> tuple[str, ScheduleDef]:
     if name.lower() == "auto" and "auto" not in plugins.schedules:
         raise ConfigError(
             "pp_schedule='auto' is not a schedule but a request to choose one: plan it with "
-            "pp_core.planning.plan_pipeline(model, config, inputs, target, pp_size) and pass "
+            "pp_core.planning.plan_auto(model, config, inputs, target, pp_size) and pass "
             "its .config to build_pipeline (the YAML launcher and 'pp-core plan' do this)")
     registry = plugins.schedules
     if name not in registry:

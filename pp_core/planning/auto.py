@@ -1,4 +1,4 @@
-"""``plan_pipeline``: profile a model, choose the plan, and return a concrete PipelineConfig.
+"""``plan_auto``: profile a model, choose the plan, and return a concrete PipelineConfig.
 
 This is the entry point behind ``pipeline.pp_schedule: auto``: ``build_pipeline`` itself never
 plans (it would have to time the model on every rank and the ranks could disagree), it refuses
@@ -19,13 +19,13 @@ from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError
 from pp_core.planning.choose import Candidate, Ranking, choose_plan
 
-__all__ = ["Plan", "plan_pipeline", "default_microbatch_sizes", "concrete_config", "AUTO"]
+__all__ = ["AutoPlan", "plan_auto", "default_microbatch_sizes", "concrete_config", "AUTO"]
 
 AUTO = "auto"
 
 
 @dataclass
-class Plan:
+class AutoPlan:
     """The chosen plan: ``config`` is what to give ``build_pipeline`` (same on every rank)."""
 
     config: PipelineConfig
@@ -69,11 +69,11 @@ def concrete_config(config: PipelineConfig, candidate: Candidate) -> PipelineCon
         pp_recv_buffer_pool=config.pp_recv_buffer_pool or candidate.pool)
 
 
-def plan_pipeline(model, config: PipelineConfig, inputs, target, pp_size: int, *,
-                  device="cpu", memory_cap: int | str | None = None, plugins=None, group=None,
-                  microbatch_sizes: Sequence[int] | None = None,
-                  link: tuple[float, float] | None = None, schedules=None,
-                  repeats: int = 5) -> Plan:
+def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
+              device="cpu", memory_cap: int | str | None = None, plugins=None, group=None,
+              microbatch_sizes: Sequence[int] | None = None,
+              link: tuple[float, float] | None = None, schedules=None,
+              repeats: int = 5) -> AutoPlan:
     """Profile ``model`` on ``device``, choose the fastest plan that fits, return it.
 
     :param inputs, target: one step's batch (``pp_batch_size`` samples), real tensors.
@@ -91,7 +91,7 @@ def plan_pipeline(model, config: PipelineConfig, inputs, target, pp_size: int, *
     if not isinstance(config, PipelineConfig):
         raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
     if config.pp_schedule_csv is not None:
-        raise ConfigError("plan_pipeline chooses the schedule, but pp_schedule_csv is set; unset "
+        raise ConfigError("plan_auto chooses the schedule, but pp_schedule_csv is set; unset "
                           "it (a CSV fixes the schedule: use build_pipeline directly)")
     cap = None if memory_cap is None else parse_size(memory_cap, "memory_cap")
     if plugins is None:
@@ -114,7 +114,7 @@ def plan_pipeline(model, config: PipelineConfig, inputs, target, pp_size: int, *
                               pool_slack=config.pp_recv_buffer_pool_slack)
     if group is not None:
         ranking, profile_s, profiles = _broadcast((ranking, profile_s, profiles), group)
-    return Plan(concrete_config(config, ranking.chosen), ranking, profile_s, link, profiles)
+    return AutoPlan(concrete_config(config, ranking.chosen), ranking, profile_s, link, profiles)
 
 
 
@@ -127,7 +127,7 @@ def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugi
     from pp_core.planning.profile import profile_model
 
     if config.loss_fn is None:
-        raise ConfigError("plan_pipeline times the loss with the last unit: set config.loss_fn")
+        raise ConfigError("plan_auto times the loss with the last unit: set config.loss_fn")
     sizes = list(sizes) if sizes is not None else \
         default_microbatch_sizes(config.pp_batch_size, pp_size)
     parts_like = dataclasses.replace(config, pp_schedule="1f1b")  # dtype, patches: as run
