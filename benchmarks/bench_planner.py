@@ -139,7 +139,7 @@ def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
     sizes = sorted({1, 2, 4, BATCH // (2 * pp)})
     base = PipelineConfig(pp_schedule="auto", pp_batch_size=BATCH, loss_fn="cross_entropy")
     plan = plan_auto(make_model(), base, x, y, pp, link=link, microbatch_sizes=sizes,
-                         repeats=9)
+                     repeats=9)
     ranking, profiles = plan.ranking, plan.profiles
     print(format_ranking(ranking, top=6), flush=True)
 

@@ -55,7 +55,7 @@ def plan_spec(spec: Spec, memory_cap=None, plugins=None, measure_link: bool = Tr
         torch.set_num_threads(_rank_threads(spec))
     try:
         return plan_auto(model, spec.pipeline_config(), inputs, target, pp_size,
-                             device=device, memory_cap=memory_cap, plugins=plugins, link=link)
+                         device=device, memory_cap=memory_cap, plugins=plugins, link=link)
     finally:
         torch.set_num_threads(threads)
 
