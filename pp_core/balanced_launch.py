@@ -86,8 +86,7 @@ def balanced_spec(spec: Spec, plugins=None,
     The stage count is the one the preflight plans (the schedule's stages per rank, or
     ``layers_per_stage``); ``say`` gets one line per stage with its measured seconds.
     """
-    from pp_core.planning.balance import balance, unit_costs
-    from pp_core.planning.units import stage_fqns
+    from pp_core.planning.balance import balance, stage_fqns, unit_costs
     from pp_core.preflight import preflight
 
     if spec.pipeline["module_fqns_per_model_part"] is not None:

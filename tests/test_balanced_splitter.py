@@ -58,6 +58,16 @@ def test_splits_by_measured_cost_not_by_block_count():
     assert plan.fqns_per_stage[0][-1] == "layers.0"
 
 
+def test_layers_per_stage_counts_blocks_as_the_base_splitter_does():
+    model = gpt(4)
+    profile = synthetic(model, [4.0, 1.0, 1.0, 1.0, 1.0, 4.0])
+    plan = plan_split(model, PipelineConfig(pp_schedule="interleaved_1f1b", layers_per_stage=1),
+                      2, None, PLUGINS, BalancedSplitter(profile), variable_stages_per_rank=True)
+    assert plan.num_stages == 4 and plan.stages_per_rank == 2  # 4 blocks, one per stage
+    assert plan.fqns_per_stage[0] == ["tok_embeddings", "pos_embeddings"]  # cost 4: alone
+    assert plan.fqns_per_stage[-1] == ["norm", "output"]
+
+
 def test_parts_of_a_balanced_split_compute_the_model():
     model, reference = gpt(4), gpt(4)
     tokens = torch.randint(0, 32, (2, 8))

@@ -19,9 +19,8 @@ from itertools import accumulate
 from typing import Optional, Sequence
 
 from pp_core.errors import ConfigError
-from pp_core.planning.units import stage_fqns
 
-__all__ = ["balance", "split_by_profile", "unit_costs", "KINDS"]
+__all__ = ["balance", "split_by_profile", "unit_costs", "stage_fqns", "KINDS"]
 
 KINDS = ("train", "eval")
 """What a unit's cost is: ``train`` forward + full backward (F+B), ``eval`` forward only."""
@@ -99,3 +98,16 @@ def split_by_profile(profile, num_stages: int, kind: str = "train") -> list[list
                           "pp_core.planning.profile.profile_model first")
     counts = balance(unit_costs(profile, kind), num_stages)
     return stage_fqns([unit.fqns for unit in units], counts)
+
+
+def stage_fqns(units, counts, shared=()) -> list[list[str]]:
+    """Module names per stage: ``counts[i]`` consecutive units each, ``shared`` on every stage."""
+    if sum(counts) != len(units):
+        raise ConfigError(f"stage unit counts {list(counts)} add up to {sum(counts)}, but there "
+                          f"are {len(units)} units")
+    stages, start = [], 0
+    for count in counts:
+        fqns = [fqn for unit in units[start:start + count] for fqn in unit]
+        stages.append(fqns + [fqn for fqn in shared if fqn not in fqns])
+        start += count
+    return stages

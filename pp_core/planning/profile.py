@@ -24,8 +24,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from pp_core.errors import ConfigError
+from pp_core.planning.balance import stage_fqns
 from pp_core.planning.costs import ModelProfile, UnitCost
-from pp_core.planning.units import model_units, shared_modules, stage_fqns, unit_splitter
+from pp_core.planning.units import model_units, shared_modules, unit_splitter
 
 __all__ = ["profile_model", "measure_p2p", "CLOCKS"]
 

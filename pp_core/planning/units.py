@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pp_core.errors import ConfigError
 
-__all__ = ["model_units", "unit_splitter", "shared_modules", "stage_fqns"]
+__all__ = ["model_units", "unit_splitter", "shared_modules"]
 
 
 def unit_splitter(model, plugins=None, splitter=None) -> tuple[str, object]:
@@ -69,16 +69,3 @@ def shared_modules(model, named) -> list[str]:
 
     visit(model, "")
     return found
-
-
-def stage_fqns(units, counts, shared=()) -> list[list[str]]:
-    """Module names per stage: ``counts[i]`` consecutive units each, ``shared`` on every stage."""
-    if sum(counts) != len(units):
-        raise ConfigError(f"stage unit counts {list(counts)} add up to {sum(counts)}, but there "
-                          f"are {len(units)} units")
-    stages, start = [], 0
-    for count in counts:
-        fqns = [fqn for unit in units[start:start + count] for fqn in unit]
-        stages.append(fqns + [fqn for fqn in shared if fqn not in fqns])
-        start += count
-    return stages
