@@ -194,3 +194,38 @@ def test_concrete_config_is_what_build_pipeline_runs():
     assert config.module_fqns_per_model_part == chosen.fqns_per_stage
     assert [f for stage in chosen.fqns_per_stage for f in stage] == \
         [f"layers.{i}" for i in range(8)]
+
+
+def test_refining_the_cuts_never_predicts_slower_and_ends_at_a_local_optimum():
+    from pp_core.planning.refine import makespan_of, refine_counts
+
+    plugins = load_plugins()
+    uneven = profile(2, weights=(6, 1, 1, 1, 1, 1, 1, 1, 1, 6))
+    for name in ("v_schedule", "interleaved_1f1b", "1f1b"):
+        sdef = plugins.schedule_def(name)
+        v = 2 if sdef.variable_stages_per_rank else sdef.stages_per_rank
+        schedule = build_schedule(name, num_ranks=2, num_microbatches=4, stages_per_rank=v)
+        start = [1] * (2 * v - 1) + [10 - (2 * v - 1)]  # a poor split to start from
+        counts, seconds = refine_counts(schedule, uneven, start)
+        assert sum(counts) == 10 and min(counts) >= 1
+        assert seconds == pytest.approx(makespan_of(schedule, uneven, counts))
+        assert seconds < makespan_of(schedule, uneven, start)
+        for cut in range(len(counts) - 1):  # no single move of one unit does better
+            for shift in (-1, 1):
+                trial = list(counts)
+                trial[cut] += shift
+                trial[cut + 1] -= shift
+                if min(trial) >= 1:
+                    assert makespan_of(schedule, uneven, trial) >= seconds * (1 - 1e-9)
+
+
+def test_refined_plans_are_never_predicted_slower_than_the_balanced_split():
+    uneven = {m: profile(m, weights=(6, 1, 1, 2, 2, 1, 1, 6)) for m in (1, 2)}
+    plain = choose_plan(uneven, 2, 4, refine_top=0)
+    refined = choose_plan(uneven, 2, 4, refine_top=len(plain.kept))
+    assert refined.chosen.predicted_step_s <= plain.chosen.predicted_step_s
+    by_option = {c.option: c for c in plain.kept}
+    moved = [c for c in refined.kept if c.fqns_per_stage != by_option[c.option].fqns_per_stage]
+    assert moved  # the simulator found better cuts for some plans
+    for c in moved:
+        assert c.predicted_step_s < by_option[c.option].predicted_step_s

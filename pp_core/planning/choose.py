@@ -24,7 +24,8 @@ from typing import Any, Iterator, Mapping
 
 from pp_core.errors import ConfigError, PPCoreError
 from pp_core.planning.costs import ModelProfile
-from pp_core.planning.memory import RankMemory, predict_memory, stage_sums
+from pp_core.planning.memory import RankMemory, predict_memory
+from pp_core.planning.refine import refine_counts, simulate_split
 from pp_core.planning.sizes import format_bytes
 
 __all__ = ["Option", "Candidate", "Ranking", "candidates", "choose_plan", "predict",
@@ -33,6 +34,9 @@ __all__ = ["Option", "Candidate", "Ranking", "candidates", "choose_plan", "predi
 MAX_STAGES_PER_RANK = 4
 """Largest stage count per rank tried for schedules that take any (looped schedules): beyond it
 every extra hand-off costs more than the smaller bubble wins back on the models pp-core targets."""
+
+REFINE_TOP = 4
+"""Plans whose cuts the simulator refines: the ones that could end up first."""
 
 
 @dataclass(frozen=True)
@@ -149,13 +153,16 @@ def candidates(profiles: Mapping[int, ModelProfile], pp_size: int, pp_batch_size
 def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size: int,
                 pp_batch_size: int, schedules=None, memory_cap: int | None = None, *,
                 recv_buffer_pool: bool | None = None, pool_slack: int = 2,
-                max_stages_per_rank: int = MAX_STAGES_PER_RANK) -> Ranking:
+                max_stages_per_rank: int = MAX_STAGES_PER_RANK,
+                refine_top: int = REFINE_TOP) -> Ranking:
     """Predict every candidate and rank those that fit ``memory_cap`` (bytes per rank).
 
     :param schedules: a plugin registry (``plugins.schedules``), a ``{name: ScheduleDef}``
         mapping, or ``None`` for the installed schedules.
     :param recv_buffer_pool: ``True``/``False`` fixes the receive-buffer pool; ``None`` lets the
         planner turn it on only for a plan that fits with it and not without.
+    :param refine_top: how many of the fastest plans get their cuts moved by the simulator
+        (:mod:`pp_core.planning.refine`); 0 keeps the cost-balanced split everywhere.
     """
     started = time.perf_counter()
     if not isinstance(pp_size, int) or pp_size < 1:
@@ -172,6 +179,10 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
             _fit(candidate, memory_cap, recv_buffer_pool)
         (kept if candidate.dropped is None else dropped).append(candidate)
     kept.sort(key=lambda c: (c.predicted_step_s, c.peak_bytes, _label(c)))
+    if refine_top:
+        _refine(kept, defs, profiles_by_microbatch_size, pp_size, memory_cap, recv_buffer_pool,
+                pool_slack, refine_top)
+        kept.sort(key=lambda c: (c.predicted_step_s, c.peak_bytes, _label(c)))
     dropped.sort(key=lambda c: (c.predicted_step_s is None, c.predicted_step_s or 0, _label(c)))
     return Ranking(kept, dropped, memory_cap, time.perf_counter() - started, pp_size,
                    pp_batch_size)
@@ -191,9 +202,6 @@ def predict(option: Option, sdef, profile: ModelProfile, pp_size: int,
 
 def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: dict,
              slack: int) -> Candidate:
-    from pp_core.schedule.build import schedule_from_def
-    from pp_core.schedule.simulate import Costs, simulate
-
     candidate = Candidate(option)
     num_stages = pp_size * option.stages_per_rank
     if num_stages > len(profile.units):
@@ -201,9 +209,7 @@ def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: 
                              f"units to place")
         return candidate
     try:
-        schedule = schedule_from_def(option.schedule, sdef, num_ranks=pp_size,
-                                     num_microbatches=option.num_microbatches,
-                                     stages_per_rank=option.stages_per_rank)
+        schedule = _schedule(option, sdef, pp_size)
     except PPCoreError as exc:
         candidate.dropped = f"the schedule refuses these sizes: {exc}"
         return candidate
@@ -212,17 +218,41 @@ def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: 
         splits[key] = _split(profile, num_stages)
     fqns, units = splits[key]
     candidate.fqns_per_stage = fqns
-    costs = Costs(per_stage={s: {"F": f, "B": b, "I": i, "W": w} for s, (f, b, i, w) in
-                             enumerate(zip(*(stage_sums(profile, units, name) for name in (
-                                 "forward_s", "backward_s", "input_grad_s", "weight_grad_s"))))})
-    boundary = max(profile.units[u[-1]].output_bytes for u in units[:-1]) if num_stages > 1 else 0
-    result = simulate(schedule, costs, comm_latency=profile.transfer_s(boundary),
-                      activation_bytes=stage_sums(profile, units, "activation_bytes"))
+    result = simulate_split(schedule, profile, units, with_memory=True)
     candidate.predicted_step_s = result.makespan
     candidate.bubble_ratio = result.bubble_ratio
     candidate.memory = predict_memory(profile, schedule, units, result.peak_activation_bytes,
                                       slack)
     return candidate
+
+
+def _schedule(option: Option, sdef, pp_size: int):
+    from pp_core.schedule.build import schedule_from_def
+
+    return schedule_from_def(option.schedule, sdef, num_ranks=pp_size,
+                             num_microbatches=option.num_microbatches,
+                             stages_per_rank=option.stages_per_rank)
+
+
+def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int, top: int) -> None:
+    """Let the simulator move the cuts of the ``top`` fastest plans
+    (:mod:`pp_core.planning.refine`); a refined split replaces the balanced one when it is
+    predicted faster and still fits."""
+    from pp_core.planning.balance import stage_fqns
+
+    for index, candidate in enumerate(kept[:top]):
+        option = candidate.option
+        profile = profiles[option.microbatch_size]
+        counts = [len(u) for u in _units_of(profile, candidate.fqns_per_stage)]
+        better, seconds = refine_counts(_schedule(option, defs[option.schedule], pp_size),
+                                        profile, counts)
+        if better == counts or seconds >= candidate.predicted_step_s:
+            continue
+        fqns = stage_fqns([unit.fqns for unit in profile.units], better)
+        refined = predict(option, defs[option.schedule], profile, pp_size, fqns, slack)
+        _fit(refined, cap, pool)
+        if refined.dropped is None:
+            kept[index] = refined
 
 
 def _split(profile: ModelProfile, num_stages: int) -> tuple[list[list[str]], list[list[int]]]:
