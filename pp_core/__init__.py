@@ -25,6 +25,7 @@ __all__ = [
     "hookimpl",
     "PipelineConfig",
     "build_pipeline",
+    "plan_auto",
     "Action",
     "ActionKind",
     "F",
@@ -51,3 +52,15 @@ def build_pipeline(model, config, pp_group=None, device="cpu", **options):
     from pp_core.runtime.pipeline import build_pipeline as _build
 
     return _build(model, config, pp_group=pp_group, device=device, **options)
+
+
+def plan_auto(model, config, inputs, target, pp_size, **options):
+    """Profile ``model``, choose the fastest plan that fits memory, return an ``AutoPlan`` whose
+    ``config`` is a concrete :class:`PipelineConfig` for :func:`build_pipeline`.
+
+    ``options`` are those of :func:`pp_core.runtime.plan_auto.plan_auto` (``memory_cap=``,
+    ``group=``, ``device=``, ...). Imported lazily, like :func:`build_pipeline`.
+    """
+    from pp_core.runtime.plan_auto import plan_auto as _plan
+
+    return _plan(model, config, inputs, target, pp_size, **options)

@@ -104,6 +104,8 @@ class PipelineConfig:
                 f"pp_schedule={self.pp_schedule!r} must be a schedule name such as '1f1b' (or "
                 f"None with pp_schedule_csv); run 'pp-core plugins' to list the installed "
                 f"schedules", field="pp_schedule")
+        if isinstance(self.pp_schedule, str) and self.pp_schedule.lower() == "auto":
+            self._check_auto()
         if self.pp_schedule_csv is not None and not isinstance(self.pp_schedule_csv, (str, bytes)) \
                 and not hasattr(self.pp_schedule_csv, "__fspath__"):
             raise ConfigError(f"pp_schedule_csv={self.pp_schedule_csv!r} must be a path to a CSV "
@@ -140,6 +142,15 @@ class PipelineConfig:
             get_loss(self.loss_fn)  # a bare built-in name such as cross_entropy
         else:
             resolve_callable(self.loss_fn, "loss_fn")
+
+    def _check_auto(self) -> None:
+        """``pp_schedule="auto"``: the planner picks schedule, stages and split; nothing may fix
+        them too (it would be silently overridden)."""
+        for name in ("pp_schedule_csv", "module_fqns_per_model_part", "layers_per_stage"):
+            if getattr(self, name) is not None:
+                raise ConfigError(
+                    f"pp_schedule='auto' chooses the schedule and the split, but {name} is set "
+                    f"too; unset {name}, or name a schedule instead of 'auto'", field=name)
 
     def _check_fqns(self) -> None:
         parts = self.module_fqns_per_model_part

@@ -158,7 +158,7 @@ class AllocatorPlugin:
 
 def early_receives(allocator_class):
     """Whether gloo's early receives ran with this allocator, and the losses of three steps."""
-    from pp_core.plugins import load_plugins
+    from pp_core.plugin_manager import load_plugins
 
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))

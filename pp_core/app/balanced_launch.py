@@ -27,7 +27,7 @@ def wants_balanced(spec: Spec) -> bool:
     return name is not None and name.lower() == "balanced"
 
 
-def _rank_threads(spec: Spec) -> int:
+def rank_threads(spec: Spec) -> int:
     """The intra-op threads a CPU rank runs with (as :class:`pp_core.app.train.RankContext` sets)."""
     from pp_core.devices import local_ranks
 
@@ -71,7 +71,7 @@ def profile_spec(spec: Spec, microbatch_sizes: Optional[Sequence[int]] = None, p
     model, inputs, target, device = spec_model_and_batch(spec, plugins)
     threads = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(_rank_threads(spec))
+        torch.set_num_threads(rank_threads(spec))
     try:
         return profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device,
                              repeats=repeats, config=config, plugins=plugins)

@@ -23,6 +23,7 @@ examples:
   pp-core run examples/demo.yaml                  train the demo GPT on 2 ranks
   pp-core run pipe.yaml --set train.steps=10      override any YAML key
   pp-core validate pipe.yaml                      check a pipeline without running it
+  pp-core plan pipe.yaml --memory-cap 8GiB        rank schedules and splits by measured cost
   pp-core schedule show zero_bubble --pp 4 --microbatches 8
                                                   draw a schedule's timeline
   pp-core schedule simulate 1f1b --pp 4 --microbatches 8 --json
@@ -35,7 +36,7 @@ Plugins are pip packages that register in the entry-point group 'pp_core';
 set PP_CORE_DISABLE_PLUGINS=name,... to skip some.
 """
 
-COMMAND_MODULES = ("run", "schedule", "plugins")
+COMMAND_MODULES = ("run", "plan", "schedule", "plugins")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from pp_core.app.logs import configure_logging
 from pp_core.app.balanced_launch import balanced_spec, wants_balanced
-from pp_core.app.rendezvous import prepare_endpoint
+from pp_core.app.rendezvous import prepare_endpoint, started_by_torchrun
 from pp_core.app.spec import Spec
 from pp_core.devices import choose, local_ranks
 from pp_core.errors import ConfigError, PPCoreError, PipelineError
@@ -35,12 +35,6 @@ __all__ = ["launch", "started_by_torchrun", "free_port", "rank_main", "is_loopba
 
 SHUTDOWN_TIMEOUT_S = 5
 """Seconds a rank gets to exit after SIGTERM before SIGKILL (a stopped rank never exits)."""
-
-
-def started_by_torchrun(environ=None) -> bool:
-    """Whether this process is already one rank of a launched job (torchrun, elastic agent)."""
-    env = os.environ if environ is None else environ
-    return "RANK" in env and "WORLD_SIZE" in env
 
 
 def is_loopback(address: str) -> bool:
@@ -89,19 +83,22 @@ def _has_interface(name: str) -> bool:
 
 
 def launch(spec: Spec, entrypoint: Callable | None = None,
-           announce: Callable[[str], None] | None = None) -> dict[int, Any]:
+           announce: Callable[[str], None] | None = None,
+           memory_cap: int | None = None) -> dict[int, Any]:
     """Run the pipeline on this machine's ranks; returns each local rank's return value.
 
     :param entrypoint: a picklable ``entrypoint(spec)`` to run on every rank instead of
         :func:`pp_core.app.train.train` (tests use it to inspect a rank from inside).
     :param announce: called with one line (ranks, device and why) once every check passed,
         just before the processes start.
+    :param memory_cap: bytes per rank for ``pipeline.pp_schedule: auto`` (planned here, once).
     When this process is itself a rank (started by torchrun), it just runs that rank.
     """
     from pp_core.runtime.pipeline import _timeout as timeout_from_env  # torch: once launching
 
     timeout_from_env(None)  # a bad $PP_CORE_TIMEOUT fails here, not in every rank
     if started_by_torchrun():
+        spec = _planned(spec, announce, memory_cap)  # auto is refused: no launching process
         world = int(os.environ["WORLD_SIZE"])
         if world != spec.world_size:
             raise ConfigError(
@@ -118,8 +115,10 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
     nproc = local_ranks(dist)
     choice = choose(spec)
     with _signals_raise():  # SIGTERM during the checks or the rendezvous ends us cleanly too
-        if wants_balanced(spec):  # every rank gets the same cut, measured here once
-            spec = balanced_spec(spec, say=announce)
+        planned = _planned(spec, announce, memory_cap)  # auto: schedule and cost-balanced cut
+        if wants_balanced(spec) and planned is spec:  # every rank gets the same cut
+            planned = balanced_spec(spec, say=announce)
+        spec = planned
         endpoint = prepare_endpoint(dist)
         if announce is not None:
             node = f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else ""
@@ -127,6 +126,13 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
                      f"{dist['dp_size']}{node}) on {choice.device} ({choice.reason})")
         with _launch_temp_dir() as logs:
             return _elastic_launch(spec, entrypoint, nproc, endpoint, logs)
+
+
+def _planned(spec: Spec, announce, memory_cap) -> Spec:
+    """``pipeline.pp_schedule: auto`` resolved once, here, into the spec every rank gets."""
+    from pp_core.app.autoplan import is_auto, resolve_for_launch
+
+    return resolve_for_launch(spec, announce, memory_cap) if is_auto(spec) else spec
 
 
 @contextlib.contextmanager

@@ -143,8 +143,10 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
     num_ranks = spec.distributed["pp_size"]
     sizes = (f" (pp_size={num_ranks}, microbatches = pp_batch_size / pp_microbatch_size = "
              f"{config.num_microbatches})")
+    auto = str(config.pp_schedule).lower() == "auto"
     try:  # a wrong schedule name or CSV is reported before the model is built
-        schedule_shape(config, num_ranks, plugins)
+        if not auto:
+            schedule_shape(config, num_ranks, plugins)
     except PPCoreError as exc:
         csv = config.pp_schedule_csv is not None
         problems.append(f"pipeline.{schedule_field(config)}: {exc}" + (sizes if csv else ""))
@@ -154,6 +156,10 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
         return None
     if model is not None:
         _check_blocks(spec, model, problems)
+    if auto:  # the launcher profiles the model and chooses; 'pp-core plan' shows the choice
+        result.notes.append("pipeline.pp_schedule: auto: the schedule, microbatch size and split "
+                            "are chosen when the run starts ('pp-core plan FILE' shows them)")
+        return model
     try:
         planned = plan_pipeline(model, config, num_ranks, plugins=plugins,
                                 splitter=_splitter(spec))

@@ -130,6 +130,14 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  throughput {statistics.median(tps[1:] if len(tps) > 1 else tps):,.0f} "
                      f"tokens/s (median), step time {statistics.median(steady) * 1000:,.0f} ms "
                      f"(median, first step {times[0] * 1000:,.0f} ms)")
+    planned = summary.get("plan")
+    if planned:
+        measured = planned.get("measured_step_s")
+        lines.append(f"  auto plan: {planned['schedule']}, {planned['stages_per_rank']} stage(s)/"
+                     f"rank, microbatches of {planned['microbatch_size']}; pipeline step "
+                     f"predicted {planned['predicted_step_s'] * 1000:,.1f} ms, measured "
+                     + ("-" if measured is None else f"{measured * 1000:,.1f} ms (mean of the "
+                        f"steps after the first, slowest rank)"))
     rows = []
     for rank in summary.get("ranks", []):
         rows.append([str(rank["rank"]), ",".join(map(str, rank["stages"])),

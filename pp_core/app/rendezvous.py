@@ -27,11 +27,17 @@ from dataclasses import dataclass
 from pp_core.errors import ConfigError, PipelineError
 
 __all__ = ["Endpoint", "address_problem", "split_endpoint", "port_problem", "prepare_endpoint",
-           "resolve"]
+           "resolve", "started_by_torchrun"]
 
 BIND_ALL = "a bind-all address, meaning every interface of a machine"
 _LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?$")
+
+
+def started_by_torchrun(environ=None) -> bool:
+    """Whether this process is already one rank of a launched job (torchrun, elastic agent)."""
+    env = os.environ if environ is None else environ
+    return "RANK" in env and "WORLD_SIZE" in env
 
 
 def address_problem(host: str) -> str | None:

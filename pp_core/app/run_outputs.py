@@ -244,6 +244,7 @@ class RunRecorder:
             "stages": list(self.pipe.stage_indices), "bubble_measured": bubble,
             "comm_share": comm,
             "peak_memory": memory, "memory_kind": kind, "dp_units": dp_units,
+            "pipeline_step_s": steady.seconds / steady.steps if steady and steady.steps else None,
             "kind_times": {k: seconds / count for k, (seconds, count) in self.kind_times.items()
                            if count},
             "events": [(n, c, s + self.clock_offset, e + self.clock_offset, st)
@@ -292,6 +293,10 @@ class RunRecorder:
                         "schedule image": out["schedule_image"],
                         "checkpoints": spec.checkpoint["dir"]},
         }
+        planned = spec.values.get("plan")
+        if planned is not None:  # pipeline.pp_schedule: auto - what the planner predicted
+            measured = [r["pipeline_step_s"] for r in ranks if r["pipeline_step_s"] is not None]
+            summary["plan"] = {**planned, "measured_step_s": max(measured) if measured else None}
         if out["summary"] and self.steps:
             print(format_summary(summary), flush=True)
         return summary

@@ -11,13 +11,13 @@ import contextlib
 import gc
 import os
 
-from pp_core.errors import ScheduleError
+from pp_core.errors import ConfigError, ScheduleError
 from pp_core.plugin_manager import plugins_or_default
 from pp_core.schedule.csv_io import read_csv
 from pp_core.schedule.ir import Schedule, ScheduleDef, stage_to_rank
 from pp_core.schedule.validate import validate_schedule
 
-__all__ = ["build_schedule", "resolve_schedule_def", "gc_paused"]
+__all__ = ["build_schedule", "schedule_from_def", "resolve_schedule_def", "gc_paused"]
 
 
 def build_schedule(
@@ -52,6 +52,14 @@ def build_schedule(
     if name is None:
         raise ScheduleError("build_schedule needs a schedule name (e.g. '1f1b') or csv_path")
     canonical, sdef = resolve_schedule_def(name, plugins)
+    return schedule_from_def(canonical, sdef, num_ranks=num_ranks,
+                             num_microbatches=num_microbatches, stages_per_rank=stages_per_rank)
+
+
+def schedule_from_def(canonical: str, sdef: ScheduleDef, *, num_ranks: int,
+                      num_microbatches: int, stages_per_rank: int | None = None) -> Schedule:
+    """The validated schedule of an already resolved :class:`ScheduleDef` (the planner walks a
+    registry's definitions and needs no name lookup per candidate)."""
     v = sdef.stages_per_rank if stages_per_rank is None else stages_per_rank
     if v != sdef.stages_per_rank and not sdef.variable_stages_per_rank:
         raise ScheduleError(
@@ -114,6 +122,11 @@ def resolve_schedule_def(name: str, plugins=None) -> tuple[str, ScheduleDef]:
     plugins = plugins_or_default(plugins)
     if not isinstance(name, str) or not name:
         raise ScheduleError(f"schedule name must be a non-empty string, got {name!r}")
+    if name.lower() == "auto" and "auto" not in plugins.schedules:
+        raise ConfigError(
+            "pp_schedule='auto' is not a schedule but a request to choose one: plan it with "
+            "pp_core.plan_auto(model, config, inputs, target, pp_size) and pass "
+            "its .config to build_pipeline (the YAML launcher and 'pp-core plan' do this)")
     registry = plugins.schedules
     if name not in registry:
         try:

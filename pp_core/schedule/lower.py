@@ -146,6 +146,14 @@ class Program:
             self._decoded[rank] = found
         return found
 
+    def recv_intervals(self, rank: int):
+        """``(stage, is_grad, posted, consumed, released)`` per receive of ``rank``, without
+        decoding its actions: what a planner sizing thousands of programs needs."""
+        flat, M = self._lifetimes[rank], self.num_microbatches
+        for i in range(0, len(flat), 4):
+            key, kind = divmod(flat[i], 8)
+            yield key // M, kind == _C_RECV_B, flat[i + 1], flat[i + 2], flat[i + 3]
+
     @property
     def actions(self) -> tuple[tuple[Action, ...], ...]:
         """Every rank's actions (decodes every rank)."""

@@ -55,6 +55,9 @@ def register(subparsers) -> None:
     run.add_argument("pipeline", metavar="PIPELINE.yaml", help="the pipeline file")
     run.add_argument("--set", dest="overrides", action="append", default=[],
                      metavar="KEY.PATH=VALUE", help=SET_HELP)
+    run.add_argument("--memory-cap", metavar="SIZE",
+                     help="with pipeline.pp_schedule: auto, the most memory a rank may use "
+                          "(e.g. 8GiB); the fastest plan predicted to fit runs")
     run.set_defaults(func=run_command)
 
     validate = subparsers.add_parser(
@@ -89,14 +92,24 @@ def _checked(args):
 def run_command(args) -> int:
     from pp_core.app.launch import launch, started_by_torchrun
 
+    from pp_core.planning.sizes import parse_size
+
+    cap = None if args.memory_cap is None else parse_size(args.memory_cap)
     spec, found = _checked(args)
+    if cap is not None and str(spec.pipeline["pp_schedule"]).lower() != "auto":
+        from pp_core.errors import ConfigError
+
+        raise ConfigError(f"--memory-cap={args.memory_cap} only steers pipeline.pp_schedule: "
+                          f"auto, and the file names {spec.pipeline['pp_schedule']!r}; drop "
+                          f"--memory-cap or set pp_schedule: auto")
     if not started_by_torchrun() or os.environ.get("RANK") == "0":  # once, not once per rank
         for note in found.notes:
             print(f"pp-core: note: {note}", flush=True)
     from torch.distributed.elastic.multiprocessing import SignalException
 
     try:
-        launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True))
+        launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True),
+               memory_cap=cap)
     except (KeyboardInterrupt, SignalException) as exc:
         reason = getattr(exc, "sigval", None) or signal.SIGINT
         print(f"\npp-core: interrupted by {reason.name}; the ranks were stopped", file=sys.stderr)

@@ -1,0 +1,286 @@
+"""The planner (``pp_schedule: auto``) against the plans it predicts and the ones a user picks.
+
+On 2 and 4 gloo ranks of this machine (one thread per rank), for a GPT with a large vocabulary
+(embedding and head heavier than a block):
+
+* **prediction**: every plan that is run gets the planner's predicted pipeline step
+  (``pp_core.planning.choose.predict`` on the profile, with that plan's own split) next to the
+  measured one (median over the timed steps of the slowest rank's ``Pipeline.step``);
+* **auto vs by hand**: the plan auto chooses, run, against every built-in schedule at its
+  default stages per rank with the ``layers`` splitter (what a user writes by hand), at two
+  microbatch sizes (auto's and the one giving 2 x pp microbatches); ratio auto / best by hand;
+* **memory cap**: a cap just below the fastest plan's predicted peak; the plan auto picks then,
+  run, with its measured peak per rank (parameters of the rank's parts + the growth of the
+  resident set over the steps, optimizer steps included) and what it gave up;
+* **planning time** at pp=8 with every installed schedule (profile excluded).
+
+    python benchmarks/bench_planner.py [--ranks 2,4] [--steps 6] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+MODEL = {"vocab_size": 4096, "dim": 128, "num_layers": 6, "num_heads": 4, "max_seq_len": 64}
+BATCH, SEQ = 16, 64
+
+
+def make_model():
+    from pp_core_builtins.models.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(**MODEL)
+
+
+def make_batch():
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=generator)
+    y = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=generator)
+    return x, y
+
+
+def run_case(config_values: dict, steps: int, warmup: int = 2) -> dict:
+    """On every rank: build the pipeline, time ``Pipeline.step`` (+ AdamW), measure memory."""
+    import ctypes
+    import gc
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _common import proc_status, reset_peak
+
+    from pp_core import PipelineConfig, build_pipeline
+
+    x, y = make_batch()
+    _warm_runtime(config_values, x, y)
+    model = make_model()
+    pipe = build_pipeline(model, PipelineConfig(**config_values))
+    del model
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # the whole model's pages back to the OS: the
+    # growth below is then this rank's own (grads, optimizer state, activations, buffers)
+    params = sum(p.numel() * p.element_size() for part in pipe.model_parts
+                 for p in part.parameters())
+    optimizers = [torch.optim.AdamW(part.parameters(), lr=1e-3) for part in pipe.model_parts
+                  if any(True for _ in part.parameters())]
+    reset_peak()
+    baseline = proc_status("VmRSS")
+    times = []
+    for step in range(warmup + steps):
+        for part in pipe.model_parts:
+            part.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.step(x, target=y)
+        times.append(time.perf_counter() - t0)
+        for optimizer in optimizers:
+            optimizer.step()
+    peak = params + proc_status("VmHWM") - baseline
+    return {"times": times[warmup:], "peak_bytes": peak, "stages": list(pipe.stage_indices)}
+
+
+def _warm_runtime(config_values: dict, x, y) -> None:
+    """One step of a tiny model through the same schedule, so that what the process allocates
+    once (kernels, thread pools, the communication threads) is in the memory baseline and the
+    growth measured afterwards is the model's."""
+    from pp_core import PipelineConfig, build_pipeline
+    from pp_core_builtins.models.gpt import GPT
+
+    tiny = GPT(vocab_size=16, dim=8, num_layers=16, num_heads=2, max_seq_len=SEQ)
+    values = {k: v for k, v in config_values.items() if k != "module_fqns_per_model_part"}
+    pipe = build_pipeline(tiny, PipelineConfig(**values))
+    pipe.step(x % 16, target=y % 16)
+
+
+def measure(pool, config_values: dict, steps: int) -> tuple[list[float], list[int]]:
+    """The slowest rank's time of each step, and each rank's measured peak."""
+    per_rank = pool.run(run_case, config_values, steps)
+    return ([max(step) for step in zip(*(r["times"] for r in per_rank))],
+            [r["peak_bytes"] for r in per_rank])
+
+
+def by_hand_configs(pp: int, auto_mbs: int, plugins) -> list[tuple[str, dict]]:
+    """Every built-in schedule at its default stages per rank, ``layers`` split."""
+    out = []
+    for entry in plugins.schedules:
+        if not entry.plugin.startswith("pp_schedules"):
+            continue
+        for mbs in sorted({auto_mbs, max(1, BATCH // (2 * pp))}):
+            out.append((entry.name, {"pp_schedule": entry.name, "pp_batch_size": BATCH,
+                                     "pp_microbatch_size": mbs, "loss_fn": "cross_entropy"}))
+    return out
+
+
+def predicted_for(values: dict, profiles, pp: int, plugins) -> dict:
+    """The planner's prediction for a config as given (its own split, from plan_split)."""
+    from pp_core import PipelineConfig, PPCoreError
+    from pp_core.planning.choose import Option, predict
+    from pp_core.planning.split import plan_split
+    from pp_core.schedule.build import resolve_schedule_def
+
+    config = PipelineConfig(**values)
+    sdef = resolve_schedule_def(config.pp_schedule, plugins)[1]
+    try:
+        split = plan_split(make_model(), config, pp, sdef.stages_per_rank, plugins,
+                           variable_stages_per_rank=sdef.variable_stages_per_rank)
+    except PPCoreError as exc:  # e.g. more stages than blocks: nobody could run it by hand
+        return {"dropped": str(exc)}
+    option = Option(config.pp_schedule, split.stages_per_rank, config.pp_microbatch_size,
+                    config.num_microbatches)
+    candidate = predict(option, sdef, profiles[config.pp_microbatch_size], pp,
+                        split.fqns_per_stage)
+    return {"predicted_step_s": candidate.predicted_step_s, "dropped": candidate.dropped,
+            "predicted_peak_bytes": [m.total(False) for m in candidate.memory]}
+
+
+def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
+    from pp_core import PipelineConfig
+    from pp_core import plan_auto
+    from pp_core.planning.choose import choose_plan
+    from pp_core.runtime.plan_auto import concrete_config
+    from pp_core.planning.report import describe, format_ranking
+    from pp_core.plugin_manager import default_plugins
+    from pp_core.testing import DistPool
+
+    plugins = default_plugins()
+    x, y = make_batch()
+    torch.set_num_threads(1)
+    sizes = sorted({1, 2, 4, BATCH // (2 * pp)})
+    base = PipelineConfig(pp_schedule="auto", pp_batch_size=BATCH, loss_fn="cross_entropy")
+    plan = plan_auto(make_model(), base, x, y, pp, link=link, microbatch_sizes=sizes,
+                     repeats=9)
+    ranking, profiles = plan.ranking, plan.profiles
+    print(format_ranking(ranking, top=6), flush=True)
+
+    def planned(candidate, label):
+        return (label, concrete_config(base, candidate).to_dict(),
+                {"predicted_step_s": candidate.predicted_step_s,
+                 "predicted_peak_bytes": [m.total(candidate.pool) for m in candidate.memory]})
+
+    cases = [planned(ranking.chosen, f"auto: {describe(ranking.chosen)}")]
+    cases += [planned(c, f"planner #{i + 2}: {describe(c)}")
+              for i, c in enumerate(ranking.kept[1:3])]
+    for name, values in by_hand_configs(pp, ranking.chosen.option.microbatch_size, plugins):
+        prediction = predicted_for(values, profiles, pp, plugins)
+        if not prediction.get("dropped"):
+            cases.append((f"by hand: {name}, mbs {values['pp_microbatch_size']}, layers split",
+                          values, prediction))
+    cap = int(ranking.chosen.peak_bytes * 0.97)
+    capped = choose_plan(profiles, pp, BATCH, memory_cap=cap)
+    cases.append(planned(capped.chosen, f"auto, cap {cap / 2 ** 20:.1f} MiB: "
+                                        f"{describe(capped.chosen)}"))
+    times = {label: [] for label, _, _ in cases}
+    peaks = {label: [] for label, _, _ in cases}
+    with DistPool(pp) as pool:
+        measure(pool, cases[0][1], 1)  # the pool's first case pays for its start
+        for _ in range(rounds):  # interleaved: a burst of load from elsewhere hits all alike
+            for label, values, _ in cases:
+                step_times, peak = measure(pool, values, steps)
+                times[label] += step_times
+                peaks[label].append(peak)
+    rows = []
+    for label, values, prediction in cases:
+        row = {"label": label, **prediction, "measured_step_s": statistics.median(times[label]),
+               "measured_min_step_s": min(times[label]),
+               "measured_peak_bytes": [max(p) for p in zip(*peaks[label])]}
+        row["error"] = row["measured_step_s"] / row["predicted_step_s"] - 1
+        row["error_min"] = row["measured_min_step_s"] / row["predicted_step_s"] - 1
+        rows.append(row)
+        print(f"  pp={pp} {label}: predicted {row['predicted_step_s'] * 1e3:.1f} ms, measured "
+              f"{row['measured_step_s'] * 1e3:.1f} ms median ({100 * row['error']:+.0f}%), "
+              f"{row['measured_min_step_s'] * 1e3:.1f} ms min", flush=True)
+    auto, under_cap = rows[0], rows[-1]
+    hand = [r for r in rows if r["label"].startswith("by hand")]
+    best_hand = min(hand, key=lambda r: r["measured_step_s"])
+    best_hand_min = min(hand, key=lambda r: r["measured_min_step_s"])
+    return {
+        "pp": pp, "link": link, "profile_s": plan.profile_s, "runs": rows,
+        "auto_over_best_by_hand": auto["measured_step_s"] / best_hand["measured_step_s"],
+        "best_by_hand": best_hand["label"],
+        "auto_over_best_by_hand_min": auto["measured_min_step_s"]
+        / best_hand_min["measured_min_step_s"], "best_by_hand_min": best_hand_min["label"],
+        "memory_cap": {"cap_bytes": cap, "chosen": under_cap["label"],
+                       "predicted_peak_bytes": under_cap["predicted_peak_bytes"],
+                       "measured_peak_bytes": under_cap["measured_peak_bytes"],
+                       "fits_measured": max(under_cap["measured_peak_bytes"]) <= cap,
+                       "gave_up": [{"plan": describe(c), "predicted_step_s": c.predicted_step_s,
+                                    "why": c.dropped} for c in capped.gave_up()[:3]]},
+    }
+
+
+def planning_time_pp8() -> dict:
+    """choose_plan at pp=8 with every installed schedule, on a profile of a 30-block model."""
+    from pp_core.losses import resolve_loss
+    from pp_core.planning.choose import choose_plan
+    from pp_core.runtime.profile import profile_model
+    from pp_core_builtins.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, dim=32, num_layers=30, num_heads=2, max_seq_len=16)
+    x = torch.randint(0, 256, (64, 16))
+    profiles = profile_model(model, x, x, resolve_loss("cross_entropy"), [1, 2, 4, 8], "cpu",
+                             repeats=1, p2p=(1e-4, 1e9))
+    started = time.perf_counter()
+    ranking = choose_plan(profiles, 8, 64)
+    seconds = time.perf_counter() - started
+    return {"pp": 8, "units": len(profiles[1].units), "pp_batch_size": 64,
+            "candidates": len(ranking.kept) + len(ranking.dropped), "kept": len(ranking.kept),
+            "planning_s": seconds}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per case and round")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over all cases")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    from pp_core.runtime.link import measure_local_link
+
+    load = os.getloadavg()
+    link = measure_local_link("gloo", "cpu")
+    report = {"model": MODEL, "batch": BATCH, "seq_len": SEQ, "link": link,
+              "load_before": load, "planning_pp8": planning_time_pp8(), "pp": []}
+    print(f"planning at pp=8: {report['planning_pp8']}", flush=True)
+    for pp in (int(r) for r in args.ranks.split(",")):
+        report["pp"].append(bench_pp(pp, args.steps, link, args.rounds))
+    report["load_after"] = os.getloadavg()
+    print(table(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=1)
+    return 0
+
+
+def table(report: dict) -> str:
+    lines = ["| pp | plan | predicted ms | measured ms (median) | error | measured ms (min) | "
+             "error (min) |", "|---|---|---|---|---|---|---|"]
+    for entry in report["pp"]:
+        for row in entry["runs"]:
+            lines.append(f"| {entry['pp']} | {row['label']} | {row['predicted_step_s'] * 1e3:.1f} "
+                         f"| {row['measured_step_s'] * 1e3:.1f} | {100 * row['error']:+.0f}% "
+                         f"| {row['measured_min_step_s'] * 1e3:.1f} "
+                         f"| {100 * row['error_min']:+.0f}% |")
+    for entry in report["pp"]:
+        cap = entry["memory_cap"]
+        lines.append(f"\npp={entry['pp']}: auto / best by hand ({entry['best_by_hand']}) = "
+                     f"{entry['auto_over_best_by_hand']:.3f} (median), "
+                     f"{entry['auto_over_best_by_hand_min']:.3f} (min, best by hand "
+                     f"{entry['best_by_hand_min']}); cap {cap['cap_bytes'] / 2 ** 20:.1f}"
+                     f" MiB -> {cap['chosen']}, measured peak per rank "
+                     + ", ".join(f"{b / 2 ** 20:.1f}" for b in cap["measured_peak_bytes"])
+                     + f" MiB (fits: {cap['fits_measured']})")
+    p8 = report["planning_pp8"]
+    lines.append(f"\nplanning at pp=8: {p8['candidates']} candidates in {p8['planning_s']:.2f} s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""``pp-core plan FILE.yaml``: profile the pipeline's model and rank every plan that fits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = """\
+Measure the pipeline's model on its configured device (built for real, with
+one batch of its data), then rank every installed schedule x stages per rank x
+microbatch size (divisors of pp_batch_size) x cost-balanced split by the step
+time the simulator predicts from those measurements, and drop the plans whose
+predicted peak memory on some rank exceeds --memory-cap.
+
+This is what 'pipeline.pp_schedule: auto' runs before 'pp-core run' starts
+the ranks; the file's pp_schedule may be auto or any schedule (it is not used).
+Like validate, plan imports and calls the code the file names.
+"""
+
+EXAMPLES = """\
+examples:
+  pp-core plan examples/demo.yaml
+  pp-core plan examples/demo.yaml --memory-cap 512MiB
+  pp-core plan pipe.yaml --memory-cap 8GiB --json > plan.json
+"""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="profile the model and rank the pipeline plans that fit memory",
+        description=HELP, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("pipeline", metavar="PIPELINE.yaml")
+    parser.add_argument("--memory-cap", metavar="SIZE",
+                        help="most memory a rank may use, e.g. 512MiB or 8GiB (default: no cap)")
+    parser.add_argument("--top", type=int, default=8, metavar="N",
+                        help="plans shown in the table (default 8)")
+    parser.add_argument("--json", action="store_true", help="print the whole ranking as JSON")
+    parser.add_argument("--no-link", action="store_true",
+                        help="do not start two processes to time the link between ranks "
+                             "(transfers are then free in the prediction)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY.PATH=VALUE", help="override a key (as for run)")
+    parser.set_defaults(func=plan_command)
+
+
+def plan_command(args) -> int:
+    from pp_core.app.autoplan import plan_spec
+    from pp_core.planning.report import format_ranking
+    from pp_core.planning.sizes import parse_size
+    from pp_core.app.preflight import preflight
+    from pp_core.app.spec import load_spec
+
+    cap = None if args.memory_cap is None else parse_size(args.memory_cap)
+    spec = load_spec(args.pipeline, args.overrides)
+    preflight(spec, run_checks=False)  # names, arguments, batch sizes: fail before profiling
+    plan = plan_spec(spec, memory_cap=cap, measure_link=not args.no_link)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        return 0
+    print(f"{spec.source}: pp {spec.distributed['pp_size']}, pp_batch_size "
+          f"{spec.pipeline['pp_batch_size']}; profiled in {plan.profile_s:.1f} s" +
+          ("" if plan.link is None else f", link {plan.link[0] * 1e6:.0f} us + "
+                                        f"{plan.link[1] / 1e9:.2f} GB/s"))
+    print(format_ranking(plan.ranking, top=args.top))
+    if plan.ranking.kept:
+        stages = plan.chosen.fqns_per_stage
+        print("split: " + " | ".join(", ".join(s) for s in stages))
+    return 0

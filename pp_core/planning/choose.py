@@ -1,0 +1,292 @@
+"""Choose a pipeline plan: enumerate, predict step time and memory, drop what does not fit, rank.
+
+The enumeration is every installed schedule (the plugin manager's registry, so a third-party
+schedule competes like a built-in) x the stages per rank it allows x every microbatch size that
+divides ``pp_batch_size`` and has a profile x the cost-balanced split for that stage count
+(:func:`pp_core.planning.balance.split_by_profile`). For each point:
+
+* **step time** is the makespan of :func:`pp_core.schedule.simulate` with per-stage costs summed
+  from the units of each stage and ``comm_latency`` = the measured point-to-point latency plus
+  the largest boundary activation over the measured bandwidth (every cross-rank hand-off is
+  charged the slowest one: simple, and pessimistic for uneven boundaries);
+* **peak memory per rank** is :func:`pp_core.planning.memory.predict_memory`.
+
+A point that cannot be built (the schedule refuses the microbatch count, more stages than units)
+or whose peak exceeds the cap is kept in ``Ranking.dropped`` with the reason, so the table can say
+what the faster-looking plans would have needed. Pure: no torch, no process group.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from pp_core.errors import ConfigError, PPCoreError
+from pp_core.planning.costs import ModelProfile
+from pp_core.planning.memory import RankMemory, predict_memory
+from pp_core.planning.refine import refine_counts, simulate_split
+from pp_core.planning.sizes import format_bytes
+
+__all__ = ["Option", "Candidate", "Ranking", "candidates", "choose_plan", "predict",
+           "schedule_defs"]
+
+MAX_STAGES_PER_RANK = 4
+"""Largest stage count per rank tried for schedules that take any (looped schedules): beyond it
+every extra hand-off costs more than the smaller bubble wins back on the models pp-core targets."""
+
+REFINE_TOP = 4
+"""Plans whose cuts the simulator refines: the ones that could end up first."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One point of the enumeration, before any prediction."""
+
+    schedule: str
+    stages_per_rank: int
+    microbatch_size: int
+    num_microbatches: int
+
+
+@dataclass
+class Candidate:
+    """An :class:`Option` with its split and predictions; ``dropped`` says why it cannot run."""
+
+    option: Option
+    fqns_per_stage: list[list[str]] | None = None
+    predicted_step_s: float | None = None
+    bubble_ratio: float | None = None
+    memory: list[RankMemory] = field(default_factory=list)
+    pool: bool = False
+    dropped: str | None = None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return max(m.total(self.pool) for m in self.memory) if self.memory else None
+
+    def to_dict(self) -> dict[str, Any]:
+        o = self.option
+        return {"schedule": o.schedule, "stages_per_rank": o.stages_per_rank,
+                "microbatch_size": o.microbatch_size, "num_microbatches": o.num_microbatches,
+                "predicted_step_s": self.predicted_step_s, "bubble_ratio": self.bubble_ratio,
+                "peak_bytes": self.peak_bytes, "recv_buffer_pool": self.pool,
+                "memory_per_rank": [m.to_dict(self.pool) for m in self.memory],
+                "fqns_per_stage": self.fqns_per_stage, "dropped": self.dropped}
+
+
+@dataclass
+class Ranking:
+    """What :func:`choose_plan` decided: ``kept`` fastest first, ``dropped`` with reasons."""
+
+    kept: list[Candidate]
+    dropped: list[Candidate]
+    memory_cap: int | None
+    planning_s: float
+    pp_size: int
+    pp_batch_size: int
+
+    @property
+    def chosen(self) -> Candidate:
+        """The fastest plan that fits; a ConfigError saying what would fit when none does."""
+        if self.kept:
+            return self.kept[0]
+        sized = [c for c in self.dropped if c.peak_bytes is not None]
+        if sized and self.memory_cap is not None:
+            least = min(sized, key=lambda c: c.peak_bytes)
+            raise ConfigError(
+                f"no plan fits memory_cap={format_bytes(self.memory_cap)} per rank: the smallest "
+                f"predicted peak is {format_bytes(least.peak_bytes)} ({_label(least)}); raise "
+                f"the cap, use more pipeline ranks, or a smaller pp_batch_size")
+        reasons = "; ".join(f"{_label(c)}: {c.dropped}" for c in self.dropped[:3])
+        raise ConfigError(f"no schedule can run {self.pp_size} ranks with pp_batch_size="
+                          f"{self.pp_batch_size} ({reasons or 'no schedule installed'})")
+
+    def gave_up(self) -> list[Candidate]:
+        """The plans predicted faster than the chosen one that were dropped (usually: memory)."""
+        best = self.kept[0].predicted_step_s if self.kept else float("inf")
+        faster = [c for c in self.dropped
+                  if c.predicted_step_s is not None and c.predicted_step_s < best]
+        return sorted(faster, key=lambda c: c.predicted_step_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pp_size": self.pp_size, "pp_batch_size": self.pp_batch_size,
+                "memory_cap": self.memory_cap, "planning_s": self.planning_s,
+                "chosen": self.kept[0].to_dict() if self.kept else None,
+                "kept": [c.to_dict() for c in self.kept],
+                "dropped": [c.to_dict() for c in self.dropped]}
+
+
+def schedule_defs(schedules=None) -> dict[str, Any]:
+    """``{canonical name: ScheduleDef}`` from a plugin registry, a mapping, or the installed."""
+    from pp_core.schedule.ir import ScheduleDef
+
+    if schedules is None:
+        from pp_core.plugin_manager import default_plugins
+
+        schedules = default_plugins().schedules
+    if isinstance(schedules, Mapping):
+        items = schedules.items()
+    else:  # a pp_core.plugins.Registry: its entries
+        items = ((entry.name, entry.value) for entry in schedules)
+    return {name: value if isinstance(value, ScheduleDef) else ScheduleDef(generate=value)
+            for name, value in items}
+
+
+def candidates(profiles: Mapping[int, ModelProfile], pp_size: int, pp_batch_size: int,
+               schedules=None, max_stages_per_rank: int = MAX_STAGES_PER_RANK) -> Iterator[Option]:
+    """Every (schedule, stages per rank, microbatch size) worth predicting, in a fixed order."""
+    defs = schedule_defs(schedules)
+    sizes = sorted(size for size in profiles if pp_batch_size % size == 0)
+    if not sizes:
+        raise ConfigError(f"no profiled microbatch size divides pp_batch_size={pp_batch_size} "
+                          f"(profiled: {sorted(profiles)}); profile a divisor of it")
+    for name in sorted(defs):
+        sdef = defs[name]
+        counts = range(2, max(2, max_stages_per_rank) + 1) if sdef.variable_stages_per_rank \
+            else (sdef.stages_per_rank,)
+        for v in counts:
+            for size in sizes:
+                yield Option(name, v, size, pp_batch_size // size)
+
+
+def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size: int,
+                pp_batch_size: int, schedules=None, memory_cap: int | None = None, *,
+                recv_buffer_pool: bool | None = None, pool_slack: int = 2,
+                max_stages_per_rank: int = MAX_STAGES_PER_RANK,
+                refine_top: int = REFINE_TOP) -> Ranking:
+    """Predict every candidate and rank those that fit ``memory_cap`` (bytes per rank).
+
+    :param schedules: a plugin registry (``plugins.schedules``), a ``{name: ScheduleDef}``
+        mapping, or ``None`` for the installed schedules.
+    :param recv_buffer_pool: ``True``/``False`` fixes the receive-buffer pool; ``None`` lets the
+        planner turn it on only for a plan that fits with it and not without.
+    :param refine_top: how many of the fastest plans get their cuts moved by the simulator
+        (:mod:`pp_core.planning.refine`); 0 keeps the cost-balanced split everywhere.
+    """
+    started = time.perf_counter()
+    if not isinstance(pp_size, int) or pp_size < 1:
+        raise ConfigError(f"pp_size={pp_size!r} must be a positive int")
+    defs = schedule_defs(schedules)
+    splits: dict[tuple[int, int], tuple] = {}
+    kept, dropped = [], []
+    for option in candidates(profiles_by_microbatch_size, pp_size, pp_batch_size, defs,
+                             max_stages_per_rank):
+        profile = profiles_by_microbatch_size[option.microbatch_size]
+        candidate = _predict(option, defs[option.schedule], profile, pp_size, splits,
+                             pool_slack)
+        if candidate.dropped is None:
+            _fit(candidate, memory_cap, recv_buffer_pool)
+        (kept if candidate.dropped is None else dropped).append(candidate)
+    kept.sort(key=lambda c: (c.predicted_step_s, c.peak_bytes, _label(c)))
+    if refine_top:
+        _refine(kept, defs, profiles_by_microbatch_size, pp_size, memory_cap, recv_buffer_pool,
+                pool_slack, refine_top)
+        kept.sort(key=lambda c: (c.predicted_step_s, c.peak_bytes, _label(c)))
+    dropped.sort(key=lambda c: (c.predicted_step_s is None, c.predicted_step_s or 0, _label(c)))
+    return Ranking(kept, dropped, memory_cap, time.perf_counter() - started, pp_size,
+                   pp_batch_size)
+
+
+def predict(option: Option, sdef, profile: ModelProfile, pp_size: int,
+            fqns_per_stage: list[list[str]] | None = None, slack: int = 2) -> Candidate:
+    """One candidate's prediction; ``fqns_per_stage`` replaces the cost-balanced split (to
+    predict a split made another way, e.g. the ``layers`` splitter's). The stages must be made
+    of whole units."""
+    splits = {}
+    if fqns_per_stage is not None:
+        splits[(option.microbatch_size, len(fqns_per_stage))] = \
+            (fqns_per_stage, _units_of(profile, fqns_per_stage))
+    return _predict(option, sdef, profile, pp_size, splits, slack)
+
+
+def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: dict,
+             slack: int) -> Candidate:
+    candidate = Candidate(option)
+    num_stages = pp_size * option.stages_per_rank
+    if num_stages > len(profile.units):
+        candidate.dropped = (f"needs {num_stages} stages, the model has {len(profile.units)} "
+                             f"units to place")
+        return candidate
+    try:
+        schedule = _schedule(option, sdef, pp_size)
+    except PPCoreError as exc:
+        candidate.dropped = f"the schedule refuses these sizes: {exc}"
+        return candidate
+    key = (option.microbatch_size, num_stages)
+    if key not in splits:
+        splits[key] = _split(profile, num_stages)
+    fqns, units = splits[key]
+    candidate.fqns_per_stage = fqns
+    result = simulate_split(schedule, profile, units, with_memory=True)
+    candidate.predicted_step_s = result.makespan
+    candidate.bubble_ratio = result.bubble_ratio
+    candidate.memory = predict_memory(profile, schedule, units, result.peak_activation_bytes,
+                                      slack)
+    return candidate
+
+
+def _schedule(option: Option, sdef, pp_size: int):
+    from pp_core.schedule.build import schedule_from_def
+
+    return schedule_from_def(option.schedule, sdef, num_ranks=pp_size,
+                             num_microbatches=option.num_microbatches,
+                             stages_per_rank=option.stages_per_rank)
+
+
+def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int, top: int) -> None:
+    """Let the simulator move the cuts of the ``top`` fastest plans
+    (:mod:`pp_core.planning.refine`); a refined split replaces the balanced one when it is
+    predicted faster and still fits."""
+    from pp_core.planning.balance import stage_fqns
+
+    for index, candidate in enumerate(kept[:top]):
+        option = candidate.option
+        profile = profiles[option.microbatch_size]
+        counts = [len(u) for u in _units_of(profile, candidate.fqns_per_stage)]
+        better, seconds = refine_counts(_schedule(option, defs[option.schedule], pp_size),
+                                        profile, counts)
+        if better == counts or seconds >= candidate.predicted_step_s:
+            continue
+        fqns = stage_fqns([unit.fqns for unit in profile.units], better)
+        refined = predict(option, defs[option.schedule], profile, pp_size, fqns, slack)
+        _fit(refined, cap, pool)
+        if refined.dropped is None:
+            kept[index] = refined
+
+
+def _split(profile: ModelProfile, num_stages: int) -> tuple[list[list[str]], list[list[int]]]:
+    """The cost-balanced split: FQNs per stage, and the unit indices behind them."""
+    from pp_core.planning.balance import split_by_profile
+
+    fqns = [list(stage) for stage in split_by_profile(profile, num_stages)]
+    return fqns, _units_of(profile, fqns)
+
+
+def _units_of(profile: ModelProfile, fqns_per_stage) -> list[list[int]]:
+    """Per stage, the indices of the units its FQNs make up (modules shared by every stage,
+    such as a rotary table, belong to no unit)."""
+    unit_of = {fqn: index for index, unit in enumerate(profile.units) for fqn in unit.fqns}
+    return [sorted({unit_of[f] for f in stage if f in unit_of}) for stage in fqns_per_stage]
+
+
+def _fit(candidate: Candidate, cap: int | None, pool: bool | None) -> None:
+    """Decide the pool setting and drop the candidate when even that exceeds ``cap``."""
+    without = max(m.total(False) for m in candidate.memory)
+    with_pool = max(m.total(True) for m in candidate.memory)
+    if pool is not None:
+        candidate.pool = pool
+    else:  # the pool only when it is what makes the plan fit
+        candidate.pool = cap is not None and without > cap >= with_pool
+    if cap is not None and candidate.peak_bytes > cap:
+        worst = max(candidate.memory, key=lambda m: m.total(candidate.pool))
+        pool_note = "" if candidate.pool or pool is False else \
+            f" (with the receive-buffer pool {format_bytes(with_pool)})"
+        candidate.dropped = (f"predicted peak {format_bytes(candidate.peak_bytes)} on rank "
+                             f"{worst.rank}{pool_note} > memory cap {format_bytes(cap)}")
+
+
+def _label(candidate: Candidate) -> str:
+    o = candidate.option
+    return f"{o.schedule} v={o.stages_per_rank} mbs={o.microbatch_size}"
+

@@ -1,0 +1,113 @@
+"""Predicted peak memory of each rank for one plan, from a profile and the schedule (pure).
+
+Why a model and not a measurement: the planner has to reject a plan *before* it runs, for every
+schedule x stages per rank x microbatch size, in well under a second each. The parts:
+
+* **parameters, gradients, optimizer state** of the rank's stages: ``param_bytes`` of their units,
+  the same again for gradients, ``optimizer_bytes_per_param_byte`` times it for the optimizer
+  (AdamW: two moments, 2.0);
+* **activations in flight**: the schedule's own order decides how many microbatches' saved
+  tensors a rank holds at once. :func:`pp_core.schedule.simulate` replays the per-rank order
+  (the same compute order the lowered program runs) with one stage-microbatch's saved bytes per
+  stage and reports the peak per rank;
+* **receive buffers**: every ``RECV`` of the lowered program needs a buffer set the size of the
+  message: a stage's input (``RECV_F``: the previous stage's boundary activation) or the gradient
+  of its output (``RECV_B``: the same size as its boundary activation). Without the pool a
+  received tensor lives until the backward that releases it; with the pool only until it is
+  consumed, plus the spare sets (the interval colouring of :mod:`pp_core.schedule.buffer_plan`).
+
+What it leaves out (and so under-predicts by): the allocator's caching and fragmentation, the
+optimizer's transient buffers during ``step()``, the input batch itself, and temporaries inside a
+forward or backward (the profile counts saved tensors only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from pp_core.planning.costs import ModelProfile
+from pp_core.schedule.ir import Schedule
+
+__all__ = ["RankMemory", "predict_memory", "recv_buffer_bytes"]
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's predicted peak, in bytes, part by part."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    recv_default: int   # receive buffers as the runtime keeps them without the pool
+    recv_pool: int      # with the receive-buffer pool (``pp_recv_buffer_pool: true``)
+
+    def total(self, pool: bool) -> int:
+        recv = self.recv_pool if pool else self.recv_default
+        return self.params + self.grads + self.optimizer + self.activations + recv
+
+    def to_dict(self, pool: bool) -> dict:
+        return {"rank": self.rank, "params": self.params, "grads": self.grads,
+                "optimizer": self.optimizer, "activations": self.activations,
+                "recv_buffers": self.recv_pool if pool else self.recv_default,
+                "recv_buffers_without_pool": self.recv_default,
+                "recv_buffers_with_pool": self.recv_pool, "total": self.total(pool)}
+
+
+def stage_sums(profile: ModelProfile, units_per_stage: Sequence[Sequence[int]], field: str):
+    """Per stage, the sum of ``field`` over its units."""
+    return [sum(getattr(profile.units[u], field) for u in units) for units in units_per_stage]
+
+
+def boundary_bytes(profile: ModelProfile, units_per_stage: Sequence[Sequence[int]]) -> list[int]:
+    """Per stage, the bytes it hands to the next one: its last unit's output."""
+    return [profile.units[units[-1]].output_bytes for units in units_per_stage]
+
+
+def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
+                      program=None) -> tuple[list[int], list[int]]:
+    """Per rank, receive-buffer bytes ``(without the pool, with it)``.
+
+    Without the pool every message gets a fresh tensor that autograd keeps until the backward
+    that releases it, so a class needs as many sets as receives live on ``[posted, released]``;
+    the pool copies out at consumption: ``[posted, consumed]`` plus ``slack`` spare sets.
+    """
+    from pp_core.schedule.buffer_plan import max_live
+    from pp_core.schedule.lower import lower
+
+    program = lower(schedule) if program is None else program
+    default, pooled = [0] * schedule.num_ranks, [0] * schedule.num_ranks
+    for rank in range(schedule.num_ranks):
+        classes: dict[tuple[int, bool], tuple[list, list]] = {}
+        for stage, is_grad, posted, consumed, released in program.recv_intervals(rank):
+            held, copied = classes.setdefault((stage, is_grad), ([], []))
+            held.append((posted, released))
+            copied.append((posted, consumed))
+        for (stage, is_grad), (held, copied) in classes.items():
+            size = boundary[stage] if is_grad else boundary[stage - 1]
+            default[rank] += max_live(held) * size
+            pooled[rank] += (max_live(copied) + slack) * size
+    return default, pooled
+
+
+def predict_memory(profile: ModelProfile, schedule: Schedule,
+                   units_per_stage: Sequence[Sequence[int]], peak_activation_bytes: Sequence[float],
+                   slack: int = 2) -> list[RankMemory]:
+    """Every rank's :class:`RankMemory` for this split and schedule.
+
+    :param peak_activation_bytes: per rank, from ``simulate(..., activation_bytes=...)``.
+    """
+    params = stage_sums(profile, units_per_stage, "param_bytes")
+    boundary = boundary_bytes(profile, units_per_stage)
+    default, pooled = recv_buffer_bytes(schedule, boundary, slack)
+    out = []
+    for rank in range(schedule.num_ranks):
+        p = sum(params[s] for s in schedule.stages_of(rank))
+        out.append(RankMemory(
+            rank=rank, params=p, grads=p,
+            optimizer=int(p * profile.optimizer_bytes_per_param_byte),
+            activations=int(peak_activation_bytes[rank]),
+            recv_default=default[rank], recv_pool=pooled[rank]))
+    return out

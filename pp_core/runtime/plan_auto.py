@@ -1,0 +1,146 @@
+"""``plan_auto``: profile a model, choose the plan, and return a concrete PipelineConfig.
+
+This is the entry point behind ``pipeline.pp_schedule: auto``: ``build_pipeline`` itself never
+plans (it would have to time the model on every rank and the ranks could disagree), it refuses
+``"auto"`` and names this function. Every rank must run the same plan, so the decision is made
+once: with a ``group``, rank 0 of it profiles and chooses and broadcasts the ranking (the link is
+measured by all ranks together); without one (the YAML launcher's parent process, or one
+process), the caller is the only one deciding and hands the resulting config to every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pp_core.config import PipelineConfig
+from pp_core.errors import ConfigError
+from pp_core.planning.choose import Candidate, Ranking, choose_plan
+from pp_core.planning.sizes import parse_size
+from pp_core.plugin_manager import plugins_or_default
+from pp_core.runtime.profile import measure_p2p, profile_model
+
+__all__ = ["AutoPlan", "plan_auto", "default_microbatch_sizes", "concrete_config", "AUTO"]
+
+AUTO = "auto"
+
+
+@dataclass
+class AutoPlan:
+    """The chosen plan: ``config`` is what to give ``build_pipeline`` (same on every rank)."""
+
+    config: PipelineConfig
+    ranking: Ranking
+    profile_s: float = 0.0
+    link: tuple[float, float] | None = None
+    profiles: dict | None = None
+    """``{microbatch size: ModelProfile}``: rank again (another cap) without profiling again."""
+
+    @property
+    def chosen(self) -> Candidate:
+        return self.ranking.chosen
+
+    @property
+    def predicted_step_s(self) -> float:
+        return self.chosen.predicted_step_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"chosen": self.chosen.to_dict(), "profile_s": self.profile_s,
+                "link": None if self.link is None else
+                {"latency_s": self.link[0], "bytes_per_s": self.link[1]},
+                "ranking": self.ranking.to_dict()}
+
+
+def default_microbatch_sizes(pp_batch_size: int, pp_size: int, limit: int = 4) -> list[int]:
+    """The divisors of ``pp_batch_size`` worth profiling: those that still give every rank a
+    microbatch (``pp_batch_size / size >= pp_size``), at most ``limit`` of them, smallest
+    microbatch counts dropped first (the fewest microbatches have the largest bubble)."""
+    sizes = [d for d in range(1, pp_batch_size + 1)
+             if pp_batch_size % d == 0 and pp_batch_size // d >= pp_size]
+    return sizes[:limit] or [1]
+
+
+def concrete_config(config: PipelineConfig, candidate: Candidate) -> PipelineConfig:
+    """``config`` with the candidate's schedule, microbatch size, split and pool filled in."""
+    o = candidate.option
+    return dataclasses.replace(
+        config, pp_schedule=o.schedule, pp_schedule_csv=None, pp_microbatch_size=o.microbatch_size,
+        layers_per_stage=None, round_virtual_stages_to_pp_multiple=None,
+        module_fqns_per_model_part=[list(stage) for stage in candidate.fqns_per_stage],
+        pp_recv_buffer_pool=config.pp_recv_buffer_pool or candidate.pool)
+
+
+def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
+              device="cpu", memory_cap: int | str | None = None, plugins=None, group=None,
+              microbatch_sizes: Sequence[int] | None = None,
+              link: tuple[float, float] | None = None, schedules=None,
+              repeats: int = 5) -> AutoPlan:
+    """Profile ``model`` on ``device``, choose the fastest plan that fits, return it.
+
+    :param inputs, target: one step's batch (``pp_batch_size`` samples), real tensors.
+    :param pp_size: pipeline ranks the plan is for.
+    :param memory_cap: bytes per rank (or ``"8GiB"``); ``None``: no cap.
+    :param group: a process group of the pp ranks: rank 0 decides, every rank gets the same plan
+        (a collective: call it on every rank of the group). ``None``: this process decides.
+    :param link: ``(latency_s, bytes_per_s)`` between ranks; default: measured over ``group``,
+        or none (0 s, unlimited) without one.
+    :param schedules: restrict the choice (``{name: ScheduleDef}``); default: the installed.
+    :param repeats: timed microbatches per unit and size (their median counts).
+    """
+    if not isinstance(config, PipelineConfig):
+        raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
+    if config.pp_schedule_csv is not None:
+        raise ConfigError("plan_auto chooses the schedule, but pp_schedule_csv is set; unset "
+                          "it (a CSV fixes the schedule: use build_pipeline directly)")
+    cap = None if memory_cap is None else parse_size(memory_cap, "memory_cap")
+    plugins = plugins_or_default(plugins)
+    if link is None and group is not None:
+        link = measure_p2p(group)
+    ranking, profile_s, profiles = None, 0.0, None
+    if group is None or _group_rank(group) == 0:
+        started = time.perf_counter()
+        profiles = _profiles(model, config, inputs, target, pp_size, device, microbatch_sizes,
+                             link, plugins, repeats)
+        profile_s = time.perf_counter() - started
+        ranking = choose_plan(profiles, pp_size, config.pp_batch_size,
+                              schedules if schedules is not None else plugins.schedules, cap,
+                              recv_buffer_pool=True if config.pp_recv_buffer_pool else None,
+                              pool_slack=config.pp_recv_buffer_pool_slack)
+    if group is not None:
+        ranking, profile_s, profiles = _broadcast((ranking, profile_s, profiles), group)
+    return AutoPlan(concrete_config(config, ranking.chosen), ranking, profile_s, link, profiles)
+
+
+
+
+
+def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugins, repeats):
+    import math
+
+    from pp_core.losses import resolve_loss
+
+    if config.loss_fn is None:
+        raise ConfigError("plan_auto times the loss with the last unit: set config.loss_fn")
+    sizes = list(sizes) if sizes is not None else \
+        default_microbatch_sizes(config.pp_batch_size, pp_size)
+    parts_like = dataclasses.replace(config, pp_schedule="1f1b")  # dtype, patches: as run
+    return profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device,
+                         repeats=repeats, config=parts_like, plugins=plugins,
+                         p2p=link or (0.0, math.inf))
+
+
+def _group_rank(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
+def _broadcast(value, group):
+    """``value`` of the group's first rank, on every rank of the group."""
+    import torch.distributed as dist
+
+    holder = [value]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    return holder[0]
