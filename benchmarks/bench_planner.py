@@ -110,7 +110,7 @@ def by_hand_configs(pp: int, auto_mbs: int, plugins) -> list[tuple[str, dict]]:
     """Every built-in schedule at its default stages per rank, ``layers`` split."""
     out = []
     for entry in plugins.schedules:
-        if not entry.plugin.startswith("pp_schedules"):
+        if not entry.plugin.startswith("pp_core_builtins.schedules"):
             continue
         for mbs in sorted({auto_mbs, max(1, BATCH // (2 * pp))}):
             out.append((entry.name, {"pp_schedule": entry.name, "pp_batch_size": BATCH,
