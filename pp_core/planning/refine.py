@@ -35,13 +35,13 @@ def handoff_charges(schedule, profile: ModelProfile,
                     units: Sequence[Sequence[int]]) -> list[dict[str, float]]:
     """Per stage, the time its ``F``, ``B``, ``I`` and ``W`` spend beyond the units' own compute.
 
-    A hand-off between ranks costs both ranks work, not just latency: gloo on the CPU copies and
-    frames the bytes in the sending and the receiving process, and the executor has its own time
-    per action. So ``F`` of a stage pays a receive of its input when the previous stage is on
+    A hand-off between ranks costs both ranks time, not just latency: gloo on the CPU copies and
+    frames the bytes in the sending and the receiving process, and a send can hold the rank up
+    while the communication threads wait for a core. So ``F`` of a stage pays a receive of its input when the previous stage is on
     another rank and a send of its output when the next one is; ``B`` and ``I`` the same for the
     gradients the other way; ``W`` moves nothing. A hand-off between two stages of one rank (V
-    placements) is a local handover and costs nothing. Every action pays
-    ``action_overhead_s``. Zero for a profile without those measurements.
+    placements) is a local handover and costs nothing. Zero for a profile without those
+    measurements.
     """
     ranks = schedule.stage_ranks
     boundary = [profile.units[u[-1]].output_bytes for u in units]
@@ -54,9 +54,7 @@ def handoff_charges(schedule, profile: ModelProfile,
             (profile.send_busy_s(boundary[s]) if gives else 0.0)
         backward = (profile.recv_busy_s(boundary[s]) if gives else 0.0) + \
             (profile.send_busy_s(boundary[s - 1]) if gets else 0.0)
-        extra = profile.action_overhead_s
-        out.append({"F": forward + extra, "B": backward + extra, "I": backward + extra,
-                    "W": extra})
+        out.append({"F": forward, "B": backward, "I": backward, "W": 0.0})
     return out
 
 
