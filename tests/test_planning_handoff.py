@@ -1,6 +1,7 @@
 """What a cross-rank hand-off costs the ranks in the planner's simulation (pure, synthetic
 profiles): the send and receive busy time lands on the actions that move data between ranks,
-never on a hand-off between two stages of one rank (V placements)."""
+never on a hand-off between two stages of one rank (V placements), and the executor's own time
+on every action."""
 
 import dataclasses
 
@@ -71,14 +72,25 @@ def test_the_message_size_is_the_boundary_it_moves():
     assert [c["B"] for c in charges] == [c["F"] for c in charges]
 
 
+def test_executor_overhead_is_paid_by_every_action():
+    schedule = build_schedule("zero_bubble", num_ranks=2, num_microbatches=M)
+    units = units_of(2)
+    plain = simulate_split(schedule, profile(), units)
+    charged = simulate_split(schedule, profile(action_overhead_s=1e-4), units)
+    for rank in range(2):
+        actions = sum(1 for a in schedule.actions[rank] if a is not None)  # F, I, W each
+        assert charged.busy[rank] - plain.busy[rank] == pytest.approx(actions * 1e-4)
+
+
 def test_unmeasured_profiles_predict_as_before_and_round_trip():
     schedule = build_schedule("dfs", num_ranks=2, num_microbatches=M, stages_per_rank=2)
     assert all(v == 0.0 for c in handoff_charges(schedule, profile(), units_of(4))
                for v in c.values())
-    measured = profile(p2p_send_busy_s=1e-4, p2p_recv_busy_s=2e-4, p2p_busy_bytes_per_s=1e9)
+    measured = profile(p2p_send_busy_s=1e-4, p2p_recv_busy_s=2e-4, p2p_busy_bytes_per_s=1e9,
+                       action_overhead_s=3e-5)
     assert ModelProfile.from_dict(measured.to_dict()) == measured
-    new = ("p2p_send_busy_s", "p2p_recv_busy_s", "p2p_busy_bytes_per_s")
+    new = ("p2p_send_busy_s", "p2p_recv_busy_s", "p2p_busy_bytes_per_s", "action_overhead_s")
     old = {k: v for k, v in measured.to_dict().items() if k not in new}
     assert ModelProfile.from_dict(old) == dataclasses.replace(
         measured, p2p_send_busy_s=0.0, p2p_recv_busy_s=0.0,
-        p2p_busy_bytes_per_s=float("inf"))
+        p2p_busy_bytes_per_s=float("inf"), action_overhead_s=0.0)

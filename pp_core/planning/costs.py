@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 __all__ = ["UnitCost", "ModelProfile", "LINK_FIELDS"]
 
 LINK_FIELDS = ("p2p_latency_s", "p2p_bytes_per_s", "p2p_send_busy_s", "p2p_recv_busy_s",
-               "p2p_busy_bytes_per_s")
+               "p2p_busy_bytes_per_s", "action_overhead_s")
 """The :class:`ModelProfile` fields a measured *link* tuple fills, in its order (the link
 measurements give the first two, or more)."""
 
@@ -49,6 +49,7 @@ class ModelProfile:
     p2p_send_busy_s: float = 0.0
     p2p_recv_busy_s: float = 0.0
     p2p_busy_bytes_per_s: float = float("inf")
+    action_overhead_s: float = 0.0      # the executor's own time per compute action (any kind)
 
     def transfer_s(self, num_bytes: int) -> float:
         """Predicted time of one point-to-point hand-off of ``num_bytes``."""

@@ -40,8 +40,8 @@ def handoff_charges(schedule, profile: ModelProfile,
     while the communication threads wait for a core. So ``F`` of a stage pays a receive of its input when the previous stage is on
     another rank and a send of its output when the next one is; ``B`` and ``I`` the same for the
     gradients the other way; ``W`` moves nothing. A hand-off between two stages of one rank (V
-    placements) is a local handover and costs nothing. Zero for a profile without those
-    measurements.
+    placements) is a local handover and costs nothing. Every action, ``W`` too, also pays the
+    executor's own time (``action_overhead_s``). Zero for a profile without those measurements.
     """
     ranks = schedule.stage_ranks
     boundary = [profile.units[u[-1]].output_bytes for u in units]
@@ -54,7 +54,9 @@ def handoff_charges(schedule, profile: ModelProfile,
             (profile.send_busy_s(boundary[s]) if gives else 0.0)
         backward = (profile.recv_busy_s(boundary[s]) if gives else 0.0) + \
             (profile.send_busy_s(boundary[s - 1]) if gets else 0.0)
-        out.append({"F": forward, "B": backward, "I": backward, "W": 0.0})
+        extra = profile.action_overhead_s
+        out.append({"F": forward + extra, "B": backward + extra, "I": backward + extra,
+                    "W": extra})
     return out
 
 

@@ -3,10 +3,11 @@
 The YAML launcher plans before any rank exists, so there is no process group to time; this
 starts two short-lived processes on the run's backend (gloo on CPU, NCCL between the first two
 GPUs), lets them time a small and a large message with
-:func:`pp_core.runtime.profile.measure_p2p` and what a message costs each rank with
-:func:`measure_p2p_busy`, and returns the link tuple (:data:`~pp_core.planning.costs.LINK_FIELDS`
-order). About two seconds, once per run. The processes rendezvous through a file in a temp dir
-(no port).
+:func:`pp_core.runtime.profile.measure_p2p`, what a message costs each rank with
+:func:`measure_p2p_busy` and the executor's time per action with
+:func:`pp_core.runtime.overhead.measure_action_overhead`, and returns the link tuple
+(:data:`~pp_core.planning.costs.LINK_FIELDS` order). About three seconds, once per run. The
+processes rendezvous through a file in a temp dir (no port).
 
 Why the busy time: latency is what a hand-off adds to the *dependency*; but the ranks pay too:
 gloo on the CPU frames and copies the bytes in the sending and the receiving process, and a send
@@ -112,7 +113,10 @@ def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path
     store = dist.FileStore(store_path, 2)
     dist.init_process_group(backend, store=store, rank=rank, world_size=2)
     try:
-        link = measure_p2p(dist.group.WORLD) + measure_p2p_busy(dist.group.WORLD)
+        from pp_core.runtime.overhead import measure_action_overhead
+
+        link = measure_p2p(dist.group.WORLD) + measure_p2p_busy(dist.group.WORLD) + \
+            (measure_action_overhead(dist.group.WORLD, device=device_type),)
         if rank == 0:
             with open(out_path, "w", encoding="utf-8") as fh:
                 fh.write(" ".join(map(repr, link)))
@@ -121,14 +125,14 @@ def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path
 
 
 def measure_local_link(backend: str = "gloo", device_type: str = "cpu") -> tuple[float, ...]:
-    """``(latency_s, bytes_per_s, send_busy_s, recv_busy_s, busy_bytes_per_s)`` between two
-    processes on this machine."""
+    """``(latency_s, bytes_per_s, send_busy_s, recv_busy_s, busy_bytes_per_s,
+    action_overhead_s)`` between two processes on this machine."""
     import torch
     import torch.multiprocessing as mp
 
     if device_type == "cuda" and torch.cuda.device_count() < 2:
         # one GPU: pp ranks share it, hand-offs stay on the device
-        return 0.0, float("inf"), 0.0, 0.0, float("inf")
+        return 0.0, float("inf"), 0.0, 0.0, float("inf"), 0.0
     with tempfile.TemporaryDirectory(prefix="pp-core-link-") as tmp:
         out = os.path.join(tmp, "link")
         mp.spawn(_worker, args=(os.path.join(tmp, "store"), backend, device_type, out),

@@ -89,8 +89,9 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
     :param group: a process group of the pp ranks: rank 0 decides, every rank gets the same plan
         (a collective: call it on every rank of the group). ``None``: this process decides.
     :param link: ``(latency_s, bytes_per_s)`` between ranks, optionally followed by the busy
-        times of a hand-off (:func:`pp_core.runtime.link.measure_p2p_busy`); default: all
-        measured over ``group``, or none (0 s, unlimited) without one.
+        times of a hand-off (:func:`pp_core.runtime.link.measure_p2p_busy`) and the executor's
+        time per action (:func:`pp_core.runtime.overhead.measure_action_overhead`); default:
+        all measured over ``group``, or none (0 s, unlimited) without one.
     :param schedules: restrict the choice (``{name: ScheduleDef}``); default: the installed.
     :param repeats: timed microbatches per unit and size (their median counts).
     """
@@ -103,8 +104,10 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
     plugins = plugins_or_default(plugins)
     if link is None and group is not None:
         from pp_core.runtime.link import measure_p2p_busy
+        from pp_core.runtime.overhead import measure_action_overhead
 
-        link = measure_p2p(group) + measure_p2p_busy(group)
+        link = measure_p2p(group) + measure_p2p_busy(group) + \
+            (measure_action_overhead(group, device=device),)
     ranking, profile_s, profiles = None, 0.0, None
     if group is None or _group_rank(group) == 0:
         started = time.perf_counter()
