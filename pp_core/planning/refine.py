@@ -37,9 +37,9 @@ def handoff_charges(schedule, profile: ModelProfile,
 
     A hand-off between ranks costs both ranks time, not just latency: gloo on the CPU copies and
     frames the bytes in the sending and the receiving process, and a send can hold the rank up
-    while the communication threads wait for a core. So ``F`` of a stage pays a receive of its input when the previous stage is on
-    another rank and a send of its output when the next one is; ``B`` and ``I`` the same for the
-    gradients the other way; ``W`` moves nothing. A hand-off between two stages of one rank (V
+    while the communication threads wait for a core. So ``F`` of a stage pays a receive of its
+    input when the previous stage is on another rank and a send of its output when the next one
+    is; ``B`` and ``I`` the same for the gradients the other way; ``W`` moves nothing. A hand-off between two stages of one rank (V
     placements) is a local handover and costs nothing. Every action, ``W`` too, also pays the
     executor's own time (``action_overhead_s``). Zero for a profile without those measurements.
     """
