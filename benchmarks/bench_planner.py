@@ -118,6 +118,28 @@ def by_hand_configs(pp: int, auto_mbs: int, plugins) -> list[tuple[str, dict]]:
     return out
 
 
+def without_busy(profiles) -> dict:
+    """The profiles as before the calibration (no busy time per send and receive, no executor
+    time per action): the same run's prediction without it, for the before/after column."""
+    import dataclasses
+
+    return {size: dataclasses.replace(p, p2p_send_busy_s=0.0, p2p_recv_busy_s=0.0,
+                                      p2p_busy_bytes_per_s=float("inf"),
+                                      action_overhead_s=0.0)
+            for size, p in profiles.items()}
+
+
+def uncalibrated(candidate, profiles, pp: int, plugins) -> float:
+    """``candidate``'s predicted step on :func:`without_busy` profiles, same split."""
+    from pp_core.planning.choose import predict
+    from pp_core.schedule.build import resolve_schedule_def
+
+    o = candidate.option
+    sdef = resolve_schedule_def(o.schedule, plugins)[1]
+    return predict(o, sdef, without_busy(profiles)[o.microbatch_size], pp,
+                   candidate.fqns_per_stage).predicted_step_s
+
+
 def predicted_for(values: dict, profiles, pp: int, plugins) -> dict:
     """The planner's prediction for a config as given (its own split, from plan_split)."""
     from pp_core import PipelineConfig, PPCoreError
@@ -137,6 +159,8 @@ def predicted_for(values: dict, profiles, pp: int, plugins) -> dict:
     candidate = predict(option, sdef, profiles[config.pp_microbatch_size], pp,
                         split.fqns_per_stage)
     return {"predicted_step_s": candidate.predicted_step_s, "dropped": candidate.dropped,
+            "predicted_uncalibrated_step_s": uncalibrated(candidate, profiles, pp, plugins)
+            if not candidate.dropped else None,
             "predicted_peak_bytes": [m.total(False) for m in candidate.memory]}
 
 
@@ -162,6 +186,8 @@ def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
     def planned(candidate, label):
         return (label, concrete_config(base, candidate).to_dict(),
                 {"predicted_step_s": candidate.predicted_step_s,
+                 "predicted_uncalibrated_step_s": uncalibrated(candidate, profiles, pp,
+                                                                plugins),
                  "predicted_peak_bytes": [m.total(candidate.pool) for m in candidate.memory]})
 
     cases = [planned(ranking.chosen, f"auto: {describe(ranking.chosen)}")]
@@ -192,8 +218,11 @@ def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
                "measured_peak_bytes": [max(p) for p in zip(*peaks[label])]}
         row["error"] = row["measured_step_s"] / row["predicted_step_s"] - 1
         row["error_min"] = row["measured_min_step_s"] / row["predicted_step_s"] - 1
+        row["error_uncalibrated"] = \
+            row["measured_step_s"] / row["predicted_uncalibrated_step_s"] - 1
         rows.append(row)
-        print(f"  pp={pp} {label}: predicted {row['predicted_step_s'] * 1e3:.1f} ms, measured "
+        print(f"  pp={pp} {label}: predicted {row['predicted_step_s'] * 1e3:.1f} ms "
+              f"({row['predicted_uncalibrated_step_s'] * 1e3:.1f} uncalibrated), measured "
               f"{row['measured_step_s'] * 1e3:.1f} ms median ({100 * row['error']:+.0f}%), "
               f"{row['measured_min_step_s'] * 1e3:.1f} ms min", flush=True)
     auto, under_cap = rows[0], rows[-1]
@@ -261,13 +290,16 @@ def main(argv=None) -> int:
 
 def table(report: dict) -> str:
     lines = ["| pp | plan | predicted ms | measured ms (median) | error | measured ms (min) | "
-             "error (min) |", "|---|---|---|---|---|---|---|"]
+             "error (min) | predicted ms uncalibrated | its error |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for entry in report["pp"]:
         for row in entry["runs"]:
             lines.append(f"| {entry['pp']} | {row['label']} | {row['predicted_step_s'] * 1e3:.1f} "
                          f"| {row['measured_step_s'] * 1e3:.1f} | {100 * row['error']:+.0f}% "
                          f"| {row['measured_min_step_s'] * 1e3:.1f} "
-                         f"| {100 * row['error_min']:+.0f}% |")
+                         f"| {100 * row['error_min']:+.0f}% "
+                         f"| {row['predicted_uncalibrated_step_s'] * 1e3:.1f} "
+                         f"| {100 * row['error_uncalibrated']:+.0f}% |")
     for entry in report["pp"]:
         cap = entry["memory_cap"]
         lines.append(f"\npp={entry['pp']}: auto / best by hand ({entry['best_by_hand']}) = "

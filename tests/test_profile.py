@@ -153,15 +153,26 @@ def test_profile_of_a_hugging_face_decoder_uses_its_splitter():
 
 
 def p2p_on_every_rank():
+    from pp_core.runtime.link import measure_p2p_busy
+
     latency, bandwidth = measure_p2p(None, (4, 1 << 16))
     with pytest.raises(ConfigError, match="must end larger"):
         measure_p2p(None, (8, 8))
-    return latency, bandwidth
+    with pytest.raises(ConfigError, match="must end larger"):
+        measure_p2p_busy(None, (8, 8))
+    from pp_core.runtime.overhead import measure_action_overhead
+
+    return (latency, bandwidth) + measure_p2p_busy(None, (4, 1 << 16), count=5) + \
+        (measure_action_overhead(steps=2),)
 
 
 def test_measure_p2p_gives_every_rank_the_same_link():
     with DistPool(2) as pool:
         first, second = pool.run(p2p_on_every_rank)
     assert first == second
-    latency, bandwidth = first
+    latency, bandwidth, send_busy, recv_busy, busy_rate, per_action = first
     assert 0 < latency < 1 and 0 < bandwidth < math.inf
+    # a message costs both ranks CPU time: gloo frames and copies it in either process
+    assert 0 < send_busy < 1 and 0 < recv_busy < 1 and busy_rate > 0
+    # a real pipeline's executor spends time of its own on every action
+    assert 0 < per_action < 1

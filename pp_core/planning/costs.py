@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-__all__ = ["UnitCost", "ModelProfile"]
+__all__ = ["UnitCost", "ModelProfile", "LINK_FIELDS"]
+
+LINK_FIELDS = ("p2p_latency_s", "p2p_bytes_per_s", "p2p_send_busy_s", "p2p_recv_busy_s",
+               "p2p_busy_bytes_per_s", "action_overhead_s")
+"""The :class:`ModelProfile` fields a measured *link* tuple fills, in its order (the link
+measurements give the first two, or more)."""
 
 
 @dataclass(frozen=True)
@@ -38,10 +43,25 @@ class ModelProfile:
     optimizer_bytes_per_param_byte: float = 2.0   # AdamW: exp_avg + exp_avg_sq
     shared_fqns: tuple[str, ...] = ()   # parameter-free modules every stage holds (rotary table)
     device: str = ""                    # where it was measured ("cpu", "cuda:0")
+    # What a cross-rank hand-off costs the ranks themselves, beyond the latency on the
+    # dependency: the busy time of one send and of one receive (gloo on the CPU copies and
+    # frames the bytes on both ranks), a fixed part plus bytes over a rate. Zero: not measured.
+    p2p_send_busy_s: float = 0.0
+    p2p_recv_busy_s: float = 0.0
+    p2p_busy_bytes_per_s: float = float("inf")
+    action_overhead_s: float = 0.0      # the executor's own time per compute action (any kind)
 
     def transfer_s(self, num_bytes: int) -> float:
         """Predicted time of one point-to-point hand-off of ``num_bytes``."""
         return self.p2p_latency_s + num_bytes / self.p2p_bytes_per_s
+
+    def send_busy_s(self, num_bytes: int) -> float:
+        """Time the sending rank spends on one hand-off of ``num_bytes``."""
+        return self.p2p_send_busy_s + num_bytes / self.p2p_busy_bytes_per_s
+
+    def recv_busy_s(self, num_bytes: int) -> float:
+        """Time the receiving rank spends on one hand-off of ``num_bytes``."""
+        return self.p2p_recv_busy_s + num_bytes / self.p2p_busy_bytes_per_s
 
     def to_dict(self) -> dict:
         """Plain JSON-able data (lists, numbers, strings): to store a profile or send it."""

@@ -17,7 +17,7 @@ from typing import Sequence
 from pp_core.planning.costs import ModelProfile
 from pp_core.planning.memory import stage_sums
 
-__all__ = ["refine_counts", "makespan_of", "simulate_split"]
+__all__ = ["refine_counts", "makespan_of", "simulate_split", "handoff_charges"]
 
 MAX_MOVES = 64
 """An upper bound on accepted moves (each one strictly shortens the step, so it ends anyway)."""
@@ -31,18 +31,49 @@ def _units(counts: Sequence[int]) -> list[list[int]]:
     return out
 
 
+def handoff_charges(schedule, profile: ModelProfile,
+                    units: Sequence[Sequence[int]]) -> list[dict[str, float]]:
+    """Per stage, the time its ``F``, ``B``, ``I`` and ``W`` spend beyond the units' own compute.
+
+    A hand-off between ranks costs both ranks time, not just latency: gloo on the CPU copies and
+    frames the bytes in the sending and the receiving process, and a send can hold the rank up
+    while the communication threads wait for a core. So ``F`` of a stage pays a receive of its
+    input when the previous stage is on another rank and a send of its output when the next one
+    is; ``B`` and ``I`` the same for the gradients the other way; ``W`` moves nothing. A hand-off between two stages of one rank (V
+    placements) is a local handover and costs nothing. Every action, ``W`` too, also pays the
+    executor's own time (``action_overhead_s``). Zero for a profile without those measurements.
+    """
+    ranks = schedule.stage_ranks
+    boundary = [profile.units[u[-1]].output_bytes for u in units]
+    last = len(units) - 1
+    out = []
+    for s in range(len(units)):
+        gets = s > 0 and ranks[s - 1] != ranks[s]       # input from / gradient to stage s - 1
+        gives = s < last and ranks[s + 1] != ranks[s]   # output to / gradient from stage s + 1
+        forward = (profile.recv_busy_s(boundary[s - 1]) if gets else 0.0) + \
+            (profile.send_busy_s(boundary[s]) if gives else 0.0)
+        backward = (profile.recv_busy_s(boundary[s]) if gives else 0.0) + \
+            (profile.send_busy_s(boundary[s - 1]) if gets else 0.0)
+        extra = profile.action_overhead_s
+        out.append({"F": forward + extra, "B": backward + extra, "I": backward + extra,
+                    "W": extra})
+    return out
+
+
 def simulate_split(schedule, profile: ModelProfile, units: Sequence[Sequence[int]],
                    with_memory: bool = False):
     """:func:`pp_core.schedule.simulate` of ``schedule`` with ``units[i]`` on stage ``i``: per
-    stage the summed unit costs; every cross-rank hand-off charged the measured latency plus
-    the largest boundary activation over the measured bandwidth (simple, and pessimistic for
-    uneven boundaries); with ``with_memory`` the saved activations in flight too."""
+    stage the summed unit costs plus :func:`handoff_charges`; every cross-rank hand-off charged
+    the measured latency plus the largest boundary activation over the measured bandwidth on the
+    dependency (simple, and pessimistic for uneven boundaries); with ``with_memory`` the saved
+    activations in flight too."""
     from pp_core.schedule.simulate import Costs, simulate
 
     sums = [stage_sums(profile, units, name)
             for name in ("forward_s", "backward_s", "input_grad_s", "weight_grad_s")]
-    costs = Costs(per_stage={s: {"F": f, "B": b, "I": i, "W": w}
-                             for s, (f, b, i, w) in enumerate(zip(*sums))})
+    charges = handoff_charges(schedule, profile, units)
+    costs = Costs(per_stage={s: {k: v + charges[s][k] for k, v in zip("FBIW", row)}
+                             for s, row in enumerate(zip(*sums))})
     boundary = max((profile.units[u[-1]].output_bytes for u in units[:-1]), default=0)
     return simulate(schedule, costs, comm_latency=profile.transfer_s(boundary),
                     activation_bytes=stage_sums(profile, units, "activation_bytes")

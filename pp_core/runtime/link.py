@@ -3,8 +3,16 @@
 The YAML launcher plans before any rank exists, so there is no process group to time; this
 starts two short-lived processes on the run's backend (gloo on CPU, NCCL between the first two
 GPUs), lets them time a small and a large message with
-:func:`pp_core.runtime.profile.measure_p2p`, and returns ``(latency_s, bytes_per_s)``. About
-two seconds, once per run. The processes rendezvous through a file in a temp dir (no port).
+:func:`pp_core.runtime.profile.measure_p2p`, what a message costs each rank with
+:func:`measure_p2p_busy` and the executor's time per action with
+:func:`pp_core.runtime.overhead.measure_action_overhead`, and returns the link tuple
+(:data:`~pp_core.planning.costs.LINK_FIELDS` order). About three seconds, once per run. The
+processes rendezvous through a file in a temp dir (no port).
+
+Why the busy time: latency is what a hand-off adds to the *dependency*; but the ranks pay too:
+gloo on the CPU frames and copies the bytes in the sending and the receiving process, and a send
+can hold the rank up while the communication threads wait for a core. A looped plan hands off at
+every stage boundary, so it pays this many times per step.
 """
 
 from __future__ import annotations
@@ -12,7 +20,86 @@ from __future__ import annotations
 import os
 import tempfile
 
-__all__ = ["measure_local_link"]
+__all__ = ["measure_local_link", "measure_p2p_busy"]
+
+BUSY_SIZES = (4, 1 << 18)
+"""float32 elements of the small and the large message :func:`measure_p2p_busy` streams."""
+
+
+def measure_p2p_busy(group=None, sizes=BUSY_SIZES, *, device=None, count: int = 20,
+                     compute_s: float = 1e-3) -> tuple[float, float, float]:
+    """``(send_busy_s, recv_busy_s, busy_bytes_per_s)``: the time a rank is held up by one
+    send and by one receive between the group's first two ranks, as a pipeline step uses them.
+
+    Both ranks do what an executor does around a hand-off, ``count`` times after one warm-up,
+    for a message of ``sizes[0]`` and one of ``sizes[-1]`` float32 elements: post the receive
+    early, compute (``compute_s`` of matmuls), send (its own tag, as the runtime's gradient
+    messages have), compute, take the received message. The wall time of the send call is the
+    send's busy time, the wait for the already-arrived message the receive's (the peer
+    computes meanwhile, as in a pipeline: on a machine with few cores the communication
+    threads then compete with compute, which is what a rank pays). Medians over messages and
+    both ranks; the fixed part is the small message's, the rate from the extra bytes of the
+    large one over its extra time. A group of one rank returns ``(0.0, 0.0, inf)``.
+    """
+    import math
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from pp_core.errors import ConfigError
+
+    if not dist.is_initialized():
+        raise ConfigError("measure_p2p_busy needs an initialised process group")
+    ranks = dist.get_process_group_ranks(group) if group is not None else \
+        list(range(dist.get_world_size()))
+    if len(ranks) < 2:
+        return 0.0, 0.0, math.inf
+    small, large = int(sizes[0]), int(sizes[-1])
+    if large <= small:
+        raise ConfigError(f"measure_p2p_busy: sizes={list(sizes)} must end larger than they "
+                          f"start")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    me = dist.get_rank()
+    found = torch.zeros(4, dtype=torch.float64, device=device)  # send small/large, recv ...
+    if me in ranks[:2]:
+        peer = ranks[1] if me == ranks[0] else ranks[0]
+        work = torch.randn(64, 64, device=device)
+
+        def compute():
+            start = time.perf_counter()
+            while time.perf_counter() - start < compute_s:
+                work @ work
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        for slot, numel in enumerate((small, large)):
+            out = torch.zeros(numel, dtype=torch.float32, device=device)
+            into = torch.zeros(numel, dtype=torch.float32, device=device)
+            sends, recvs = [], []
+            for trip in range(count + 1):  # the first one warms the connection up
+                tag = 64 + slot * (count + 1) + trip
+                incoming = dist.irecv(into, peer, group=group, tag=tag)
+                compute()
+                start = time.perf_counter()
+                outgoing = dist.isend(out, peer, group=group, tag=tag)
+                sends.append(time.perf_counter() - start)
+                compute()
+                start = time.perf_counter()
+                incoming.wait()
+                recvs.append(time.perf_counter() - start)
+                outgoing.wait()
+            found[slot] = statistics.median(sends[1:]) / 2  # both ranks' halves add up
+            found[slot + 2] = statistics.median(recvs[1:]) / 2
+    dist.all_reduce(found, group=group)
+    send_small, send_large, recv_small, recv_large = found.tolist()
+    extra = max(send_large - send_small, 0.0) + max(recv_large - recv_small, 0.0)
+    rate = (large - small) * 4 / extra if extra > 0 else math.inf
+    return send_small, recv_small, rate
+
 
 def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path: str) -> None:
     import torch
@@ -26,25 +113,29 @@ def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path
     store = dist.FileStore(store_path, 2)
     dist.init_process_group(backend, store=store, rank=rank, world_size=2)
     try:
-        latency, bandwidth = measure_p2p(dist.group.WORLD)
+        from pp_core.runtime.overhead import measure_action_overhead
+
+        link = measure_p2p(dist.group.WORLD) + measure_p2p_busy(dist.group.WORLD) + \
+            (measure_action_overhead(dist.group.WORLD, device=device_type),)
         if rank == 0:
             with open(out_path, "w", encoding="utf-8") as fh:
-                fh.write(f"{latency!r} {bandwidth!r}")
+                fh.write(" ".join(map(repr, link)))
     finally:
         dist.destroy_process_group()
 
 
-def measure_local_link(backend: str = "gloo", device_type: str = "cpu") -> tuple[float, float]:
-    """``(latency_s, bytes_per_s)`` between two processes on this machine."""
+def measure_local_link(backend: str = "gloo", device_type: str = "cpu") -> tuple[float, ...]:
+    """``(latency_s, bytes_per_s, send_busy_s, recv_busy_s, busy_bytes_per_s,
+    action_overhead_s)`` between two processes on this machine."""
     import torch
     import torch.multiprocessing as mp
 
     if device_type == "cuda" and torch.cuda.device_count() < 2:
-        return 0.0, float("inf")  # one GPU: pp ranks share it, hand-offs stay on the device
+        # one GPU: pp ranks share it, hand-offs stay on the device
+        return 0.0, float("inf"), 0.0, 0.0, float("inf"), 0.0
     with tempfile.TemporaryDirectory(prefix="pp-core-link-") as tmp:
         out = os.path.join(tmp, "link")
         mp.spawn(_worker, args=(os.path.join(tmp, "store"), backend, device_type, out),
                  nprocs=2, join=True)
         with open(out, encoding="utf-8") as fh:
-            latency, bandwidth = (float(x) for x in fh.read().split())
-    return latency, bandwidth
+            return tuple(float(x) for x in fh.read().split())

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError
 from pp_core.planning.choose import Candidate, Ranking, choose_plan
+from pp_core.planning.costs import LINK_FIELDS
 from pp_core.planning.sizes import parse_size
 from pp_core.plugin_manager import plugins_or_default
 from pp_core.runtime.profile import measure_p2p, profile_model
@@ -34,7 +35,8 @@ class AutoPlan:
     config: PipelineConfig
     ranking: Ranking
     profile_s: float = 0.0
-    link: tuple[float, float] | None = None
+    link: tuple[float, ...] | None = None
+    """Latency, bandwidth and the busy times (:data:`~pp_core.planning.costs.LINK_FIELDS`)."""
     profiles: dict | None = None
     """``{microbatch size: ModelProfile}``: rank again (another cap) without profiling again."""
 
@@ -49,7 +51,9 @@ class AutoPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"chosen": self.chosen.to_dict(), "profile_s": self.profile_s,
                 "link": None if self.link is None else
-                {"latency_s": self.link[0], "bytes_per_s": self.link[1]},
+                {"latency_s": self.link[0], "bytes_per_s": self.link[1],
+                 **{name.replace("p2p_", ""): value
+                    for name, value in zip(LINK_FIELDS[2:], self.link[2:])}},
                 "ranking": self.ranking.to_dict()}
 
 
@@ -75,7 +79,7 @@ def concrete_config(config: PipelineConfig, candidate: Candidate) -> PipelineCon
 def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
               device="cpu", memory_cap: int | str | None = None, plugins=None, group=None,
               microbatch_sizes: Sequence[int] | None = None,
-              link: tuple[float, float] | None = None, schedules=None,
+              link: tuple[float, ...] | None = None, schedules=None,
               repeats: int = 5) -> AutoPlan:
     """Profile ``model`` on ``device``, choose the fastest plan that fits, return it.
 
@@ -84,8 +88,10 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
     :param memory_cap: bytes per rank (or ``"8GiB"``); ``None``: no cap.
     :param group: a process group of the pp ranks: rank 0 decides, every rank gets the same plan
         (a collective: call it on every rank of the group). ``None``: this process decides.
-    :param link: ``(latency_s, bytes_per_s)`` between ranks; default: measured over ``group``,
-        or none (0 s, unlimited) without one.
+    :param link: ``(latency_s, bytes_per_s)`` between ranks, optionally followed by the busy
+        times of a hand-off (:func:`pp_core.runtime.link.measure_p2p_busy`) and the executor's
+        time per action (:func:`pp_core.runtime.overhead.measure_action_overhead`); default:
+        all measured over ``group``, or none (0 s, unlimited) without one.
     :param schedules: restrict the choice (``{name: ScheduleDef}``); default: the installed.
     :param repeats: timed microbatches per unit and size (their median counts).
     """
@@ -97,7 +103,11 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
     cap = None if memory_cap is None else parse_size(memory_cap, "memory_cap")
     plugins = plugins_or_default(plugins)
     if link is None and group is not None:
-        link = measure_p2p(group)
+        from pp_core.runtime.link import measure_p2p_busy
+        from pp_core.runtime.overhead import measure_action_overhead
+
+        link = measure_p2p(group) + measure_p2p_busy(group) + \
+            (measure_action_overhead(group, device=device),)
     ranking, profile_s, profiles = None, 0.0, None
     if group is None or _group_rank(group) == 0:
         started = time.perf_counter()

@@ -25,7 +25,7 @@ import torch
 
 from pp_core.errors import ConfigError
 from pp_core.planning.balance import stage_fqns
-from pp_core.planning.costs import ModelProfile, UnitCost
+from pp_core.planning.costs import LINK_FIELDS, ModelProfile, UnitCost
 from pp_core.planning.units import model_units, shared_modules, unit_splitter
 
 __all__ = ["profile_model", "measure_p2p", "CLOCKS"]
@@ -233,7 +233,9 @@ def profile_model(
     :param config: a :class:`~pp_core.config.PipelineConfig` whose ``dtype`` and model patches
         the parts are built with (optional).
     :param splitter: the splitter whose ``units`` define the units (default: pp-core's choice).
-    :param p2p: ``(latency_s, bytes_per_s)`` to record (:func:`measure_p2p`); default a free link.
+    :param p2p: ``(latency_s, bytes_per_s)`` to record (:func:`measure_p2p`), optionally followed
+        by the busy times of :func:`pp_core.runtime.link.measure_p2p_busy` (the order of
+        :data:`~pp_core.planning.costs.LINK_FIELDS`); default a free link.
     :param clock: ``"auto"``, ``"wall"`` or ``"cpu"`` (:data:`CLOCKS`).
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -294,8 +296,8 @@ def _profile_size(runner, units, x, y, loss_fn, size, repeats, exclude, p2p) -> 
                  activation_bytes=saved[i].total, param_bytes=_nbytes(runner.params[i]),
                  output_bytes=first[i][3])
         for i in range(n))
-    return ModelProfile(size, costs, p2p[0], p2p[1], shared_fqns=tuple(runner.shared),
-                        device=str(runner.device))
+    return ModelProfile(size, costs, shared_fqns=tuple(runner.shared), device=str(runner.device),
+                        **dict(zip(LINK_FIELDS, p2p)))
 
 
 def measure_p2p(group=None, sizes: Sequence[int] = (4, 1 << 22), *, device=None,
