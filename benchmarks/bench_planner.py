@@ -11,7 +11,9 @@ On 2 and 4 gloo ranks of this machine (one thread per rank), for a GPT with a la
   microbatch sizes (auto's and the one giving 2 x pp microbatches); ratio auto / best by hand;
 * **memory cap**: a cap just below the fastest plan's predicted peak; the plan auto picks then,
   run, with its measured peak per rank (parameters of the rank's parts + the growth of the
-  resident set over the steps, optimizer steps included) and what it gave up;
+  resident set over the steps, optimizer steps included) and what it gave up; every run also
+  records its live-tensor peak (one more untimed step under :mod:`pp_core.runtime.transient`'s
+  log: what the memory model predicts, without the allocator's retained pages);
 * **planning time** at pp=8 with every installed schedule (profile excluded).
 
     python benchmarks/bench_planner.py [--ranks 2,4] [--steps 6] [--json out.json]
@@ -83,7 +85,30 @@ def run_case(config_values: dict, steps: int, warmup: int = 2) -> dict:
         for optimizer in optimizers:
             optimizer.step()
     peak = params + proc_status("VmHWM") - baseline
-    return {"times": times[warmup:], "peak_bytes": peak, "stages": list(pipe.stage_indices)}
+    return {"times": times[warmup:], "peak_bytes": peak, "stages": list(pipe.stage_indices),
+            "live_peak_bytes": _live_peak(pipe, optimizers, x, y, params)}
+
+
+def _live_peak(pipe, optimizers, x, y, params: int) -> int:
+    """The most bytes of live tensors in one more (untimed) step and optimizer step: parameters,
+    optimizer state, and what the step makes (pp_core.runtime.transient's log). What the memory
+    model predicts, without the allocator's retained pages that the resident set adds."""
+    import torch.distributed as dist
+
+    from pp_core.runtime.transient import Allocations
+
+    state = sum(t.numel() * t.element_size() for optimizer in optimizers
+                for per_param in optimizer.state.values() for t in per_param.values()
+                if isinstance(t, torch.Tensor))
+    for part in pipe.model_parts:
+        part.zero_grad(set_to_none=True)
+    log = Allocations()
+    dist.barrier()
+    with log.tracking():
+        pipe.step(x, target=y)
+        for optimizer in optimizers:
+            optimizer.step()
+    return params + state + log.peak()
 
 
 def _warm_runtime(config_values: dict, x, y) -> None:
@@ -99,11 +124,12 @@ def _warm_runtime(config_values: dict, x, y) -> None:
     pipe.step(x % 16, target=y % 16)
 
 
-def measure(pool, config_values: dict, steps: int) -> tuple[list[float], list[int]]:
-    """The slowest rank's time of each step, and each rank's measured peak."""
+def measure(pool, config_values: dict, steps: int) -> tuple[list[float], list[int], list[int]]:
+    """The slowest rank's time of each step, and each rank's measured peak: resident set, and
+    live tensors."""
     per_rank = pool.run(run_case, config_values, steps)
     return ([max(step) for step in zip(*(r["times"] for r in per_rank))],
-            [r["peak_bytes"] for r in per_rank])
+            [r["peak_bytes"] for r in per_rank], [r["live_peak_bytes"] for r in per_rank])
 
 
 def by_hand_configs(pp: int, auto_mbs: int, plugins) -> list[tuple[str, dict]]:
@@ -204,18 +230,21 @@ def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
                                         f"{describe(capped.chosen)}"))
     times = {label: [] for label, _, _ in cases}
     peaks = {label: [] for label, _, _ in cases}
+    lives = {label: [] for label, _, _ in cases}
     with DistPool(pp) as pool:
         measure(pool, cases[0][1], 1)  # the pool's first case pays for its start
         for _ in range(rounds):  # interleaved: a burst of load from elsewhere hits all alike
             for label, values, _ in cases:
-                step_times, peak = measure(pool, values, steps)
+                step_times, peak, live = measure(pool, values, steps)
                 times[label] += step_times
                 peaks[label].append(peak)
+                lives[label].append(live)
     rows = []
     for label, values, prediction in cases:
         row = {"label": label, **prediction, "measured_step_s": statistics.median(times[label]),
                "measured_min_step_s": min(times[label]),
-               "measured_peak_bytes": [max(p) for p in zip(*peaks[label])]}
+               "measured_peak_bytes": [max(p) for p in zip(*peaks[label])],
+               "live_peak_bytes": [max(p) for p in zip(*lives[label])]}
         row["error"] = row["measured_step_s"] / row["predicted_step_s"] - 1
         row["error_min"] = row["measured_min_step_s"] / row["predicted_step_s"] - 1
         row["error_uncalibrated"] = \
@@ -238,6 +267,7 @@ def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
         "memory_cap": {"cap_bytes": cap, "chosen": under_cap["label"],
                        "predicted_peak_bytes": under_cap["predicted_peak_bytes"],
                        "measured_peak_bytes": under_cap["measured_peak_bytes"],
+                       "live_peak_bytes": under_cap["live_peak_bytes"],
                        "fits_measured": max(under_cap["measured_peak_bytes"]) <= cap,
                        "gave_up": [{"plan": describe(c), "predicted_step_s": c.predicted_step_s,
                                     "why": c.dropped} for c in capped.gave_up()[:3]]},
@@ -308,7 +338,10 @@ def table(report: dict) -> str:
                      f"{entry['best_by_hand_min']}); cap {cap['cap_bytes'] / 2 ** 20:.1f}"
                      f" MiB -> {cap['chosen']}, measured peak per rank "
                      + ", ".join(f"{b / 2 ** 20:.1f}" for b in cap["measured_peak_bytes"])
-                     + f" MiB (fits: {cap['fits_measured']})")
+                     + f" MiB (fits: {cap['fits_measured']}), predicted "
+                     + ", ".join(f"{b / 2 ** 20:.1f}" for b in cap["predicted_peak_bytes"])
+                     + ", live tensors " + ", ".join(f"{b / 2 ** 20:.1f}"
+                                                     for b in cap["live_peak_bytes"]) + " MiB")
     p8 = report["planning_pp8"]
     lines.append(f"\nplanning at pp=8: {p8['candidates']} candidates in {p8['planning_s']:.2f} s")
     return "\n".join(lines)

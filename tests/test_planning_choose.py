@@ -25,7 +25,8 @@ def unit(i, weight, mbs):
 
 def profile(mbs, weights=(3, 1, 2, 1, 2, 1, 2, 3)):
     return ModelProfile(mbs, tuple(unit(i, w, mbs) for i, w in enumerate(weights)),
-                        p2p_latency_s=1e-5, p2p_bytes_per_s=1e9)
+                        p2p_latency_s=1e-5, p2p_bytes_per_s=1e9,
+                        optimizer_step_bytes_per_param_byte=0.0)  # activations decide here
 
 
 PROFILES = {m: profile(m) for m in (1, 2, 4)}

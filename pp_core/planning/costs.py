@@ -30,6 +30,10 @@ class UnitCost:
     activation_bytes: int          # saved for backward by one microbatch's forward
     param_bytes: int               # parameters (gradients are the same size)
     output_bytes: int              # what the unit hands to the next one (boundary activation)
+    # The most bytes its forward + backward hold at once beyond activation_bytes and parameter
+    # gradients (temporaries: a vocabulary head's logits, log-softmax and their gradients).
+    # Default 0: a profile stored before it was measured loads and predicts as it did.
+    transient_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class ModelProfile:
     p2p_latency_s: float           # one small send/recv between two ranks
     p2p_bytes_per_s: float         # bandwidth of a large send/recv
     optimizer_bytes_per_param_byte: float = 2.0   # AdamW: exp_avg + exp_avg_sq
+    optimizer_step_bytes_per_param_byte: float = 1.0  # AdamW foreach step's temporaries
     shared_fqns: tuple[str, ...] = ()   # parameter-free modules every stage holds (rotary table)
     device: str = ""                    # where it was measured ("cpu", "cuda:0")
     # What a cross-rank hand-off costs the ranks themselves, beyond the latency on the

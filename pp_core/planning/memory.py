@@ -16,9 +16,18 @@ schedule x stages per rank x microbatch size, in well under a second each. The p
   received tensor lives until the backward that releases it; with the pool only until it is
   consumed, plus the spare sets (the interval colouring of :mod:`pp_core.schedule.buffer_plan`).
 
-What it leaves out (and so under-predicts by): the allocator's caching and fragmentation, the
-optimizer's transient buffers during ``step()``, the input batch itself, and temporaries inside a
-forward or backward (the profile counts saved tensors only).
+* **transients**: one action runs at a time on a rank, so on top of the above it holds the
+  temporaries of one unit's forward + backward: the largest ``transient_bytes`` among its units
+  (measured by the profiler; a vocabulary head's logits, log-softmax and their gradients).
+
+* **the optimizer step's temporaries**: ``step()`` runs after the last backward, when the
+  activations are gone (pooled receive buffers stay), so it competes with them rather than adding
+  to them: ``optimizer_step_bytes_per_param_byte`` times the rank's parameters (AdamW with
+  ``foreach``: 1.0, measured, tests/test_transient.py; the for-loop form holds three times its
+  largest parameter).
+
+What it leaves out (and so under-predicts by): the allocator's caching and fragmentation, and the
+input batch itself.
 """
 
 from __future__ import annotations
@@ -43,14 +52,21 @@ class RankMemory:
     activations: int
     recv_default: int   # receive buffers as the runtime keeps them without the pool
     recv_pool: int      # with the receive-buffer pool (``pp_recv_buffer_pool: true``)
+    transient: int = 0  # the largest temporaries of one of its units' forward + backward
+    optimizer_step: int = 0  # the optimizer step's temporaries
 
     def total(self, pool: bool) -> int:
+        """The larger of the two peaks: during the forwards and backwards, or during the step
+        (which comes after them, with only the pooled receive buffers still held)."""
         recv = self.recv_pool if pool else self.recv_default
-        return self.params + self.grads + self.optimizer + self.activations + recv
+        running = self.activations + recv + self.transient
+        stepping = (self.recv_pool if pool else 0) + self.optimizer_step
+        return self.params + self.grads + self.optimizer + max(running, stepping)
 
     def to_dict(self, pool: bool) -> dict:
         return {"rank": self.rank, "params": self.params, "grads": self.grads,
                 "optimizer": self.optimizer, "activations": self.activations,
+                "transient": self.transient, "optimizer_step": self.optimizer_step,
                 "recv_buffers": self.recv_pool if pool else self.recv_default,
                 "recv_buffers_without_pool": self.recv_default,
                 "recv_buffers_with_pool": self.recv_pool, "total": self.total(pool)}
@@ -105,9 +121,12 @@ def predict_memory(profile: ModelProfile, schedule: Schedule,
     out = []
     for rank in range(schedule.num_ranks):
         p = sum(params[s] for s in schedule.stages_of(rank))
+        held = [u for s in schedule.stages_of(rank) for u in units_per_stage[s]]
         out.append(RankMemory(
             rank=rank, params=p, grads=p,
             optimizer=int(p * profile.optimizer_bytes_per_param_byte),
+            optimizer_step=int(p * profile.optimizer_step_bytes_per_param_byte),
             activations=int(peak_activation_bytes[rank]),
-            recv_default=default[rank], recv_pool=pooled[rank]))
+            recv_default=default[rank], recv_pool=pooled[rank],
+            transient=max((profile.units[u].transient_bytes for u in held), default=0)))
     return out

@@ -8,7 +8,7 @@ the last unit, and the runtime's own backward functions - :func:`backward_full` 
 :func:`backward_input` then :func:`backward_weight` for I and W - so the costs the planner
 simulates are the costs of what executes. Each microbatch size gets one warm-up pass (which also
 records memory: saved tensors through ``saved_tensors_hooks``, once per storage, parameters
-excluded) and ``repeats`` timed passes; a time is the median, by the clock :data:`CLOCKS` says.
+excluded; and each unit's transient peak, :mod:`pp_core.runtime.transient`) and ``repeats`` timed passes; a time is the median, by the clock :data:`CLOCKS` says.
 
 :func:`measure_p2p` times round trips between the first two ranks of a group and broadcasts the
 result, so every rank plans with the same numbers.
@@ -16,6 +16,7 @@ result, so every rank plans with the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -27,6 +28,7 @@ from pp_core.errors import ConfigError
 from pp_core.planning.balance import stage_fqns
 from pp_core.planning.costs import LINK_FIELDS, ModelProfile, UnitCost
 from pp_core.planning.units import model_units, shared_modules, unit_splitter
+from pp_core.runtime.transient import Allocations
 
 __all__ = ["profile_model", "measure_p2p", "CLOCKS"]
 
@@ -56,10 +58,12 @@ def _nbytes(tensors) -> int:
 
 
 class _Saved:
-    """``saved_tensors_hooks`` that add up the storages autograd keeps for backward, once each."""
+    """``saved_tensors_hooks`` that add up the storages autograd keeps for backward, once each;
+    and the unit's allocation log (:mod:`pp_core.runtime.transient`), for its transient peak."""
 
     def __init__(self, exclude: set[int]):
-        self.exclude, self.seen, self.total = exclude, set(), 0
+        self.exclude, self.seen, self.total, self.made = exclude, set(), 0, 0
+        self.allocations = Allocations()
 
     def pack(self, tensor):
         try:
@@ -68,12 +72,24 @@ class _Saved:
             if key and key not in self.exclude and key not in self.seen:
                 self.seen.add(key)
                 self.total += storage.nbytes()
+                if key in self.allocations.live:  # made by the unit, so in its allocation log
+                    self.made += storage.nbytes()
         except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested)
             pass
         return tensor
 
     def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t))
+        stack.enter_context(self.allocations.tracking())
+        return stack
+
+    def transient(self, params) -> int:
+        """Bytes live at once beyond the saved ones the unit made (its inputs are not in the
+        log) and the parameter gradients: what its forward and backward hold only while they
+        run."""
+        grads = [p.grad for p in params if p.grad is not None]
+        return max(0, self.allocations.peak(grads) - self.made)
 
 
 class _Units:
@@ -172,8 +188,9 @@ def _one_microbatch(runner: _Units, x, target, loss_fn, split: bool, saved: list
             (grads_in, pending[i]), backward[i] = runner.timed(
                 lambda i=i, g=grads, a=inputs: backward_input(grad_outs[i], g, a))
         else:
-            grads_in, backward[i] = runner.timed(
-                lambda i=i, g=grads, a=inputs: backward_full(grad_outs[i], g, a))
+            with saved[i].allocations.tracking() if saved else _nothing():
+                grads_in, backward[i] = runner.timed(
+                    lambda i=i, g=grads, a=inputs: backward_full(grad_outs[i], g, a))
         grads = grads_in
     if split:
         for i in reversed(range(n)):
@@ -277,6 +294,7 @@ def _profile_size(runner, units, x, y, loss_fn, size, repeats, exclude, p2p) -> 
     n = len(units)
     saved = [_Saved(exclude) for _ in range(n)]
     first = _one_microbatch(runner, x, y, loss_fn, False, saved)  # warm-up + memory
+    transient = [saved[i].transient(runner.params[i]) for i in range(n)]
     samples: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in "FBIW"}
     for _ in range(repeats):
         for i, (f, b, _, _) in enumerate(_one_microbatch(runner, x, y, loss_fn, False, None)):
@@ -294,7 +312,7 @@ def _profile_size(runner, units, x, y, loss_fn, size, repeats, exclude, p2p) -> 
         UnitCost(fqns=tuple(units[i]), forward_s=med["F"][i], backward_s=med["B"][i],
                  input_grad_s=med["I"][i], weight_grad_s=med["W"][i],
                  activation_bytes=saved[i].total, param_bytes=_nbytes(runner.params[i]),
-                 output_bytes=first[i][3])
+                 output_bytes=first[i][3], transient_bytes=transient[i])
         for i in range(n))
     return ModelProfile(size, costs, shared_fqns=tuple(runner.shared), device=str(runner.device),
                         **dict(zip(LINK_FIELDS, p2p)))
