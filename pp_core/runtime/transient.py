@@ -20,21 +20,32 @@ import itertools
 import weakref
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from pp_core._torch_compat import TorchDispatchMode
 
 __all__ = ["Allocations"]
 
 
+def _tensors(values):
+    """The tensors in an op's output: a tensor, or lists/tuples/dicts of them (aten returns no
+    other containers)."""
+    if isinstance(values, torch.Tensor):
+        yield values
+    elif isinstance(values, (list, tuple)):
+        for value in values:
+            yield from _tensors(value)
+    elif isinstance(values, dict):
+        for value in values.values():
+            yield from _tensors(value)
+
+
 def _storages(values):
     out = []
-    for value in tree_flatten(values)[0]:
-        if isinstance(value, torch.Tensor):
-            try:
-                out.append(value.untyped_storage())
-            except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested)
-                pass
+    for value in _tensors(values):
+        try:
+            out.append(value.untyped_storage())
+        except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested)
+            pass
     return out
 
 
