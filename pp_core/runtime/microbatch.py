@@ -25,22 +25,24 @@ import torch
 
 from pp_core.errors import ConfigError
 
-__all__ = ["split_batch", "split_microbatches", "num_tokens", "to_device", "merge_microbatches", "first_tensor"]
+__all__ = ["split_batch", "split_microbatches", "num_tokens", "to_device", "merge_microbatches", "first_tensor",
+           "iter_tensors"]
 
 
-def _iter_tensors(value):
+def iter_tensors(value):
+    """Every tensor in ``value``: a tensor, or tuples/lists/dicts of them, in order."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _iter_tensors(item)
+            yield from iter_tensors(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _iter_tensors(item)
+            yield from iter_tensors(item)
 
 
 def first_tensor(value) -> Optional[torch.Tensor]:
-    return next(_iter_tensors(value), None)
+    return next(iter_tensors(value), None)
 
 
 def split_batch(value: Any, pieces: int, batch_size: int,
@@ -113,7 +115,7 @@ def to_device(value: Any, device: torch.device, dtype: Optional[torch.dtype]) ->
 def num_tokens(value: Any) -> int:
     """The token count of one microbatch (rule in the module docstring)."""
     first = None
-    for tensor in _iter_tensors(value):
+    for tensor in iter_tensors(value):
         if first is None:
             first = tensor
         if not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool:

@@ -19,29 +19,15 @@ from __future__ import annotations
 import itertools
 import weakref
 
-import torch
-
 from pp_core._torch_compat import TorchDispatchMode
+from pp_core.runtime.microbatch import iter_tensors
 
 __all__ = ["Allocations"]
 
 
-def _tensors(values):
-    """The tensors in an op's output: a tensor, or lists/tuples/dicts of them (aten returns no
-    other containers)."""
-    if isinstance(values, torch.Tensor):
-        yield values
-    elif isinstance(values, (list, tuple)):
-        for value in values:
-            yield from _tensors(value)
-    elif isinstance(values, dict):
-        for value in values.values():
-            yield from _tensors(value)
-
-
 def _storages(values):
     out = []
-    for value in _tensors(values):
+    for value in iter_tensors(values):
         try:
             out.append(value.untyped_storage())
         except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested)
