@@ -8,12 +8,12 @@ They raise :class:`~pp_core.ConfigError` with the offending values and the fix.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 from pp_core.errors import ConfigError
 from pp_core.planning.balance import balance as balanced_partition  # one function, both callers
 
-__all__ = ["spread", "balanced_partition", "virtual_stages"]
+__all__ = ["spread", "spread_between", "balanced_partition", "virtual_stages"]
 
 
 def spread(num_items: int, num_stages: int) -> list[int]:
@@ -31,6 +31,23 @@ def spread(num_items: int, num_stages: int) -> list[int]:
     for stage in order[:extra]:
         counts[stage] += 1
     return counts
+
+
+def spread_between(first: Sequence[str], layers: Sequence[str], last: Sequence[str],
+                   num_stages: int) -> list[list[str]]:
+    """Module names per stage for an embedding / layers / head model: ``layers`` spread over the
+    stages by :func:`spread`, ``first`` put before them on stage 0, ``last`` after them on the
+    last stage. The splitters of the ``layers`` contract and of HF decoders both cut this way."""
+    stages, start = [], 0
+    for stage, count in enumerate(spread(len(layers), num_stages)):
+        fqns = list(layers[start:start + count])
+        start += count
+        if stage == 0:
+            fqns = list(first) + fqns
+        if stage == num_stages - 1:
+            fqns = fqns + list(last)
+        stages.append(fqns)
+    return stages
 
 
 def virtual_stages(
@@ -78,7 +95,7 @@ def virtual_stages(
             raise ConfigError(
                 f"{what}, giving ceil({num_layers}/{layers_per_stage})={wanted} stages, which is "
                 f"not a multiple of num_ranks={num_ranks}"
-                + (f" (rounding 'down' would leave 0 stages)" if rounding == "down" else "")
+                + (" (rounding 'down' would leave 0 stages)" if rounding == "down" else "")
                 + f"; {hint}set {round_hint}")
     if num_stages > num_layers:
         raise ConfigError(

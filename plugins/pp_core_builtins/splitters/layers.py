@@ -19,7 +19,7 @@ modules, and iterate ``self.layers`` (ModuleList) or ``self.layers.values()`` (M
 from __future__ import annotations
 
 from pp_core import ConfigError, hookimpl
-from pp_core.planning.split import spread
+from pp_core.planning.partition import spread_between
 
 __all__ = ["LayersSplitter"]
 
@@ -65,16 +65,7 @@ class LayersSplitter:
             raise ConfigError(
                 f"model has {len(keys)} layers, cannot give {num_stages} stages at least one "
                 f"each; use at most {len(keys)} stages (fewer ranks or stages per rank)")
-        stages, start = [], 0
-        for stage, count in enumerate(spread(len(keys), num_stages)):
-            fqns = [f"layers.{key}" for key in keys[start:start + count]]
-            start += count
-            if stage == 0:
-                fqns = before + fqns
-            if stage == num_stages - 1:
-                fqns = fqns + after
-            stages.append(fqns)
-        return stages
+        return spread_between(before, [f"layers.{key}" for key in keys], after, num_stages)
 
 
 def _pieces(model) -> tuple[list[str], list[str], list[str]]:

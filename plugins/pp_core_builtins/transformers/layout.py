@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from pp_core import ConfigError
-from pp_core.planning.split import spread
+from pp_core.planning.partition import spread_between
 
 __all__ = ["DecoderLayout", "find_layout", "find_text_module", "plan_stages"]
 
@@ -143,13 +143,5 @@ def plan_stages(layout: DecoderLayout, num_stages: int) -> list[list[str]]:
         raise ConfigError(
             f"the model has {len(keys)} decoder layers, cannot give {num_stages} stages at least "
             f"one each; use at most {len(keys)} stages (fewer ranks or stages per rank)")
-    stages, start = [], 0
-    for stage, count in enumerate(spread(len(keys), num_stages)):
-        fqns = keys[start:start + count]
-        start += count
-        if stage == 0:
-            fqns = list(layout.first) + fqns
-        if stage == num_stages - 1:
-            fqns = fqns + list(layout.last)
-        stages.append(fqns + list(layout.shared))
-    return stages
+    return [fqns + list(layout.shared)
+            for fqns in spread_between(layout.first, keys, layout.last, num_stages)]
