@@ -23,10 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from pp_core.errors import ConfigError, PPCoreError
+from pp_core.planning.balance import split_by_profile, stage_fqns
 from pp_core.planning.costs import ModelProfile
 from pp_core.planning.memory import RankMemory, predict_memory
 from pp_core.planning.refine import refine_counts, simulate_split
 from pp_core.planning.sizes import format_bytes
+from pp_core.plugin_manager import default_plugins
+from pp_core.schedule.build import schedule_from_def
+from pp_core.schedule.ir import ScheduleDef
 
 __all__ = ["Option", "Candidate", "Ranking", "candidates", "choose_plan", "predict",
            "schedule_defs"]
@@ -119,11 +123,7 @@ class Ranking:
 
 def schedule_defs(schedules=None) -> dict[str, Any]:
     """``{canonical name: ScheduleDef}`` from a plugin registry, a mapping, or the installed."""
-    from pp_core.schedule.ir import ScheduleDef
-
     if schedules is None:
-        from pp_core.plugin_manager import default_plugins
-
         schedules = default_plugins().schedules
     if isinstance(schedules, Mapping):
         items = schedules.items()
@@ -227,8 +227,6 @@ def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: 
 
 
 def _schedule(option: Option, sdef, pp_size: int):
-    from pp_core.schedule.build import schedule_from_def
-
     return schedule_from_def(option.schedule, sdef, num_ranks=pp_size,
                              num_microbatches=option.num_microbatches,
                              stages_per_rank=option.stages_per_rank)
@@ -238,8 +236,6 @@ def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int, top
     """Let the simulator move the cuts of the ``top`` fastest plans
     (:mod:`pp_core.planning.refine`); a refined split replaces the balanced one when it is
     predicted faster and still fits."""
-    from pp_core.planning.balance import stage_fqns
-
     for index, candidate in enumerate(kept[:top]):
         option = candidate.option
         profile = profiles[option.microbatch_size]
@@ -257,8 +253,6 @@ def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int, top
 
 def _split(profile: ModelProfile, num_stages: int) -> tuple[list[list[str]], list[list[int]]]:
     """The cost-balanced split: FQNs per stage, and the unit indices behind them."""
-    from pp_core.planning.balance import split_by_profile
-
     fqns = [list(stage) for stage in split_by_profile(profile, num_stages)]
     return fqns, _units_of(profile, fqns)
 

@@ -36,7 +36,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pp_core.planning.costs import ModelProfile
+from pp_core.schedule.buffer_plan import max_live
 from pp_core.schedule.ir import Schedule
+from pp_core.schedule.lower import lower
 
 __all__ = ["RankMemory", "predict_memory", "recv_buffer_bytes"]
 
@@ -90,9 +92,6 @@ def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
     that releases it, so a class needs as many sets as receives live on ``[posted, released]``;
     the pool copies out at consumption: ``[posted, consumed]`` plus ``slack`` spare sets.
     """
-    from pp_core.schedule.buffer_plan import max_live
-    from pp_core.schedule.lower import lower
-
     program = lower(schedule) if program is None else program
     default, pooled = [0] * schedule.num_ranks, [0] * schedule.num_ranks
     for rank in range(schedule.num_ranks):

@@ -28,6 +28,7 @@ from pp_core.errors import ConfigError, about
 from pp_core.planning.split import plan_split
 from pp_core.plugin_manager import plugins_or_default
 from pp_core.schedule.build import build_schedule, resolve_schedule_def
+from pp_core.schedule.lower import lower
 
 __all__ = ["PipelinePlan", "ScheduleShape", "plan_pipeline", "schedule_shape", "schedule_field"]
 
@@ -57,8 +58,6 @@ class PipelinePlan:
     @functools.cached_property
     def program(self):
         """The lowered program of every rank (:class:`~pp_core.schedule.lower.Program`)."""
-        from pp_core.schedule.lower import lower
-
         return lower(self.schedule)
 
     @property

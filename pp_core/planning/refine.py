@@ -16,6 +16,7 @@ from typing import Sequence
 
 from pp_core.planning.costs import ModelProfile
 from pp_core.planning.memory import stage_sums
+from pp_core.schedule.simulate import Costs, simulate
 
 __all__ = ["refine_counts", "makespan_of", "simulate_split", "handoff_charges"]
 
@@ -67,8 +68,6 @@ def simulate_split(schedule, profile: ModelProfile, units: Sequence[Sequence[int
     the measured latency plus the largest boundary activation over the measured bandwidth on the
     dependency (simple, and pessimistic for uneven boundaries); with ``with_memory`` the saved
     activations in flight too."""
-    from pp_core.schedule.simulate import Costs, simulate
-
     sums = [stage_sums(profile, units, name)
             for name in ("forward_s", "backward_s", "input_grad_s", "weight_grad_s")]
     charges = handoff_charges(schedule, profile, units)

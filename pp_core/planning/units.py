@@ -12,6 +12,7 @@ belong to every stage: :func:`shared_modules`.
 from __future__ import annotations
 
 from pp_core.errors import ConfigError
+from pp_core.planning.split import select_splitter
 
 __all__ = ["model_units", "unit_splitter", "shared_modules"]
 
@@ -22,8 +23,6 @@ def unit_splitter(model, plugins=None, splitter=None) -> tuple[str, object]:
     The splitter is the one pp-core would choose for the model (:func:`select_splitter`, no
     config), or the one named; it must define ``units``.
     """
-    from pp_core.planning.split import select_splitter
-
     name, chosen = select_splitter(model, None, plugins, splitter)
     if not callable(getattr(chosen, "units", None)):
         raise ConfigError(

@@ -19,6 +19,9 @@ import time
 import torch
 from torch import nn
 
+from pp_core.config import PipelineConfig
+from pp_core.runtime.pipeline import build_pipeline
+
 __all__ = ["measure_action_overhead"]
 
 
@@ -40,9 +43,6 @@ def measure_action_overhead(group=None, *, device="cpu", steps: int = 6,
     """Seconds of the executor's own CPU time per compute action, the mean over the group's
     ranks (the same number on every rank: a collective, call it on all of them)."""
     import torch.distributed as dist
-
-    from pp_core.config import PipelineConfig
-    from pp_core.runtime.pipeline import build_pipeline
 
     device = torch.device(device)
     if device.type != "cpu":

@@ -11,16 +11,20 @@ process), the caller is the only one deciding and hands the resulting config to 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError
+from pp_core.losses import resolve_loss
 from pp_core.planning.choose import Candidate, Ranking, choose_plan
 from pp_core.planning.costs import LINK_FIELDS
 from pp_core.planning.sizes import parse_size
 from pp_core.plugin_manager import plugins_or_default
+from pp_core.runtime.link import measure_p2p_busy
+from pp_core.runtime.overhead import measure_action_overhead
 from pp_core.runtime.profile import measure_p2p, profile_model
 
 __all__ = ["AutoPlan", "plan_auto", "default_microbatch_sizes", "concrete_config", "AUTO"]
@@ -103,9 +107,6 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
     cap = None if memory_cap is None else parse_size(memory_cap, "memory_cap")
     plugins = plugins_or_default(plugins)
     if link is None and group is not None:
-        from pp_core.runtime.link import measure_p2p_busy
-        from pp_core.runtime.overhead import measure_action_overhead
-
         link = measure_p2p(group) + measure_p2p_busy(group) + \
             (measure_action_overhead(group, device=device),)
     ranking, profile_s, profiles = None, 0.0, None
@@ -123,14 +124,7 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
     return AutoPlan(concrete_config(config, ranking.chosen), ranking, profile_s, link, profiles)
 
 
-
-
-
 def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugins, repeats):
-    import math
-
-    from pp_core.losses import resolve_loss
-
     if config.loss_fn is None:
         raise ConfigError("plan_auto times the loss with the last unit: set config.loss_fn")
     sizes = list(sizes) if sizes is not None else \

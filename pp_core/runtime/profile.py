@@ -17,17 +17,25 @@ result, so every rank plans with the same numbers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import statistics
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError
 from pp_core.planning.balance import stage_fqns
 from pp_core.planning.costs import LINK_FIELDS, ModelProfile, UnitCost
+from pp_core.planning.parts import build_model_parts
+from pp_core.planning.split import SplitPlan
 from pp_core.planning.units import model_units, shared_modules, unit_splitter
+from pp_core.runtime.backward import backward_full, backward_input, backward_weight
+from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
+from pp_core.runtime.microbatch import first_tensor, num_tokens, split_microbatches, to_device
+from pp_core.runtime.stage import Stage, as_outputs, make_stage_inputs
 from pp_core.runtime.transient import Allocations
 
 __all__ = ["profile_model", "measure_p2p", "CLOCKS"]
@@ -96,11 +104,6 @@ class _Units:
     """One part per unit and the runtime's stage call for each; runs one microbatch at a time."""
 
     def __init__(self, model, units, config, plugins, splitter, device):
-        from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
-        from pp_core.planning.parts import build_model_parts
-        from pp_core.planning.split import SplitPlan
-        from pp_core.runtime.stage import Stage
-
         name, chosen = unit_splitter(model, plugins, splitter)
         self.shared = shared_modules(model, {fqn for unit in units for fqn in unit})
         config = _config_for(config, stage_fqns(units, [1] * len(units)))
@@ -126,12 +129,8 @@ class _Units:
     def forward(self, x, target, loss_fn, index, inputs, saved=None):
         """Unit ``index`` on its inputs (the microbatch for unit 0); returns the outputs that
         need a gradient (the loss on the last unit) and all of them (to hand on)."""
-        from pp_core.runtime.stage import as_outputs
-
         stage = self.stages[index]
         if index == 0 and self.initializers:
-            from pp_core.runtime.microbatch import num_tokens
-
             for initializer in self.initializers:
                 initializer.prepare(num_tokens(x), self.device)
         with torch.enable_grad(), (saved.hooks() if saved else _nothing()):
@@ -157,10 +156,6 @@ class _nothing:
 def _config_for(config, stages):
     """The config the parts are built with: the caller's, naming these stages (a splitter such
     as ``hf_decoder`` reads ``module_fqns_per_model_part`` when it builds a part)."""
-    import dataclasses
-
-    from pp_core.config import PipelineConfig
-
     base = config if config is not None else PipelineConfig()
     return dataclasses.replace(base, module_fqns_per_model_part=stages, layers_per_stage=None,
                                round_virtual_stages_to_pp_multiple=None)
@@ -170,9 +165,6 @@ def _one_microbatch(runner: _Units, x, target, loss_fn, split: bool, saved: list
     """Forward every unit, then backward in reverse: B, or I for all then W for all.
 
     Returns per unit ``(F, B or I, W or 0.0, output bytes)``."""
-    from pp_core.runtime.backward import backward_full, backward_input, backward_weight
-    from pp_core.runtime.stage import make_stage_inputs
-
     n = len(runner.stages)
     forward, grad_outs, leaves, out_bytes = [0.0] * n, [None] * n, [()] * n, [0] * n
     handed = ()
@@ -201,8 +193,6 @@ def _one_microbatch(runner: _Units, x, target, loss_fn, split: bool, saved: list
 def _take(value, size: int, what: str):
     """A copy of the first ``size`` rows of a batch (a tensor, or a tuple/list/dict of them):
     a view would keep (and be counted as) the whole batch's storage."""
-    from pp_core.runtime.microbatch import first_tensor, split_microbatches
-
     first = first_tensor(value)
     if first is None:
         return value
@@ -273,8 +263,6 @@ def profile_model(
     for p in params:  # or backward would add into the caller's gradient tensors
         p.grad = None
     exclude = {p.untyped_storage().data_ptr() for p in params}
-    from pp_core.runtime.microbatch import to_device
-
     rng_devices = [device] if device.type == "cuda" else []
     result = {}
     try:
