@@ -32,10 +32,9 @@ def is_auto(spec: Spec) -> bool:
 
 def plan_spec(spec: Spec, memory_cap=None, plugins=None, measure_link: bool = True,
               say: Callable[[str], None] | None = None):
-    """Profile the spec's model on its device and choose: a :class:`pp_core.planning.AutoPlan`."""
-    import torch
-
-    from pp_core.app.balanced_launch import rank_threads, spec_model_and_batch
+    """Profile the spec's model on its device and choose: a
+    :class:`pp_core.runtime.plan_auto.AutoPlan`."""
+    from pp_core.app.balanced_launch import as_a_rank, spec_model_and_batch
     from pp_core.devices import choose
     from pp_core.runtime.plan_auto import plan_auto
 
@@ -51,14 +50,9 @@ def plan_spec(spec: Spec, memory_cap=None, plugins=None, measure_link: bool = Tr
         link = measure_local_link(choice.backend, choice.device)
     if say is not None:
         say(f"auto: profiling {type(model).__name__} on {device}")
-    threads = torch.get_num_threads()
-    if device.type == "cpu":  # a rank's thread count, so the times are a rank's
-        torch.set_num_threads(rank_threads(spec))
-    try:
+    with as_a_rank(spec, device):
         return plan_auto(model, spec.pipeline_config(), inputs, target, pp_size,
                          device=device, memory_cap=memory_cap, plugins=plugins, link=link)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def resolved_spec(spec: Spec, plan) -> Spec:

@@ -13,13 +13,15 @@ plans from a YAML file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, Optional, Sequence
 
 from pp_core.errors import ConfigError
 from pp_core.app.spec import Spec
 
-__all__ = ["spec_model_and_batch", "profile_spec", "balanced_spec", "wants_balanced"]
+__all__ = ["spec_model_and_batch", "profile_spec", "balanced_spec", "wants_balanced",
+           "as_a_rank"]
 
 
 def wants_balanced(spec: Spec) -> bool:
@@ -34,6 +36,21 @@ def rank_threads(spec: Spec) -> int:
     if "OMP_NUM_THREADS" in os.environ:
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
     return max(1, (os.cpu_count() or 1) // local_ranks(spec.distributed))
+
+
+@contextlib.contextmanager
+def as_a_rank(spec: Spec, device):
+    """Measure with the thread count a rank gets on ``device`` (CPU: :func:`rank_threads`), so
+    that times taken in the launching process are a rank's; the count is restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(rank_threads(spec))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def spec_model_and_batch(spec: Spec, plugins=None):
@@ -61,22 +78,15 @@ def profile_spec(spec: Spec, microbatch_sizes: Optional[Sequence[int]] = None, p
     """``{microbatch_size: ModelProfile}`` of the spec's model, measured in this process
     (:func:`spec_model_and_batch`); on the CPU with a rank's thread count. Activation
     checkpointing and compile (``train.*``) are not applied: their costs are not in it."""
-    import torch
-
     from pp_core.losses import resolve_loss
     from pp_core.runtime.profile import profile_model
 
     config = spec.pipeline_config()
     sizes = list(microbatch_sizes or [config.pp_microbatch_size])
     model, inputs, target, device = spec_model_and_batch(spec, plugins)
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(rank_threads(spec))
-    try:
+    with as_a_rank(spec, device):
         return profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device,
                              repeats=repeats, config=config, plugins=plugins)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def balanced_spec(spec: Spec, plugins=None,
@@ -94,7 +104,7 @@ def balanced_spec(spec: Spec, plugins=None,
     if spec.distributed["nnodes"] > 1:
         raise ConfigError("model.splitter: balanced profiles on the launching machine, and each "
                           "of several nodes would measure its own cut; profile once (pp_core."
-                          "balanced_launch.profile_spec) and put the cut into pipeline."
+                          "app.balanced_launch.profile_spec) and put the cut into pipeline."
                           "module_fqns_per_model_part")
     num_stages = _num_stages(spec, plugins)
     size = spec.pipeline["pp_microbatch_size"]
