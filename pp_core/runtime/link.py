@@ -17,8 +17,16 @@ every stage boundary, so it pays this many times per step.
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
 import tempfile
+import time
+
+import torch
+
+from pp_core.runtime.overhead import measure_action_overhead
+from pp_core.runtime.profile import link_pair, measure_p2p
 
 __all__ = ["measure_local_link", "measure_p2p_busy"]
 
@@ -41,28 +49,12 @@ def measure_p2p_busy(group=None, sizes=BUSY_SIZES, *, device=None, count: int = 
     both ranks; the fixed part is the small message's, the rate from the extra bytes of the
     large one over its extra time. A group of one rank returns ``(0.0, 0.0, inf)``.
     """
-    import math
-    import statistics
-    import time
-
-    import torch
     import torch.distributed as dist
 
-    from pp_core.errors import ConfigError
-
-    if not dist.is_initialized():
-        raise ConfigError("measure_p2p_busy needs an initialised process group")
-    ranks = dist.get_process_group_ranks(group) if group is not None else \
-        list(range(dist.get_world_size()))
-    if len(ranks) < 2:
+    pair = link_pair(group, sizes, device, "measure_p2p_busy")
+    if pair is None:
         return 0.0, 0.0, math.inf
-    small, large = int(sizes[0]), int(sizes[-1])
-    if large <= small:
-        raise ConfigError(f"measure_p2p_busy: sizes={list(sizes)} must end larger than they "
-                          f"start")
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    ranks, small, large, device = pair
     me = dist.get_rank()
     found = torch.zeros(4, dtype=torch.float64, device=device)  # send small/large, recv ...
     if me in ranks[:2]:
@@ -102,10 +94,7 @@ def measure_p2p_busy(group=None, sizes=BUSY_SIZES, *, device=None, count: int = 
 
 
 def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path: str) -> None:
-    import torch
     import torch.distributed as dist
-
-    from pp_core.runtime.profile import measure_p2p
 
     torch.set_num_threads(1)
     if device_type == "cuda":
@@ -113,8 +102,6 @@ def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path
     store = dist.FileStore(store_path, 2)
     dist.init_process_group(backend, store=store, rank=rank, world_size=2)
     try:
-        from pp_core.runtime.overhead import measure_action_overhead
-
         link = measure_p2p(dist.group.WORLD) + measure_p2p_busy(dist.group.WORLD) + \
             (measure_action_overhead(dist.group.WORLD, device=device_type),)
         if rank == 0:
@@ -127,7 +114,6 @@ def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path
 def measure_local_link(backend: str = "gloo", device_type: str = "cpu") -> tuple[float, ...]:
     """``(latency_s, bytes_per_s, send_busy_s, recv_busy_s, busy_bytes_per_s,
     action_overhead_s)`` between two processes on this machine."""
-    import torch
     import torch.multiprocessing as mp
 
     if device_type == "cuda" and torch.cuda.device_count() < 2:

@@ -318,20 +318,10 @@ def measure_p2p(group=None, sizes: Sequence[int] = (4, 1 << 22), *, device=None,
     """
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        raise ConfigError("measure_p2p needs an initialised process group "
-                          "(torch.distributed.init_process_group)")
-    ranks = dist.get_process_group_ranks(group) if group is not None else \
-        list(range(dist.get_world_size()))
-    if len(ranks) < 2:
+    pair = link_pair(group, sizes, device, "measure_p2p")
+    if pair is None:
         return 0.0, math.inf
-    small, large = int(sizes[0]), int(sizes[-1])
-    if large <= small:
-        raise ConfigError(f"measure_p2p: sizes={list(sizes)} must end larger than they start")
-    if device is None:
-        backend = dist.get_backend(group)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else \
-            torch.device("cpu")
+    ranks, small, large, device = pair
     me = dist.get_rank()
     result = torch.zeros(2, dtype=torch.float64, device=device)
     if me in ranks[:2]:
@@ -343,6 +333,28 @@ def measure_p2p(group=None, sizes: Sequence[int] = (4, 1 << 22), *, device=None,
         result[0], result[1] = half[0], (large - small) * 4 / extra_s
     dist.broadcast(result, src=ranks[0], group=group)
     return float(result[0]), float(result[1])
+
+
+def link_pair(group, sizes: Sequence[int], device, what: str):
+    """What every link measurement starts with: ``(group ranks, small numel, large numel,
+    device)`` - the device the backend sends from unless given - or ``None`` for a group of one
+    rank, which has no link. Refuses a missing process group and sizes that do not grow."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ConfigError(f"{what} needs an initialised process group "
+                          f"(torch.distributed.init_process_group)")
+    ranks = dist.get_process_group_ranks(group) if group is not None else \
+        list(range(dist.get_world_size()))
+    if len(ranks) < 2:
+        return None
+    small, large = int(sizes[0]), int(sizes[-1])
+    if large <= small:
+        raise ConfigError(f"{what}: sizes={list(sizes)} must end larger than they start")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return ranks, small, large, device
 
 
 def _round_trips(numel: int, leader: bool, peer: int, group, device, count: int) -> list[float]:
