@@ -24,13 +24,14 @@ from typing import Any, Optional
 
 import torch
 
+from pp_core._torch_compat import profiler_enabled
 from pp_core.errors import PipelineError
 from pp_core.runtime import transfers
 from pp_core.runtime.backward import backward_full, backward_input, backward_weight
 from pp_core.runtime.comm import Incoming, Mailbox, P2P
 from pp_core.runtime.dp_sync import DataParallelDriver
 from pp_core.runtime.microbatch import num_tokens
-from pp_core.runtime.observers import profiling, run_action, waiting
+from pp_core.runtime.observers import run_action, waiting
 from pp_core.runtime.stage import Stage, as_outputs, make_stage_inputs
 from pp_core.runtime.wire import ReceivedShapes, ShapeHistory
 from pp_core.schedule.ir import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
@@ -120,7 +121,7 @@ class Executor:
             transfers.prepost_forward(self)
         self.data_parallel.begin_step()
         release_at = self.release_at
-        observers, profiled = self.observers, profiling()
+        observers, profiled = self.observers, profiler_enabled()  # once per step: cheap
         plain = not observers and not profiled
         for position, action in enumerate(self.program.actions):
             self.current = action

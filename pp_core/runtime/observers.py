@@ -29,10 +29,9 @@ from typing import Optional
 
 import torch
 
-from pp_core._torch_compat import profiler_enabled
 from pp_core.schedule.labels import profiler_label
 
-__all__ = ["ActionObserver", "ActionTrace", "run_action", "waiting", "profiling"]
+__all__ = ["ActionObserver", "ActionTrace", "run_action", "waiting"]
 
 
 class ActionObserver:
@@ -72,11 +71,6 @@ class ActionTrace(ActionObserver):
     def on_wait_end(self, action) -> None:
         if action is None:
             self.events.append(("wait_sends", self._start, time.perf_counter()))
-
-
-def profiling() -> bool:
-    """Whether a torch profiler is recording now (a cheap flag; ``record_function`` is not)."""
-    return profiler_enabled()
 
 
 def run_action(handler, executor, action, observers, profiled: bool) -> None:
