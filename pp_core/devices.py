@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pp_core.errors import ConfigError
 
 __all__ = ["DeviceChoice", "choose_device", "resolve_device", "local_ranks", "cuda_device_count",
-           "choose"]
+           "choose", "cpu_cores", "cpu_threads_per_rank", "shared_processors"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,43 @@ def local_ranks(distributed: dict, environ=None) -> int:
     if distributed["nproc_per_node"]:
         return distributed["nproc_per_node"]
     return distributed["pp_size"] * distributed["dp_size"] // distributed["nnodes"]
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container or ``taskset``
+    narrows; ``os.cpu_count`` where the platform has no mask)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def cpu_threads_per_rank(local_world_size: int, environ=None) -> int:
+    """The intra-op threads of one CPU rank: ``OMP_NUM_THREADS`` when set, else the cores
+    shared evenly among the ranks on this machine (at least one). The launcher measures with
+    the same count the ranks train with."""
+    env = os.environ if environ is None else environ
+    try:
+        return max(1, int(env.get("OMP_NUM_THREADS", "").split(",")[0]))
+    except ValueError:  # unset, or not a count
+        return max(1, cpu_cores() // max(1, local_world_size))
+
+
+def shared_processors(cores: int, threads_per_rank: int, local_world_size: int,
+                      pp_size: int) -> float | None:
+    """How many ranks' worth of processors one pipeline's CPU ranks share, or ``None`` when
+    each rank has its own (the planner's simulator then needs no sharing).
+
+    The ranks on a machine share its cores; a rank running ``threads_per_rank`` threads needs
+    that many to go at the speed it was profiled at, so the machine runs ``cores / threads``
+    ranks at full speed, and one pipeline (of ``local_world_size / pp_size`` on the machine,
+    stepping in lockstep with data parallelism) gets its share. A pipeline spread over several
+    machines (``local_world_size < pp_size``) is not modelled: ``None``.
+    """
+    if local_world_size < pp_size or pp_size < 1:
+        return None
+    processors = cores / max(1, threads_per_rank) * pp_size / local_world_size
+    return processors if processors < pp_size else None
 
 
 def cuda_device_count() -> int:

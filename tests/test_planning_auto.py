@@ -142,3 +142,31 @@ def test_run_memory_cap_needs_auto(tmp_path, capsys):
     assert cli.main(["run", str(path), "--memory-cap", "1GiB"]) == 1
     assert "--memory-cap=1GiB only steers pipeline.pp_schedule: auto, and the file names " \
            "'1f1b'" in capsys.readouterr().err
+
+
+def test_cpu_ranks_sharing_the_cores_are_planned_as_sharing_them():
+    """4 pipeline ranks: on a machine with fewer cores than that ("auto" reads this machine),
+    the profiles record how many ranks' worth of processors the ranks share, and the ranking
+    predicts with it; an explicit count is taken as given; a bad one is refused."""
+    from pp_core import plan_auto
+    from pp_core.devices import cpu_cores, shared_processors
+
+    torch.manual_seed(0)
+    model = GPT(**MODEL)
+    x = torch.randint(0, 32, (8, 8))
+    config = PipelineConfig(pp_schedule="auto", pp_batch_size=8, loss_fn="cross_entropy")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        auto = plan_auto(model, config, x, x, 4, repeats=1, microbatch_sizes=[2])
+        given = plan_auto(model, config, x, x, 4, repeats=1, microbatch_sizes=[2],
+                          processors=1.5)
+        with pytest.raises(ConfigError, match="processors=0 must be a number > 0"):
+            plan_auto(model, config, x, x, 4, repeats=1, microbatch_sizes=[2], processors=0)
+    finally:
+        torch.set_num_threads(threads)
+    assert auto.processors == shared_processors(cpu_cores(), 1, 4, 4)
+    assert given.processors == 1.5 and given.to_dict()["processors"] == 1.5
+    work = sum(u.forward_s + min(u.backward_s, u.input_grad_s + u.weight_grad_s)
+               for u in given.profiles[2].units) * 4
+    assert given.predicted_step_s >= work / 1.5 * 0.999

@@ -232,3 +232,21 @@ def test_refined_plans_are_never_predicted_slower_than_the_balanced_split():
     assert moved  # the simulator found better cuts for some plans
     for c in moved:
         assert c.predicted_step_s < by_option[c.option].predicted_step_s
+
+
+def test_ranks_sharing_processors_are_predicted_at_least_their_work_over_the_processors():
+    """4 one-thread CPU ranks on 2 cores: no plan can beat the total work over 2, which a
+    processor per rank ignores; the planner's prediction says so for every plan."""
+    import dataclasses
+
+    own = choose_plan(PROFILES, 4, 8, refine_top=0)
+    shared = choose_plan({m: dataclasses.replace(p, processors=2.0)
+                          for m, p in PROFILES.items()}, 4, 8, refine_top=0)
+    by_label = {c.option: c for c in own.kept}
+    assert {c.option for c in shared.kept} == set(by_label)
+    work = {m: sum(u.forward_s + u.backward_s for u in p.units) for m, p in PROFILES.items()}
+    for candidate in shared.kept:
+        option = candidate.option
+        assert candidate.predicted_step_s >= by_label[option].predicted_step_s - 1e-12
+        assert candidate.predicted_step_s >= \
+            0.999 * work[option.microbatch_size] * option.num_microbatches / 2

@@ -52,7 +52,20 @@ def plan_spec(spec: Spec, memory_cap=None, plugins=None, measure_link: bool = Tr
         say(f"auto: profiling {type(model).__name__} on {device}")
     with as_a_rank(spec, device):
         return plan_auto(model, spec.pipeline_config(), inputs, target, pp_size,
-                         device=device, memory_cap=memory_cap, plugins=plugins, link=link)
+                         device=device, memory_cap=memory_cap, plugins=plugins, link=link,
+                         processors=_processors(spec, device))
+
+
+def _processors(spec: Spec, device) -> float | None:
+    """What the spec's CPU ranks share of this machine's cores (pp x dp ranks, each with its
+    thread count); ``None`` on GPUs, one each."""
+    from pp_core.app.balanced_launch import rank_threads
+    from pp_core.devices import cpu_cores, local_ranks, shared_processors
+
+    if device.type != "cpu":
+        return None
+    return shared_processors(cpu_cores(), rank_threads(spec), local_ranks(spec.distributed),
+                             spec.distributed["pp_size"])
 
 
 def resolved_spec(spec: Spec, plan) -> Spec:

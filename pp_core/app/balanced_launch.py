@@ -14,7 +14,6 @@ plans from a YAML file.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Callable, Optional, Sequence
 
 from pp_core.errors import ConfigError
@@ -31,11 +30,9 @@ def wants_balanced(spec: Spec) -> bool:
 
 def rank_threads(spec: Spec) -> int:
     """The intra-op threads a CPU rank runs with (as :class:`pp_core.app.train.RankContext` sets)."""
-    from pp_core.devices import local_ranks
+    from pp_core.devices import cpu_threads_per_rank, local_ranks
 
-    if "OMP_NUM_THREADS" in os.environ:
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    return max(1, (os.cpu_count() or 1) // local_ranks(spec.distributed))
+    return cpu_threads_per_rank(local_ranks(spec.distributed))
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from pp_core.app.factories import dataset_args, dataset_factory, model_factory
 from pp_core.app.progress import Progress
 from pp_core.app.run_outputs import RunRecorder
 from pp_core.app.spec import Spec
-from pp_core.devices import resolve_device
+from pp_core.devices import cpu_threads_per_rank, resolve_device
 from pp_core.errors import PipelineError
 from pp_core.parallel import apply_activation_checkpointing, apply_compile, apply_data_parallel
 from pp_core.parallel.gradients import clip_grad_norm, finish_gradients, tied_copies
@@ -83,8 +83,7 @@ class RankContext:
             self.device = torch.device("cuda", local_rank)
         else:
             self.device = torch.device("cpu")
-            if "OMP_NUM_THREADS" not in os.environ:  # share the cores among the local ranks
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+            torch.set_num_threads(cpu_threads_per_rank(local_world))  # cores shared out
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=timedelta(seconds=spec.distributed["timeout_s"]))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

@@ -55,6 +55,10 @@ class ModelProfile:
     p2p_recv_busy_s: float = 0.0
     p2p_busy_bytes_per_s: float = float("inf")
     action_overhead_s: float = 0.0      # the executor's own time per compute action (any kind)
+    # How many ranks' worth of processors the pipeline's ranks share, when fewer than its ranks
+    # (one-thread CPU ranks on a machine with fewer cores: pp_core.devices.shared_processors);
+    # 0: every rank has a processor of its own. The simulator then shares them out.
+    processors: float = 0.0
 
     def transfer_s(self, num_bytes: int) -> float:
         """Predicted time of one point-to-point hand-off of ``num_bytes``."""

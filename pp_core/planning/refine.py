@@ -66,8 +66,9 @@ def simulate_split(schedule, profile: ModelProfile, units: Sequence[Sequence[int
     """:func:`pp_core.schedule.simulate` of ``schedule`` with ``units[i]`` on stage ``i``: per
     stage the summed unit costs plus :func:`handoff_charges`; every cross-rank hand-off charged
     the measured latency plus the largest boundary activation over the measured bandwidth on the
-    dependency (simple, and pessimistic for uneven boundaries); with ``with_memory`` the saved
-    activations in flight too."""
+    dependency (simple, and pessimistic for uneven boundaries); ranks sharing fewer processors
+    than there are of them (``profile.processors``) share them out; with ``with_memory`` the
+    saved activations in flight too."""
     sums = [stage_sums(profile, units, name)
             for name in ("forward_s", "backward_s", "input_grad_s", "weight_grad_s")]
     charges = handoff_charges(schedule, profile, units)
@@ -76,7 +77,7 @@ def simulate_split(schedule, profile: ModelProfile, units: Sequence[Sequence[int
     boundary = max((profile.units[u[-1]].output_bytes for u in units[:-1]), default=0)
     return simulate(schedule, costs, comm_latency=profile.transfer_s(boundary),
                     activation_bytes=stage_sums(profile, units, "activation_bytes")
-                    if with_memory else None)
+                    if with_memory else None, processors=profile.processors or None)
 
 
 def makespan_of(schedule, profile: ModelProfile, counts: Sequence[int]) -> float:

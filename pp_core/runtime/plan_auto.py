@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from pp_core.config import PipelineConfig
+from pp_core.devices import cpu_cores, shared_processors
 from pp_core.errors import ConfigError
 from pp_core.losses import resolve_loss
 from pp_core.planning.choose import Candidate, Ranking, choose_plan
@@ -45,6 +47,12 @@ class AutoPlan:
     """``{microbatch size: ModelProfile}``: rank again (another cap) without profiling again."""
 
     @property
+    def processors(self) -> float | None:
+        """The processors the ranks were predicted to share (``None``: one each)."""
+        shared = next(iter(self.profiles.values())).processors if self.profiles else 0.0
+        return shared or None
+
+    @property
     def chosen(self) -> Candidate:
         return self.ranking.chosen
 
@@ -58,7 +66,7 @@ class AutoPlan:
                 {"latency_s": self.link[0], "bytes_per_s": self.link[1],
                  **{name.replace("p2p_", ""): value
                     for name, value in zip(LINK_FIELDS[2:], self.link[2:])}},
-                "ranking": self.ranking.to_dict()}
+                "processors": self.processors, "ranking": self.ranking.to_dict()}
 
 
 def default_microbatch_sizes(pp_batch_size: int, pp_size: int, limit: int = 4) -> list[int]:
@@ -84,7 +92,7 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
               device="cpu", memory_cap: int | str | None = None, plugins=None, group=None,
               microbatch_sizes: Sequence[int] | None = None,
               link: tuple[float, ...] | None = None, schedules=None,
-              repeats: int = 5) -> AutoPlan:
+              repeats: int = 5, processors: float | str | None = "auto") -> AutoPlan:
     """Profile ``model`` on ``device``, choose the fastest plan that fits, return it.
 
     :param inputs, target: one step's batch (``pp_batch_size`` samples), real tensors.
@@ -98,6 +106,10 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
         all measured over ``group``, or none (0 s, unlimited) without one.
     :param schedules: restrict the choice (``{name: ScheduleDef}``); default: the installed.
     :param repeats: timed microbatches per unit and size (their median counts).
+    :param processors: how many ranks' worth of processors the pipeline's ranks share
+        (:func:`pp_core.devices.shared_processors`); ``"auto"``: on the CPU, this machine's
+        cores over this process's threads, for ``LOCAL_WORLD_SIZE`` ranks here (default: the
+        ``pp_size`` ranks); ``None``: every rank has its own.
     """
     if not isinstance(config, PipelineConfig):
         raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
@@ -114,6 +126,9 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
         started = time.perf_counter()
         profiles = _profiles(model, config, inputs, target, pp_size, device, microbatch_sizes,
                              link, plugins, repeats)
+        shared = _processors(processors, device, pp_size)
+        profiles = {size: dataclasses.replace(p, processors=shared)
+                    for size, p in profiles.items()}
         profile_s = time.perf_counter() - started
         ranking = choose_plan(profiles, pp_size, config.pp_batch_size,
                               schedules if schedules is not None else plugins.schedules, cap,
@@ -133,6 +148,23 @@ def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugi
     return profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device,
                          repeats=repeats, config=parts_like, plugins=plugins,
                          p2p=link or (0.0, math.inf))
+
+
+def _processors(processors, device, pp_size: int) -> float:
+    """``processors`` as the profile records it (0.0: one per rank)."""
+    import torch
+
+    if processors == "auto":
+        if torch.device(device).type != "cpu":
+            return 0.0
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", pp_size))
+        processors = shared_processors(cpu_cores(), torch.get_num_threads(), local, pp_size)
+    if processors is None:
+        return 0.0
+    if isinstance(processors, bool) or not isinstance(processors, (int, float)) \
+            or not processors > 0:
+        raise ConfigError(f"processors={processors!r} must be a number > 0, 'auto' or None")
+    return float(processors)
 
 
 def _group_rank(group) -> int:

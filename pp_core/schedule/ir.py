@@ -139,7 +139,7 @@ def format_actions(actions) -> str:
 
 # ----------------------------------------------------------------------------- schedules
 
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from typing import Callable, Sequence, Union  # noqa: E402
 
 Placement = Union[str, Callable[[int, int], Sequence[int]]]

@@ -27,6 +27,7 @@ from typing import Mapping, Sequence
 from pp_core.errors import ScheduleError
 from pp_core.schedule.ir import B, F, I, W, Action, Schedule
 from pp_core.schedule.build import gc_paused
+from pp_core.schedule.sharing import replay_shared
 from pp_core.schedule.validate import encode_validated, raise_deadlock
 
 __all__ = ["Costs", "SimResult", "simulate"]
@@ -96,18 +97,20 @@ class SimResult:
     """Start time of each rank's compute actions, in order (idle cells skipped)."""
     _encoded: list[list[int]] = field(default_factory=list, repr=False)
     _cost: list = field(default_factory=list, repr=False)
+    _ends: list[list[float]] | None = field(default=None, repr=False)  # set when shared
 
     @functools.cached_property
     def timeline(self) -> list[list[tuple[Action, float, float]]]:
         """Per rank, ``(action, start, end)`` for every compute action (built on first use)."""
         M = self.schedule.num_microbatches
         out = []
-        for row, starts in zip(self._encoded, self.starts):
+        for r, (row, starts) in enumerate(zip(self._encoded, self.starts)):
             events = []
-            for c, t0 in zip(row, starts):
+            for i, (c, t0) in enumerate(zip(row, starts)):
                 s, mb = divmod(c >> 2, M)
                 kc = c & 3
-                events.append((Action(s, _KINDS[kc], mb), t0, t0 + self._cost[s][kc]))
+                t1 = self._ends[r][i] if self._ends is not None else t0 + self._cost[s][kc]
+                events.append((Action(s, _KINDS[kc], mb), t0, t1))
             out.append(events)
         return out
 
@@ -168,6 +171,7 @@ def simulate(
     costs: Costs | None = None,
     comm_latency: float = 0.0,
     activation_bytes: float | Sequence[float] | None = None,
+    processors: float | None = None,
 ) -> SimResult:
     """Validate ``schedule`` and replay it with ``costs``; see the module docstring.
 
@@ -175,16 +179,27 @@ def simulate(
         the same rank, as in V placement, is free).
     :param activation_bytes: one stage-microbatch's saved activations, per stage (a sequence)
         or for every stage (a number); adds ``peak_activation_bytes``.
+    :param processors: how many processors the ranks share, when fewer than the ranks (CPU
+        ranks on a small node): busy ranks then run at ``processors / busy`` of full speed
+        (:mod:`pp_core.schedule.sharing`). ``None``: one processor per rank.
     """
     costs = Costs() if costs is None else costs
     if isinstance(comm_latency, bool) or not isinstance(comm_latency, (int, float)) \
             or comm_latency < 0:
         raise ScheduleError(f"comm_latency must be a number >= 0, got {comm_latency!r}")
+    if processors is not None and (isinstance(processors, bool) or not isinstance(
+            processors, (int, float)) or not processors > 0):
+        raise ScheduleError(f"processors must be a number > 0 (or None), got {processors!r}")
     stage_bytes = _stage_bytes(activation_bytes, schedule.num_stages)
     cost = costs.table(schedule.num_stages)
+    ends = None
     with gc_paused():
         encoded = encode_validated(schedule, check_deadlock=False)
-        starts = _replay(schedule, encoded, cost, float(comm_latency))
+        if processors is not None and processors < schedule.num_ranks:
+            starts, ends = replay_shared(schedule, encoded, cost, float(comm_latency),
+                                         float(processors))
+        else:
+            starts = _replay(schedule, encoded, cost, float(comm_latency))
     M = schedule.num_microbatches
     busy, first, last, peaks, peak_bytes = [], [], [], [], []
     uniform = not costs.per_stage
@@ -214,7 +229,12 @@ def simulate(
             total = sum(n * d for n, d in zip(counts, cost[0]))
         busy.append(total)
         first.append(st[0] if st else 0.0)
-        last.append(st[-1] + cost[(row[-1] >> 2) // M][row[-1] & 3] if st else 0.0)
+        if not st:
+            last.append(0.0)
+        elif ends is not None:
+            last.append(ends[len(last)][-1])
+        else:
+            last.append(st[-1] + cost[(row[-1] >> 2) // M][row[-1] & 3])
         peaks.append(peak)
         peak_bytes.append(peak_b)
     return SimResult(
@@ -222,7 +242,7 @@ def simulate(
         makespan=max(last), busy=busy, first_start=first, last_end=last,
         peak_activations=peaks,
         peak_activation_bytes=peak_bytes if stage_bytes is not None else None,
-        starts=starts, _encoded=encoded, _cost=cost,
+        starts=starts, _encoded=encoded, _cost=cost, _ends=ends,
     )
 
 

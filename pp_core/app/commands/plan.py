@@ -60,7 +60,9 @@ def plan_command(args) -> int:
     print(f"{spec.source}: pp {spec.distributed['pp_size']}, pp_batch_size "
           f"{spec.pipeline['pp_batch_size']}; profiled in {plan.profile_s:.1f} s" +
           ("" if plan.link is None else f", link {plan.link[0] * 1e6:.0f} us + "
-                                        f"{plan.link[1] / 1e9:.2f} GB/s"))
+                                        f"{plan.link[1] / 1e9:.2f} GB/s") +
+          ("" if plan.processors is None else
+           f"; the ranks share {plan.processors:g} processors' worth of cores"))
     print(format_ranking(plan.ranking, top=args.top))
     if plan.ranking.kept:
         stages = plan.chosen.fqns_per_stage
