@@ -1,8 +1,11 @@
 """The ``balanced`` splitter against the ``layers`` split, same model, schedule and ranks.
 
-Model: ``uneven_gpt`` (pp_core_builtins.models): vocabulary 4096, dim 128, 8 blocks - 4 with MLP factor 1,
-then 4 with factor 8 - so the head and the wide blocks cost far more than the embedding and the
-narrow blocks. ``layers`` spreads blocks by count; ``balanced`` cuts by the forward + backward
+Model: ``uneven_gpt`` (pp_core_builtins.models): vocabulary 16384 (``--vocab``), dim 128, 8 blocks -
+4 with MLP factor 1, then 4 with factor 8 - so the head and the wide blocks cost far more than
+the embedding and the narrow blocks. With 4 one-thread ranks on a 2-core machine a split can only
+win where the block-count split leaves more than half the work on one rank (else the step is
+bound by the total work over the 2 cores, whatever the split): the large vocabulary makes the
+head that heavy, as it is in LLMs with 100k-250k vocabularies. ``layers`` spreads blocks by count; ``balanced`` cuts by the forward + backward
 time ``profile_model`` measures, once, in this (parent) process before the ranks start - as
 ``pp-core run`` does for ``model.splitter: balanced`` - so every rank gets the same cut.
 
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODEL = {"vocab_size": 4096, "dim": 128, "num_layers": 8, "num_heads": 4, "narrow": 1,
+MODEL = {"vocab_size": 16384, "dim": 128, "num_layers": 8, "num_heads": 4, "narrow": 1,
          "wide": 8}
 MICROBATCHES = 8
 
@@ -43,11 +46,11 @@ def make_model(setup):
     from pp_core_builtins.models.gpt import uneven_gpt
 
     torch.manual_seed(0)
-    return uneven_gpt(**MODEL, max_seq_len=setup["seq"])
+    return uneven_gpt(**{**MODEL, "vocab_size": setup["vocab"]}, max_seq_len=setup["seq"])
 
 
 def batch(setup):
-    tokens = torch.randint(0, MODEL["vocab_size"], (setup["microbatch"] * MICROBATCHES,
+    tokens = torch.randint(0, setup["vocab"], (setup["microbatch"] * MICROBATCHES,
                                                     setup["seq"]),
                            generator=torch.Generator().manual_seed(1))
     return tokens, tokens
@@ -172,9 +175,10 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--microbatch", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=MODEL["vocab_size"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    setup = {"seq": args.seq, "microbatch": args.microbatch}
+    setup = {"seq": args.seq, "microbatch": args.microbatch, "vocab": args.vocab}
     from pp_core.losses import cross_entropy
     from pp_core.runtime.profile import profile_model
 
@@ -188,7 +192,8 @@ def main(argv=None):
     rows = []
     for num_ranks in map(int, args.ranks.split(",")):
         rows += run(setup, num_ranks, args.schedules.split(","), args.steps, profile)
-    report = {"model": MODEL, **setup, "microbatches": MICROBATCHES, "profile_s": profile_s,
+    report = {"model": {**MODEL, "vocab_size": args.vocab}, **setup,
+              "microbatches": MICROBATCHES, "profile_s": profile_s,
               "unit_ms": [round((u.forward_s + u.backward_s) * 1e3, 3) for u in profile.units],
               "load_before": load_before, "load_after": uptime(), "rows": rows}
     print(json.dumps(report, indent=1))
