@@ -17,7 +17,9 @@ On 2 and 4 gloo ranks of this machine (one thread per rank), for a GPT with a la
   run, with its measured peak per rank (parameters of the rank's parts + the growth of the
   resident set over the steps, optimizer steps included) and what it gave up; every run also
   records its live-tensor peak (one more untimed step under :mod:`pp_core.runtime.transient`'s
-  log: what the memory model predicts, without the allocator's retained pages);
+  log: what the memory model predicts, without the allocator's retained pages); the capped
+  plan is run once more on ranks whose allocator returns freed pages (``MALLOC_MMAP_THRESHOLD_``),
+  where the resident set follows the live tensors;
 * **planning time** at pp=8 with every installed schedule (profile excluded).
 
     python benchmarks/bench_planner.py [--ranks 2,4] [--steps 6] [--json out.json]
@@ -134,6 +136,25 @@ def measure(pool, config_values: dict, steps: int) -> tuple[list[float], list[in
     per_rank = pool.run(run_case, config_values, steps)
     return ([max(step) for step in zip(*(r["times"] for r in per_rank))],
             [r["peak_bytes"] for r in per_rank], [r["live_peak_bytes"] for r in per_rank])
+
+
+MMAP_THRESHOLD = 65536
+
+
+def resident_with_pages_returned(pp: int, values: dict, steps: int) -> dict:
+    """The resident-set peak of one plan on ranks started with ``MALLOC_MMAP_THRESHOLD_``:
+    glibc then maps every allocation over 64 KiB on its own and unmaps it on free, so the
+    resident set follows the live tensors instead of keeping freed heap pages (at a cost in
+    page faults: ``step_s``)."""
+    from pp_core.testing import DistPool
+
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # read by each rank at start
+    try:
+        with DistPool(pp) as pool:
+            step_times, peak, _ = measure(pool, values, steps)
+    finally:
+        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+    return {"peak": peak, "step_s": statistics.median(step_times)}
 
 
 def confirm(pool, cases, times, steps: int, rounds: int, top: int = 3) -> dict:
@@ -260,6 +281,7 @@ def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
                 peaks[label].append(peak)
                 lives[label].append(live)
         confirmed = confirm(pool, cases, times, steps, rounds)
+    returned = resident_with_pages_returned(pp, cases[-1][1], steps)
     rows = []
     for label, values, prediction in cases:
         row = {"label": label, **prediction, "measured_step_s": statistics.median(times[label]),
@@ -298,6 +320,9 @@ def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
                        "live_peak_bytes": under_cap["live_peak_bytes"],
                        "fits_measured": max(under_cap["measured_peak_bytes"]) <= cap,
                        "fits_live": max(under_cap["live_peak_bytes"]) <= cap,
+                       "resident_pages_returned_bytes": returned["peak"],
+                       "pages_returned_step_s": returned["step_s"],
+                       "fits_resident_pages_returned": max(returned["peak"]) <= cap,
                        "gave_up": [{"plan": describe(c), "predicted_step_s": c.predicted_step_s,
                                     "why": c.dropped} for c in capped.gave_up()[:3]]},
     }
@@ -381,7 +406,10 @@ def table(report: dict) -> str:
                      + ", ".join(f"{b / 2 ** 20:.1f}" for b in cap["predicted_peak_bytes"])
                      + ", live tensors " + ", ".join(f"{b / 2 ** 20:.1f}"
                                                      for b in cap["live_peak_bytes"])
-                     + f" MiB (fits: {cap['fits_live']})")
+                     + f" MiB (fits: {cap['fits_live']}); resident set with "
+                     f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} "
+                     + ", ".join(f"{b / 2 ** 20:.1f}" for b in cap["resident_pages_returned_bytes"])
+                     + f" MiB (fits: {cap['fits_resident_pages_returned']})")
     p8 = report["planning_pp8"]
     lines.append(f"\nplanning at pp=8: {p8['candidates']} candidates in {p8['planning_s']:.2f} s"
                  f" ({p8['planning_shared_2_processors_s']:.2f} s sharing 2 processors)")
