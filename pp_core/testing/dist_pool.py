@@ -176,13 +176,14 @@ class DistPool:
         return [o.value for o in outcomes]
 
     def close(self, keep_dir: bool = False) -> None:
+        started = [proc for proc in self._procs if proc.pid is not None]  # a start can fail
         for tasks, proc in zip(getattr(self, "_tasks", []), self._procs):
-            if proc.is_alive():
+            if proc.pid is not None and proc.is_alive():
                 try:
                     tasks.put(None)
                 except Exception:
                     pass
-        for proc in self._procs:
+        for proc in started:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
