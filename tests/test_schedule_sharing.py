@@ -104,3 +104,18 @@ def test_a_cpu_rank_gets_its_share_of_the_cores_or_omp_num_threads():
     assert cpu_threads_per_rank(1, {"OMP_NUM_THREADS": "3"}) == 3
     assert cpu_threads_per_rank(10 ** 6, {}) == 1
     assert cpu_threads_per_rank(1, {"OMP_NUM_THREADS": "x"}) >= 1
+
+
+def test_the_cli_simulates_ranks_sharing_processors(capsys):
+    import json
+
+    from pp_core.app.cli import main
+
+    figures = []
+    for extra in (["--processors", "2"], []):
+        assert main(["schedule", "simulate", "1f1b", "--pp", "4", "-m", "8", "--json",
+                     *extra]) == 0
+        figures.append(json.loads(capsys.readouterr().out))
+    shared, own = figures
+    assert shared["processors"] == 2 and own["processors"] is None
+    assert shared["makespan"] == 51 and own["makespan"] == 33  # 4 x 24 busy / 2 + the fill

@@ -86,6 +86,8 @@ def caption(result: SimResult) -> str:
         unit += " (+per-stage)"
     if result.comm_latency:
         unit += f" latency={result.comm_latency:g}"
+    if result.processors is not None:
+        unit += f" on {result.processors:g} shared processors"
     peaks = " ".join(map(str, result.peak_activations))
     return (f"{s.name}: pp={s.num_ranks}{stages}, microbatches={s.num_microbatches} [{unit}] — "
             f"makespan {d['makespan']}, bubble {d['bubble']} (ratio {result.bubble_ratio:.3f}), "

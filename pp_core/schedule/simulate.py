@@ -93,6 +93,8 @@ class SimResult:
     last_end: list[float]
     peak_activations: list[int]
     peak_activation_bytes: list[float] | None = None
+    processors: float | None = None
+    """The processors the ranks shared, when fewer than the ranks; ``None``: one each."""
     starts: list[list[float]] = field(default_factory=list, repr=False)
     """Start time of each rank's compute actions, in order (idle cells skipped)."""
     _encoded: list[list[int]] = field(default_factory=list, repr=False)
@@ -145,6 +147,7 @@ class SimResult:
             "microbatches": s.num_microbatches,
             "costs": self.costs.to_dict(),
             "comm_latency": _num(self.comm_latency),
+            "processors": None if self.processors is None else _num(self.processors),
             "makespan": _num(self.makespan),
             "bubble": _num(self.bubble),
             "bubble_ratio": round(self.bubble_ratio, 6),
@@ -242,7 +245,7 @@ def simulate(
         makespan=max(last), busy=busy, first_start=first, last_end=last,
         peak_activations=peaks,
         peak_activation_bytes=peak_bytes if stage_bytes is not None else None,
-        starts=starts, _encoded=encoded, _cost=cost, _ends=ends,
+        processors=float(processors) if ends is not None else None, starts=starts, _encoded=encoded, _cost=cost, _ends=ends,
     )
 
 

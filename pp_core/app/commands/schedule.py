@@ -110,6 +110,9 @@ def _add_common(sub) -> None:
                          help=f"time of one {kind.upper()} action (default {default:g})")
     sub.add_argument("--comm-latency", type=_amount(float), default=0.0, metavar="X",
                      help="added to every hand-off between different ranks (default 0)")
+    sub.add_argument("--processors", type=_amount(float), metavar="P",
+                     help="the ranks share P processors (CPU ranks on fewer cores than ranks); "
+                          "default: one per rank")
     sub.add_argument("--activation-bytes", type=_amount(float), metavar="N",
                      help="bytes one stage keeps per microbatch; adds peak bytes per rank")
     sub.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -154,7 +157,7 @@ def _simulated(args):
 
     costs = Costs(F=args.cost_f, B=args.cost_b, I=args.cost_i, W=args.cost_w)
     return simulate(_schedule(args), costs, comm_latency=args.comm_latency,
-                    activation_bytes=args.activation_bytes)
+                    activation_bytes=args.activation_bytes, processors=args.processors)
 
 
 def _write(path: str, text: str) -> None:
