@@ -109,6 +109,12 @@ rank is free). It reports, per rank and overall:
   microbatch, so looped schedules count `v` units for a full model slice; in bytes too with
   `activation_bytes` (one number, or one per stage).
 
+With `processors=P` (`--processors P`) the ranks share `P` processors, as one-thread CPU ranks
+on a machine with fewer cores than ranks do: while `n` ranks have an action running each goes at
+`min(1, P / n)` of full speed, a rank waiting for a hand-off takes none (processor sharing,
+`pp_core.schedule.sharing`); 1F1B at pp=4, m=8 takes 33 on four processors and 51 on two
+(its 96 units of work over 2, plus the fill). The planner uses it for CPU ranks that share cores.
+
 `SimResult.to_dict()` is JSON; `pp_core.schedule.trace.write_chrome_trace(result, path)` writes a
 Chrome/Perfetto trace (one thread per rank). DualPipeV's `OVERLAP_F_B` pairs are two actions in
 the IR, run one after the other, each waiting only for its own input — what torch's runtime does
