@@ -113,6 +113,20 @@ def test_plan_command_prints_the_ranking_as_json(tmp_path, capsys):
     assert {c["schedule"] for c in data["ranking"]["kept"]} >= {"1f1b", "gpipe"}
 
 
+def test_plan_ignores_the_schedule_the_file_names(tmp_path, capsys):
+    """A file naming v_schedule (8 stages at pp 4: more than the 6 units) still plans at pp 4."""
+    import yaml
+
+    path = tmp_path / "named.yaml"
+    named = {**BASE, "pipeline": {**BASE["pipeline"], "pp_schedule": "v_schedule",
+                                  "pp_microbatch_size": 1}}
+    path.write_text(yaml.safe_dump(named))
+    assert cli.main(["plan", str(path), "--json", "--no-link", "--set",
+                     "distributed.pp_size=4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ranking"]["pp_size"] == 4 and data["chosen"]["schedule"] != "v_schedule"
+
+
 def test_plan_command_table_and_a_bad_cap(tmp_path, capsys):
     import yaml
 

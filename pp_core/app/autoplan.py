@@ -17,7 +17,7 @@ from pp_core.errors import ConfigError
 from pp_core.app.rendezvous import started_by_torchrun
 from pp_core.app.spec import Spec
 
-__all__ = ["is_auto", "plan_spec", "resolved_spec", "resolve_for_launch", "PLANNED_KEYS"]
+__all__ = ["is_auto", "as_auto", "plan_spec", "resolved_spec", "resolve_for_launch", "PLANNED_KEYS"]
 
 PLANNED_KEYS = ("pp_schedule", "pp_schedule_csv", "pp_microbatch_size", "layers_per_stage",
                 "round_virtual_stages_to_pp_multiple", "module_fqns_per_model_part",
@@ -66,6 +66,19 @@ def _processors(spec: Spec, device) -> float | None:
         return None
     return shared_processors(cpu_cores(), rank_threads(spec), local_ranks(spec.distributed),
                              spec.distributed["pp_size"])
+
+
+def as_auto(spec: Spec) -> Spec:
+    """The spec with ``pp_schedule: auto`` and nothing fixing the schedule or the split, for
+    ``pp-core plan`` on a file that names a schedule (the plan does not use it, so a schedule
+    that could not run at this ``pp_size`` must not stop the planning)."""
+    if is_auto(spec):
+        return spec
+    values = spec.to_dict()
+    values["pipeline"].update(pp_schedule="auto", pp_schedule_csv=None, layers_per_stage=None,
+                              module_fqns_per_model_part=None,
+                              round_virtual_stages_to_pp_multiple=None)
+    return Spec(values, spec.source)
 
 
 def resolved_spec(spec: Spec, plan) -> Spec:

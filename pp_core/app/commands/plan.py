@@ -44,14 +44,14 @@ def register(subparsers) -> None:
 
 
 def plan_command(args) -> int:
-    from pp_core.app.autoplan import plan_spec
+    from pp_core.app.autoplan import as_auto, plan_spec
     from pp_core.planning.report import format_ranking
     from pp_core.planning.sizes import parse_size
     from pp_core.app.preflight import preflight
     from pp_core.app.spec import load_spec
 
     cap = None if args.memory_cap is None else parse_size(args.memory_cap)
-    spec = load_spec(args.pipeline, args.overrides)
+    spec = as_auto(load_spec(args.pipeline, args.overrides))
     preflight(spec, run_checks=False)  # names, arguments, batch sizes: fail before profiling
     plan = plan_spec(spec, memory_cap=cap, measure_link=not args.no_link)
     if args.json:
