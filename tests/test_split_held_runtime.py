@@ -12,22 +12,22 @@ import torch
 
 from pp_core.losses import cross_entropy
 from pp_core.testing import DistPool
+from pp_core_builtins.models.gpt import GPT
 
 MODEL = {"vocab_size": 512, "dim": 32, "num_layers": 4, "num_heads": 2, "max_seq_len": 64}
 BATCH, MBS = 16, 2
 
 
-def make_model():
-    from pp_core_builtins.models.gpt import GPT
-
-    torch.manual_seed(0)
+def make_model() -> GPT:
+    torch.manual_seed(0)  # the same weights in the profile and on every rank
     return GPT(**MODEL)
 
 
 def batch():
-    generator = torch.Generator().manual_seed(1)
-    return tuple(torch.randint(0, MODEL["vocab_size"], (BATCH, MODEL["max_seq_len"]),
-                               generator=generator) for _ in range(2))
+    """Inputs and targets, the same on every rank."""
+    tokens = torch.randint(0, MODEL["vocab_size"], (2, BATCH, MODEL["max_seq_len"]),
+                           generator=torch.Generator().manual_seed(1))
+    return tokens[0].clone(), tokens[1].clone()
 
 
 def config(name: str):
