@@ -8,7 +8,9 @@ the last unit, and the runtime's own backward functions - :func:`backward_full` 
 :func:`backward_input` then :func:`backward_weight` for I and W - so the costs the planner
 simulates are the costs of what executes. Each microbatch size gets one warm-up pass (which also
 records memory: saved tensors through ``saved_tensors_hooks``, once per storage, parameters
-excluded; and each unit's transient peak, :mod:`pp_core.runtime.transient`) and ``repeats`` timed passes; a time is the median, by the clock :data:`CLOCKS` says.
+excluded; and each unit's transient peak, :mod:`pp_core.runtime.transient`), one split pass
+(what each unit's I leaves alive for its W, :mod:`pp_core.runtime.held_for_weight`) and
+``repeats`` timed passes; a time is the median, by the clock :data:`CLOCKS` says.
 
 :func:`measure_p2p` times round trips between the first two ranks of a group and broadcasts the
 result, so every rank plans with the same numbers.
