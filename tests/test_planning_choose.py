@@ -11,6 +11,7 @@ from pp_core.planning.sizes import format_bytes, parse_size
 from pp_core.plugin_manager import load_plugins
 from pp_core.schedule.buffer_plan import plan_program
 from pp_core.schedule.build import build_schedule, resolve_schedule_def
+from pp_core.schedule.ir import RECV_F
 from pp_core.schedule.lower import lower
 
 MiB = 2 ** 20
@@ -137,9 +138,15 @@ def test_receive_buffer_bytes_match_the_buffer_planner(name):
                               stages_per_rank=candidate.option.stages_per_rank)
     program = lower(schedule)
     boundary = 2 * 64 * 1024  # every unit hands on mbs * 64 KiB
-    for released, pooled, memory in zip(plan_program(program, 0, "released"),
-                                        plan_program(program, 2), candidate.memory):
-        assert memory.recv_default == boundary * sum(p.sets for p in released.classes.values())
+    # Without the pool a received input lives until its backward is released, a received
+    # gradient until the B or I that consumes it (what W still holds of it is
+    # memory.split_held_bytes, with the activations).
+    for released, consumed, pooled, memory in zip(
+            plan_program(program, 0, "released"), plan_program(program, 0),
+            plan_program(program, 2), candidate.memory):
+        inputs = sum(p.sets for c, p in released.classes.items() if c.kind is RECV_F)
+        grads = sum(p.sets for c, p in consumed.classes.items() if c.kind is not RECV_F)
+        assert memory.recv_default == boundary * (inputs + grads)
         assert memory.recv_pool == boundary * sum(p.sets for p in pooled.classes.values())
 
 

@@ -179,3 +179,29 @@ def test_stages_of_follows_a_new_placement():
     assert [schedule.stages_of(r) for r in (0, 1, 2)] == [(0,), (1,), ()]
     schedule.stage_ranks = (1, 0)
     assert [schedule.stages_of(r) for r in (0, 1)] == [(1,), (0,)]
+
+
+def _one_rank(text: str, stages: int = 1) -> Schedule:
+    return Schedule([[parse_action(a) for a in text.split()]], (0,) * stages, 2)
+
+
+def test_input_grad_held_bytes_count_from_each_i_to_its_w():
+    """Saved 100 per F, 10 more per I until its W. The peak is taken after an F and before
+    every other action (an I's own additions are its temporaries while it runs):
+    F0 100, F1 200, I0 (before 200) 210, I1 (before 210) 220, W0 (before 220) 110, W1 0."""
+    deferred = _one_rank("0F0 0F1 0I0 0I1 0W0 0W1")
+    assert simulate(deferred, activation_bytes=100).peak_activation_bytes == [200]
+    held = simulate(deferred, activation_bytes=100, input_grad_held_bytes=10)
+    assert held.peak_activation_bytes == [220]
+    # each W right after its I: the 10 are held only once at a time, after an F never
+    eager = _one_rank("0F0 0I0 0W0 0F1 0I1 0W1")
+    assert simulate(eager, activation_bytes=100, input_grad_held_bytes=[10]) \
+        .peak_activation_bytes == [110]
+    # a whole backward (B) holds nothing from I to W; per stage values; without activations
+    # (0F0 100, 1F0 1100, 1B0 100, 0I0 110, 0F1 210, 1F1 1210, 1B1 210, 0I1 220, ...)
+    whole = _one_rank("0F0 1F0 1B0 0I0 0F1 1F1 1B1 0I1 0W0 0W1", stages=2)
+    assert simulate(whole, activation_bytes=[100, 1000],
+                    input_grad_held_bytes=[10, 10 ** 6]).peak_activation_bytes == [1210]
+    assert simulate(deferred, input_grad_held_bytes=7).peak_activation_bytes == [14]
+    with pytest.raises(ScheduleError, match=r"input_grad_held_bytes has 2 entries"):
+        simulate(deferred, input_grad_held_bytes=[1, 2])

@@ -34,6 +34,20 @@ class UnitCost:
     # gradients (temporaries: a vocabulary head's logits, log-softmax and their gradients).
     # Default 0: a profile stored before it was measured loads and predicts as it did.
     transient_bytes: int = 0
+    # Split backward (I, later W), pp_core.runtime.held_for_weight measures them:
+    # - input_grad_held_bytes: what the unit's I allocated that is alive when its W starts,
+    #   beyond activation_bytes (the gradients kept at the nodes where a parameter's side
+    #   branches off the input path), the input gradient it hands back left out;
+    # - input_grad_freed_bytes: saved bytes that die at I once the outputs are dropped (the
+    #   nodes above its topmost boundary: a head's log-softmax); only a stage's last unit;
+    # - output_grad_held_bytes: of the gradient of its output it receives, what its W holds.
+    # Per stage (memory.split_held_bytes): the sum of the first and third over its units less
+    # the second of its last unit - exact against a stage of two blocks and one of a block and
+    # the head run whole (tests/test_split_held.py): the gradient between two units of a stage
+    # is held as the earlier unit's third term. Default 0: as above.
+    input_grad_held_bytes: int = 0
+    input_grad_freed_bytes: int = 0
+    output_grad_held_bytes: int = 0
 
 
 @dataclass(frozen=True)

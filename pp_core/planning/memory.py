@@ -10,11 +10,19 @@ schedule x stages per rank x microbatch size, in well under a second each. The p
   tensors a rank holds at once. :func:`pp_core.schedule.simulate` replays the per-rank order
   (the same compute order the lowered program runs) with one stage-microbatch's saved bytes per
   stage and reports the peak per rank;
+* **what a split backward holds from I to W** (:func:`split_held_bytes`): ``I`` keeps, for
+  ``W`` to restart from, the gradients at the nodes where a parameter's side branches off the
+  input path (a block's attention and MLP projections, a head's logits) and a view of the
+  gradient of each unit's output; ``W`` frees them. The profiler measures both per unit
+  (``input_grad_held_bytes``, ``output_grad_held_bytes``) and the replay adds them at each
+  ``I`` and takes them back at its ``W`` (up to 1.37x under-predicted without it);
 * **receive buffers**: every ``RECV`` of the lowered program needs a buffer set the size of the
   message: a stage's input (``RECV_F``: the previous stage's boundary activation) or the gradient
   of its output (``RECV_B``: the same size as its boundary activation). Without the pool a
-  received tensor lives until the backward that releases it; with the pool only until it is
-  consumed, plus the spare sets (the interval colouring of :mod:`pp_core.schedule.buffer_plan`).
+  received input lives until the backward that releases it and a received gradient until the
+  ``B`` or ``I`` that consumes it (what a split backward's ``W`` still holds of it is in the
+  part above, pool or not); with the pool every message lives only until it is consumed, plus
+  the spare sets (the interval colouring of :mod:`pp_core.schedule.buffer_plan`).
 
 * **transients**: one action runs at a time on a rank, so on top of the above it holds the
   temporaries of one unit's forward + backward: the largest ``transient_bytes`` among its units
@@ -40,7 +48,7 @@ from pp_core.schedule.buffer_plan import max_live
 from pp_core.schedule.ir import Schedule
 from pp_core.schedule.lower import lower
 
-__all__ = ["RankMemory", "predict_memory", "recv_buffer_bytes"]
+__all__ = ["RankMemory", "predict_memory", "recv_buffer_bytes", "split_held_bytes"]
 
 
 @dataclass(frozen=True)
@@ -84,12 +92,36 @@ def boundary_bytes(profile: ModelProfile, units_per_stage: Sequence[Sequence[int
     return [profile.units[units[-1]].output_bytes for units in units_per_stage]
 
 
+def split_held_bytes(profile: ModelProfile,
+                     units_per_stage: Sequence[Sequence[int]]) -> list[int]:
+    """Per stage, the bytes a split backward's ``I`` adds and its ``W`` frees.
+
+    A stage holds, per unit, what its ``I`` kept and what its ``W`` keeps of the gradient of the
+    unit's output: inside the stage the one the next unit handed back, at its end the received
+    one (a receive buffer's or the pool's copy, held here rather than as a buffer); less what
+    dies at ``I`` above its last unit's topmost boundary (nothing but ``W`` holds it). The first
+    stage has no differentiable input: its ``I`` does nothing and its ``W`` runs the whole
+    backward with the received gradient (the size of its boundary activation).
+    """
+    out = []
+    for stage, units in enumerate(units_per_stage):
+        if stage == 0:
+            last = len(units_per_stage) == 1
+            out.append(0 if last else profile.units[units[-1]].output_bytes)
+        else:
+            out.append(sum(profile.units[u].input_grad_held_bytes
+                           + profile.units[u].output_grad_held_bytes for u in units)
+                       - profile.units[units[-1]].input_grad_freed_bytes)
+    return out
+
+
 def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
                       program=None) -> tuple[list[int], list[int]]:
     """Per rank, receive-buffer bytes ``(without the pool, with it)``.
 
     Without the pool every message gets a fresh tensor that autograd keeps until the backward
-    that releases it, so a class needs as many sets as receives live on ``[posted, released]``;
+    that releases it, so a class needs as many sets as receives live on ``[posted, released]``
+    (a gradient: ``[posted, consumed]``, as what ``W`` keeps of it is :func:`split_held_bytes`);
     the pool copies out at consumption: ``[posted, consumed]`` plus ``slack`` spare sets.
     """
     program = lower(schedule) if program is None else program
@@ -98,7 +130,7 @@ def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
         classes: dict[tuple[int, bool], tuple[list, list]] = {}
         for stage, is_grad, posted, consumed, released in program.recv_intervals(rank):
             held, copied = classes.setdefault((stage, is_grad), ([], []))
-            held.append((posted, released))
+            held.append((posted, consumed if is_grad else released))
             copied.append((posted, consumed))
         for (stage, is_grad), (held, copied) in classes.items():
             size = boundary[stage] if is_grad else boundary[stage - 1]

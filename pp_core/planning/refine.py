@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pp_core.planning.costs import ModelProfile
-from pp_core.planning.memory import stage_sums
+from pp_core.planning.memory import split_held_bytes, stage_sums
 from pp_core.schedule.simulate import Costs, simulate
 
 __all__ = ["refine_counts", "makespan_of", "simulate_split", "handoff_charges"]
@@ -68,16 +68,17 @@ def simulate_split(schedule, profile: ModelProfile, units: Sequence[Sequence[int
     the measured latency plus the largest boundary activation over the measured bandwidth on the
     dependency (simple, and pessimistic for uneven boundaries); ranks sharing fewer processors
     than there are of them (``profile.processors``) share them out; with ``with_memory`` the
-    saved activations in flight too."""
+    saved activations in flight too, and what a split backward holds from ``I`` to ``W``."""
     sums = [stage_sums(profile, units, name)
             for name in ("forward_s", "backward_s", "input_grad_s", "weight_grad_s")]
     charges = handoff_charges(schedule, profile, units)
     costs = Costs(per_stage={s: {k: v + charges[s][k] for k, v in zip("FBIW", row)}
                              for s, row in enumerate(zip(*sums))})
     boundary = max((profile.units[u[-1]].output_bytes for u in units[:-1]), default=0)
+    memory = {"activation_bytes": stage_sums(profile, units, "activation_bytes"),
+              "input_grad_held_bytes": split_held_bytes(profile, units)} if with_memory else {}
     return simulate(schedule, costs, comm_latency=profile.transfer_s(boundary),
-                    activation_bytes=stage_sums(profile, units, "activation_bytes")
-                    if with_memory else None, processors=profile.processors or None)
+                    processors=profile.processors or None, **memory)
 
 
 def makespan_of(schedule, profile: ModelProfile, counts: Sequence[int]) -> float:

@@ -8,7 +8,9 @@ the last unit, and the runtime's own backward functions - :func:`backward_full` 
 :func:`backward_input` then :func:`backward_weight` for I and W - so the costs the planner
 simulates are the costs of what executes. Each microbatch size gets one warm-up pass (which also
 records memory: saved tensors through ``saved_tensors_hooks``, once per storage, parameters
-excluded; and each unit's transient peak, :mod:`pp_core.runtime.transient`) and ``repeats`` timed passes; a time is the median, by the clock :data:`CLOCKS` says.
+excluded; and each unit's transient peak, :mod:`pp_core.runtime.transient`), one split pass
+(what each unit's I leaves alive for its W, :mod:`pp_core.runtime.held_for_weight`) and
+``repeats`` timed passes; a time is the median, by the clock :data:`CLOCKS` says.
 
 :func:`measure_p2p` times round trips between the first two ranks of a group and broadcasts the
 result, so every rank plans with the same numbers.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -33,6 +36,7 @@ from pp_core.planning.parts import build_model_parts
 from pp_core.planning.split import SplitPlan
 from pp_core.planning.units import model_units, shared_modules, unit_splitter
 from pp_core.runtime.backward import backward_full, backward_input, backward_weight
+from pp_core.runtime.held_for_weight import HeldForWeight
 from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
 from pp_core.runtime.microbatch import first_tensor, num_tokens, split_microbatches, to_device
 from pp_core.runtime.stage import Stage, as_outputs, make_stage_inputs
@@ -161,8 +165,10 @@ def _config_for(config, stages):
                                round_virtual_stages_to_pp_multiple=None)
 
 
-def _one_microbatch(runner: _Units, x, target, loss_fn, split: bool, saved: list | None):
-    """Forward every unit, then backward in reverse: B, or I for all then W for all.
+def _one_microbatch(runner: _Units, x, target, loss_fn, split: bool, saved: list | None,
+                    held: list | None = None):
+    """Forward every unit, then backward in reverse: B, or I for all then W for all (with
+    ``held``, per unit a :class:`HeldForWeight` logs each I and measures before the first W).
 
     Returns per unit ``(F, B or I, W or 0.0, output bytes)``."""
     n = len(runner.stages)
@@ -177,17 +183,26 @@ def _one_microbatch(runner: _Units, x, target, loss_fn, split: bool, saved: list
     for i in reversed(range(n)):
         inputs = [t for t in leaves[i] if t.requires_grad]
         if split:
-            (grads_in, pending[i]), backward[i] = runner.timed(
-                lambda i=i, g=grads, a=inputs: backward_input(grad_outs[i], g, a))
+            (grads_in, pending[i]), backward[i] = runner.timed(functools.partial(
+                _input_pass, held[i] if held else None, grad_outs[i], grads, inputs))
+            grad_outs[i] = None  # as the runtime: from here only W's state holds the graph
         else:
             with saved[i].allocations.tracking() if saved else _nothing():
                 grads_in, backward[i] = runner.timed(
                     lambda i=i, g=grads, a=inputs: backward_full(grad_outs[i], g, a))
         grads = grads_in
     if split:
+        for unit in held or ():
+            unit.measure()
         for i in reversed(range(n)):
             _, weight[i] = runner.timed(lambda i=i: backward_weight(pending[i]))
     return [(forward[i], backward[i], weight[i], out_bytes[i]) for i in range(n)]
+
+
+def _input_pass(held, outputs, grads, inputs):
+    """The unit's I (logged by ``held`` when given); no reference to ``grads`` outlives it."""
+    run = functools.partial(backward_input, outputs, grads, inputs)
+    return held.input_pass(run, grads) if held is not None else run()
 
 
 def _take(value, size: int, what: str):
@@ -283,6 +298,8 @@ def _profile_size(runner, units, x, y, loss_fn, size, repeats, exclude, p2p) -> 
     saved = [_Saved(exclude) for _ in range(n)]
     first = _one_microbatch(runner, x, y, loss_fn, False, saved)  # warm-up + memory
     transient = [saved[i].transient(runner.params[i]) for i in range(n)]
+    held = [HeldForWeight() for _ in range(n)]  # split: what each I leaves for its W
+    _one_microbatch(runner, x, y, loss_fn, True, held, held)
     samples: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in "FBIW"}
     for _ in range(repeats):
         for i, (f, b, _, _) in enumerate(_one_microbatch(runner, x, y, loss_fn, False, None)):
@@ -300,7 +317,9 @@ def _profile_size(runner, units, x, y, loss_fn, size, repeats, exclude, p2p) -> 
         UnitCost(fqns=tuple(units[i]), forward_s=med["F"][i], backward_s=med["B"][i],
                  input_grad_s=med["I"][i], weight_grad_s=med["W"][i],
                  activation_bytes=saved[i].total, param_bytes=_nbytes(runner.params[i]),
-                 output_bytes=first[i][3], transient_bytes=transient[i])
+                 output_bytes=first[i][3], transient_bytes=transient[i],
+                 input_grad_held_bytes=held[i].held, input_grad_freed_bytes=held[i].freed,
+                 output_grad_held_bytes=held[i].received_held)
         for i in range(n))
     return ModelProfile(size, costs, shared_fqns=tuple(runner.shared), device=str(runner.device),
                         **dict(zip(LINK_FIELDS, p2p)))

@@ -14,7 +14,8 @@ Figures:
   it ignores the staggered start that only overlaps a previous iteration).
 * **peak in-flight activations** per rank: max number of ``(stage, microbatch)`` pairs whose F
   has started and whose B (or W, when the backward is split) has not finished; in bytes too when
-  ``activation_bytes`` (per stage) is given.
+  ``activation_bytes`` (per stage) is given, plus, with ``input_grad_held_bytes``, what a split
+  backward's I adds until its W (the gradients W restarts from).
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ def simulate(
     comm_latency: float = 0.0,
     activation_bytes: float | Sequence[float] | None = None,
     processors: float | None = None,
+    input_grad_held_bytes: float | Sequence[float] | None = None,
 ) -> SimResult:
     """Validate ``schedule`` and replay it with ``costs``; see the module docstring.
 
@@ -185,6 +187,10 @@ def simulate(
     :param processors: how many processors the ranks share, when fewer than the ranks (CPU
         ranks on a small node): busy ranks then run at ``processors / busy`` of full speed
         (:mod:`pp_core.schedule.sharing`). ``None``: one processor per rank.
+    :param input_grad_held_bytes: per stage (or one number), bytes an ``I`` adds and its ``W``
+        frees, on top of ``activation_bytes`` (which is 0 when not given); ``B`` is unaffected.
+        They count from the state after the ``I`` on (the peak is taken after every ``F`` and
+        before every other action), not while it runs: there they are among its temporaries.
     """
     costs = Costs() if costs is None else costs
     if isinstance(comm_latency, bool) or not isinstance(comm_latency, (int, float)) \
@@ -193,7 +199,9 @@ def simulate(
     if processors is not None and (isinstance(processors, bool) or not isinstance(
             processors, (int, float)) or not processors > 0):
         raise ScheduleError(f"processors must be a number > 0 (or None), got {processors!r}")
-    stage_bytes = _stage_bytes(activation_bytes, schedule.num_stages)
+    held = _stage_bytes(input_grad_held_bytes, schedule.num_stages, "input_grad_held_bytes")
+    stage_bytes = _stage_bytes(activation_bytes if held is None or activation_bytes is not None
+                               else 0.0, schedule.num_stages)
     cost = costs.table(schedule.num_stages)
     ends = None
     with gc_paused():
@@ -227,7 +235,14 @@ def simulate(
             elif kc != 2:
                 live -= 1
                 if stage_bytes is not None:
+                    if held is not None:  # what the I before it left, not seen at an F yet
+                        peak_b = max(peak_b, live_b)
+                        if kc == 3:
+                            live_b -= held[(c >> 2) // M]
                     live_b -= stage_bytes[(c >> 2) // M]
+            elif held is not None:  # the state before it: while it runs its own additions
+                peak_b = max(peak_b, live_b)  # are among its temporaries (the memory model's
+                live_b += held[(c >> 2) // M]  # transient), after it they are counted here
         if uniform:
             total = sum(n * d for n, d in zip(counts, cost[0]))
         busy.append(total)
@@ -249,14 +264,15 @@ def simulate(
     )
 
 
-def _stage_bytes(activation_bytes, num_stages: int) -> list[float] | None:
+def _stage_bytes(activation_bytes, num_stages: int,
+                 name: str = "activation_bytes") -> list[float] | None:
     if activation_bytes is None:
         return None
     if isinstance(activation_bytes, (int, float)) and not isinstance(activation_bytes, bool):
         return [float(activation_bytes)] * num_stages
     values = list(activation_bytes)
     if len(values) != num_stages:
-        raise ScheduleError(f"activation_bytes has {len(values)} entries; give one per stage "
+        raise ScheduleError(f"{name} has {len(values)} entries; give one per stage "
                             f"({num_stages}) or a single number for every stage")
     return [float(v) for v in values]
 
