@@ -46,11 +46,12 @@ def make_model(setup):
     from pp_core_builtins.models.gpt import uneven_gpt
 
     torch.manual_seed(0)
-    return uneven_gpt(**{**MODEL, "vocab_size": setup["vocab"]}, max_seq_len=setup["seq"])
+    return uneven_gpt(**{**MODEL, "vocab_size": setup["vocab"], "wide": setup["wide"]},
+                      max_seq_len=setup["seq"])
 
 
 def batch(setup):
-    tokens = torch.randint(0, setup["vocab"], (setup["microbatch"] * MICROBATCHES,
+    tokens = torch.randint(0, setup["vocab"], (setup["microbatch"] * setup["microbatches"],
                                                     setup["seq"]),
                            generator=torch.Generator().manual_seed(1))
     return tokens, tokens
@@ -60,7 +61,7 @@ def config(setup, schedule, fqns=None):
     from pp_core import PipelineConfig
 
     return PipelineConfig(pp_schedule=schedule, pp_microbatch_size=setup["microbatch"],
-                          pp_batch_size=setup["microbatch"] * MICROBATCHES,
+                          pp_batch_size=setup["microbatch"] * setup["microbatches"],
                           loss_fn="cross_entropy", module_fqns_per_model_part=fqns)
 
 
@@ -175,10 +176,13 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--microbatch", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
     parser.add_argument("--vocab", type=int, default=MODEL["vocab_size"])
+    parser.add_argument("--wide", type=int, default=MODEL["wide"], help="MLP factor, wide blocks")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    setup = {"seq": args.seq, "microbatch": args.microbatch, "vocab": args.vocab}
+    setup = {"seq": args.seq, "microbatch": args.microbatch, "vocab": args.vocab,
+             "wide": args.wide, "microbatches": args.microbatches}
     from pp_core.losses import cross_entropy
     from pp_core.runtime.profile import profile_model
 
@@ -192,8 +196,8 @@ def main(argv=None):
     rows = []
     for num_ranks in map(int, args.ranks.split(",")):
         rows += run(setup, num_ranks, args.schedules.split(","), args.steps, profile)
-    report = {"model": {**MODEL, "vocab_size": args.vocab}, **setup,
-              "microbatches": MICROBATCHES, "profile_s": profile_s,
+    report = {"model": {**MODEL, "vocab_size": args.vocab, "wide": args.wide}, **setup,
+              "profile_s": profile_s,
               "unit_ms": [round((u.forward_s + u.backward_s) * 1e3, 3) for u in profile.units],
               "load_before": load_before, "load_after": uptime(), "rows": rows}
     print(json.dumps(report, indent=1))
