@@ -257,3 +257,16 @@ def test_ranks_sharing_processors_are_predicted_at_least_their_work_over_the_pro
         assert candidate.predicted_step_s >= by_label[option].predicted_step_s - 1e-12
         assert candidate.predicted_step_s >= \
             0.999 * work[option.microbatch_size] * option.num_microbatches / 2
+
+
+def test_a_refined_split_the_cap_refuses_is_said_to_be_given_up():
+    """Refining v_schedule's cuts here is faster but needs more memory than the balanced split;
+    under a cap between the two the balanced split runs and the table names the refined one."""
+    profiles = {m: profile(m, (3, 2, 1, 1, 8, 3, 2, 8, 2, 3)) for m in (1, 2)}
+    free = choose_plan(profiles, 3, 8).chosen
+    balanced = {c.option: c for c in choose_plan(profiles, 3, 8, refine_top=0).kept}[free.option]
+    assert free.peak_bytes > balanced.peak_bytes
+    capped = choose_plan(profiles, 3, 8, memory_cap=balanced.peak_bytes)
+    given_up = [c for c in capped.gave_up() if c.option == free.option]
+    assert given_up and given_up[0].dropped.startswith("its simulator-refined split: predicted")
+    assert "simulator-refined split" in format_ranking(capped)

@@ -180,8 +180,8 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
         (kept if candidate.dropped is None else dropped).append(candidate)
     kept.sort(key=lambda c: (c.predicted_step_s, c.peak_bytes, _label(c)))
     if refine_top:
-        _refine(kept, defs, profiles_by_microbatch_size, pp_size, memory_cap, recv_buffer_pool,
-                pool_slack, refine_top)
+        dropped += _refine(kept, defs, profiles_by_microbatch_size, pp_size, memory_cap,
+                           recv_buffer_pool, pool_slack, refine_top)
         kept.sort(key=lambda c: (c.predicted_step_s, c.peak_bytes, _label(c)))
     dropped.sort(key=lambda c: (c.predicted_step_s is None, c.predicted_step_s or 0, _label(c)))
     return Ranking(kept, dropped, memory_cap, time.perf_counter() - started, pp_size,
@@ -232,10 +232,12 @@ def _schedule(option: Option, sdef, pp_size: int):
                              stages_per_rank=option.stages_per_rank)
 
 
-def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int, top: int) -> None:
+def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int,
+            top: int) -> list[Candidate]:
     """Let the simulator move the cuts of the ``top`` fastest plans
     (:mod:`pp_core.planning.refine`); a refined split replaces the balanced one when it is
-    predicted faster and still fits."""
+    predicted faster and still fits. Returns the faster refined splits the cap refused."""
+    refused = []
     for index, candidate in enumerate(kept[:top]):
         option = candidate.option
         profile = profiles[option.microbatch_size]
@@ -249,6 +251,10 @@ def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int, top
         _fit(refined, cap, pool)
         if refined.dropped is None:
             kept[index] = refined
+        else:
+            refined.dropped = f"its simulator-refined split: {refined.dropped}"
+            refused.append(refined)
+    return refused
 
 
 def _split(profile: ModelProfile, num_stages: int) -> tuple[list[list[str]], list[list[int]]]:
