@@ -185,26 +185,34 @@ def by_hand_configs(pp: int, auto_mbs: int, plugins) -> list[tuple[str, dict]]:
     return out
 
 
-def without_busy(profiles) -> dict:
-    """The profiles as before the calibration (no busy time per send and receive, no executor
-    time per action): the same run's prediction without it, for the before/after column."""
+UNCALIBRATED = {"p2p_send_busy_s": 0.0, "p2p_recv_busy_s": 0.0,
+                "p2p_busy_bytes_per_s": float("inf"), "action_overhead_s": 0.0}
+"""The profile fields as before the calibration (no busy time per send and receive, no executor
+time per action): the same run's prediction without it, for the before/after column."""
+
+OWN_PROCESSORS = {"processors": 0.0}
+"""A processor per rank, as before the planner knew that ranks share cores."""
+
+
+def predicted_with(candidate, profiles, pp: int, plugins, fields: dict) -> float:
+    """``candidate``'s predicted step, same split, on its profile with ``fields`` replaced."""
     import dataclasses
 
-    return {size: dataclasses.replace(p, p2p_send_busy_s=0.0, p2p_recv_busy_s=0.0,
-                                      p2p_busy_bytes_per_s=float("inf"),
-                                      action_overhead_s=0.0)
-            for size, p in profiles.items()}
-
-
-def uncalibrated(candidate, profiles, pp: int, plugins) -> float:
-    """``candidate``'s predicted step on :func:`without_busy` profiles, same split."""
     from pp_core.planning.choose import predict
     from pp_core.schedule.build import resolve_schedule_def
 
     o = candidate.option
     sdef = resolve_schedule_def(o.schedule, plugins)[1]
-    return predict(o, sdef, without_busy(profiles)[o.microbatch_size], pp,
+    return predict(o, sdef, dataclasses.replace(profiles[o.microbatch_size], **fields), pp,
                    candidate.fqns_per_stage).predicted_step_s
+
+
+def alternatives(candidate, profiles, pp: int, plugins) -> dict:
+    """The before/after columns: uncalibrated, and with a processor per rank."""
+    return {"predicted_uncalibrated_step_s":
+            predicted_with(candidate, profiles, pp, plugins, UNCALIBRATED),
+            "predicted_own_processors_step_s":
+            predicted_with(candidate, profiles, pp, plugins, OWN_PROCESSORS)}
 
 
 def predicted_for(values: dict, profiles, pp: int, plugins) -> dict:
@@ -226,8 +234,7 @@ def predicted_for(values: dict, profiles, pp: int, plugins) -> dict:
     candidate = predict(option, sdef, profiles[config.pp_microbatch_size], pp,
                         split.fqns_per_stage)
     return {"predicted_step_s": candidate.predicted_step_s, "dropped": candidate.dropped,
-            "predicted_uncalibrated_step_s": uncalibrated(candidate, profiles, pp, plugins)
-            if not candidate.dropped else None,
+            **(alternatives(candidate, profiles, pp, plugins) if not candidate.dropped else {}),
             "predicted_peak_bytes": [m.total(False) for m in candidate.memory]}
 
 
@@ -253,8 +260,7 @@ def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
     def planned(candidate, label):
         return (label, concrete_config(base, candidate).to_dict(),
                 {"predicted_step_s": candidate.predicted_step_s,
-                 "predicted_uncalibrated_step_s": uncalibrated(candidate, profiles, pp,
-                                                                plugins),
+                 **alternatives(candidate, profiles, pp, plugins),
                  "predicted_peak_bytes": [m.total(candidate.pool) for m in candidate.memory]})
 
     cases = [planned(ranking.chosen, f"auto: {describe(ranking.chosen)}")]
@@ -292,6 +298,8 @@ def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
         row["error_min"] = row["measured_min_step_s"] / row["predicted_step_s"] - 1
         row["error_uncalibrated"] = \
             row["measured_step_s"] / row["predicted_uncalibrated_step_s"] - 1
+        row["error_own_processors"] = \
+            row["measured_step_s"] / row["predicted_own_processors_step_s"] - 1
         rows.append(row)
         print(f"  pp={pp} {label}: predicted {row['predicted_step_s'] * 1e3:.1f} ms "
               f"({row['predicted_uncalibrated_step_s'] * 1e3:.1f} uncalibrated), measured "
@@ -381,8 +389,9 @@ def main(argv=None) -> int:
 
 def table(report: dict) -> str:
     lines = ["| pp | plan | predicted ms | measured ms (median) | error | measured ms (min) | "
-             "error (min) | predicted ms uncalibrated | its error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "error (min) | predicted ms uncalibrated | its error | predicted ms, a processor "
+             "per rank | its error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for entry in report["pp"]:
         for row in entry["runs"]:
             lines.append(f"| {entry['pp']} | {row['label']} | {row['predicted_step_s'] * 1e3:.1f} "
@@ -390,7 +399,9 @@ def table(report: dict) -> str:
                          f"| {row['measured_min_step_s'] * 1e3:.1f} "
                          f"| {100 * row['error_min']:+.0f}% "
                          f"| {row['predicted_uncalibrated_step_s'] * 1e3:.1f} "
-                         f"| {100 * row['error_uncalibrated']:+.0f}% |")
+                         f"| {100 * row['error_uncalibrated']:+.0f}% "
+                         f"| {row['predicted_own_processors_step_s'] * 1e3:.1f} "
+                         f"| {100 * row['error_own_processors']:+.0f}% |")
     for entry in report["pp"]:
         cap = entry["memory_cap"]
         again = entry["confirmation"]
