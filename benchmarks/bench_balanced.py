@@ -1,12 +1,13 @@
 """The ``balanced`` splitter against the ``layers`` split, same model, schedule and ranks.
 
-Model: ``uneven_gpt`` (pp_core_builtins.models): vocabulary 16384 (``--vocab``), dim 128, 8 blocks -
-4 with MLP factor 1, then 4 with factor 8 - so the head and the wide blocks cost far more than
-the embedding and the narrow blocks. With 4 one-thread ranks on a 2-core machine a split can only
-win where the block-count split leaves more than half the work on one rank (else the step is
-bound by the total work over the 2 cores, whatever the split): the large vocabulary makes the
-head that heavy, as it is in LLMs with 100k-250k vocabularies. ``layers`` spreads blocks by count; ``balanced`` cuts by the forward + backward
-time ``profile_model`` measures, once, in this (parent) process before the ranks start - as
+Model: ``uneven_gpt`` (pp_core_builtins.models): vocabulary 16384 (``--vocab``), dim 128,
+8 blocks - 4 with MLP factor 1, then 4 with factor 8 (``--wide``) - so the head and the wide
+blocks cost far more than the embedding and the narrow blocks. With 4 one-thread ranks on a
+2-core machine a split can only win where the block-count split leaves more than half the work
+on one rank (else the step is bound by the total work over the 2 cores, whatever the split):
+the large vocabulary makes the head that heavy, as it is in LLMs with 100k-250k vocabularies.
+``layers`` spreads blocks by count; ``balanced`` cuts by the forward + backward time
+``profile_model`` measures, once, in this (parent) process before the ranks start - as
 ``pp-core run`` does for ``model.splitter: balanced`` - so every rank gets the same cut.
 
 Each configuration (ranks x schedule) builds both pipelines from the same weights on gloo ranks
@@ -20,6 +21,7 @@ microbatch each split has by the profile (what the split balances).
 
     python benchmarks/bench_balanced.py [--ranks 2,4] [--schedules 1f1b,interleaved_1f1b]
                                         [--steps 12] [--seq 64] [--microbatch 2] [--json FILE]
+                                        [--microbatches 8] [--vocab 16384] [--wide 8]
 """
 
 from __future__ import annotations

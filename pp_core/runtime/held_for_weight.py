@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import weakref
 
-from pp_core.runtime.transient import Allocations, _storages
+from pp_core.runtime.transient import Allocations, storages
 
 __all__ = ["HeldForWeight"]
 
@@ -56,10 +56,10 @@ class HeldForWeight:
         with self.log.tracking():
             returned, state = run()
         self.window = (start, len(self.log.events))
-        self.returned = {self.log.live[s.data_ptr()] for s in _storages(returned)
+        self.returned = {self.log.live[s.data_ptr()] for s in storages(returned)
                          if s.data_ptr() in self.log.live}
         seen = {}
-        for storage in _storages(received or ()):
+        for storage in storages(received or ()):
             seen.setdefault(storage.data_ptr(), storage)
         self.received = [(weakref.ref(s), s.nbytes()) for s in seen.values()]
         return returned, state

@@ -22,10 +22,11 @@ import weakref
 from pp_core._torch_compat import TorchDispatchMode
 from pp_core.runtime.microbatch import iter_tensors
 
-__all__ = ["Allocations"]
+__all__ = ["Allocations", "storages"]
 
 
-def _storages(values):
+def storages(values):
+    """The plain storages of the tensors in ``values`` (nested containers walked)."""
     out = []
     for value in iter_tensors(values):
         try:
@@ -69,7 +70,7 @@ class Allocations:
     def peak(self, exclude_tensors=()) -> int:
         """The most bytes live at once, leaving out the allocations that are (still) the
         storages of ``exclude_tensors`` (the parameter gradients)."""
-        skip = {self.live[s.data_ptr()] for s in _storages(list(exclude_tensors))
+        skip = {self.live[s.data_ptr()] for s in storages(list(exclude_tensors))
                 if s.data_ptr() in self.live}
         live = peak = 0
         for ident, delta in self.events:
@@ -86,9 +87,9 @@ if TorchDispatchMode is not None:
             self.log = log
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            before = {s.data_ptr() for s in _storages((args, kwargs))}
+            before = {s.data_ptr() for s in storages((args, kwargs))}
             out = func(*args, **(kwargs or {}))
-            for storage in _storages(out):
+            for storage in storages(out):
                 if storage.data_ptr() not in before:
                     self.log._allocated(storage)
             return out

@@ -260,7 +260,8 @@ def simulate(
         makespan=max(last), busy=busy, first_start=first, last_end=last,
         peak_activations=peaks,
         peak_activation_bytes=peak_bytes if stage_bytes is not None else None,
-        processors=float(processors) if ends is not None else None, starts=starts, _encoded=encoded, _cost=cost, _ends=ends,
+        processors=float(processors) if ends is not None else None, starts=starts,
+        _encoded=encoded, _cost=cost, _ends=ends,
     )
 
 
