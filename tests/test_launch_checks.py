@@ -51,7 +51,9 @@ def start(tmp_path, *sets: str, env=None) -> subprocess.Popen:
     args = [sys.executable, "-m", "pp_core", "run", str(path)]
     for item in sets:
         args += ["--set", item]
-    return subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})}, text=True,
+    # PYTHONFAULTHANDLER: a hung run is stopped with SIGABRT, which then prints every thread
+    return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONFAULTHANDLER": "1",
+                                                 **(env or {})}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -60,9 +62,13 @@ def finish(process: subprocess.Popen, timeout: float = 90) -> tuple[int, str, st
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        process.kill()
-        out, err = process.communicate()
-        pytest.fail(f"pp-core run hung for {timeout} s: {out[-500:]} {err[-1000:]}")
+        process.send_signal(signal.SIGABRT)  # the faulthandler's stacks: where it hung
+        try:
+            out, err = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+        pytest.fail(f"pp-core run hung for {timeout} s: {out[-500:]} {err[-4000:]}")
     return process.returncode, out, err
 
 
