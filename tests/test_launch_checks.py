@@ -54,7 +54,15 @@ def start(tmp_path, *sets: str, env=None) -> subprocess.Popen:
     # PYTHONFAULTHANDLER: a hung run is stopped with SIGABRT, which then prints every thread
     return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONFAULTHANDLER": "1",
                                                  **(env or {})}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_as_from_a_terminal)
+
+
+def _as_from_a_terminal() -> None:
+    """Ctrl-C as a terminal delivers it. A suite started in the background of a
+    non-interactive shell (``bash -c '... &'``) inherits SIGINT ignored, and so would the run:
+    rightly - a background job ignores Ctrl-C - but then the Ctrl-C tests send it in vain."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(process: subprocess.Popen, timeout: float = 90) -> tuple[int, str, str]:
