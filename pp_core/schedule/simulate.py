@@ -214,7 +214,7 @@ def simulate(
     M = schedule.num_microbatches
     busy, first, last, peaks, peak_bytes = [], [], [], [], []
     uniform = not costs.per_stage
-    for row, st in zip(encoded, starts):
+    for r, (row, st) in enumerate(zip(encoded, starts)):
         live = peak = 0
         live_b = peak_b = 0.0
         counts = [0, 0, 0, 0]
@@ -249,10 +249,9 @@ def simulate(
         first.append(st[0] if st else 0.0)
         if not st:
             last.append(0.0)
-        elif ends is not None:
-            last.append(ends[len(last)][-1])
-        else:
-            last.append(st[-1] + cost[(row[-1] >> 2) // M][row[-1] & 3])
+        else:  # shared processors stretch actions: their ends are the replay's own
+            last.append(ends[r][-1] if ends is not None
+                        else st[-1] + cost[(row[-1] >> 2) // M][row[-1] & 3])
         peaks.append(peak)
         peak_bytes.append(peak_b)
     return SimResult(
