@@ -186,7 +186,7 @@ def main(argv=None):
     setup = {"seq": args.seq, "microbatch": args.microbatch, "vocab": args.vocab,
              "wide": args.wide, "microbatches": args.microbatches}
     from pp_core.losses import cross_entropy
-    from pp_core.runtime.profile import profile_model
+    from pp_core.measure.profile import profile_model
 
     torch.set_num_threads(1)
     load_before = uptime()

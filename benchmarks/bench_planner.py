@@ -16,7 +16,7 @@ On 2 and 4 gloo ranks of this machine (one thread per rank), for a GPT with a la
 * **memory cap**: a cap just below the fastest plan's predicted peak; the plan auto picks then,
   run, with its measured peak per rank (parameters of the rank's parts + the growth of the
   resident set over the steps, optimizer steps included) and what it gave up; every run also
-  records its live-tensor peak (one more untimed step under :mod:`pp_core.runtime.transient`'s
+  records its live-tensor peak (one more untimed step under :mod:`pp_core.measure.transient`'s
   log: what the memory model predicts, without the allocator's retained pages); the capped
   plan is run once more on ranks whose allocator returns freed pages (``MALLOC_MMAP_THRESHOLD_``),
   where the resident set follows the live tensors;
@@ -97,11 +97,11 @@ def run_case(config_values: dict, steps: int, warmup: int = 2) -> dict:
 
 def _live_peak(pipe, optimizers, x, y, params: int) -> int:
     """The most bytes of live tensors in one more (untimed) step and optimizer step: parameters,
-    optimizer state, and what the step makes (pp_core.runtime.transient's log). What the memory
+    optimizer state, and what the step makes (pp_core.measure.transient's log). What the memory
     model predicts, without the allocator's retained pages that the resident set adds."""
     import torch.distributed as dist
 
-    from pp_core.runtime.transient import Allocations
+    from pp_core.measure.transient import Allocations
 
     state = sum(t.numel() * t.element_size() for optimizer in optimizers
                 for per_param in optimizer.state.values() for t in per_param.values()
@@ -242,7 +242,7 @@ def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
     from pp_core import PipelineConfig
     from pp_core import plan_auto
     from pp_core.planning.choose import choose_plan
-    from pp_core.runtime.plan_auto import concrete_config
+    from pp_core.measure.plan_auto import concrete_config
     from pp_core.planning.report import describe, format_ranking
     from pp_core.plugin_manager import default_plugins
     from pp_core.testing import DistPool
@@ -343,7 +343,7 @@ def planning_time_pp8() -> dict:
 
     from pp_core.losses import resolve_loss
     from pp_core.planning.choose import choose_plan
-    from pp_core.runtime.profile import profile_model
+    from pp_core.measure.profile import profile_model
     from pp_core_builtins.models.gpt import GPT
 
     torch.manual_seed(0)
@@ -370,7 +370,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="passes over all cases")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
-    from pp_core.runtime.link import measure_local_link
+    from pp_core.measure.link import measure_local_link
 
     load = os.getloadavg()
     link = measure_local_link("gloo", "cpu")

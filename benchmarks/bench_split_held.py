@@ -1,7 +1,7 @@
 """Predicted peak memory per rank against the live tensors measured, for split-backward plans.
 
 A split backward's ``I`` keeps gradients alive until its ``W`` (the boundary gradients ``W``
-restarts from, :mod:`pp_core.runtime.held_for_weight`). This runs the bench_planner GPT
+restarts from, :mod:`pp_core.measure.held_for_weight`). This runs the bench_planner GPT
 (embedding and head heavier than a block) on gloo ranks of this machine with split-backward
 schedules and a whole-backward control, each with the ``layers`` split, and prints per rank the
 planner's prediction (``predict_memory``, no receive-buffer pool) next to the live-tensor peak
@@ -30,7 +30,7 @@ SCHEDULES = ("zero_bubble", "v_schedule", "dualpipe_v", "1f1b")
 
 def profile(mbs: int):
     from pp_core.losses import resolve_loss
-    from pp_core.runtime.profile import profile_model
+    from pp_core.measure.profile import profile_model
 
     x, y = make_batch()
     return profile_model(make_model(), x, y, resolve_loss("cross_entropy"), [mbs], repeats=1)[mbs]

@@ -58,9 +58,9 @@ def plan_auto(model, config, inputs, target, pp_size, **options):
     """Profile ``model``, choose the fastest plan that fits memory, return an ``AutoPlan`` whose
     ``config`` is a concrete :class:`PipelineConfig` for :func:`build_pipeline`.
 
-    ``options`` are those of :func:`pp_core.runtime.plan_auto.plan_auto` (``memory_cap=``,
+    ``options`` are those of :func:`pp_core.measure.plan_auto.plan_auto` (``memory_cap=``,
     ``group=``, ``device=``, ...). Imported lazily, like :func:`build_pipeline`.
     """
-    from pp_core.runtime.plan_auto import plan_auto as _plan
+    from pp_core.measure.plan_auto import plan_auto as _plan
 
     return _plan(model, config, inputs, target, pp_size, **options)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # heavy imports only for type checkers
     from torch import nn
 
     from pp_core.config import PipelineConfig
-    from pp_core.runtime.initializers import PipelineRuntimeInitializer
+    from pp_core.initializer import PipelineRuntimeInitializer
 
 __all__ = [
     "hookspec",

@@ -14,13 +14,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = ROOT / "plugins"
-# Old import paths kept after issue 12 moved their modules; each only re-exports the new one.
-COMPATIBILITY_PATHS = {"pp_core.plugins": "pp_core.plugin_manager",
-                       "pp_core.checkpoint": "pp_core.app.checkpoint",
-                       "pp_core.runtime.split": "pp_core.planning.split",
-                       "pp_core.runtime.parts": "pp_core.planning.parts",
-                       "pp_core.runtime.buffers": "pp_core.runtime.allocator",
-                       "pp_core.schedule.buffers": "pp_core.schedule.buffer_plan"}
+# Public import paths that only re-export a module of another room; each only re-exports it.
+# pp_core.checkpoint is the library's name for the DCP checkpoint functions (docs/composition.md).
+COMPATIBILITY_PATHS = {"pp_core.checkpoint": "pp_core.app.checkpoint"}
 # `python -m pp_core` is the application's command line, like the console script
 APP_ENTRY_POINTS = {"pp_core.__main__"}
 
@@ -48,15 +44,17 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
     return skip
 
 
-def imports_of(module: str, files: dict[str, Path]) -> list[tuple[str, int, bool]]:
-    """``(imported module, line, at top level)`` for every import that runs in ``module``.
+def imports_of(module: str, files: dict[str, Path],
+               type_checking: bool = False) -> list[tuple[str, int, bool]]:
+    """``(imported module, line, at top level)`` for every import that runs in ``module`` (and
+    those under ``if TYPE_CHECKING:`` too, with ``type_checking``).
 
     ``from a import b`` counts as an import of ``a.b`` when that is a module of ours, else of
     ``a``; relative imports are resolved against the module's package.
     """
     tree = ast.parse(files[module].read_text(), str(files[module]))
     package = module if _is_package(module, files) else module.rpartition(".")[0]
-    skip = _type_checking_only(tree)
+    skip = set() if type_checking else _type_checking_only(tree)
     top_level = {id(node) for node in tree.body}
     top_level |= {id(n) for node in tree.body if isinstance(node, (ast.If, ast.Try))
                   for n in ast.walk(node)}
@@ -80,14 +78,14 @@ def imports_of(module: str, files: dict[str, Path]) -> list[tuple[str, int, bool
     return found
 
 
-def graph(files: dict[str, Path]) -> dict[str, dict[str, int]]:
+def graph(files: dict[str, Path], type_checking: bool = False) -> dict[str, dict[str, int]]:
     """``{module: {imported module of ours: line}}``. Importing ``a.b.c`` runs ``a`` and
     ``a.b`` too (their ``__init__``), so those are edges as well - except a package that holds
     the importer: Python has started it before the importer, so only an explicit import of it
     (``from pp_core import X`` inside ``pp_core``) is an edge."""
     edges: dict[str, dict[str, int]] = {name: {} for name in files}
     for module in files:
-        for target, line, _ in imports_of(module, files):
+        for target, line, _ in imports_of(module, files, type_checking):
             parts = target.split(".")
             for i in range(1, len(parts) + 1):
                 name = ".".join(parts[:i])
@@ -133,6 +131,15 @@ def test_import_graph_has_no_cycle():
     assert cycle is None, f"import cycle: {describe(cycle, edges)}"
 
 
+def test_import_graph_has_no_cycle_counting_type_checking_imports():
+    """A type named under ``TYPE_CHECKING`` from a room above is still a design tie: the hook
+    specs once named the initializer Protocol from ``runtime/``, three floors up."""
+    files = module_files()
+    edges = graph(files, type_checking=True)
+    cycle = find_cycle(edges)
+    assert cycle is None, f"import cycle (TYPE_CHECKING imports counted): {describe(cycle, edges)}"
+
+
 def _violations(prefix: str, forbidden, top_level_only: bool = False,
                 exact: bool = False) -> list[str]:
     """Imports of ``forbidden`` modules in ``prefix`` (and below it, unless ``exact``)."""
@@ -171,6 +178,19 @@ def test_compatibility_paths_only_re_export_the_new_module():
         assert "Compatibility path" in ast.get_docstring(tree), old
 
 
+def test_validation_reaches_neither_the_launcher_nor_the_trainer():
+    """``pp-core validate`` checks a file; what launches or trains must not be part of it."""
+    files = module_files()
+    edges = graph(files)
+    seen, todo = set(), ["pp_core.app.preflight"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(edges[module])
+    assert not seen & {"pp_core.app.launch", "pp_core.app.train"}, sorted(seen)
+
+
 def test_schedule_command_imports_torch_only_lazily():
     """tests/test_schedule_torch_free.py runs the commands; this names the line at once."""
     bad = _violations("pp_core.app.commands.schedule", ("torch",), top_level_only=True)
@@ -188,10 +208,11 @@ ALLOWED = {
     "planning": {"core", "schedule"},
     "parallel": {"core"},
     "runtime": {"core", "schedule", "planning", "parallel"},
+    "measure": {"core", "schedule", "planning", "parallel", "runtime"},
     "testing": BELOW_APP,
-    "facade": {"core", "schedule", "runtime"},
-    "builtins": BELOW_APP | {"facade"},
-    "app": BELOW_APP | {"facade"},
+    "facade": {"core", "schedule", "runtime", "measure"},
+    "builtins": BELOW_APP | {"facade", "measure"},
+    "app": BELOW_APP | {"facade", "measure"},
 }
 
 
@@ -205,8 +226,9 @@ def room(module: str) -> str:
 
 
 def test_each_room_imports_only_the_rooms_below_it():
+    """Type-only imports included: a type named from a room above is an arrow up all the same."""
     files = module_files()
-    edges = graph(files)
+    edges = graph(files, type_checking=True)
     skip = set(COMPATIBILITY_PATHS) | APP_ENTRY_POINTS
     bad = [f"{files[a].relative_to(ROOT)}:{line} ({room(a)}) imports {b} ({room(b)})"
            for a in sorted(edges) if a not in skip for b, line in sorted(edges[a].items())

@@ -183,7 +183,7 @@ def test_parse_size_refuses_with_the_units_it_takes(text):
 
 
 def test_default_microbatch_sizes_keep_every_rank_busy():
-    from pp_core.runtime.plan_auto import default_microbatch_sizes
+    from pp_core.measure.plan_auto import default_microbatch_sizes
 
     assert default_microbatch_sizes(16, 2) == [1, 2, 4, 8]
     assert default_microbatch_sizes(16, 4) == [1, 2, 4]
@@ -193,7 +193,7 @@ def test_default_microbatch_sizes_keep_every_rank_busy():
 
 def test_concrete_config_is_what_build_pipeline_runs():
     from pp_core import PipelineConfig
-    from pp_core.runtime.plan_auto import concrete_config
+    from pp_core.measure.plan_auto import concrete_config
 
     ranking = choose_plan(PROFILES, 2, 8, memory_cap=None)
     chosen = ranking.chosen

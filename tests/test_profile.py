@@ -13,7 +13,8 @@ from torch import nn
 from pp_core import ConfigError
 from pp_core.losses import cross_entropy, mse
 from pp_core.planning.costs import ModelProfile
-from pp_core.runtime.profile import measure_p2p, profile_model
+from pp_core.measure.link import measure_p2p
+from pp_core.measure.profile import profile_model
 from pp_core.planning.units import model_units
 from pp_core.testing import plugins_with
 from pp_core.testing import DistPool
@@ -153,14 +154,14 @@ def test_profile_of_a_hugging_face_decoder_uses_its_splitter():
 
 
 def p2p_on_every_rank():
-    from pp_core.runtime.link import measure_p2p_busy
+    from pp_core.measure.link import measure_p2p_busy
 
     latency, bandwidth = measure_p2p(None, (4, 1 << 16))
     with pytest.raises(ConfigError, match="must end larger"):
         measure_p2p(None, (8, 8))
     with pytest.raises(ConfigError, match="must end larger"):
         measure_p2p_busy(None, (8, 8))
-    from pp_core.runtime.overhead import measure_action_overhead
+    from pp_core.measure.overhead import measure_action_overhead
 
     return (latency, bandwidth) + measure_p2p_busy(None, (4, 1 << 16), count=5) + \
         (measure_action_overhead(steps=2),)

@@ -11,8 +11,8 @@ from pp_core.losses import cross_entropy
 from pp_core.planning.costs import ModelProfile, UnitCost
 from pp_core.planning.memory import split_held_bytes
 from pp_core.runtime.backward import backward_input, backward_weight
-from pp_core.runtime.profile import profile_model
-from pp_core.runtime.transient import Allocations
+from pp_core.measure.profile import profile_model
+from pp_core.measure.transient import Allocations
 from pp_core_builtins.models.gpt import GPT
 
 MBS, SEQ, DIM, VOCAB = 2, 16, 32, 512

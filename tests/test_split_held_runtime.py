@@ -42,7 +42,7 @@ def live_peak(name: str) -> int:
     import torch.distributed as dist
 
     from pp_core import build_pipeline
-    from pp_core.runtime.transient import Allocations
+    from pp_core.measure.transient import Allocations
 
     torch.set_num_threads(1)
     x, y = batch()
@@ -73,7 +73,7 @@ def pool():
 
 @pytest.fixture(scope="module")
 def profile():
-    from pp_core.runtime.profile import profile_model
+    from pp_core.measure.profile import profile_model
 
     torch.set_num_threads(1)
     x, y = batch()

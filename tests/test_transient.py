@@ -10,8 +10,8 @@ from torch import nn
 
 from pp_core.planning.costs import ModelProfile, UnitCost
 from pp_core.planning.memory import predict_memory
-from pp_core.runtime.profile import profile_model
-from pp_core.runtime.transient import Allocations
+from pp_core.measure.profile import profile_model
+from pp_core.measure.transient import Allocations
 from pp_core.schedule.build import build_schedule
 from pp_core.testing import plugins_with
 

@@ -95,7 +95,7 @@ def split_by_profile(profile, num_stages: int, kind: str = "train") -> list[list
     units = profile.units
     if not units:
         raise ConfigError("the profile has no units; profile the model with "
-                          "pp_core.runtime.profile.profile_model first")
+                          "pp_core.measure.profile.profile_model first")
     counts = balance(unit_costs(profile, kind), num_stages)
     return stage_fqns([unit.fqns for unit in units], counts)
 

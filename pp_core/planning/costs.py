@@ -2,7 +2,7 @@
 
 A *unit* is the smallest thing a splitter may place on a stage: the modules before ``layers``
 (embedding) as one unit, each block of ``layers``, the modules after it (norm, head, loss) as
-one unit. The profiler (``pp_core.runtime.profile``) fills these from measurements on the
+one unit. The profiler (``pp_core.measure.profile``) fills these from measurements on the
 rank's own device; the balanced splitter and the planner read them. Pure data: no torch.
 """
 
@@ -34,7 +34,7 @@ class UnitCost:
     # gradients (temporaries: a vocabulary head's logits, log-softmax and their gradients).
     # Default 0: a profile stored before it was measured loads and predicts as it did.
     transient_bytes: int = 0
-    # Split backward (I, later W), pp_core.runtime.held_for_weight measures them:
+    # Split backward (I, later W), pp_core.measure.held_for_weight measures them:
     # - input_grad_held_bytes: what the unit's I allocated that is alive when its W starts,
     #   beyond activation_bytes (the gradients kept at the nodes where a parameter's side
     #   branches off the input path), the input gradient it hands back left out;

@@ -8,33 +8,15 @@ exactly once and refuses conflicting demands before any pipeline traffic starts.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
+from pp_core.initializer import PipelineRuntimeInitializer
 from pp_core.plugin_manager import Plugins, plugins_or_default
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
 __all__ = ["PipelineRuntimeInitializer", "collect_pipeline_runtime_initializers"]
-
-
-@runtime_checkable
-class PipelineRuntimeInitializer(Protocol):
-    """Makes one process-local resource ready for the next microbatch.
-
-    ``resource_key`` identifies the resource (two initializers with the same key own the same
-    thing); ``signature`` is the immutable configuration expected for that key (two initializers
-    with the same key must agree on it). Both must be hashable.
-    """
-
-    resource_key: Hashable
-    signature: Hashable
-
-    def prepare(self, num_tokens: int, device: "torch.device") -> None:
-        """Make the resource ready for a microbatch of at most ``num_tokens`` tokens."""
-        ...
 
 
 def _check_hashable(value, what: str, initializer, where: str, plugin: str) -> None:

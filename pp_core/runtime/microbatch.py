@@ -7,7 +7,7 @@ microbatch. A tensor whose dim 0 is not the batch size is a usage error, reporte
 communication.
 
 The same splitting (:func:`split_batch`) cuts a data-parallel step's global batch into the dp
-ranks' shares (:func:`pp_core.app.train.dp_slice`); only the message of a mismatch differs.
+ranks' shares (:func:`pp_core.app.factories.dp_slice`); only the message of a mismatch differs.
 
 Token count rule - the one pp-core counts tokens by: ``num_tokens`` passed to runtime
 initializers, and the tokens per step and tokens/s a run reports: the ``numel()`` of the first

@@ -27,7 +27,7 @@ from pp_core.planning.units import model_units, shared_modules, unit_splitter
 __all__ = ["BalancedSplitter"]
 
 FIX = ("profile it first: BalancedSplitter(profile_model(model, inputs, target, loss_fn, "
-       "[config.pp_microbatch_size])) with pp_core.runtime.profile.profile_model, or in YAML "
+       "[config.pp_microbatch_size])) with pp_core.measure.profile.profile_model, or in YAML "
        "set model.splitter: balanced (pp-core run profiles before launch)")
 
 

@@ -8,12 +8,11 @@ the last unit, and the runtime's own backward functions - :func:`backward_full` 
 :func:`backward_input` then :func:`backward_weight` for I and W - so the costs the planner
 simulates are the costs of what executes. Each microbatch size gets one warm-up pass (which also
 records memory: saved tensors through ``saved_tensors_hooks``, once per storage, parameters
-excluded; and each unit's transient peak, :mod:`pp_core.runtime.transient`), one split pass
-(what each unit's I leaves alive for its W, :mod:`pp_core.runtime.held_for_weight`) and
+excluded; and each unit's transient peak, :mod:`pp_core.measure.transient`), one split pass
+(what each unit's I leaves alive for its W, :mod:`pp_core.measure.held_for_weight`) and
 ``repeats`` timed passes; a time is the median, by the clock :data:`CLOCKS` says.
 
-:func:`measure_p2p` times round trips between the first two ranks of a group and broadcasts the
-result, so every rank plans with the same numbers.
+The link between ranks is measured apart, by :mod:`pp_core.measure.link`.
 """
 
 from __future__ import annotations
@@ -30,24 +29,21 @@ import torch
 
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError
+from pp_core.measure.held_for_weight import HeldForWeight
+from pp_core.measure.link import sync
+from pp_core.measure.transient import Allocations
 from pp_core.planning.balance import stage_fqns
 from pp_core.planning.costs import LINK_FIELDS, ModelProfile, UnitCost
 from pp_core.planning.parts import build_model_parts
 from pp_core.planning.split import SplitPlan
 from pp_core.planning.units import model_units, shared_modules, unit_splitter
 from pp_core.runtime.backward import backward_full, backward_input, backward_weight
-from pp_core.runtime.held_for_weight import HeldForWeight
 from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
 from pp_core.runtime.microbatch import first_tensor, num_tokens, split_microbatches, to_device
 from pp_core.runtime.stage import Stage, as_outputs, make_stage_inputs
-from pp_core.runtime.transient import Allocations
 
-__all__ = ["profile_model", "measure_p2p", "CLOCKS"]
+__all__ = ["profile_model", "CLOCKS"]
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 CLOCKS = ("auto", "wall", "cpu")
@@ -71,7 +67,7 @@ def _nbytes(tensors) -> int:
 
 class _Saved:
     """``saved_tensors_hooks`` that add up the storages autograd keeps for backward, once each;
-    and the unit's allocation log (:mod:`pp_core.runtime.transient`), for its transient peak."""
+    and the unit's allocation log (:mod:`pp_core.measure.transient`), for its transient peak."""
 
     def __init__(self, exclude: set[int]):
         self.exclude, self.seen, self.total, self.made = exclude, set(), 0, 0
@@ -104,7 +100,7 @@ class _Saved:
         return max(0, self.allocations.peak(grads) - self.made)
 
 
-class _Units:
+class _UnitRunner:
     """One part per unit and the runtime's stage call for each; runs one microbatch at a time."""
 
     def __init__(self, model, units, config, plugins, splitter, device):
@@ -124,10 +120,10 @@ class _Units:
 
     def timed(self, fn: Callable[[], Any]) -> tuple[Any, float]:
         """``(fn(), seconds)`` by ``self.clock``, the device synchronised around it."""
-        _sync(self.device)
+        sync(self.device)
         start = self.clock()
         result = fn()
-        _sync(self.device)
+        sync(self.device)
         return result, self.clock() - start
 
     def forward(self, x, target, loss_fn, index, inputs, saved=None):
@@ -137,7 +133,7 @@ class _Units:
         if index == 0 and self.initializers:
             for initializer in self.initializers:
                 initializer.prepare(num_tokens(x), self.device)
-        with torch.enable_grad(), (saved.hooks() if saved else _nothing()):
+        with torch.enable_grad(), (saved.hooks() if saved else contextlib.nullcontext()):
             output = stage(x if index == 0 else inputs)
             if stage.is_last:
                 loss = loss_fn(output, target)
@@ -149,14 +145,6 @@ class _Units:
         return [t for t in outs if t.requires_grad], outs
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _config_for(config, stages):
     """The config the parts are built with: the caller's, naming these stages (a splitter such
     as ``hf_decoder`` reads ``module_fqns_per_model_part`` when it builds a part)."""
@@ -165,7 +153,7 @@ def _config_for(config, stages):
                                round_virtual_stages_to_pp_multiple=None)
 
 
-def _one_microbatch(runner: _Units, x, target, loss_fn, split: bool, saved: list | None,
+def _one_microbatch(runner: _UnitRunner, x, target, loss_fn, split: bool, saved: list | None,
                     held: list | None = None):
     """Forward every unit, then backward in reverse: B, or I for all then W for all (with
     ``held``, per unit a :class:`HeldForWeight` logs each I and measures before the first W).
@@ -187,7 +175,7 @@ def _one_microbatch(runner: _Units, x, target, loss_fn, split: bool, saved: list
                 _input_pass, held[i] if held else None, grad_outs[i], grads, inputs))
             grad_outs[i] = None  # as the runtime: from here only W's state holds the graph
         else:
-            with saved[i].allocations.tracking() if saved else _nothing():
+            with saved[i].allocations.tracking() if saved else contextlib.nullcontext():
                 grads_in, backward[i] = runner.timed(
                     lambda i=i, g=grads, a=inputs: backward_full(grad_outs[i], g, a))
         grads = grads_in
@@ -256,7 +244,7 @@ def profile_model(
         the parts are built with (optional).
     :param splitter: the splitter whose ``units`` define the units (default: pp-core's choice).
     :param p2p: ``(latency_s, bytes_per_s)`` to record (:func:`measure_p2p`), optionally followed
-        by the busy times of :func:`pp_core.runtime.link.measure_p2p_busy` (the order of
+        by the busy times of :func:`pp_core.measure.link.measure_p2p_busy` (the order of
         :data:`~pp_core.planning.costs.LINK_FIELDS`); default a free link.
     :param clock: ``"auto"``, ``"wall"`` or ``"cpu"`` (:data:`CLOCKS`).
     """
@@ -271,7 +259,7 @@ def profile_model(
     device = torch.device(device)
     timer = _clock(clock, device)
     units = model_units(model, plugins, splitter)
-    runner = _Units(model, units, config, plugins, splitter, device)
+    runner = _UnitRunner(model, units, config, plugins, splitter, device)
     runner.clock = timer
     params = [p for group in runner.params for p in group]
     kept = {id(p): p.grad for p in params}
@@ -323,74 +311,3 @@ def _profile_size(runner, units, x, y, loss_fn, size, repeats, exclude, p2p) -> 
         for i in range(n))
     return ModelProfile(size, costs, shared_fqns=tuple(runner.shared), device=str(runner.device),
                         **dict(zip(LINK_FIELDS, p2p)))
-
-
-def measure_p2p(group=None, sizes: Sequence[int] = (4, 1 << 22), *, device=None,
-                round_trips: int = 5) -> tuple[float, float]:
-    """``(latency_s, bytes_per_s)`` of a send/recv between the group's first two ranks.
-
-    Rank 0 and rank 1 of ``group`` bounce a float32 tensor of ``sizes[0]`` elements (latency:
-    half the median round trip) and one of ``sizes[-1]`` elements (bandwidth from the extra
-    bytes over the extra time) ``round_trips`` times each after one warm-up; every rank of the
-    group then gets rank 0's numbers (a broadcast), so all ranks plan alike. A group of one rank
-    returns ``(0.0, inf)``: there is no link.
-    """
-    import torch.distributed as dist
-
-    pair = link_pair(group, sizes, device, "measure_p2p")
-    if pair is None:
-        return 0.0, math.inf
-    ranks, small, large, device = pair
-    me = dist.get_rank()
-    result = torch.zeros(2, dtype=torch.float64, device=device)
-    if me in ranks[:2]:
-        peer = ranks[1] if me == ranks[0] else ranks[0]
-        times = [_round_trips(n, me == ranks[0], peer, group, device, round_trips)
-                 for n in (small, large)]
-        half = [statistics.median(t) / 2 for t in times]
-        extra_s = max(half[1] - half[0], 1e-9)
-        result[0], result[1] = half[0], (large - small) * 4 / extra_s
-    dist.broadcast(result, src=ranks[0], group=group)
-    return float(result[0]), float(result[1])
-
-
-def link_pair(group, sizes: Sequence[int], device, what: str):
-    """What every link measurement starts with: ``(group ranks, small numel, large numel,
-    device)`` - the device the backend sends from unless given - or ``None`` for a group of one
-    rank, which has no link. Refuses a missing process group and sizes that do not grow."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        raise ConfigError(f"{what} needs an initialised process group "
-                          f"(torch.distributed.init_process_group)")
-    ranks = dist.get_process_group_ranks(group) if group is not None else \
-        list(range(dist.get_world_size()))
-    if len(ranks) < 2:
-        return None
-    small, large = int(sizes[0]), int(sizes[-1])
-    if large <= small:
-        raise ConfigError(f"{what}: sizes={list(sizes)} must end larger than they start")
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    return ranks, small, large, device
-
-
-def _round_trips(numel: int, leader: bool, peer: int, group, device, count: int) -> list[float]:
-    import torch.distributed as dist
-
-    buffer = torch.zeros(numel, dtype=torch.float32, device=device)
-    times = []
-    for trip in range(count + 1):  # the first one warms the connection up
-        _sync(device)
-        start = time.perf_counter()
-        if leader:
-            dist.send(buffer, peer, group=group)
-            dist.recv(buffer, peer, group=group)
-        else:
-            dist.recv(buffer, peer, group=group)
-            dist.send(buffer, peer, group=group)
-        _sync(device)
-        if trip:
-            times.append(time.perf_counter() - start)
-    return times

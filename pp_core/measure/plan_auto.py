@@ -21,17 +21,15 @@ from pp_core.config import PipelineConfig
 from pp_core.devices import cpu_cores, shared_processors
 from pp_core.errors import ConfigError
 from pp_core.losses import resolve_loss
+from pp_core.measure.link import measure_p2p, measure_p2p_busy
+from pp_core.measure.overhead import measure_action_overhead
+from pp_core.measure.profile import profile_model
 from pp_core.planning.choose import Candidate, Ranking, choose_plan
 from pp_core.planning.costs import LINK_FIELDS
 from pp_core.planning.sizes import parse_size
 from pp_core.plugin_manager import plugins_or_default
-from pp_core.runtime.link import measure_p2p_busy
-from pp_core.runtime.overhead import measure_action_overhead
-from pp_core.runtime.profile import measure_p2p, profile_model
 
-__all__ = ["AutoPlan", "plan_auto", "default_microbatch_sizes", "concrete_config", "AUTO"]
-
-AUTO = "auto"
+__all__ = ["AutoPlan", "plan_auto", "default_microbatch_sizes", "concrete_config"]
 
 
 @dataclass
@@ -101,8 +99,8 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
     :param group: a process group of the pp ranks: rank 0 decides, every rank gets the same plan
         (a collective: call it on every rank of the group). ``None``: this process decides.
     :param link: ``(latency_s, bytes_per_s)`` between ranks, optionally followed by the busy
-        times of a hand-off (:func:`pp_core.runtime.link.measure_p2p_busy`) and the executor's
-        time per action (:func:`pp_core.runtime.overhead.measure_action_overhead`); default:
+        times of a hand-off (:func:`pp_core.measure.link.measure_p2p_busy`) and the executor's
+        time per action (:func:`pp_core.measure.overhead.measure_action_overhead`); default:
         all measured over ``group``, or none (0 s, unlimited) without one.
     :param schedules: restrict the choice (``{name: ScheduleDef}``); default: the installed.
     :param repeats: timed microbatches per unit and size (their median counts).

@@ -8,7 +8,7 @@ the block's saved bytes, and a view of the gradient of the unit's output (the la
 weight side needs it). A memory model that frees nothing at ``I`` and everything at ``W``
 under-predicted split-backward plans by up to 1.37x.
 
-How: an allocation log (:class:`~pp_core.runtime.transient.Allocations`) of the unit's forward
+How: an allocation log (:class:`~pp_core.measure.transient.Allocations`) of the unit's forward
 (:meth:`HeldForWeight.hooks`) and its ``I``; the caller then drops its outputs, as the
 runtime does (it pops them for ``I``). Before the first ``W`` of the microbatch:
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import weakref
 
-from pp_core.runtime.transient import Allocations, storages
+from pp_core.measure.transient import Allocations, storages
 
 __all__ = ["HeldForWeight"]
 

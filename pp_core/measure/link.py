@@ -3,9 +3,9 @@
 The YAML launcher plans before any rank exists, so there is no process group to time; this
 starts two short-lived processes on the run's backend (gloo on CPU, NCCL between the first two
 GPUs), lets them time a small and a large message with
-:func:`pp_core.runtime.profile.measure_p2p`, what a message costs each rank with
+:func:`measure_p2p`, what a message costs each rank with
 :func:`measure_p2p_busy` and the executor's time per action with
-:func:`pp_core.runtime.overhead.measure_action_overhead`, and returns the link tuple
+:func:`pp_core.measure.overhead.measure_action_overhead`, and returns the link tuple
 (:data:`~pp_core.planning.costs.LINK_FIELDS` order). About three seconds, once per run. The
 processes rendezvous through a file in a temp dir (no port).
 
@@ -25,10 +25,16 @@ import time
 
 import torch
 
-from pp_core.runtime.overhead import measure_action_overhead
-from pp_core.runtime.profile import link_pair, measure_p2p
+from pp_core.errors import ConfigError
+from pp_core.measure.overhead import measure_action_overhead
 
-__all__ = ["measure_local_link", "measure_p2p_busy"]
+__all__ = ["measure_local_link", "measure_p2p", "measure_p2p_busy", "sync"]
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so a clock read after it times that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
 
 BUSY_SIZES = (4, 1 << 18)
 """float32 elements of the small and the large message :func:`measure_p2p_busy` streams."""
@@ -125,3 +131,74 @@ def measure_local_link(backend: str = "gloo", device_type: str = "cpu") -> tuple
                  nprocs=2, join=True)
         with open(out, encoding="utf-8") as fh:
             return tuple(float(x) for x in fh.read().split())
+
+
+def measure_p2p(group=None, sizes: Sequence[int] = (4, 1 << 22), *, device=None,
+                round_trips: int = 5) -> tuple[float, float]:
+    """``(latency_s, bytes_per_s)`` of a send/recv between the group's first two ranks.
+
+    Rank 0 and rank 1 of ``group`` bounce a float32 tensor of ``sizes[0]`` elements (latency:
+    half the median round trip) and one of ``sizes[-1]`` elements (bandwidth from the extra
+    bytes over the extra time) ``round_trips`` times each after one warm-up; every rank of the
+    group then gets rank 0's numbers (a broadcast), so all ranks plan alike. A group of one rank
+    returns ``(0.0, inf)``: there is no link.
+    """
+    import torch.distributed as dist
+
+    pair = link_pair(group, sizes, device, "measure_p2p")
+    if pair is None:
+        return 0.0, math.inf
+    ranks, small, large, device = pair
+    me = dist.get_rank()
+    result = torch.zeros(2, dtype=torch.float64, device=device)
+    if me in ranks[:2]:
+        peer = ranks[1] if me == ranks[0] else ranks[0]
+        times = [_round_trips(n, me == ranks[0], peer, group, device, round_trips)
+                 for n in (small, large)]
+        half = [statistics.median(t) / 2 for t in times]
+        extra_s = max(half[1] - half[0], 1e-9)
+        result[0], result[1] = half[0], (large - small) * 4 / extra_s
+    dist.broadcast(result, src=ranks[0], group=group)
+    return float(result[0]), float(result[1])
+
+
+def link_pair(group, sizes: Sequence[int], device, what: str):
+    """What every link measurement starts with: ``(group ranks, small numel, large numel,
+    device)`` - the device the backend sends from unless given - or ``None`` for a group of one
+    rank, which has no link. Refuses a missing process group and sizes that do not grow."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ConfigError(f"{what} needs an initialised process group "
+                          f"(torch.distributed.init_process_group)")
+    ranks = dist.get_process_group_ranks(group) if group is not None else \
+        list(range(dist.get_world_size()))
+    if len(ranks) < 2:
+        return None
+    small, large = int(sizes[0]), int(sizes[-1])
+    if large <= small:
+        raise ConfigError(f"{what}: sizes={list(sizes)} must end larger than they start")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return ranks, small, large, device
+
+
+def _round_trips(numel: int, leader: bool, peer: int, group, device, count: int) -> list[float]:
+    import torch.distributed as dist
+
+    buffer = torch.zeros(numel, dtype=torch.float32, device=device)
+    times = []
+    for trip in range(count + 1):  # the first one warms the connection up
+        sync(device)
+        start = time.perf_counter()
+        if leader:
+            dist.send(buffer, peer, group=group)
+            dist.recv(buffer, peer, group=group)
+        else:
+            dist.recv(buffer, peer, group=group)
+            dist.send(buffer, peer, group=group)
+        sync(device)
+        if trip:
+            times.append(time.perf_counter() - start)
+    return times
