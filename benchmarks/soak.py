@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -74,8 +75,6 @@ def last_step(metrics: Path) -> int:
 
 
 def soak(ranks: int, steps: int, microbatches: int, schedule: str, warmup: int) -> dict:
-    from pp_core.app.launch import free_port
-
     log_every = 10
     with tempfile.TemporaryDirectory(prefix="pp_core_soak_") as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
@@ -83,7 +82,9 @@ def soak(ranks: int, steps: int, microbatches: int, schedule: str, warmup: int) 
         spec.write_text(YAML.format(layers=2 * ranks, schedule=schedule, ranks=ranks,
                                     microbatches=microbatches, steps=steps, log_every=log_every,
                                     metrics=json.dumps(str(metrics))))
-        port = free_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a free loopback port
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
         procs = []
         for rank in range(ranks):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),

@@ -16,15 +16,20 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Union
 
-from pp_core.callables import resolve_callable  # re-exported: its public path before issue 12
+from pp_core.callables import resolve_callable
 from pp_core.errors import ConfigError, about, did_you_mean
 from pp_core.losses import get_loss
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PipelineConfig", "resolve_dtype", "resolve_callable", "field_types", "field_specs",
-           "FieldSpec", "TorchDtype"]
+__all__ = ["PipelineConfig", "resolve_dtype", "field_types", "field_specs", "FieldSpec",
+           "TorchDtype", "is_auto"]
+
+
+def is_auto(pp_schedule) -> bool:
+    """Whether ``pp_schedule`` asks the planner to choose (``"auto"``, in any case)."""
+    return isinstance(pp_schedule, str) and pp_schedule.lower() == "auto"
 
 
 class TorchDtype:
@@ -104,7 +109,7 @@ class PipelineConfig:
                 f"pp_schedule={self.pp_schedule!r} must be a schedule name such as '1f1b' (or "
                 f"None with pp_schedule_csv); run 'pp-core plugins' to list the installed "
                 f"schedules", field="pp_schedule")
-        if isinstance(self.pp_schedule, str) and self.pp_schedule.lower() == "auto":
+        if is_auto(self.pp_schedule):
             self._check_auto()
         if self.pp_schedule_csv is not None and not isinstance(self.pp_schedule_csv, (str, bytes)) \
                 and not hasattr(self.pp_schedule_csv, "__fspath__"):

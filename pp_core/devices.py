@@ -3,8 +3,8 @@
 Each local rank takes one GPU (``cuda:LOCAL_RANK``), so CUDA works only when this machine has at
 least as many GPUs as ranks it runs. :func:`choose_device` decides from three numbers alone (what
 the file asks, how many ranks run here, how many GPUs torch sees), so the rule is testable on any
-machine; :func:`resolve_device` feeds it this machine's facts. The launcher, ``validate`` and every
-rank call the same function, so they cannot disagree.
+machine; :class:`pp_core.app.layout.RankLayout` feeds it this machine's facts, once, for the
+launcher, ``validate`` and every rank alike. Nothing here reads the YAML spec.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from pp_core.errors import ConfigError
 
-__all__ = ["DeviceChoice", "choose_device", "resolve_device", "local_ranks", "cuda_device_count",
-           "choose", "cpu_cores", "cpu_threads_per_rank", "shared_processors"]
+__all__ = ["DeviceChoice", "choose_device", "cuda_device_count", "cpu_cores",
+           "cpu_threads_per_rank", "shared_processors"]
 
 
 @dataclass(frozen=True)
@@ -57,17 +57,6 @@ def choose_device(requested: str, local_world_size: int, cuda_devices: int,
         raise ConfigError(f"distributed.backend: nccl needs CUDA tensors, but the ranks run on "
                           f"the cpu ({reason}); use backend: gloo or auto")
     return DeviceChoice(device, backend, reason)
-
-
-def local_ranks(distributed: dict, environ=None) -> int:
-    """How many ranks run on this machine: torchrun's ``LOCAL_WORLD_SIZE`` inside a launched
-    job, else ``nproc_per_node`` (default ``pp_size * dp_size / nnodes``)."""
-    env = os.environ if environ is None else environ
-    if "LOCAL_WORLD_SIZE" in env:
-        return int(env["LOCAL_WORLD_SIZE"])
-    if distributed["nproc_per_node"]:
-        return distributed["nproc_per_node"]
-    return distributed["pp_size"] * distributed["dp_size"] // distributed["nnodes"]
 
 
 def cpu_cores() -> int:
@@ -112,15 +101,3 @@ def cuda_device_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def resolve_device(spec) -> tuple[str, str]:
-    """``(device type, backend)`` for this machine; see :func:`choose_device`."""
-    choice = choose(spec)
-    return choice.device, choice.backend
-
-
-def choose(spec) -> DeviceChoice:
-    """:func:`choose_device` with this machine's rank and GPU counts."""
-    dist = spec.distributed
-    return choose_device(dist["device"], local_ranks(dist), cuda_device_count(), dist["backend"])

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pp_core.devices import choose_device, local_ranks
+from pp_core.app.layout import local_ranks
+from pp_core.devices import choose_device
 from pp_core.errors import ConfigError, PipelineError
 from pp_core.app.launch import launch
 from pp_core.app.rendezvous import _wait_for_listener, prepare_endpoint

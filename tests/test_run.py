@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pp_core.app.launch import free_port
 from pp_core_builtins.models import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +98,13 @@ def test_a_failing_rank_ends_the_run_with_its_error(tmp_path, mode, expected):
     # torch's launcher leaves a torchelastic_* log dir per run and an error file per failed rank
     left = [p.name for p in temp.iterdir() if p.name.startswith(("torchelastic_", "pytorch-"))]
     assert left == []
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def test_two_nodes_meet_through_torchrun_rendezvous_on_loopback(tmp_path):

@@ -15,7 +15,8 @@ from pp_core.parallel.gradients import finish_gradients
 from pp_core.app.launch import launch
 from pp_core.losses import cross_entropy
 from pp_core.app.spec import parse_spec
-from pp_core.app.train import dp_slice, lr_factor
+from pp_core.app.factories import dp_slice
+from pp_core.app.train import lr_factor
 from pp_core.runtime.microbatch import num_tokens
 from pp_core_builtins.models import GPT
 from pp_core_builtins.models.datasets import SyntheticLM

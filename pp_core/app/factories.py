@@ -11,10 +11,11 @@ from typing import Callable
 
 from pp_core.app.spec import Spec
 from pp_core.callables import resolve_callable
-from pp_core.errors import ConfigError, quoted
+from pp_core.errors import ConfigError, PipelineError, quoted
 from pp_core.plugin_manager import plugins_or_default
 
-__all__ = ["model_factory", "dataset_factory", "dataset_args", "accepts"]
+__all__ = ["model_factory", "build_model", "dataset_factory", "dataset_args", "accepts",
+           "dp_slice"]
 
 
 def model_factory(spec: Spec, plugins=None) -> Callable:
@@ -28,6 +29,17 @@ def model_factory(spec: Spec, plugins=None) -> Callable:
                               f"class or factory function")
         return target
     return plugins_or_default(plugins).models.get(spec.model["name"])
+
+
+def build_model(spec: Spec, plugins=None):
+    """The spec's model as every rank builds it: ``train.seed`` set, then the factory called
+    with ``model.args`` (on torch's current default device: a ``with torch.device("meta")``
+    around the call builds it without memory). The one recipe of the trainer and of everything
+    that measures the model in the launching process, so both build the same model."""
+    import torch  # lazy: torch, off the spec checks' light path
+
+    torch.manual_seed(spec.train["seed"])
+    return model_factory(spec, plugins)(**spec.model["args"])
 
 
 def dataset_factory(spec: Spec, plugins=None) -> Callable:
@@ -56,3 +68,18 @@ def dataset_args(spec: Spec, factory: Callable, evaluation: bool = False) -> dic
     if "batch_size" not in args and accepts(factory, "batch_size"):
         args["batch_size"] = spec.global_batch_size
     return args
+
+
+def dp_slice(value, dp_rank: int, dp_size: int, global_batch: int):
+    """This dp rank's contiguous share of a global batch: :func:`split_batch`, the rule that
+    splits microbatches (tensors, tuples, dicts), with a message about the dataset."""
+    from pp_core.runtime.microbatch import split_batch  # lazy: torch, only with a batch in hand
+
+    def mismatch(path, tensor):
+        found = "a scalar" if tensor.dim() == 0 else f"leading dimension {tensor.shape[0]}"
+        return PipelineError(
+            f"the dataset yielded a batch with {found}, expected the global batch size "
+            f"pipeline.pp_batch_size * distributed.dp_size = {global_batch}; make the "
+            f"dataset yield {global_batch} samples per step (data.args.batch_size)")
+
+    return split_batch(value, dp_size, global_batch, mismatch)[dp_rank]

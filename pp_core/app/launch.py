@@ -25,13 +25,13 @@ import threading
 from typing import Any, Callable
 
 from pp_core.app.logs import configure_logging
-from pp_core.app.balanced_launch import balanced_spec, wants_balanced
+from pp_core.app.decide import decide
+from pp_core.app.layout import RankLayout
 from pp_core.app.rendezvous import prepare_endpoint, started_by_torchrun
 from pp_core.app.spec import Spec
-from pp_core.devices import choose, local_ranks
 from pp_core.errors import ConfigError, PPCoreError, PipelineError
 
-__all__ = ["launch", "started_by_torchrun", "free_port", "rank_main", "is_loopback"]
+__all__ = ["launch", "started_by_torchrun", "rank_main", "is_loopback"]
 
 SHUTDOWN_TIMEOUT_S = 5
 """Seconds a rank gets to exit after SIGTERM before SIGKILL (a stopped rank never exits)."""
@@ -39,13 +39,6 @@ SHUTDOWN_TIMEOUT_S = 5
 
 def is_loopback(address: str) -> bool:
     return address in ("localhost", "::1") or address.startswith("127.")
-
-
-def free_port(address: str = "127.0.0.1") -> int:
-    """A port nobody listens on at ``address`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
 
 
 def rank_main(spec_values: dict, entrypoint: Callable | None = None) -> Any:
@@ -97,8 +90,9 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
     from pp_core.runtime.pipeline import _timeout as timeout_from_env  # torch: once launching
 
     timeout_from_env(None)  # a bad $PP_CORE_TIMEOUT fails here, not in every rank
+    layout = RankLayout.of(spec)
     if started_by_torchrun():
-        spec = _planned(spec, announce, memory_cap)  # auto is refused: no launching process
+        spec = decide(spec, layout)  # refuses what only a launching process can measure
         world = int(os.environ["WORLD_SIZE"])
         if world != spec.world_size:
             raise ConfigError(
@@ -106,33 +100,18 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
                 f"{spec.distributed['pp_size']} * {spec.distributed['dp_size']} = "
                 f"{spec.world_size}; pass --nnodes/--nproc-per-node that multiply to "
                 f"{spec.world_size}")
-        if wants_balanced(spec) and spec.pipeline["module_fqns_per_model_part"] is None:
-            raise ConfigError("model.splitter: balanced profiles once in the launching process, "
-                              "which torchrun does not have; start it with `pp-core run`, or "
-                              "put the cut into pipeline.module_fqns_per_model_part")
         return {int(os.environ.get("LOCAL_RANK", 0)): rank_main(_values(spec), entrypoint)}
     dist = spec.distributed
-    nproc = local_ranks(dist)
-    choice = choose(spec)
     with _signals_raise():  # SIGTERM during the checks or the rendezvous ends us cleanly too
-        planned = _planned(spec, announce, memory_cap)  # auto: schedule and cost-balanced cut
-        if wants_balanced(spec) and planned is spec:  # every rank gets the same cut
-            planned = balanced_spec(spec, say=announce)
-        spec = planned
+        spec = decide(spec, layout, announce=announce, memory_cap=memory_cap)
         endpoint = prepare_endpoint(dist)
         if announce is not None:
             node = f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else ""
-            announce(f"starting {nproc} rank(s) on this machine (pp {dist['pp_size']} x dp "
-                     f"{dist['dp_size']}{node}) on {choice.device} ({choice.reason})")
+            announce(f"starting {layout.local_ranks} rank(s) on this machine (pp "
+                     f"{dist['pp_size']} x dp {dist['dp_size']}{node}) on {layout.device} "
+                     f"({layout.reason})")
         with _launch_temp_dir() as logs:
-            return _elastic_launch(spec, entrypoint, nproc, endpoint, logs)
-
-
-def _planned(spec: Spec, announce, memory_cap) -> Spec:
-    """``pipeline.pp_schedule: auto`` resolved once, here, into the spec every rank gets."""
-    from pp_core.app.autoplan import is_auto, resolve_for_launch
-
-    return resolve_for_launch(spec, announce, memory_cap) if is_auto(spec) else spec
+            return _elastic_launch(spec, entrypoint, layout.local_ranks, endpoint, logs)
 
 
 @contextlib.contextmanager

@@ -16,19 +16,18 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pp_core.app.factories import dataset_args, dataset_factory, model_factory  # re-exported
+from pp_core.app.factories import dataset_factory, model_factory
+from pp_core.app.layout import RankLayout
 from pp_core.app.preflight_build import (
     build_meta_model, check_build, check_local_ranks, check_outputs,
 )
 from pp_core.app.spec import Spec, SpecError
-from pp_core.devices import choose as choose_device
-from pp_core.devices import resolve_device
+from pp_core.config import is_auto
 from pp_core.errors import PPCoreError, did_you_mean
 from pp_core.planning.plan import plan_pipeline, schedule_field, schedule_shape
 from pp_core.plugin_manager import plugins_or_default
 
-__all__ = ["Preflight", "preflight", "model_factory", "dataset_factory", "dataset_args",
-           "resolve_device"]
+__all__ = ["Preflight", "preflight"]
 
 
 @dataclass
@@ -42,7 +41,7 @@ class Preflight:
 
 def _splitter(spec: Spec):
     """``model.splitter`` as the meta-device plan uses it: ``balanced`` cuts where measured time
-    says, at launch (:mod:`pp_core.app.balanced_launch`); its stage count is its base splitter's."""
+    says, at launch (:mod:`pp_core.app.decide`); its stage count is its base splitter's."""
     name = spec.model.get("splitter")
     return None if name is not None and name.lower() == "balanced" else name
 
@@ -93,7 +92,7 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
         problems.append("pipeline.loss_fn: expected a loss for the last stage, found none; "
                         "e.g. loss_fn: cross_entropy, or 'module:attr'")
     try:
-        choose_device(spec)
+        RankLayout.of(spec)  # a device this machine cannot give
     except PPCoreError as exc:
         problems.append(str(exc))
     if run_checks:
@@ -143,7 +142,7 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
     num_ranks = spec.distributed["pp_size"]
     sizes = (f" (pp_size={num_ranks}, microbatches = pp_batch_size / pp_microbatch_size = "
              f"{config.num_microbatches})")
-    auto = str(config.pp_schedule).lower() == "auto"
+    auto = is_auto(config.pp_schedule)
     try:  # a wrong schedule name or CSV is reported before the model is built
         if not auto:
             schedule_shape(config, num_ranks, plugins)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pp_core.app.factories import dataset_args
-from pp_core.app.launch import started_by_torchrun
+from pp_core.app.factories import dataset_args, dp_slice
+from pp_core.app.rendezvous import started_by_torchrun
 from pp_core.app.spec import Spec
 from pp_core.errors import PPCoreError, quoted, shorten
 from pp_core.losses import resolve_loss
@@ -104,7 +104,6 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     """Shapes against the global batch and ``pp_seq_len``; one microbatch through the meta model."""
     import torch
 
-    from pp_core.app.train import dp_slice  # torch: only with a batch in hand
     from pp_core.runtime.microbatch import first_tensor
 
     inputs, target = batch

@@ -27,17 +27,17 @@ import torch.distributed as dist
 
 from pp_core import build_pipeline
 from pp_core.app.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
-from pp_core.app.factories import dataset_args, dataset_factory, model_factory
+from pp_core.app.factories import build_model, dataset_args, dataset_factory, dp_slice
+from pp_core.app.layout import RankLayout
 from pp_core.app.progress import Progress
 from pp_core.app.run_outputs import RunRecorder
 from pp_core.app.spec import Spec
-from pp_core.devices import cpu_threads_per_rank, resolve_device
 from pp_core.errors import PipelineError
 from pp_core.parallel import apply_activation_checkpointing, apply_compile, apply_data_parallel
 from pp_core.parallel.gradients import clip_grad_norm, finish_gradients, tied_copies
-from pp_core.runtime.microbatch import num_tokens, split_batch
+from pp_core.runtime.microbatch import num_tokens
 
-__all__ = ["train", "lr_factor", "dp_slice", "RankContext"]
+__all__ = ["train", "lr_factor", "RankContext"]
 
 
 def lr_factor(step: int, train: dict) -> float:
@@ -56,36 +56,23 @@ def lr_factor(step: int, train: dict) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def dp_slice(value, dp_rank: int, dp_size: int, global_batch: int):
-    """This dp rank's contiguous share of a global batch: :func:`split_batch`, the rule that
-    splits microbatches (tensors, tuples, dicts), with a message about the dataset."""
-    def mismatch(path, tensor):
-        found = "a scalar" if tensor.dim() == 0 else f"leading dimension {tensor.shape[0]}"
-        return PipelineError(
-            f"the dataset yielded a batch with {found}, expected the global batch size "
-            f"pipeline.pp_batch_size * distributed.dp_size = {global_batch}; make the "
-            f"dataset yield {global_batch} samples per step (data.args.batch_size)")
-
-    return split_batch(value, dp_size, global_batch, mismatch)[dp_rank]
-
-
 class RankContext:
     """Process group, mesh and device of this rank (``dp_rank``, ``pp_rank``, groups)."""
 
     def __init__(self, spec: Spec):
         from torch.distributed.device_mesh import init_device_mesh
 
-        device_type, backend = resolve_device(spec)
+        layout = RankLayout.of(spec)
+        device_type = layout.device
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
             self.device = torch.device("cuda", local_rank)
         else:
             self.device = torch.device("cpu")
-            torch.set_num_threads(cpu_threads_per_rank(local_world))  # cores shared out
+            torch.set_num_threads(layout.threads_per_rank)  # cores shared out
         if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=timedelta(seconds=spec.distributed["timeout_s"]))
+            dist.init_process_group(layout.backend, timeout=timedelta(seconds=spec.distributed["timeout_s"]))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         pp, dp = spec.distributed["pp_size"], spec.distributed["dp_size"]
         replicate, shard = spec.distributed["dp_replicate"], spec.distributed["dp_shard"]
@@ -113,8 +100,7 @@ class RankContext:
 
 def _build(spec: Spec, ctx: RankContext):
     """Model (seeded, whole, then split), pipeline, one optimizer per model part."""
-    torch.manual_seed(spec.train["seed"])
-    model = model_factory(spec)(**spec.model["args"])
+    model = build_model(spec)
     num_params = sum(p.numel() for p in model.parameters())
     checkpointing = activation_checkpointing_of(spec, model)
     # each wait is bounded by distributed.timeout_s (so a stuck peer's message says how long),

@@ -44,7 +44,7 @@ def register(subparsers) -> None:
 
 
 def plan_command(args) -> int:
-    from pp_core.app.autoplan import as_auto, plan_spec
+    from pp_core.app.decide import as_auto, plan_spec
     from pp_core.planning.report import format_ranking
     from pp_core.planning.sizes import parse_size
     from pp_core.app.preflight import preflight

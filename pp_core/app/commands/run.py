@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 
+from pp_core.config import is_auto
 from pp_core.errors import ConfigError
 
 RUN_HELP = """\
@@ -96,9 +97,7 @@ def run_command(args) -> int:
 
     cap = None if args.memory_cap is None else parse_size(args.memory_cap)
     spec, found = _checked(args)
-    if cap is not None and str(spec.pipeline["pp_schedule"]).lower() != "auto":
-        from pp_core.errors import ConfigError
-
+    if cap is not None and not is_auto(spec.pipeline["pp_schedule"]):
         raise ConfigError(f"--memory-cap={args.memory_cap} only steers pipeline.pp_schedule: "
                           f"auto, and the file names {spec.pipeline['pp_schedule']!r}; drop "
                           f"--memory-cap or set pp_schedule: auto")
