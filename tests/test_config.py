@@ -42,7 +42,6 @@ def test_fields_and_defaults_are_exactly_the_design():
     ({"module_fqns_per_model_part": []}, r"must be a non-empty list of lists"),
     ({"module_fqns_per_model_part": [["a"], []]}, r"module_fqns_per_model_part\[1\]=\[\] must be a non-empty list"),
     ({"module_fqns_per_model_part": [["a", 3]]}, r"module_fqns_per_model_part\[0\] contains 3"),
-    ({"module_fqns_per_model_part": [["a"], ["b", "a"]]}, r"'a' is in part 0 and in part 1"),
     ({"dtype": "float33"}, r"dtype='float33' is not a torch dtype; use .* 'bfloat16'"),
     ({"loss_fn": "torch.nn.functional.cross_entropy"},
      r"neither a built-in loss nor a 'module:attr' string; did you mean 'torch.nn.functional:cross_entropy'"),

@@ -144,7 +144,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     try:
         with torch.no_grad():
             for initializer in initializers:  # as the executor does before each microbatch
-                initializer.prepare(num_tokens(meta[0]), torch.device("meta"))
+                initializer.prepare(num_tokens=num_tokens(meta[0]), device=torch.device("meta"))
             output = model(*meta[0]) if isinstance(meta[0], tuple) else \
                 model(**meta[0]) if isinstance(meta[0], dict) else model(meta[0])
             if isinstance(output, torch.Tensor):  # (a patched model's output is the split's)

@@ -115,6 +115,8 @@ def _build(spec: Spec, ctx: RankContext):
     """Model (seeded, whole, then split), pipeline, one optimizer per model part."""
     torch.manual_seed(spec.train["seed"])
     model = model_factory(spec)(**spec.model["args"])
+    if spec.model.get("dtype") is not None:  # model.dtype; pipeline.dtype casts no parameter
+        model = model.to(getattr(torch, spec.model["dtype"]))
     num_params = sum(p.numel() for p in model.parameters())
     checkpointing = activation_checkpointing_of(spec, model)
     # each wait is bounded by distributed.timeout_s (so a stuck peer's message says how long),
@@ -134,9 +136,21 @@ def _build(spec: Spec, ctx: RankContext):
                                        mixed_precision=spec.distributed["mixed_precision"])
     options = dict(spec.train["optimizer"])
     cls = getattr(torch.optim, options.pop("name"))
-    optimizers = [cls(list(part.parameters()), **options) if any(True for _ in part.parameters())
-                  else None for part in pipe.model_parts]
+    owned = _distinct_parameters(pipe.model_parts)  # a weight two local parts share: stepped once
+    optimizers = [cls(params, **options) if params else None for params in owned]
     return pipe, optimizers, num_params, dp_units
+
+
+def _distinct_parameters(parts) -> list[list]:
+    """Each part's parameters, less those an earlier part of this rank already holds (a module
+    several stages share: module_fqns_per_model_part naming it in several parts)."""
+    seen: set[int] = set()
+    owned = []
+    for part in parts:
+        mine = [p for p in part.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in mine)
+        owned.append(mine)
+    return owned
 
 
 def activation_checkpointing_of(spec: Spec, model) -> dict:
@@ -225,7 +239,7 @@ def train(spec: Spec) -> dict[str, Any]:
     start_step = _resume_step(spec, pipe, optimizers, ctx, say)
     recorder.open_metrics(start_step)
     train_cfg, steps = spec.train, spec.train["steps"]
-    params = [p for part in pipe.model_parts for p in part.parameters()]
+    params = [p for mine in _distinct_parameters(pipe.model_parts) for p in mine]
     counted_once = tied_copies(pipe.model_parts, pipe.stage_indices)
     batches = _batches(_dataset(spec), start_step)
     global_batch = spec.global_batch_size

@@ -201,7 +201,7 @@ class Executor:
         if self.position in self.prepare_at and self.initializers:
             count = num_tokens(self.mb_inputs[mb] if self.mb_inputs is not None else args)
             for initializer in self.initializers:
-                initializer.prepare(count, self.device)
+                initializer.prepare(num_tokens=count, device=self.device)
         with torch.set_grad_enabled(train), self.data_parallel.forward(stage_index, train):
             output = stage(args, self.mb_kwargs[mb] if self.mb_kwargs is not None else None)
             if stage.is_last:

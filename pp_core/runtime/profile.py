@@ -136,7 +136,7 @@ class _Units:
         stage = self.stages[index]
         if index == 0 and self.initializers:
             for initializer in self.initializers:
-                initializer.prepare(num_tokens(x), self.device)
+                initializer.prepare(num_tokens=num_tokens(x), device=self.device)
         with torch.enable_grad(), (saved.hooks() if saved else _nothing()):
             output = stage(x if index == 0 else inputs)
             if stage.is_last:
