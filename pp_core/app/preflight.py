@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from pp_core.app.factories import dataset_args, dataset_factory, model_factory  # re-exported
 from pp_core.app.preflight_build import (
-    build_meta_model, check_build, check_local_ranks, check_outputs,
+    build_meta_model, check_build, check_local_ranks, check_outputs, stage_initializers,
 )
 from pp_core.app.spec import Spec, SpecError
 from pp_core.devices import choose as choose_device
@@ -38,6 +38,9 @@ class Preflight:
     plan: Any = None
     schedule: Any = None
     notes: list[str] = field(default_factory=list)
+    initializers: Any = None
+    """Per stage, ``[(resource_key, signature, modules)]`` of the runtime initializers its part
+    collects (``None`` when the split was not planned)."""
 
 
 def _splitter(spec: Spec):
@@ -170,4 +173,5 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
             problems.append(f"pipeline: cannot split the model: {exc}")
         return model
     result.plan, result.schedule = planned.split, planned.schedule
+    result.initializers = stage_initializers(model, planned.split, config, plugins, problems)
     return model
