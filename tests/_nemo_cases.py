@@ -80,7 +80,41 @@ class NemoLM(nn.Module):
         return self.lm_head(hidden) if self.lm_head is not None else hidden
 
 
-class MropeLM(NemoLM):
+def _rope(hidden, position_ids):
+    if position_ids is None:
+        position_ids = torch.arange(hidden.shape[1])[None]
+    if position_ids.dim() == 3:  # mRoPE: [3 (t/h/w), batch, seq]
+        position_ids = position_ids.float().mean(0)
+    angles = position_ids.float()[..., None] / 100 ** (torch.arange(0, DIM, 2) / DIM)
+    return torch.cat([angles.cos(), angles.sin()], -1).to(hidden.dtype)
+
+
+class FlatLayer(Layer):
+    def forward(self, hidden, position_ids=None):
+        return super().forward(hidden, _rope(hidden, position_ids))
+
+
+class FlatLM(nn.Module):
+    """Blocks on the root (pp-core's ``layers`` splitter), position ids as a keyword input of
+    every stage."""
+
+    def __init__(self, num_layers: int = 4):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(FlatLayer() for _ in range(num_layers))
+        self.norm = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, input_ids, position_ids=None):
+        hidden = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        for layer in self.layers:
+            hidden = layer(hidden, position_ids)
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        return self.lm_head(hidden) if self.lm_head is not None else hidden
+
+
+class MropeLM(FlatLM):
     """Declares, as NeMo's Qwen3.5-MoE does, that mRoPE position ids ``[3, batch, seq]`` are
     split into microbatches along dim 1."""
 
@@ -149,7 +183,8 @@ def lm_case(kind: str, schedule: str = "1f1b", m: int = 2, seqs=(SEQ,), seq_len=
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = (MropeLM if kind == "mrope" else NemoLM)(trainable_rope=trainable_rope)
+    model = {"mrope": MropeLM, "flat": FlatLM}[kind]() if kind != "lm" else \
+        NemoLM(trainable_rope=trainable_rope)
     ref = copy.deepcopy(model)
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=2 * m, pp_microbatch_size=2,
                             loss_fn=lm_loss, pp_seq_len=seq_len, module_fqns_per_model_part=fqns,
@@ -217,7 +252,7 @@ def dtype_case():
     """dtype=bfloat16: fp32 parameters stay fp32, the tensors between stages are bf16."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = NemoLM()
+    model = FlatLM()
     seen = []
 
     def record(module, args):  # what a later stage receives

@@ -15,7 +15,6 @@ from pp_core import PipelineConfig, ScheduleError, build_pipeline
 from pp_core.errors import ConfigError, PluginError
 from pp_core.planning.plan import plan_pipeline
 from pp_core.runtime import collect_pipeline_runtime_initializers
-from pp_core.runtime.microbatch import kwargs_chunk_dims, split_microbatches
 from tests._nemo_cases import DIM, ROPE, MropeLM, NemoLM, NemoRope, lm_loss, rope_lm
 from tests.test_validate_build import BASE, validate
 
@@ -95,6 +94,8 @@ def test_missing_schedule_csv_is_a_file_not_found_error(tmp_path):
 
 
 def test_keyword_chunk_dims_declared_by_the_model():
+    from pp_core.runtime.microbatch import kwargs_chunk_dims, split_microbatches
+
     pos = torch.arange(3 * 4 * 5).reshape(3, 4, 5)
     kwargs = {"position_ids": pos, "mask": torch.ones(4, 5)}
     dims = kwargs_chunk_dims(MropeLM(), kwargs)

@@ -69,7 +69,7 @@ def test_shared_linear_on_two_ranks_equals_one_process(pool):
 @pytest.mark.parametrize("pool_buffers", [False, True], ids=["plain", "buffer_pool"])
 def test_pp_seq_len_is_a_hint(pool, pool_buffers):
     """pp_seq_len=8, then batches of 5, 5, 8: each step equals one process, one note is logged."""
-    results = pool.run(lm_case, "lm", "interleaved_1f1b", seqs=(8, 8, 5, 5, 8), seq_len=8,
+    results = pool.run(lm_case, "flat", "interleaved_1f1b", seqs=(8, 8, 5, 5, 8), seq_len=8,
                        layers_per_stage=1, pool=pool_buffers)
     check(results)
     notes = [n for r in results for n in r["notes"] if "pp_seq_len is a hint" in n]
