@@ -229,8 +229,13 @@ def shared_linear_case(schedule: str = "1f1b", m: int = 2):
     """One nn.Linear at layers.0 (rank 0) and layers.2 (rank 1): gradient summed over both."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    import torch.distributed as dist
+
     model = SharedLinearNet()
     ref = copy.deepcopy(model)
+    if dist.get_rank() == 1:  # built differently here: the lowest stage's copy wins at build
+        with torch.no_grad():
+            model.layers[0].weight.add_(1.0)
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=2 * m, pp_microbatch_size=2,
                             loss_fn=mse)
     pipe = build_pipeline(model, config)

@@ -52,7 +52,7 @@ def as_a_rank(spec: Spec, device):
 
 def spec_model_and_batch(spec: Spec, plugins=None):
     """``(model, inputs, target, device)`` as a rank builds and feeds them: the model with
-    ``train.seed`` and ``model.args`` (cast to ``pipeline.dtype``) on the ranks' device
+    ``train.seed`` and ``model.args`` (cast to ``model.dtype``) on the ranks' device
     (``cuda:0`` when they get GPUs), and the dataset's first batch. For anything that measures
     the spec's model in the launching process."""
     import torch
@@ -63,8 +63,9 @@ def spec_model_and_batch(spec: Spec, plugins=None):
     device = torch.device("cuda", 0) if choose(spec).device == "cuda" else torch.device("cpu")
     torch.manual_seed(spec.train["seed"])
     model = model_factory(spec, plugins)(**spec.model["args"])
-    dtype = spec.pipeline_config().torch_dtype
-    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    dtype = spec.model.get("dtype")  # as the ranks build it (pipeline.dtype casts no parameter)
+    model = model.to(device=device, dtype=getattr(torch, dtype)) if dtype is not None \
+        else model.to(device)
     factory = dataset_factory(spec, plugins)
     inputs, target = next(iter(factory(**dataset_args(spec, factory))))
     return model, inputs, target, device

@@ -27,7 +27,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["TiedGroup", "tied_groups", "grad_baseline", "sync_tied_gradients_of"]
+__all__ = ["TiedGroup", "tied_groups", "grad_baseline", "sync_tied_gradients_of",
+           "align_tied_copies"]
 
 
 class TiedGroup:
@@ -48,6 +49,8 @@ def tied_groups(model_parts: Sequence[nn.Module]) -> list[TiedGroup]:
     groups: dict[tuple[str, ...], TiedGroup] = {}
     seen: set[int] = set()
     for part in model_parts:
+        if not hasattr(part, "pp_tied_parameters"):  # a DDP wrapper: the part is inside
+            part = getattr(part, "module", part)
         stages = getattr(part, "pp_tied_stages", {})
         params = dict(part.named_parameters(remove_duplicate=False))
         for name, names in getattr(part, "pp_tied_parameters", {}).items():
@@ -98,7 +101,27 @@ def sync_tied_gradients_of(model_parts: Sequence[nn.Module], stage_ranks: Sequen
     return count
 
 
-def _exchange(local: torch.Tensor, rank: int, peers: list[int], group) -> torch.Tensor:
+def align_tied_copies(model_parts: Sequence[nn.Module], stage_ranks: Sequence[int], rank: int,
+                      group=None) -> int:
+    """Give every copy of a tied weight the value of the copy on its lowest stage (each rank
+    built its own model, possibly on the meta device or from another seed); return how many.
+    Called once by ``build_pipeline`` on every rank, before the first step."""
+    count = 0
+    for tied in tied_groups(model_parts):
+        owner = stage_ranks[min(tied.stages)] if tied.stages else rank
+        peers = sorted({stage_ranks[s] for s in tied.stages} - {rank})
+        if not tied.local or not peers:
+            continue
+        with torch.no_grad():
+            value = _exchange(tied.local[0].detach(), rank, peers, group, pick=owner)
+            for param in tied.local:
+                param.copy_(value)
+        count += 1
+    return count
+
+
+def _exchange(local: torch.Tensor, rank: int, peers: list[int], group,
+              pick: int | None = None) -> torch.Tensor:
     """Send ``local`` to every peer, receive theirs, and add all in rank order (same bits).
 
     A DTensor gradient (parts under FSDP2 / HSDP / ``replicate``) is exchanged shard by shard:
@@ -109,7 +132,7 @@ def _exchange(local: torch.Tensor, rank: int, peers: list[int], group) -> torch.
     from torch.distributed.tensor import DTensor
 
     if isinstance(local, DTensor):
-        summed = _exchange(local.to_local(), rank, peers, group)
+        summed = _exchange(local.to_local(), rank, peers, group, pick)
         return DTensor.from_local(summed, local.device_mesh, local.placements,
                                   shape=local.shape, stride=local.stride())
 
@@ -125,6 +148,8 @@ def _exchange(local: torch.Tensor, rank: int, peers: list[int], group) -> torch.
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     received[rank] = local
+    if pick is not None:  # the value of one rank's copy, not the sum
+        return received[pick]
     total = None
     for r in sorted(received):
         total = received[r].clone() if total is None else total + received[r]

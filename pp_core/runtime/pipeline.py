@@ -36,7 +36,7 @@ from torch import nn
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PPCoreError
 from pp_core.losses import resolve_loss
-from pp_core.parallel.tied import grad_baseline, sync_tied_gradients_of
+from pp_core.parallel.tied import align_tied_copies, grad_baseline, sync_tied_gradients_of
 from pp_core.planning.parts import build_model_parts
 from pp_core.plugin_manager import plugins_or_default
 from pp_core.planning.plan import plan_pipeline
@@ -370,5 +370,8 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
     if failure is not None:
         raise failure
     parts = build_model_parts(model, plan.split, plan.stage_indices, config, device=device)
-    return Pipeline(parts, plan.stage_indices, plan.schedule, config, group, device,
+    pipe = Pipeline(parts, plan.stage_indices, plan.schedule, config, group, device,
                     program=plan.program, plugins=plugins, timeout=timeout, plan=plan)
+    if num_ranks > 1 and plan.split.tied_parameters:  # every copy starts as the lowest stage's
+        align_tied_copies(pipe.model_parts, plan.schedule.stage_ranks, rank, group)
+    return pipe
