@@ -35,7 +35,7 @@ from pp_core.devices import cpu_threads_per_rank, resolve_device
 from pp_core.errors import PipelineError
 from pp_core.parallel import apply_activation_checkpointing, apply_compile, apply_data_parallel
 from pp_core.parallel.gradients import clip_grad_norm, finish_gradients, tied_copies
-from pp_core.runtime.microbatch import num_tokens, split_batch
+from pp_core.runtime.microbatch import kwargs_chunk_dims, num_tokens, split_batch
 
 __all__ = ["train", "lr_factor", "dp_slice", "RankContext"]
 
@@ -56,9 +56,11 @@ def lr_factor(step: int, train: dict) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def dp_slice(value, dp_rank: int, dp_size: int, global_batch: int):
+def dp_slice(value, dp_rank: int, dp_size: int, global_batch: int, dims=None):
     """This dp rank's contiguous share of a global batch: :func:`split_batch`, the rule that
-    splits microbatches (tensors, tuples, dicts), with a message about the dataset."""
+    splits microbatches (tensors, tuples, dicts), with a message about the dataset. ``dims``:
+    the batch dim of dict keys whose batch is not on dim 0 (the model's
+    ``get_pipeline_kwargs_chunk_dims``)."""
     def mismatch(path, tensor):
         found = "a scalar" if tensor.dim() == 0 else f"leading dimension {tensor.shape[0]}"
         return PipelineError(
@@ -66,7 +68,7 @@ def dp_slice(value, dp_rank: int, dp_size: int, global_batch: int):
             f"pipeline.pp_batch_size * distributed.dp_size = {global_batch}; make the "
             f"dataset yield {global_batch} samples per step (data.args.batch_size)")
 
-    return split_batch(value, dp_size, global_batch, mismatch)[dp_rank]
+    return split_batch(value, dp_size, global_batch, mismatch, dims)[dp_rank]
 
 
 class RankContext:
@@ -253,7 +255,8 @@ def train(spec: Spec) -> dict[str, Any]:
             raise PipelineError(f"dataset {spec.data['name']!r} ran out after {step - 1} steps; "
                                 f"train.steps={steps} needs more batches") from None
         lr = _set_lr(optimizers, base_lrs, lr_factor(step, train_cfg))
-        local_inputs = dp_slice(inputs, ctx.dp_rank, ctx.dp_size, global_batch)
+        local_inputs = dp_slice(inputs, ctx.dp_rank, ctx.dp_size, global_batch,
+                                kwargs_chunk_dims(pipe.model_parts[0], inputs))
         local_target = dp_slice(target, ctx.dp_rank, ctx.dp_size, global_batch)
         for param in params:
             param.grad = None

@@ -178,8 +178,18 @@ def mark_shared_parameters(part: nn.Module, stage: int, shared: dict) -> None:
     """
     tied = dict(getattr(part, "pp_tied_parameters", {}) or {})
     holders = dict(getattr(part, "pp_tied_stages", {}) or {})
+    by_name = {name: key for key, (names, _) in shared.items() for name in names}
     for name, param in part.named_parameters(remove_duplicate=False):
-        if name in tied or id(param) not in shared:
+        if name in tied:
+            continue
+        if id(param) not in shared:
+            if name in by_name:  # a splitter copied a shared weight and did not say so
+                raise PluginError(
+                    f"stage {stage} holds its own copy of {name!r}, a weight stages "
+                    f"{list(shared[by_name[name]][1])} share, without recording it in "
+                    f"part.pp_tied_parameters; its gradient could not be summed over the "
+                    f"stages, so the splitter must keep the model's tensor or record the copy "
+                    f"(see pp_core.parallel.tied)")
             continue
         names, stages = shared[id(param)]
         tied[name] = names
