@@ -132,3 +132,32 @@ def test_validate_prints_each_stages_runtime_initializers(tmp_path, capsys):
     assert "runtime initializers (prepared before each microbatch):" in text, text
     assert "stage 0: key ('rope-cache',), signature ('rope', 16), 1 module" in text, text
     assert "stage 1: key ('rope-cache',), signature ('rope', 16), 1 module" in text, text
+
+
+def test_a_splitter_that_copies_a_shared_weight_silently_is_refused():
+    from pp_core.planning.parts import build_model_parts, prune_model
+    from pp_core.planning.split import plan_split
+
+    fqns = [["model.embed_tokens", "model.layers.0", "model.layers.1", "model.rotary_emb"],
+            ["model.layers.2", "model.layers.3", "model.norm", "lm_head", "model.rotary_emb"]]
+
+    class Copying:
+        name = "copying"
+
+        def split(self, model, num_stages, config):
+            return fqns
+
+        def make_part(self, model, names, stage_index, num_stages, config):
+            part = prune_model(model, names)
+            rotary = part.model.rotary_emb = torch.nn.Module.__new__(type(model.model.rotary_emb))
+            rotary.__dict__.update(model.model.rotary_emb.__dict__)
+            rotary._parameters = {"scale": torch.nn.Parameter(model.model.rotary_emb.scale.clone())}
+            return part
+
+    model = NemoLM(trainable_rope=True)
+    plan = plan_split(model, PipelineConfig(pp_batch_size=2), 2, 1, splitter=Copying())
+    assert ("model.rotary_emb.scale",) in plan.tied_parameters
+    with pytest.raises(PluginError, match=r"stage 1 holds its own copy of "
+                                          r"'model.rotary_emb.scale', a weight stages \[0, 1\] "
+                                          r"share, without recording it"):
+        build_model_parts(model, plan, [1], None)
