@@ -72,10 +72,13 @@ class PipelineConfig:
     and ``module_fqns_per_model_part`` steer the split.
     ``patch_inner_model`` / ``patch_causal_lm_model`` make Hugging Face decoders stage-friendly.
     ``patch_stage_backward_maybe_with_nosync`` syncs data-parallel gradients once per step.
-    ``dtype`` is the dtype of the model parts and of the tensors sent between stages.
+    ``dtype`` is the dtype of the floating tensors stages send and receive (NeMo AutoModel's
+    meaning); parameters are never cast by it.
     ``scale_grads_in_schedule`` divides gradients by the number of microbatches (mean instead of
-    sum). ``loss_fn(output, target)`` runs on the last stage. ``pp_seq_len`` fixes the sequence
-    length so stage shapes are static. ``pp_recv_buffer_pool`` reuses receive buffers, keeping
+    sum). ``loss_fn(output, target)`` runs on the last stage. ``pp_seq_len`` is a sequence-length
+    hint: receive buffers are pre-sized while batches have it, and a batch of another length
+    still runs. ``module_fqns_per_model_part`` overrides the layer split (``layers_per_stage``
+    is then ignored, with a warning) and may name a shared module in several parts. ``pp_recv_buffer_pool`` reuses receive buffers, keeping
     ``pp_recv_buffer_pool_slack`` spare buffer sets. An int field is >= 1 unless its
     ``metadata["minimum"]`` says otherwise.
     """
@@ -129,7 +132,7 @@ class PipelineConfig:
         with about("dtype"):
             if self.dtype is not None and not resolve_dtype(self.dtype).is_floating_point:
                 raise ConfigError(f"dtype={self.dtype!r} is not a floating-point dtype; "
-                                  f"parameters and activations need one: use 'float32', "
+                                  f"the tensors between stages need one: use 'float32', "
                                   f"'bfloat16' or 'float16'")
         with about("loss_fn"):
             self._check_loss()
@@ -166,7 +169,6 @@ class PipelineConfig:
                 f"module_fqns_per_model_part={parts!r} must be a non-empty list of lists of module "
                 f"names, e.g. [['embed', 'layers.0'], ['layers.1', 'norm', 'output']]"
             )
-        owner: dict[str, int] = {}
         for index, part in enumerate(parts):
             if not isinstance(part, (list, tuple)) or not part:
                 raise ConfigError(
@@ -179,12 +181,6 @@ class PipelineConfig:
                         f"module_fqns_per_model_part[{index}] contains {fqn!r}; module names "
                         f"must be non-empty strings such as 'layers.0'"
                     )
-                if fqn in owner:
-                    raise ConfigError(
-                        f"module_fqns_per_model_part: {fqn!r} is in part {owner[fqn]} and in part "
-                        f"{index}; each module belongs to exactly one part"
-                    )
-                owner[fqn] = index
 
     @property
     def num_microbatches(self) -> int:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 
-__all__ = ["PPCoreError", "PluginError", "ScheduleError", "ConfigError", "PipelineError", "quoted",
+__all__ = ["PPCoreError", "PluginError", "ScheduleError", "ScheduleFileNotFoundError",
+           "ConfigError", "PipelineError", "quoted",
            "shorten", "closest", "did_you_mean", "about"]
 
 
@@ -34,6 +35,11 @@ class PluginError(PPCoreError):
 
 class ScheduleError(PPCoreError, ValueError):
     """A schedule is malformed, incomplete, would deadlock, or cannot be built for these sizes."""
+
+
+class ScheduleFileNotFoundError(ScheduleError, FileNotFoundError):
+    """A schedule CSV that does not exist: a :class:`ScheduleError`, and a ``FileNotFoundError``
+    for code written against NeMo AutoModel (or plain Python) that catches that."""
 
 
 class ConfigError(PPCoreError, ValueError):

@@ -114,7 +114,8 @@ def pp_runtime_initializers(
 
     Calling: every implementation runs; the results of all plugins are combined, then
     de-duplicated by ``resource_key`` (see ``collect_pipeline_runtime_initializers``). A built-in
-    implementation returns ``module.pipeline_runtime_initializers()`` when the module defines it.
+    implementation returns ``module.pipeline_runtime_initializers()`` when the module defines it,
+    else NeMo AutoModel's ``module.get_pipeline_runtime_initializers()``.
     """
 
 

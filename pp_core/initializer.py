@@ -29,5 +29,10 @@ class PipelineRuntimeInitializer(Protocol):
     signature: Hashable
 
     def prepare(self, num_tokens: int, device: "torch.device") -> None:
-        """Make the resource ready for a microbatch of at most ``num_tokens`` tokens."""
+        """Make the resource ready for a microbatch of at most ``num_tokens`` tokens.
+
+        pp-core always calls ``prepare(num_tokens=..., device=...)`` by keyword, so an
+        initializer written to NeMo AutoModel's keyword-only ``prepare(self, *, num_tokens,
+        device)`` works unchanged.
+        """
         ...

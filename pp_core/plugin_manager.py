@@ -40,15 +40,37 @@ logger = logging.getLogger(__name__)
 
 class ModelInitializers:
     """The core's own plugin, in every manager: a module that owns process-local resources
-    lists them itself, in a ``pipeline_runtime_initializers()`` method (see
-    :mod:`pp_core.runtime.initializers`)."""
+    lists them itself, in a ``pipeline_runtime_initializers()`` method, or - a NeMo AutoModel
+    model - in ``get_pipeline_runtime_initializers()`` (see :mod:`pp_core.runtime.initializers`).
+    pp-core's name is asked first; a module defining both must give the same answer."""
 
     @hookspecs.hookimpl
     def pp_runtime_initializers(self, module):
-        method = getattr(type(module), "pipeline_runtime_initializers", None)
-        if method is None:
+        found = [name for name in ("pipeline_runtime_initializers",
+                                   "get_pipeline_runtime_initializers")
+                 if callable(getattr(type(module), name, None))]
+        if not found:
             return None
-        return module.pipeline_runtime_initializers()
+        answers = [getattr(module, name)() for name in found]
+        answers = [list(a) if a is not None else [] for a in answers]
+        if len(answers) == 2 and _identity(answers[0]) != _identity(answers[1]):
+            raise PluginError(
+                f"{type(module).__qualname__} defines both pipeline_runtime_initializers() "
+                f"(pp-core) and get_pipeline_runtime_initializers() (NeMo AutoModel) and they "
+                f"answer differently ({_listed(answers[0])} vs {_listed(answers[1])}); define "
+                f"one of the two, or make the second return the first's list")
+        return answers[0] or None
+
+
+def _identity(initializers):
+    """What two answers must share: each initializer's type, resource_key and signature (two
+    calls may well build new but equal objects)."""
+    return [(type(i), repr(getattr(i, "resource_key", None)), repr(getattr(i, "signature", None)))
+            for i in initializers]
+
+
+def _listed(initializers) -> str:
+    return "[" + ", ".join(type(i).__name__ for i in initializers) + "]"
 
 
 @dataclass(frozen=True)

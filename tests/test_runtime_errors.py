@@ -177,9 +177,22 @@ def test_a_dead_peer_ends_the_others(pool):
         assert elapsed < 20
 
 
-def test_static_shapes_change_is_refused(pool):
+def test_static_shapes_change_within_a_step_is_refused(pool):
+    """pp_seq_len is a hint across steps (tests/test_nemo_pipeline.py), but the microbatches of
+    one step must share their shapes while it is set: a stage that trims differently per
+    microbatch fails on every rank, never hangs."""
     outcomes = pool.run_outcomes(static_shape_change)
-    _all_failed(outcomes, 0, "pp_seq_len is set, which promises static shapes")
+    _all_failed(outcomes, 0, "with pp_seq_len set every microbatch of a step must have the same "
+                             "shapes")
+
+
+def square_loss(output, target):
+    return output.square().mean()
+
+
+class TrimByData(nn.Module):
+    def forward(self, x):
+        return x[:, :3] if x[0, 0, 0] > 0 else x[:, :2]
 
 
 def static_shape_change():
@@ -187,13 +200,15 @@ def static_shape_change():
 
     rank = dist.get_rank()
     config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=2 * M, pp_microbatch_size=2,
-                            loss_fn=mse, pp_seq_len=4)
+                            loss_fn=square_loss, pp_seq_len=4)
     torch.manual_seed(0)
-    pipe = build_pipeline(nn.Sequential(*[nn.Linear(8, 8) for _ in range(NUM_RANKS)]), config)
+    pipe = build_pipeline(nn.Sequential(nn.Sequential(TrimByData(), nn.Linear(8, 8)),
+                                        *[nn.Linear(8, 8) for _ in range(NUM_RANKS - 1)]), config)
+    x = torch.randn(2 * M, 4, 8)
+    x[0, 0, 0], x[2, 0, 0] = 1.0, -1.0  # microbatch 0 keeps 3 positions, microbatch 1 keeps 2
     start = time.monotonic()
     try:
-        for seq in (4, 5):
-            pipe.step(torch.randn(2 * M, seq, 8), target=torch.randn(2 * M, seq, 8))
+        pipe.step(x, target=x)
     except Exception as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start, rank
     return "no error", "", 0, rank

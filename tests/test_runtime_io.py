@@ -112,8 +112,8 @@ def io_case(kind="tuple", seqs=(8, 6, 7), ragged=False, schedule="1f1b", dtype=N
     torch.manual_seed(0)
     model = ToyLM(trim=ragged)
     ref = copy.deepcopy(model)
-    if dtype is not None:
-        ref = ref.to(getattr(torch, dtype))
+    if dtype is not None:  # pipeline.dtype casts no parameter: the user casts the model
+        model, ref = model.to(getattr(torch, dtype)), ref.to(getattr(torch, dtype))
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=2 * m, pp_microbatch_size=2,
                             loss_fn=trimmed_cross_entropy, dtype=dtype, pp_seq_len=seq_len)
     pipe = build_pipeline(model, config)

@@ -249,9 +249,9 @@ def test_fqn_errors(plugins):
                                           r" are on no stage; add their modules \(e.g. "
                                           r"'layers.1.norm'\) to a stage"):
         plan([["tok_embeddings", "layers.0"], FQNS[1]])
-    with pytest.raises(ConfigError, match=r"more than one stage: \['layers.2.mlp.weight \(stages "
-                                          r"\[0, 1\]\)'"):
-        plan([FQNS[0] + ["layers.2.mlp"], FQNS[1]])
+    # a module named in two parts is tied (one copy per stage, gradients summed), not refused
+    tied = plan([FQNS[0] + ["layers.2.mlp"], FQNS[1]]).tied_parameters
+    assert set(tied) == {("layers.2.mlp.weight",), ("layers.2.mlp.bias",)}
 
 
 def test_fqn_may_name_a_parameter(plugins):
@@ -329,9 +329,13 @@ def test_layers_per_stage_needs_a_counting_splitter(plugins):
                    splitter=BlocksSplitter())
 
 
-def test_fqns_and_layers_per_stage_conflict(plugins):
-    with pytest.raises(ConfigError, match=r"both module_fqns_per_model_part and layers_per_stage=2"):
-        plan_split(TinyLM(), cfg(module_fqns_per_model_part=FQNS, layers_per_stage=2), 2, 1, plugins)
+def test_fqns_win_over_layers_per_stage_with_a_warning(plugins):
+    """NeMo: module_fqns_per_model_part "overrides automatic layer splitting"."""
+    with pytest.warns(UserWarning, match=r"layers_per_stage=2 are both set; the module lists "
+                                         r"fix the stages, so layers_per_stage is ignored"):
+        plan = plan_split(TinyLM(), cfg(module_fqns_per_model_part=FQNS, layers_per_stage=2), 2,
+                          1, plugins)
+    assert [fqns[:len(part)] for fqns, part in zip(plan.fqns_per_stage, FQNS)] == FQNS
 
 
 def test_docs_example_splitter_runs():

@@ -26,7 +26,7 @@ def _step_and_compare(schedule, num_layers, extra, batch_size=8, microbatch_size
                       model_type="llama", steps=1, accumulate=False):
     """On every rank: one (or more) pipelined step(s) vs the unsplit model; max |diff| found.
 
-    Tied embeddings are summed by the plugin's pp_pipeline_step wrapper inside ``step`` — no
+    Tied embeddings are summed by pp-core's tied-weight sync inside ``step`` — no
     extra call. With ``accumulate`` the gradients are not zeroed between steps, so after step k
     they must be k times the reference's (a contribution counted twice would show).
     """

@@ -77,8 +77,6 @@ def test_the_base_file_validates(tmp_path, capsys):
     (("train.min_lr_ratio=.nan", "train.lr_decay=cosine"),
      "train.min_lr_ratio: expected a finite number in [0.0, 1.0], found nan"),
     (("train.grad_clip=.nan",), "train.grad_clip: expected a finite number >= 0.0, found nan"),
-    (("pipeline.pp_seq_len=8",), "pipeline.pp_seq_len: expected the data's sequence length, "
-                                 "found pp_seq_len=8 but the dataset yields sequence length 16"),
     (("distributed.dp_size=100000",), "distributed.dp_size: pp_size * dp_size / nnodes = 2 * "
                                       "100000 / 1 = 200,000 processes on this machine"),
     # smaller ones
@@ -198,3 +196,11 @@ def test_more_microbatches_than_any_step_needs_are_refused_at_once(tmp_path, cap
     code, text = validate(tmp_path, capsys, "pipeline.pp_batch_size=1000000000")
     assert code == 1 and "pipeline.pp_batch_size: pp_batch_size / pp_microbatch_size = " \
         "1,000,000,000 / 1 = 1,000,000,000 microbatches per step, more than 16,384" in text, text
+
+
+def test_a_pp_seq_len_the_data_does_not_have_is_a_note(tmp_path, capsys):
+    """pp_seq_len is a hint (NeMo): another length still runs, so validate notes it."""
+    code, text = validate(tmp_path, capsys, "pipeline.pp_seq_len=8")
+    assert code == 0, text
+    assert "note: pipeline.pp_seq_len: pp_seq_len=8 is a hint, but the dataset yields sequence " \
+           "length 16" in text, text

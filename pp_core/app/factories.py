@@ -35,11 +35,15 @@ def build_model(spec: Spec, plugins=None):
     """The spec's model as every rank builds it: ``train.seed`` set, then the factory called
     with ``model.args`` (on torch's current default device: a ``with torch.device("meta")``
     around the call builds it without memory). The one recipe of the trainer and of everything
-    that measures the model in the launching process, so both build the same model."""
+    that measures the model in the launching process, so both build the same model. Cast to
+    ``model.dtype`` when the file sets it."""
     import torch  # lazy: torch, off the spec checks' light path
 
     torch.manual_seed(spec.train["seed"])
-    return model_factory(spec, plugins)(**spec.model["args"])
+    model = model_factory(spec, plugins)(**spec.model["args"])
+    if spec.model.get("dtype") is not None:  # model.dtype; pipeline.dtype casts no parameter
+        model = model.to(getattr(torch, spec.model["dtype"]))
+    return model
 
 
 def dataset_factory(spec: Spec, plugins=None) -> Callable:
@@ -70,9 +74,11 @@ def dataset_args(spec: Spec, factory: Callable, evaluation: bool = False) -> dic
     return args
 
 
-def dp_slice(value, dp_rank: int, dp_size: int, global_batch: int):
+def dp_slice(value, dp_rank: int, dp_size: int, global_batch: int, dims=None):
     """This dp rank's contiguous share of a global batch: :func:`split_batch`, the rule that
-    splits microbatches (tensors, tuples, dicts), with a message about the dataset."""
+    splits microbatches (tensors, tuples, dicts), with a message about the dataset. ``dims``:
+    the batch dim of dict keys whose batch is not on dim 0 (the model's
+    ``get_pipeline_kwargs_chunk_dims``)."""
     from pp_core.runtime.microbatch import split_batch  # lazy: torch, only with a batch in hand
 
     def mismatch(path, tensor):
@@ -82,4 +88,4 @@ def dp_slice(value, dp_rank: int, dp_size: int, global_batch: int):
             f"pipeline.pp_batch_size * distributed.dp_size = {global_batch}; make the "
             f"dataset yield {global_batch} samples per step (data.args.batch_size)")
 
-    return split_batch(value, dp_size, global_batch, mismatch)[dp_rank]
+    return split_batch(value, dp_size, global_batch, mismatch, dims)[dp_rank]

@@ -26,12 +26,9 @@ __all__ = ["model_and_batch", "as_a_rank", "profile_spec"]
 
 def model_and_batch(spec: Spec, layout: RankLayout, plugins=None):
     """``(model, inputs, target, device)`` as a rank builds and feeds them: the model on the
-    ranks' device (``cuda:0`` when they get GPUs; cast to ``pipeline.dtype``), and the dataset's
-    first batch."""
+    ranks' device (``cuda:0`` when they get GPUs), and the dataset's first batch."""
     device = torch.device("cuda", 0) if layout.device == "cuda" else torch.device("cpu")
-    model = build_model(spec, plugins)
-    dtype = spec.pipeline_config().torch_dtype
-    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    model = build_model(spec, plugins).to(device)
     factory = dataset_factory(spec, plugins)
     inputs, target = next(iter(factory(**dataset_args(spec, factory))))
     return model, inputs, target, device

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from pp_core.app.factories import dataset_factory, model_factory
 from pp_core.app.layout import RankLayout
 from pp_core.app.preflight_build import (
-    build_meta_model, check_build, check_local_ranks, check_outputs,
+    build_meta_model, check_build, check_local_ranks, check_outputs, stage_initializers,
 )
 from pp_core.app.spec import Spec, SpecError
 from pp_core.config import is_auto
@@ -37,6 +37,9 @@ class Preflight:
     plan: Any = None
     schedule: Any = None
     notes: list[str] = field(default_factory=list)
+    initializers: Any = None
+    """Per stage, ``[(resource_key, signature, modules)]`` of the runtime initializers its part
+    collects (``None`` when the split was not planned)."""
 
 
 def _splitter(spec: Spec):
@@ -169,4 +172,5 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
             problems.append(f"pipeline: cannot split the model: {exc}")
         return model
     result.plan, result.schedule = planned.split, planned.schedule
+    result.initializers = stage_initializers(model, planned.split, config, plugins, problems)
     return model

@@ -19,10 +19,11 @@ from pp_core.app.rendezvous import started_by_torchrun
 from pp_core.app.spec import Spec
 from pp_core.errors import PPCoreError, quoted, shorten
 from pp_core.losses import resolve_loss
-from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
+from pp_core.runtime.initializers import (collect_pipeline_runtime_initializers,
+                                          summarize_runtime_initializers)
 
 __all__ = ["build_meta_model", "check_build", "check_outputs", "check_local_ranks",
-           "LOCAL_RANKS_PER_CPU"]
+           "stage_initializers", "LOCAL_RANKS_PER_CPU"]
 
 LOCAL_RANKS_PER_CPU = 8  # beyond this many processes per core a local launch cannot work
 
@@ -129,9 +130,9 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     if seq_len is not None and (first.dim() < 2 or first.shape[1] != seq_len):
         found = f"sequence length {first.shape[1]}" if first.dim() >= 2 else \
             f"shape {tuple(first.shape)}"
-        problems.append(f"pipeline.pp_seq_len: expected the data's sequence length, found "
-                        f"pp_seq_len={seq_len} but the dataset yields {found}; set them equal "
-                        f"(or leave pp_seq_len out)")
+        notes.append(f"pipeline.pp_seq_len: pp_seq_len={seq_len} is a hint, but the dataset "
+                     f"yields {found}; the run still works (shapes are announced per step), "
+                     f"set them equal to keep the pre-sized buffers' speed")
     if model is None:
         return
     from pp_core.runtime.microbatch import num_tokens  # torch: only with a model in hand
@@ -143,7 +144,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     try:
         with torch.no_grad():
             for initializer in initializers:  # as the executor does before each microbatch
-                initializer.prepare(num_tokens(meta[0]), torch.device("meta"))
+                initializer.prepare(num_tokens=num_tokens(meta[0]), device=torch.device("meta"))
             output = model(*meta[0]) if isinstance(meta[0], tuple) else \
                 model(**meta[0]) if isinstance(meta[0], dict) else model(meta[0])
             if isinstance(output, torch.Tensor):  # (a patched model's output is the split's)
@@ -164,6 +165,30 @@ def _runtime_initializers(model, plugins, problems: list[str]):
         problems.append(f"model.args: the model's runtime initializers disagree ({_why(exc)}); "
                         f"give every module that shares a resource_key the same signature")
         return None
+
+
+def stage_initializers(model, split, config, plugins, problems: list[str]):
+    """Per stage, the runtime initializers its part collects on the meta model (``pp-core
+    validate`` prints them): ``[(resource_key, signature, modules)]``, or ``None``."""
+    from pp_core.planning.parts import build_model_parts  # torch: only with a model in hand
+
+    if model is None or split is None:
+        return None
+    found = []
+    for stage in range(split.num_stages):
+        try:
+            (part,) = build_model_parts(model, split, [stage], config)
+            found.append(summarize_runtime_initializers([part], plugins))
+        except (RuntimeError, TypeError) as exc:
+            problems.append(f"model.args: stage {stage}'s runtime initializers disagree "
+                            f"({_why(exc)}); give every module that shares a resource_key the "
+                            f"same signature")
+            return None
+        except Exception as exc:  # noqa: BLE001 - a part the meta device cannot build
+            if not _meta_limit(exc) and not isinstance(exc, PPCoreError):
+                raise
+            return None
+    return found
 
 
 def _to_meta(value):

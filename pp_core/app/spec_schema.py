@@ -181,6 +181,21 @@ def _mixed_precision(value):
     return dict(value)
 
 
+def _param_dtype(value):
+    """A floating-point torch dtype name (``model.dtype``)."""
+    # torch: only a spec that sets model.dtype pays for it; parsing a spec stays torch-free
+    from pp_core.config import resolve_dtype
+
+    expected = "a floating-point dtype name: float32, bfloat16, float16 or float64"
+    try:
+        dtype = resolve_dtype(value)
+    except ConfigError:
+        raise Mismatch(expected) from None
+    if not dtype.is_floating_point:
+        raise Mismatch(expected)
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class Key:
     """One key of the schema: its checker, its default, and one line of documentation."""
@@ -221,6 +236,8 @@ SCHEMA: dict[str, list[Key]] = {
         Key("args", _mapping, {}, "keyword arguments of the model factory", open_mapping=True),
         Key("splitter", _optional(_str), None, "a splitter plugin by name (default: chosen "
             "automatically); balanced: profile before launch, split by measured time"),
+        Key("dtype", _optional(_param_dtype), None, "cast the built model's parameters and "
+            "buffers to this floating dtype before it is split (pipeline.dtype never does)"),
     ],
     "data": [
         Key("name", _str, None, "a dataset registered by a plugin (pp_register_datasets)",

@@ -35,7 +35,7 @@ from pp_core.app.spec import Spec
 from pp_core.errors import PipelineError
 from pp_core.parallel import apply_activation_checkpointing, apply_compile, apply_data_parallel
 from pp_core.parallel.gradients import clip_grad_norm, finish_gradients, tied_copies
-from pp_core.runtime.microbatch import num_tokens
+from pp_core.runtime.microbatch import kwargs_chunk_dims, num_tokens
 
 __all__ = ["train", "lr_factor", "RankContext"]
 
@@ -120,9 +120,21 @@ def _build(spec: Spec, ctx: RankContext):
                                        mixed_precision=spec.distributed["mixed_precision"])
     options = dict(spec.train["optimizer"])
     cls = getattr(torch.optim, options.pop("name"))
-    optimizers = [cls(list(part.parameters()), **options) if any(True for _ in part.parameters())
-                  else None for part in pipe.model_parts]
+    owned = _distinct_parameters(pipe.model_parts)  # a weight two local parts share: stepped once
+    optimizers = [cls(params, **options) if params else None for params in owned]
     return pipe, optimizers, num_params, dp_units
+
+
+def _distinct_parameters(parts) -> list[list]:
+    """Each part's parameters, less those an earlier part of this rank already holds (a module
+    several stages share: module_fqns_per_model_part naming it in several parts)."""
+    seen: set[int] = set()
+    owned = []
+    for part in parts:
+        mine = [p for p in part.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in mine)
+        owned.append(mine)
+    return owned
 
 
 def activation_checkpointing_of(spec: Spec, model) -> dict:
@@ -211,7 +223,7 @@ def train(spec: Spec) -> dict[str, Any]:
     start_step = _resume_step(spec, pipe, optimizers, ctx, say)
     recorder.open_metrics(start_step)
     train_cfg, steps = spec.train, spec.train["steps"]
-    params = [p for part in pipe.model_parts for p in part.parameters()]
+    params = [p for mine in _distinct_parameters(pipe.model_parts) for p in mine]
     counted_once = tied_copies(pipe.model_parts, pipe.stage_indices)
     batches = _batches(_dataset(spec), start_step)
     global_batch = spec.global_batch_size
@@ -225,7 +237,8 @@ def train(spec: Spec) -> dict[str, Any]:
             raise PipelineError(f"dataset {spec.data['name']!r} ran out after {step - 1} steps; "
                                 f"train.steps={steps} needs more batches") from None
         lr = _set_lr(optimizers, base_lrs, lr_factor(step, train_cfg))
-        local_inputs = dp_slice(inputs, ctx.dp_rank, ctx.dp_size, global_batch)
+        local_inputs = dp_slice(inputs, ctx.dp_rank, ctx.dp_size, global_batch,
+                                kwargs_chunk_dims(pipe.model_parts[0], inputs))
         local_target = dp_slice(target, ctx.dp_rank, ctx.dp_size, global_batch)
         for param in params:
             param.grad = None

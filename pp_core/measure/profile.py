@@ -132,7 +132,7 @@ class _UnitRunner:
         stage = self.stages[index]
         if index == 0 and self.initializers:
             for initializer in self.initializers:
-                initializer.prepare(num_tokens(x), self.device)
+                initializer.prepare(num_tokens=num_tokens(x), device=self.device)
         with torch.enable_grad(), (saved.hooks() if saved else contextlib.nullcontext()):
             output = stage(x if index == 0 else inputs)
             if stage.is_last:

@@ -33,13 +33,14 @@ def finish_gradients(params: list[nn.Parameter], num_microbatches: int) -> None:
 def tied_copies(model_parts, stage_indices) -> set[int]:
     """``id``s of this rank's parameters that are extra copies of a weight tied across stages.
 
-    A splitter that unties a shared weight (``pp_core_builtins.transformers``: ``embed_tokens`` /
-    ``lm_head``) marks each part with ``pp_tied_parameters`` (``{local name: every name of the
+    Parts holding a weight other stages hold too (pp_core's own marking, or a splitter that
+    unties a shared weight: ``pp_core_builtins.transformers``' ``embed_tokens`` / ``lm_head``)
+    carry ``pp_tied_parameters`` (``{local name: every name of the
     weight}``) and ``pp_tied_stages`` (``{names: stages holding a copy}``). The copy on the lowest
     stage stands for the weight; the others are skipped when norms are summed, so the norm is the
     unsplit model's.
     """
-    extra = set()
+    extra, counted = set(), set()
     for part, stage in zip(model_parts, stage_indices):
         holders = getattr(part, "pp_tied_stages", {})
         named = dict(part.named_parameters(remove_duplicate=False))
@@ -47,7 +48,9 @@ def tied_copies(model_parts, stage_indices) -> set[int]:
             stages = holders.get(names, ())
             if stages and stage != min(stages):
                 extra.add(id(named[name]))
-    return extra
+            else:  # one tensor shared by this rank's parts counts where the lowest stage has it
+                counted.add(id(named[name]))
+    return extra - counted
 
 
 def _squared_norm(params: list[nn.Parameter], skip: set[int], device) -> torch.Tensor:

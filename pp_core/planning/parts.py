@@ -30,7 +30,8 @@ from torch import nn
 from pp_core.errors import ConfigError, PluginError
 from pp_core.plugin_manager import plugins_or_default
 
-__all__ = ["build_model_parts", "prune_model", "materialize_parts"]
+__all__ = ["build_model_parts", "prune_model", "materialize_parts", "shared_parameter_stages",
+           "mark_shared_parameters"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
 
@@ -145,6 +146,59 @@ def _on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
+def _holds(fqns: Sequence[str], name: str) -> bool:
+    return any(name == fqn or name.startswith(fqn + ".") for fqn in fqns)
+
+
+def shared_parameter_stages(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]]
+                            ) -> dict[int, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """``{id(tensor): (every name of it, stages holding it)}`` for each parameter of ``model``
+    that more than one stage holds (a stage holds a name it lists, or a module above it)."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(param), []).append(name)
+    shared = {}
+    for key, names in by_tensor.items():
+        stages = tuple(s for s, fqns in enumerate(fqns_per_stage)
+                       if any(_holds(fqns, n) for n in names))
+        if len(stages) > 1:
+            shared[key] = (tuple(names), stages)
+    return shared
+
+
+def mark_shared_parameters(part: nn.Module, stage: int, shared: dict) -> None:
+    """Record on ``part`` (stage ``stage``) every weight other stages hold too.
+
+    The part keeps the model's tensor (parts of one rank share it, so its gradient already sums
+    their uses; other ranks hold their own copy of the model): ``pp_tied_parameters``
+    (``{local name: every name of the weight}``) and ``pp_tied_stages`` (``{names: stages}``)
+    tell ``Pipeline.step`` to sum the gradient over the ranks holding it
+    (:mod:`pp_core.parallel.tied`). Names the part already records (a splitter that unties its
+    own weights, e.g. ``hf_decoder``) are left alone.
+    """
+    tied = dict(getattr(part, "pp_tied_parameters", {}) or {})
+    holders = dict(getattr(part, "pp_tied_stages", {}) or {})
+    by_name = {name: key for key, (names, _) in shared.items() for name in names}
+    for name, param in part.named_parameters(remove_duplicate=False):
+        if name in tied:
+            continue
+        if id(param) not in shared:
+            if name in by_name:  # a splitter copied a shared weight and did not say so
+                raise PluginError(
+                    f"stage {stage} holds its own copy of {name!r}, a weight stages "
+                    f"{list(shared[by_name[name]][1])} share, without recording it in "
+                    f"part.pp_tied_parameters; its gradient could not be summed over the "
+                    f"stages, so the splitter must keep the model's tensor or record the copy "
+                    f"(see pp_core.parallel.tied)")
+            continue
+        names, stages = shared[id(param)]
+        tied[name] = names
+        holders[names] = stages
+    if tied:
+        part.pp_tied_parameters = tied
+        part.pp_tied_stages = holders
+
+
 def build_model_parts(
     model: nn.Module,
     plan,
@@ -157,7 +211,8 @@ def build_model_parts(
     """This rank's model parts, one per entry of ``stage_indices`` and in that order.
 
     A splitter with ``make_part(model, fqns, stage_index, num_stages, config)`` builds its parts
-    itself; otherwise :func:`prune_model` does. When ``device`` is given and a part still has
+    itself; otherwise :func:`prune_model` does. A weight held by several stages is recorded
+    (:func:`mark_shared_parameters`): ``Pipeline.step`` sums its gradient over the ranks. When ``device`` is given and a part still has
     meta tensors, the part is materialised there (:func:`materialize_parts`); the parts are not
     moved or cast otherwise (the runtime does that, for this rank's parts only).
     """
@@ -171,6 +226,7 @@ def build_model_parts(
         splitter = plugins_or_default().splitters.get(plan.splitter)
     make_part = getattr(splitter, "make_part", None)
     model_keys = set(model.state_dict().keys()) if make_part is not None else set()
+    shared = shared_parameter_stages(model, plan.fqns_per_stage)
     parts = []
     for index in indices:
         fqns = plan.fqns_per_stage[index]
@@ -183,6 +239,8 @@ def build_model_parts(
                 raise PluginError(
                     f"splitter {plan.splitter!r} built stage {index} with state_dict keys the "
                     f"model does not have: {extra[:5]}; a part must keep the model's names")
+        if shared:  # a weight several stages hold: gradients summed (pp_core.parallel.tied)
+            mark_shared_parameters(part, index, shared)
         parts.append(part)
     if device is not None and any(_on_meta(part) for part in parts):
         materialize_parts(parts, device, init_fn)

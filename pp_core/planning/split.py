@@ -11,6 +11,7 @@ lives in :mod:`pp_core.planning.partition` and is re-exported here.
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -39,9 +40,9 @@ class SplitPlan:
 
     ``stages_per_rank`` is what the runtime must build its schedule with: it differs from the
     schedule's default when ``layers_per_stage`` or ``module_fqns_per_model_part`` fix the stage
-    count. ``tied_parameters`` lists parameters reachable under several names that land on
-    different stages (e.g. a tied embedding and output head): each holder gets the tensor, and
-    keeping their gradients in sync across ranks is up to the caller.
+    count. ``tied_parameters`` lists the names of each parameter held by several stages (a tied
+    embedding and output head, one module used at two places, a module named in several parts):
+    each holder gets its own copy and ``Pipeline.step`` sums their gradients.
     """
 
     num_stages: int
@@ -130,8 +131,10 @@ def check_stage_fqns(model, fqns_per_stage, num_stages: int, source: str) -> tup
     """Check a split and return ``(param_counts, tied_parameters)``; raise ConfigError if bad.
 
     Every name must be a module, parameter or buffer of ``model``; every parameter must be held
-    by exactly one stage (a parameter reachable under several names may be held once per name:
-    a tied weight); a parameter-free module may appear on several stages.
+    by a stage. A parameter held by several stages - reachable under several names (a tied
+    embedding, one module used twice) or a module named in several parts (NeMo lists
+    ``model.rotary_emb`` in every part) - is *tied*: each stage gets a copy and ``Pipeline.step``
+    sums their gradients (:mod:`pp_core.parallel.tied`).
     """
     if not isinstance(fqns_per_stage, (list, tuple)) or len(fqns_per_stage) != num_stages:
         got = len(fqns_per_stage) if isinstance(fqns_per_stage, (list, tuple)) else fqns_per_stage
@@ -159,17 +162,14 @@ def check_stage_fqns(model, fqns_per_stage, num_stages: int, source: str) -> tup
     by_tensor: dict[int, list[str]] = {}
     for name, param in params.items():
         by_tensor.setdefault(id(param), []).append(name)
-    uncovered, doubled, tied = [], [], []
+    uncovered, tied = [], []
     counts = [0] * num_stages
     for names in by_tensor.values():
         per_name = {name: stages_of(name) for name in names}
         held = set().union(*per_name.values())
         if not held:
             uncovered.append(names[0])
-        for name, stages in per_name.items():
-            if len(stages) > 1:
-                doubled.append(f"{name} (stages {sorted(stages)})")
-        if len(held) > 1 and len(names) > 1:
+        if len(held) > 1:  # one tensor on several stages: a copy each, gradients summed
             tied.append(tuple(n for n in names if per_name[n]))
         for stage in held:
             counts[stage] += params[names[0]].numel()
@@ -178,9 +178,6 @@ def check_stage_fqns(model, fqns_per_stage, num_stages: int, source: str) -> tup
         raise ConfigError(
             f"{source}: parameters {uncovered[:8]}{more} are on no stage; add their modules "
             f"(e.g. {_owner(uncovered[0])!r}) to a stage")
-    if doubled:
-        raise ConfigError(f"{source}: parameters on more than one stage: {doubled[:8]}; each "
-                          f"module with parameters belongs to exactly one stage")
     return counts, tied
 
 
@@ -218,10 +215,11 @@ def plan_split(
         f"the CSV schedule {config.pp_schedule_csv!r}"
     fixed = config.module_fqns_per_model_part
     counter = getattr(chosen, "num_layers", None)
-    if fixed is not None and config.layers_per_stage is not None:
-        raise ConfigError(f"both module_fqns_per_model_part and layers_per_stage="
-                          f"{config.layers_per_stage} are set; the first fixes the stages by "
-                          f"name, so unset layers_per_stage (or the module list)")
+    if fixed is not None and config.layers_per_stage is not None:  # NeMo's rule: names win
+        warnings.warn(f"module_fqns_per_model_part and layers_per_stage="
+                      f"{config.layers_per_stage} are both set; the module lists fix the "
+                      f"stages, so layers_per_stage is ignored (unset it to silence this)",
+                      UserWarning, stacklevel=2)
     if fixed is not None:
         num_stages, per_rank = _stages_from_fqns(len(fixed), num_ranks, stages_per_rank,
                                                  variable_stages_per_rank, schedule)

@@ -85,6 +85,9 @@ class Executor:
         self.consume = getattr(allocator, "consume", None)
         self.recv_started: set[int] = set()
         self.sent_metas: dict[int, list] = {}
+        self.probed: set[int] = set()  # pp_seq_len: boundaries this step sent its first on
+        self.recv_probed: set[int] = set()
+        self.shape_noted = False
         self.early_receives = False
         self.preposted: set = set()
         self.preposted_b: set = set()
@@ -100,6 +103,7 @@ class Executor:
         self.mb_kwargs = mb_kwargs
         self.shapes_sent.new_step()
         self.shapes_received.history.new_step()
+        self.probed, self.recv_probed = set(), set()
         self.mb_inputs = mb_inputs
         self.mb_targets = mb_targets
         self.inputs: dict[int, Any] = {}      # key -> stage inputs needing grad
@@ -201,7 +205,7 @@ class Executor:
         if self.position in self.prepare_at and self.initializers:
             count = num_tokens(self.mb_inputs[mb] if self.mb_inputs is not None else args)
             for initializer in self.initializers:
-                initializer.prepare(count, self.device)
+                initializer.prepare(num_tokens=count, device=self.device)
         with torch.set_grad_enabled(train), self.data_parallel.forward(stage_index, train):
             output = stage(args, self.mb_kwargs[mb] if self.mb_kwargs is not None else None)
             if stage.is_last:

@@ -16,7 +16,8 @@ from pp_core.plugin_manager import Plugins, plugins_or_default
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["PipelineRuntimeInitializer", "collect_pipeline_runtime_initializers"]
+__all__ = ["PipelineRuntimeInitializer", "collect_pipeline_runtime_initializers",
+           "summarize_runtime_initializers"]
 
 
 def _check_hashable(value, what: str, initializer, where: str, plugin: str) -> None:
@@ -66,3 +67,20 @@ def collect_pipeline_runtime_initializers(
                         f"configurations equal"
                     )
     return order
+
+
+def summarize_runtime_initializers(model_parts: "list[nn.Module]", plugins: "Plugins | None" = None
+                                   ) -> "list[tuple[Hashable, Hashable, int]]":
+    """``(resource_key, signature, modules)`` of each initializer the collector keeps for these
+    parts, in its order, with how many modules asked for that key (``pp-core validate`` prints
+    it per stage). Conflicts raise as in :func:`collect_pipeline_runtime_initializers`."""
+    plugins = plugins_or_default(plugins)
+    kept = collect_pipeline_runtime_initializers(model_parts, plugins)
+    counts: dict = {}
+    for part in model_parts:
+        for _, module in part.named_modules():
+            keys = {getattr(i, "resource_key", None)
+                    for _, i in plugins.runtime_initializers(module)}
+            for key in keys:
+                counts[key] = counts.get(key, 0) + 1
+    return [(i.resource_key, i.signature, counts.get(i.resource_key, 0)) for i in kept]

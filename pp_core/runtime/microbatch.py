@@ -1,6 +1,7 @@
 """Splitting a step's batch into microbatches, counting tokens, merging outputs.
 
-Every tensor is split along dim 0 into ``num_microbatches`` equal views (no copy); tuples, lists
+Every tensor is split along dim 0 (or the dim a model declares for a keyword input:
+:func:`kwargs_chunk_dims`) into ``num_microbatches`` equal views (no copy); tuples, lists
 and dicts are split element-wise and keep their type; any other value (``None``, an int, a
 string, a mask shared by the whole batch that is *not* a tensor) is passed unchanged to every
 microbatch. A tensor whose dim 0 is not the batch size is a usage error, reported before any
@@ -26,7 +27,7 @@ import torch
 from pp_core.errors import ConfigError
 
 __all__ = ["split_batch", "split_microbatches", "num_tokens", "to_device", "merge_microbatches", "first_tensor",
-           "iter_tensors"]
+           "iter_tensors", "kwargs_chunk_dims"]
 
 
 def iter_tensors(value):
@@ -46,49 +47,92 @@ def first_tensor(value) -> Optional[torch.Tensor]:
 
 
 def split_batch(value: Any, pieces: int, batch_size: int,
-                mismatch: Callable[[str, torch.Tensor], Exception]) -> list:
+                mismatch: Callable[[str, torch.Tensor], Exception],
+                dims: Optional[dict] = None) -> list:
     """``value`` cut into ``pieces`` equal views along dim 0 (see the module docstring).
 
-    :param mismatch: ``mismatch(path, tensor)`` makes the error raised for a tensor whose dim 0
-        is not ``batch_size`` (``path`` locates it, e.g. ``"[0]['ids']"``).
+    :param mismatch: ``mismatch(path, tensor)`` makes the error raised for a tensor whose batch
+        dim is not ``batch_size`` (``path`` locates it, e.g. ``"[0]['ids']"``).
+    :param dims: ``{key: dim}`` for a dict ``value``: the batch dimension of those keys' tensors
+        (e.g. ``{"position_ids": 1}`` for mRoPE ids shaped ``[3, batch, seq]``); others use 0.
     """
     size = batch_size // pieces
 
-    def split(item, path):
+    def split(item, path, dim=0):
         if isinstance(item, torch.Tensor):
-            if item.dim() == 0 or item.shape[0] != batch_size:
+            if item.dim() <= dim or item.shape[dim] != batch_size:
                 raise mismatch(path, item)
-            return item.split(size)
+            return item.split(size, dim=dim)
         if isinstance(item, (tuple, list)):
-            parts = [split(x, f"{path}[{i}]") or [x] * pieces for i, x in enumerate(item)]
+            parts = [split(x, f"{path}[{i}]", dim) or [x] * pieces for i, x in enumerate(item)]
             return [_rebuild(item, [p[k] for p in parts]) for k in range(pieces)]
         if isinstance(item, dict):
-            parts = {key: split(x, f"{path}[{key!r}]") or [x] * pieces
+            parts = {key: split(x, f"{path}[{key!r}]", dim) or [x] * pieces
                      for key, x in item.items()}
             return [{key: parts[key][k] for key in item} for k in range(pieces)]
         return None  # passed through unchanged
+
+    if dims and isinstance(value, dict):
+        parts = {key: split(x, f"[{key!r}]", dims.get(key, 0)) or [x] * pieces
+                 for key, x in value.items()}
+        return [{key: parts[key][k] for key in value} for k in range(pieces)]
 
     result = split(value, "")
     return [value] * pieces if result is None else list(result)
 
 
-def split_microbatches(value: Any, num_microbatches: int, batch_size: int, what: str) -> list:
-    """``value`` cut into ``num_microbatches`` along dim 0 (see the module docstring).
+def split_microbatches(value: Any, num_microbatches: int, batch_size: int, what: str,
+                       dims: Optional[dict] = None) -> list:
+    """``value`` cut into ``num_microbatches`` along dim 0, or along ``dims[key]`` for the keys
+    of a dict ``value`` that a model declares (:func:`kwargs_chunk_dims`).
 
     :param what: ``"inputs"`` or ``"target"``, for the error message.
-    :raises ConfigError: a tensor whose dim 0 is not ``batch_size``.
+    :raises ConfigError: a tensor whose batch dim is not ``batch_size``.
     """
     size = batch_size // num_microbatches
+    dims = dims or {}
 
     def mismatch(path, item):
-        got = "a 0-d tensor" if item.dim() == 0 else f"batch size {item.shape[0]}"
+        key = path[2:-2] if path.startswith("['") else None
+        dim = dims.get(key, 0)
+        got = f"only {item.dim()} dims" if item.dim() <= dim else \
+            f"batch size {item.shape[dim]} in dim {dim}"
+        declared = f" (the model's get_pipeline_kwargs_chunk_dims says dim {dim})" if dim else ""
         return ConfigError(
-            f"{what}{path} has {got} (shape {tuple(item.shape)}), but pp_batch_size="
-            f"{batch_size}: every tensor of a step's {what} must have dim 0 = pp_batch_size, "
-            f"split into {num_microbatches} microbatches of {size}; pass a batch of "
-            f"{batch_size} or change pp_batch_size")
+            f"{what}{path} has {got} (shape {tuple(item.shape)}){declared}, but pp_batch_size="
+            f"{batch_size}: every tensor of a step's {what} must have its batch dim (0 unless "
+            f"the model declares another) = pp_batch_size, split into {num_microbatches} "
+            f"microbatches of {size}; pass a batch of {batch_size} or change pp_batch_size")
 
-    return split_batch(value, num_microbatches, batch_size, mismatch)
+    return split_batch(value, num_microbatches, batch_size, mismatch, dims)
+
+
+def kwargs_chunk_dims(model, kwargs: Any) -> dict:
+    """``{key: dim}``: the batch dimension of keyword inputs whose batch dim is not 0, as the
+    model declares it in NeMo AutoModel's ``get_pipeline_kwargs_chunk_dims(kwargs)`` (e.g.
+    ``{"position_ids": 1}`` for mRoPE ids ``[3, batch, seq]``); ``{}`` when the model has no such
+    method or ``kwargs`` is not a dict.
+
+    :raises ConfigError: the method names a key ``kwargs`` does not hold, or a dim that is not
+        a non-negative int.
+    """
+    hook = getattr(model, "get_pipeline_kwargs_chunk_dims", None)
+    if hook is None or not isinstance(kwargs, dict):
+        return {}
+    dims = hook(kwargs) or {}
+    where = f"{type(model).__name__}.get_pipeline_kwargs_chunk_dims"
+    if not isinstance(dims, dict):
+        raise ConfigError(f"{where} returned {type(dims).__name__}; it must return a dict "
+                          f"{{keyword: batch dim}}, e.g. {{'position_ids': 1}}")
+    for key, dim in dims.items():
+        if key not in kwargs:
+            raise ConfigError(f"{where} names {key!r}, which is not among the step's keyword "
+                              f"inputs ({', '.join(map(repr, kwargs)) or 'none'}); return only "
+                              f"keys of the dict it is given")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ConfigError(f"{where} gives {key!r} the dim {dim!r}; a batch dim is an int "
+                              f">= 0")
+    return dims
 
 
 def _is_namedtuple(value) -> bool:

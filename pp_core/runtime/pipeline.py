@@ -3,7 +3,8 @@
 ``build_pipeline(model, config, pp_group=None, device="cpu")`` plans the split, the schedule (a
 registered name or a CSV) and its lowered program with
 :func:`~pp_core.planning.plan.plan_pipeline` - the same function ``pp-core validate`` plans with -
-keeps only this rank's model parts (moved to ``device`` and cast to ``config.dtype``), collects
+keeps only this rank's model parts (moved to ``device``; ``config.dtype`` is the dtype of the
+floating tensors stages send and receive, parameters are never cast by it), collects
 the runtime initializers and the receive-buffer allocator - all before any pipeline traffic, so
 configuration mistakes fail fast and identically on every rank. :meth:`Pipeline.step` then runs one training step.
 
@@ -35,6 +36,7 @@ from torch import nn
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PPCoreError
 from pp_core.losses import resolve_loss
+from pp_core.parallel.tied import align_tied_copies, grad_baseline, sync_tied_gradients_of
 from pp_core.planning.parts import build_model_parts
 from pp_core.plugin_manager import plugins_or_default
 from pp_core.planning.plan import plan_pipeline
@@ -45,7 +47,8 @@ from pp_core.runtime.dp_sync import make_data_parallel
 from pp_core.runtime.executor import Executor
 from pp_core.runtime.failures import end_failed_step, forget_frames
 from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
-from pp_core.runtime.microbatch import merge_microbatches, split_microbatches, to_device
+from pp_core.runtime.microbatch import (kwargs_chunk_dims, merge_microbatches,
+                                        split_microbatches, to_device)
 from pp_core.runtime.observers import ActionTrace
 from pp_core.runtime.stage import Stage
 from pp_core.schedule.ir import Schedule
@@ -130,8 +133,12 @@ class Pipeline:
             program = lower(schedule)
         self.program = program
         self.stage_indices = tuple(stage_indices)
-        self.model_parts = [part.to(device=self.device, dtype=self.dtype) if self.dtype
-                            else part.to(self.device) for part in model_parts]
+        # config.dtype is the dtype of the tensors stages send and receive (NeMo's meaning):
+        # parameters keep the model's dtype, the optimizer's precision is never changed here
+        self.model_parts = [part.to(self.device) for part in model_parts]
+        # the model's get_pipeline_kwargs_chunk_dims (NeMo), asked on every rank alike: each
+        # part keeps the model's class (microbatch.kwargs_chunk_dims)
+        self._chunk_dims_of = self.model_parts[0]
         self.num_stages = schedule.num_stages
         self.num_microbatches = schedule.num_microbatches
         if self.num_microbatches != config.num_microbatches:
@@ -206,11 +213,15 @@ class Pipeline:
         self._sync_parts(train=True)
 
         def run():
+            baseline = grad_baseline(self.model_parts)  # weights several stages hold
             losses, _ = self._run(self._train, inputs, target, need_target=True,
                                   stage_kwargs=stage_kwargs)
+            if baseline:  # their gradients summed over the ranks holding them
+                sync_tied_gradients_of(self.model_parts, self.schedule.stage_ranks, self.rank,
+                                       self.group, baseline)
             return torch.stack(losses).float().mean() if self.has_last else None
 
-        # plugins' pp_pipeline_step wrappers (e.g. tied-weight gradient sums) run around it
+        # plugins' pp_pipeline_step wrappers run around it
         try:
             return self._plugins.run_step(self, True, run)
         except BaseException as exc:
@@ -266,7 +277,8 @@ class Pipeline:
 
     def _split(self, value, what: str) -> list:
         cfg = self.config
-        parts = split_microbatches(value, self.num_microbatches, cfg.pp_batch_size, what)
+        dims = {} if what == "target" else kwargs_chunk_dims(self._chunk_dims_of, value)
+        parts = split_microbatches(value, self.num_microbatches, cfg.pp_batch_size, what, dims)
         return [to_device(part, self.device, self.dtype if what != "target" else None)
                 for part in parts]
 
@@ -358,5 +370,8 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
     if failure is not None:
         raise failure
     parts = build_model_parts(model, plan.split, plan.stage_indices, config, device=device)
-    return Pipeline(parts, plan.stage_indices, plan.schedule, config, group, device,
+    pipe = Pipeline(parts, plan.stage_indices, plan.schedule, config, group, device,
                     program=plan.program, plugins=plugins, timeout=timeout, plan=plan)
+    if num_ranks > 1 and plan.split.tied_parameters:  # every copy starts as the lowest stage's
+        align_tied_copies(pipe.model_parts, plan.schedule.stage_ranks, rank, group)
+    return pipe

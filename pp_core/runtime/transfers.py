@@ -5,13 +5,19 @@ compute handlers in :mod:`pp_core.runtime.executor`; they read and fill the step
 (``to_send``, ``grads_back``, ``messages``) and post through its
 :class:`~pp_core.runtime.comm.Mailbox`. Message formats: :mod:`pp_core.runtime.wire`.
 
-Forward messages carry a header unless shapes are static (``pp_seq_len``): then only the first
-message of each stage boundary does, and the shapes it announced are checked on every later send.
+Forward messages carry a header unless ``pp_seq_len`` is set: then the first message of each
+stage boundary in a step is packed with its header, sized by the last step's shapes (the very
+first one ever has a plain header); the step's other messages on that boundary are bare payloads
+of the shapes it announced, in receive buffers sized before they arrive. A batch of another
+length is announced by that first message (re-sent at its real shapes, as a wrong prediction is
+below), so a length that changes between steps runs on every rank, noted once in the log.
 With dynamic shapes both ends predict a boundary's shapes from the last two steps
 (:class:`~pp_core.runtime.wire.ShapeHistory`) and send header and payload as one packed buffer.
 """
 
 from __future__ import annotations
+
+import logging
 
 from pp_core.errors import PipelineError
 from pp_core.runtime.comm import Incoming
@@ -23,6 +29,8 @@ __all__ = ["send_forward", "recv_forward", "send_backward", "recv_backward", "po
            "prepost_forward"]
 
 _FIRST_BACKWARD_TAG = 64  # above the tags of pp_core.runtime.wire
+
+logger = logging.getLogger(__name__)
 
 
 def send_forward(ex, action) -> None:
@@ -47,15 +55,40 @@ def send_forward(ex, action) -> None:
             return
     else:
         known = ex.sent_metas.get(stage_index)
+        probe = stage_index not in ex.probed  # this boundary's first message of the step
+        ex.probed.add(stage_index)
         if known is None:
             ex.sent_metas[stage_index] = metas
             header = encode_header(metas)
+        elif probe:  # header and payload packed, sized by the last step's shapes (both ends)
+            header = encode_header(metas)
+            if same_buffers(known, metas):
+                ex.sent_metas[stage_index] = metas
+                ex.mailbox.send([pack(header, tensors, metas, ex.device)], peer, TAG_PACKED)
+                return
+            ex.sent_metas[stage_index] = metas  # the rest of the step: these shapes
+            shape_note(ex, stage_index, known, metas)
+            ex.mailbox.send([pack(header, [None] * len(known), known, ex.device)] + tensors,
+                            peer, (TAG_PACKED,) + (TAG_FIXUP,) * len(tensors))
+            return
         elif known != metas:
             raise PipelineError(
-                f"stage {stage_index} output changed from {_describe(known)} to "
-                f"{_describe(metas)}, but pp_seq_len is set, which promises static shapes; "
-                f"unset pp_seq_len to let shapes vary, or pad inputs to pp_seq_len")
+                f"stage {stage_index} output changed within a step, from {_describe(known)} to "
+                f"{_describe(metas)}; with pp_seq_len set every microbatch of a step must have "
+                f"the same shapes (a new length may come with the next step): unset pp_seq_len "
+                f"to let shapes vary per microbatch, or pad the step's inputs to one length")
     ex.mailbox.send(tensors, peer, TAG_FORWARD, header)
+
+
+def shape_note(ex, stage_index: int, known, metas) -> None:
+    """Say once per pipeline, on its rank 0, that ``pp_seq_len`` did not hold (a hint)."""
+    if ex.rank != 0 or ex.shape_noted:
+        return
+    ex.shape_noted = True
+    logger.warning("pp_seq_len is a hint, and a batch of another length arrived: stage %d "
+                   "now sends %s instead of %s; each step runs with the shapes its first "
+                   "message announces (noted once)", stage_index, _describe(metas),
+                   _describe(known))
 
 
 def recv_forward(ex, action) -> None:
@@ -71,9 +104,20 @@ def recv_forward(ex, action) -> None:
                            lifetime, predicted)
         header = True
     else:
-        header = stage_index not in ex.recv_started
+        known = ex.shapes_received.metas.get(stage_index)
+        first = stage_index not in ex.recv_started  # the first message ever: a plain header
+        probe = stage_index not in ex.recv_probed  # this boundary's first message of the step
         ex.recv_started.add(stage_index)
-        message = Incoming(peer, TAG_FORWARD, ex.shapes_received.metas.get(stage_index), lifetime)
+        ex.recv_probed.add(stage_index)
+        if first or known is None:
+            message = Incoming(peer, TAG_FORWARD, None, lifetime)
+            header = first
+        elif probe:  # packed with its header, sized by the last step's shapes
+            message = Incoming(peer, TAG_PACKED, None, lifetime, known)
+            header = True
+        else:  # the shapes of this step's first message on this boundary (decoded before it)
+            message = Incoming(peer, TAG_FORWARD, None, lifetime)
+            header = False
     message.edge = stage_index
     message.microbatch = action.microbatch
     ex.messages[key] = ex.mailbox.post(message, header)

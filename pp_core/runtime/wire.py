@@ -169,7 +169,7 @@ class ReceivedShapes:
         return message.edge in self.metas
 
     def header_decoded(self, message) -> None:
-        if self.static_shapes:
-            self.metas.setdefault(message.edge, message.metas)
+        if self.static_shapes:  # a step's first message on the edge sets the step's shapes
+            self.metas[message.edge] = message.metas
         else:
             self.history.record(message.edge, message.microbatch, message.metas)

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pp_core.errors import ScheduleError, quoted, shorten
+from pp_core.errors import ScheduleError, ScheduleFileNotFoundError, quoted, shorten
 from pp_core.schedule.ir import COMPUTE_KINDS, Schedule, parse_action
 from pp_core.schedule.validate import validate_schedule
 
@@ -51,8 +51,8 @@ def read_csv(path_or_text: str | os.PathLike, format: Format = "auto",
             and ("," not in path_or_text or os.path.exists(path_or_text))):
         path = Path(path_or_text)
         if not path.is_file():
-            raise ScheduleError(f"schedule CSV {quoted(str(path))} does not exist (or is not a "
-                                f"file)")
+            raise ScheduleFileNotFoundError(f"schedule CSV {quoted(str(path))} does not exist "
+                                            f"(or is not a file)")
         data = path.read_bytes()
         try:
             text = data.decode("utf-8")

@@ -94,15 +94,3 @@ def pp_register_splitters(register):
 @hookimpl
 def pp_register_models(register):
     register("hf_causal_lm", hf_causal_lm)
-
-
-@hookimpl(wrapper=True)
-def pp_pipeline_step(pipeline, training):
-    """Sum this step's gradient contributions of tied weights across the stages holding them."""
-    from pp_core_builtins.transformers.tied import grad_baseline, sync_tied_gradients
-
-    baseline = grad_baseline(pipeline.model_parts) if training else None
-    result = yield
-    if baseline:
-        sync_tied_gradients(pipeline, baseline)
-    return result

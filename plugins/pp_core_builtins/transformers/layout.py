@@ -28,7 +28,8 @@ from pp_core.planning.partition import spread_between
 
 __all__ = ["DecoderLayout", "find_layout", "find_text_module", "plan_stages"]
 
-TEXT_MODULE_NAMES = ("model", "language_model", "text_model", "decoder", "transformer")
+TEXT_MODULE_NAMES = ("model", "language_model", "text_model", "text_decoder", "decoder",
+                     "transformer")
 """Children searched, in this order, for the text module when the root is not one itself."""
 
 

@@ -29,7 +29,7 @@ from pp_core.planning.parts import prune_model
 from pp_core_builtins.transformers.forward import DecoderAdapter, patch_causal_lm, patch_text_module
 from pp_core_builtins.transformers.layout import DecoderLayout
 
-__all__ = ["build_part", "tie_groups", "init_part_weights"]
+__all__ = ["build_part", "build_plain_part", "tie_groups", "init_part_weights"]
 
 
 def tie_groups(model: nn.Module) -> list[tuple[str, ...]]:
@@ -142,4 +142,12 @@ def build_part(model: nn.Module, layout: DecoderLayout, fqns, config,
         patch_causal_lm(part, layout.text, layout.head, adapter)
     if any(t.is_meta for t in model.parameters()):
         part.init_weights = types.MethodType(init_part_weights, part)
+    return part
+
+
+def build_plain_part(model: nn.Module, fqns) -> nn.Module:
+    """One stage of a model laid out like an HF decoder but not a ``PreTrainedModel``: pruned
+    and untied as :func:`build_part` does, its forwards left as the model wrote them."""
+    part = prune_model(model, list(fqns))
+    part.pp_tied_parameters = _untie(part, tie_groups(model))
     return part

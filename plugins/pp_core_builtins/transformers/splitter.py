@@ -11,6 +11,13 @@ Layers are spread evenly (counts differ by at most one, extra layers to the inte
 ``module_fqns_per_model_part`` replaces the split entirely (this splitter still builds the parts,
 so the forwards are patched either way). ``priority`` 400 puts it ahead of pp-core's generic
 splitters, including ``fqn``.
+
+A model that is not a ``transformers.PreTrainedModel`` but is laid out like one (NeMo AutoModel's
+own classes: a ``model`` / ``language_model`` / ``text_model`` / ``text_decoder`` child holding
+``embed_tokens``, ``layers`` and ``norm``, plus ``lm_head``) is split the same way, without
+transformers; its parts keep the model's own forwards, which must skip the modules a stage does
+not hold (``embed_tokens is None``: the input is the hidden states; ``norm`` / ``lm_head`` is
+``None``: pass the hidden states on), as NeMo's own model classes do.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from torch import nn
 from pp_core import ConfigError
 from pp_core_builtins.transformers.forward import BUILTIN_ADAPTERS, DecoderAdapter
 from pp_core_builtins.transformers.layout import find_layout, find_text_module, plan_stages
-from pp_core_builtins.transformers.parts import build_part
+from pp_core_builtins.transformers.parts import build_part, build_plain_part
 
 __all__ = ["HFDecoderSplitter"]
 
@@ -30,6 +37,17 @@ __all__ = ["HFDecoderSplitter"]
 def _is_hf_model(model) -> bool:
     transformers = sys.modules.get("transformers")  # never import it just to say no
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _is_hf_shaped(model) -> bool:
+    """Laid out like an HF causal LM without being a ``PreTrainedModel`` (NeMo AutoModel's own
+    model classes): a text module under a child named as HF names it, holding
+    ``embed_tokens``, ``layers`` and ``norm``, and an ``lm_head`` on the root. The layout is
+    read from the module tree alone; transformers is not needed."""
+    text = find_text_module(model)
+    if not text or not isinstance(model._modules.get("lm_head"), nn.Module):
+        return False
+    return isinstance(model.get_submodule(text)._modules.get("norm"), nn.Module)
 
 
 class HFDecoderSplitter:
@@ -52,7 +70,7 @@ class HFDecoderSplitter:
     # ------------------------------------------------------------------ selection
 
     def accepts(self, model) -> bool:
-        if not _is_hf_model(model):
+        if not _is_hf_model(model) and not _is_hf_shaped(model):
             return False
         if find_text_module(model) is None:
             return False
@@ -63,8 +81,10 @@ class HFDecoderSplitter:
         return layout.text == "" or layout.head is not None  # a bare decoder, or a causal LM
 
     def rejection(self, model) -> str:
-        if not _is_hf_model(model):
-            return "not a transformers PreTrainedModel"
+        if not _is_hf_model(model) and not _is_hf_shaped(model):
+            return ("neither a transformers PreTrainedModel nor laid out like an HF causal LM "
+                    "(a `model`, `language_model`, `text_model` or `text_decoder` child with "
+                    "`embed_tokens`, `layers` and `norm`, and an `lm_head`)")
         if find_text_module(model) is None:
             return "no text module with `embed_tokens` and a `layers` ModuleList"
         return ("no `lm_head`: only causal LMs (and bare decoders) get stage forwards; a "
@@ -107,7 +127,10 @@ class HFDecoderSplitter:
         return [list(part) + [fqn for fqn in shared if fqn not in part] for part in fixed]
 
     def make_part(self, model, fqns, stage_index, num_stages, config) -> nn.Module:
-        part = build_part(model, find_layout(model), fqns, config, self.adapter(model))
+        if _is_hf_model(model):
+            part = build_part(model, find_layout(model), fqns, config, self.adapter(model))
+        else:  # NeMo-style model class: its own forwards skip the modules a stage lacks
+            part = build_plain_part(model, fqns)
         if part.pp_tied_parameters:
             stages = self.split(model, num_stages, config)
             part.pp_tied_stages = {names: _holders(stages, names)

@@ -143,10 +143,25 @@ def validate_command(args) -> int:
         print(f"  schedule {found.schedule.name}: {found.schedule.num_stages} stages, "
               f"simulated bubble {100 * result.bubble_ratio:.1f}% at unit costs, peak "
               f"activations per rank {result.peak_activations}")
+    if found.initializers is not None:
+        print("  " + _initializers(found.initializers).replace("\n", "\n  "))
     print(f"  {_parallelisms(spec)}")
     for note in found.notes:
         print(f"  note: {note}")
     return 0
+
+
+def _initializers(per_stage) -> str:
+    """``runtime initializers:`` then, per stage, each key, its signature and how many modules
+    share it (what the executor prepares before each microbatch)."""
+    if not any(per_stage):
+        return "runtime initializers: none"
+    lines = ["runtime initializers (prepared before each microbatch):"]
+    for stage, found in enumerate(per_stage):
+        shown = "; ".join(f"key {key!r}, signature {signature!r}, {count} module"
+                          f"{'' if count == 1 else 's'}" for key, signature, count in found)
+        lines.append(f"  stage {stage}: {shown or 'none'}")
+    return "\n".join(lines)
 
 
 def _parallelisms(spec) -> str:
