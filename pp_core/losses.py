@@ -63,3 +63,24 @@ def resolve_loss(value) -> Callable:
     if isinstance(value, str) and ":" not in value:
         return get_loss(value)
     return resolve_callable(value, "loss_fn")
+
+
+# ----------------------------------------------------------------------------- auxiliary losses
+# A model layer's auxiliary loss (an MoE load-balancing loss) must reach the parameters with the
+# gradient it would get if it were added to the last stage's loss - but that loss lives on another
+# rank. Such a layer injects the gradient in its own backward (pp_core_builtins' moe_gpt does) and
+# multiplies it by the factor the schedule applies to the last stage's loss: 1, or
+# 1 / num_microbatches when ``scale_grads_in_schedule``. The executor sets it for each step.
+_aux_loss_scale = [1.0]
+
+
+def aux_loss_scale() -> float:
+    """The factor the running pipeline step applies to each microbatch loss's gradient (1.0
+    outside a pipeline step: the loss is then used as is)."""
+    return _aux_loss_scale[0]
+
+
+def set_aux_loss_scale(scale: float) -> float:
+    """Set :func:`aux_loss_scale`; returns the previous value (to restore it)."""
+    previous, _aux_loss_scale[0] = _aux_loss_scale[0], float(scale)
+    return previous
