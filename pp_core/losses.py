@@ -13,7 +13,8 @@ from typing import Callable
 from pp_core.callables import resolve_callable
 from pp_core.errors import ConfigError, did_you_mean
 
-__all__ = ["cross_entropy", "mse", "l1", "BUILTIN_LOSSES", "get_loss", "resolve_loss"]
+__all__ = ["cross_entropy", "mse", "l1", "BUILTIN_LOSSES", "get_loss", "resolve_loss",
+           "aux_loss_scale", "set_aux_loss_scale", "pop_aux_losses"]
 
 
 def cross_entropy(output, target):
@@ -78,6 +79,22 @@ def aux_loss_scale() -> float:
     """The factor the running pipeline step applies to each microbatch loss's gradient (1.0
     outside a pipeline step: the loss is then used as is)."""
     return _aux_loss_scale[0]
+
+
+def pop_aux_losses(model_parts) -> list:
+    """The auxiliary losses recorded by the modules of ``model_parts`` since the last call.
+
+    A module that computes one keeps the detached values in a list attribute ``pp_aux_losses``
+    (one per training forward); this returns them all and empties the lists (the metrics'
+    ``aux_loss``)."""
+    found = []
+    for part in model_parts:
+        for module in part.modules():
+            values = getattr(module, "pp_aux_losses", None)
+            if isinstance(values, list) and values:
+                found += values
+                module.pp_aux_losses = []
+    return found
 
 
 def set_aux_loss_scale(scale: float) -> float:

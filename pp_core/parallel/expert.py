@@ -33,7 +33,8 @@ from pp_core.errors import ConfigError
 from pp_core.plugin_manager import plugins_or_default
 
 __all__ = ["ExpertGroups", "expert_parallel_groups", "apply_expert_parallel",
-           "expert_parameters", "sync_expert_gradients", "is_expert_parameter"]
+           "expert_parameters", "sync_expert_gradients", "is_expert_parameter",
+           "planned_modules"]
 
 
 @dataclass
@@ -87,6 +88,17 @@ def _plan_of(part: nn.Module, plugins) -> Optional[dict]:
     return plugins.pm.hook.pp_expert_parallel_plan(model=part)
 
 
+def planned_modules(model: nn.Module, plan: dict) -> list:
+    """``(fqn, module, style)`` for every module of ``model`` a pattern of ``plan`` matches."""
+    found = []
+    for fqn, module in model.named_modules():
+        for pattern, style in plan.items():
+            if fnmatchcase(fqn, pattern):
+                found.append((fqn, module, style))
+                break
+    return found
+
+
 def apply_expert_parallel(model_parts, ep_group, plan: Optional[dict] = None,
                           plugins=None) -> int:
     """Shard the experts of every model part over ``ep_group`` (a ProcessGroup or a 1-D
@@ -106,12 +118,9 @@ def apply_expert_parallel(model_parts, ep_group, plan: Optional[dict] = None,
         if part_plan is None:
             continue
         planned = True
-        for fqn, module in list(part.named_modules()):
-            for pattern, style in part_plan.items():
-                if module is not None and fnmatchcase(fqn, pattern):
-                    style.apply(module, ep_group)
-                    sharded += 1
-                    break
+        for _, module, style in planned_modules(part, part_plan):
+            style.apply(module, ep_group)
+            sharded += 1
     if not planned:
         names = sorted({type(p).__name__ for p in parts})
         raise ConfigError(f"no expert-parallel plan for {', '.join(names)}: no plugin's "

@@ -14,7 +14,7 @@ router z-loss ``mean(logsumexp(logits)^2)``, computed on the microbatch the laye
 rank's tokens), to the loss *as if added to the last stage's microbatch loss*: the gradient is
 injected in the layer's own backward, scaled as the schedule scales the loss
 (:func:`pp_core.losses.aux_loss_scale`), wherever the layer's stage sits. The values are kept
-for the metrics (:func:`pop_aux_losses`).
+for the metrics (``pp_aux_losses``; :func:`pp_core.losses.pop_aux_losses`).
 
 Expert parallelism: :meth:`MoE.shard_experts` keeps this ep rank's ``num_experts / ep_size``
 experts; tokens travel to them and back with ``all_to_all_single`` (:mod:`.moe_dispatch`). The
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as functional
 from torch import nn
 
+from pp_core.losses import pop_aux_losses
 from pp_core_builtins.models.gpt import GPT
 from pp_core_builtins.models.moe_dispatch import (
     WORKSPACE_NAME, AllToAll, DispatchWorkspaceInitializer, group_name, inject_aux_loss,
@@ -69,7 +70,7 @@ class MoE(nn.Module):
         self.shared = nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.GELU(),
                                     nn.Linear(hidden, dim, bias=False)) if shared_expert else None
         self.ep_group, self.ep_size, self.ep_rank = None, 1, 0
-        self.aux_losses: list[torch.Tensor] = []  # detached, one per training forward
+        self.pp_aux_losses: list[torch.Tensor] = []  # detached, one per training forward
 
     # ------------------------------------------------------------------ expert parallelism
     @property
@@ -115,6 +116,10 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(k, dim=-1)
         if self.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if x.is_meta:  # no routing without values: shapes (and costs) as if all went to one
+            out = self.experts(x.repeat(k, 1), [tokens * k] + [0] * (self.num_experts - 1))
+            out = out[:tokens] + (self.shared(x) if self.shared is not None else 0)
+            return out.reshape(shape)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_index = order // k
@@ -130,7 +135,7 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled():
             aux = self._aux_loss(logits, probs, counts, tokens)
             if not _in_backward():  # an activation-checkpoint recompute is not a new forward
-                self.aux_losses.append(aux.detach())
+                self.pp_aux_losses.append(aux.detach())
             out = inject_aux_loss(out, aux)
         return out.reshape(shape)
 
@@ -228,14 +233,3 @@ class ShardExperts:
 
     def apply(self, module: nn.Module, ep_group) -> None:
         module.shard_experts(ep_group)
-
-
-def pop_aux_losses(model_parts) -> list[torch.Tensor]:
-    """Every auxiliary loss the MoE layers of ``model_parts`` recorded since the last call."""
-    found = []
-    for part in model_parts:
-        for module in part.modules():
-            if isinstance(module, MoE):
-                found += module.aux_losses
-                module.aux_losses = []
-    return found
