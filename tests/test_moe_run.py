@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
+
+import pytest
 
 from tests.test_run import TINY, pp_core, write_spec  # noqa: F401 (TINY: the base spec)
 
@@ -15,6 +18,7 @@ MOE = {**TINY,
                                             "num_heads": 2, "max_seq_len": 8, "num_experts": 4,
                                             "top_k": 2, "moe_hidden": 16}},
        "distributed": {"pp_size": 2, "dp_replicate": 2, "device": "cpu"}}
+ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 # examples/moe.yaml made tiny: 20 steps, 4 experts, clipping on, a heavy aux loss
 TINY_EXAMPLE = ["model.args.vocab_size=32", "model.args.dim=16", "model.args.max_seq_len=8",
@@ -44,16 +48,26 @@ def test_example_runs_and_ep1_and_ep2_give_the_same_losses(tmp_path):
     assert one[-1]["loss"] < one[0]["loss"] and one[0]["aux_loss"] > 0
 
 
-def test_validate_checks_ep_against_dp_and_num_experts(tmp_path):
-    result = pp_core("validate", "examples/moe.yaml", env=ENV)
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_validate_checks_ep_against_dp_and_num_experts():
+    """In process (what ``pp-core validate`` runs): the example passes; an ep_size that does
+    not divide dp (spec) or num_experts (the model's plan) is refused naming the key."""
+    import yaml
+
+    from pp_core.app.preflight import preflight
+    from pp_core.app.spec import SpecError, parse_spec
+
+    example = yaml.safe_load((ROOT / "examples" / "moe.yaml").read_text())
+    preflight(parse_spec(example), run_checks=False)
     for ep, dp, expected in ((3, 2, "distributed.ep_size: expected a divisor of the "
                                     "data-parallel size"),
-                             (4, 4, "does not divide num_experts=6")):
+                             (4, 4, "does not divide num_experts=6 of layers.0.moe")):
         model = {**MOE["model"], "args": {**MOE["model"]["args"], "num_experts": 6}}
-        spec = write_spec(tmp_path / f"bad{ep}.yaml", MOE, model=model,
-                          distributed={"pp_size": 2, "dp_replicate": dp, "ep_size": ep,
-                                       "device": "cpu"})
-        result = pp_core("validate", str(spec), env=ENV)
-        assert result.returncode != 0 and expected in result.stdout + result.stderr, \
-            result.stdout + result.stderr
+        values = {**MOE, "model": model,
+                  "distributed": {"pp_size": 2, "dp_replicate": dp, "ep_size": ep}}
+        with pytest.raises(SpecError) as error:
+            preflight(parse_spec(values), run_checks=False)
+        assert expected in str(error.value), str(error.value)
+    plain = {**MOE, "model": {"name": "gpt", "args": {"dim": 16, "num_layers": 4}},
+             "distributed": {"pp_size": 2, "dp_replicate": 2, "ep_size": 2}}
+    with pytest.raises(SpecError, match="needs a model with experts"):
+        preflight(parse_spec(plain), run_checks=False)
