@@ -7,7 +7,7 @@ dispatch workspace is one runtime initializer per rank, prepared before each mic
 import pytest
 
 from tests._dist import DistPool
-from tests._moe_cases import moe_case
+from tests._moe_cases import hf_moe_case, moe_case
 
 SCHEDULES = ["1f1b", "interleaved_1f1b", "zero_bubble", "v_schedule", "dualpipe_v"]
 ATOL = 1e-5
@@ -66,3 +66,14 @@ def test_moe_workspace_grows_a_few_times_over_changing_lengths(pool):
         (grows, prepared, rows), = result["workspaces"]
         assert prepared == [n for n in lens for _ in range(result["num_microbatches"])]
         assert grows <= 3 and rows >= 8 * 2
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_hf_qwen3_moe_with_ep_equals_one_process(pool, schedule):
+    pytest.importorskip("transformers")
+    results = pool.run(hf_moe_case, schedule)
+    losses = [r["loss_err"] for r in results if r["loss_err"] is not None]
+    assert len(losses) == 2 and max(losses) <= ATOL, losses
+    for rank, result in enumerate(results):
+        assert result["sharded"] == 2, "each stage holds two MoE layers' experts"
+        assert result["grad_err"] <= ATOL, (rank, result["grad_err"])

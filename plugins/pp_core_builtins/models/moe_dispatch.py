@@ -29,11 +29,13 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from pp_core.losses import aux_loss_scale
 
 __all__ = ["DispatchWorkspace", "DispatchWorkspaceInitializer", "workspace_for",
-           "reset_workspaces", "AllToAll", "inject_aux_loss", "WORKSPACE_NAME"]
+           "reset_workspaces", "AllToAll", "dispatch_to_experts", "inject_aux_loss",
+           "WORKSPACE_NAME"]
 
 WORKSPACE_NAME = "pp_core_builtins.moe.dispatch_workspace"
 _WORKSPACES: dict = {}
@@ -124,16 +126,65 @@ class AllToAll(torch.autograd.Function):
         if send_buffer is not None:  # the workspace: no fresh send buffer per layer and step
             source = send_buffer[:tensor.shape[0]]
             source.copy_(tensor)
-        dist.all_to_all_single(out, source.contiguous(), output_splits, input_splits, group=group)
+        with record_function("pp_core.moe.all_to_all"):
+            dist.all_to_all_single(out, source.contiguous(), output_splits, input_splits,
+                                   group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
         out = grad.new_empty((sum(input_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), input_splits, output_splits,
-                               group=ctx.group)
+        with record_function("pp_core.moe.all_to_all"):
+            dist.all_to_all_single(out, grad.contiguous(), input_splits, output_splits,
+                                   group=ctx.group)
         return out, None, None, None, None
+
+
+def dispatch_to_experts(x, chosen, weights, num_experts: int, experts, ep_group,
+                        workspace: DispatchWorkspace):
+    """Dropless top-k: ``sum_j weights[t, j] * expert_{chosen[t, j]}(x[t])`` for every token.
+
+    :param x: ``[tokens, hidden]``; ``chosen``/``weights``: ``[tokens, k]`` expert ids / weights.
+    :param experts: ``experts(rows, counts) -> rows``: this rank's experts on rows grouped by
+        local expert (``counts[j]`` rows for local expert ``j``, in order).
+    :param ep_group: the expert-parallel group (``None``: every expert is local).
+    :returns: ``(output [tokens, hidden], counts per expert)``.
+    """
+    tokens, k = chosen.shape
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_index = order // k
+    counts = torch.bincount(flat, minlength=num_experts)
+    workspace.ensure(tokens * k, x.device)  # prepared already inside a pipeline step
+    routed = x.index_select(0, token_index)
+    if ep_group is None:
+        out_rows = experts(routed, counts.tolist())
+    else:
+        out_rows = _expert_parallel(routed, counts, experts, ep_group, workspace)
+    out_rows = out_rows * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(x.dtype)
+    return torch.zeros_like(x).index_add(0, token_index, out_rows), counts
+
+
+def _expert_parallel(routed, counts, experts, group, workspace: DispatchWorkspace):
+    """Rows sorted by global expert -> their ranks (all-to-all), this rank's experts, back."""
+    size = dist.get_world_size(group)
+    local = counts.numel() // size
+    workspace.counts_out.copy_(counts)
+    with record_function("pp_core.moe.all_to_all"):
+        dist.all_to_all_single(workspace.counts_in, workspace.counts_out, group=group)
+    received = workspace.counts_in.view(size, local)  # [source rank, local expert]
+    send_splits = counts.view(size, local).sum(dim=1).tolist()
+    recv_splits = received.sum(dim=1).tolist()
+    rows = AllToAll.apply(routed, recv_splits, send_splits, group, workspace.send)
+    # rows arrive by source rank, then local expert: regroup by local expert
+    expert_of_row = torch.arange(local, device=rows.device).repeat(size).repeat_interleave(
+        received.reshape(-1))
+    regroup = torch.argsort(expert_of_row, stable=True)
+    grouped = experts(rows.index_select(0, regroup), received.sum(dim=0).tolist())
+    back = torch.empty_like(regroup)
+    back[regroup] = torch.arange(regroup.numel(), device=regroup.device)
+    return AllToAll.apply(grouped.index_select(0, back), send_splits, recv_splits, group)
 
 
 class _InjectAuxLoss(torch.autograd.Function):

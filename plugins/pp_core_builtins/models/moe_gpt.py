@@ -30,8 +30,8 @@ from torch import nn
 from pp_core.losses import pop_aux_losses
 from pp_core_builtins.models.gpt import GPT
 from pp_core_builtins.models.moe_dispatch import (
-    WORKSPACE_NAME, AllToAll, DispatchWorkspaceInitializer, group_name, inject_aux_loss,
-    workspace_for)
+    WORKSPACE_NAME, DispatchWorkspaceInitializer, dispatch_to_experts, group_name,
+    inject_aux_loss, workspace_for)
 
 __all__ = ["MoE", "MoEBlock", "MoEGPT", "GroupedExperts", "ShardExperts", "pop_aux_losses"]
 
@@ -120,16 +120,9 @@ class MoE(nn.Module):
             out = self.experts(x.repeat(k, 1), [tokens * k] + [0] * (self.num_experts - 1))
             out = out[:tokens] + (self.shared(x) if self.shared is not None else 0)
             return out.reshape(shape)
-        flat = chosen.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_index = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts)
         workspace = workspace_for(self.workspace_key(), self.workspace_signature())
-        workspace.ensure(tokens * k, x.device)  # prepared already inside a pipeline step
-        routed = x.index_select(0, token_index)
-        out_rows = self._experts(routed, counts, workspace)
-        out_rows = out_rows * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(x.dtype)
-        out = torch.zeros_like(x).index_add(0, token_index, out_rows)
+        out, counts = dispatch_to_experts(x, chosen, weights, self.num_experts, self.experts,
+                                          self.ep_group, workspace)
         if self.shared is not None:
             out = out + self.shared(x)
         if self.training and torch.is_grad_enabled():
@@ -138,27 +131,6 @@ class MoE(nn.Module):
                 self.pp_aux_losses.append(aux.detach())
             out = inject_aux_loss(out, aux)
         return out.reshape(shape)
-
-    def _experts(self, routed, counts, workspace) -> torch.Tensor:
-        if self.ep_size == 1:
-            return self.experts(routed, counts.tolist())
-        import torch.distributed as dist  # lazy: only expert parallelism needs a process group
-
-        group, size, local = self.ep_group, self.ep_size, self.experts_per_rank
-        workspace.counts_out.copy_(counts)
-        dist.all_to_all_single(workspace.counts_in, workspace.counts_out, group=group)
-        received = workspace.counts_in.view(size, local)  # [source rank, local expert]
-        send_splits = counts.view(size, local).sum(dim=1).tolist()
-        recv_splits = received.sum(dim=1).tolist()
-        rows = AllToAll.apply(routed, recv_splits, send_splits, group, workspace.send)
-        # rows arrive by source rank, then local expert: regroup by local expert
-        expert_of_row = torch.arange(local, device=rows.device).repeat(size).repeat_interleave(
-            received.reshape(-1))
-        regroup = torch.argsort(expert_of_row, stable=True)
-        grouped = self.experts(rows.index_select(0, regroup), received.sum(dim=0).tolist())
-        back = torch.empty_like(regroup)
-        back[regroup] = torch.arange(regroup.numel(), device=regroup.device)
-        return AllToAll.apply(grouped.index_select(0, back), send_splits, recv_splits, group)
 
     def _aux_loss(self, logits, probs, counts, tokens: int) -> torch.Tensor:
         share = counts.float() / float(tokens * self.top_k)
