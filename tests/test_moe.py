@@ -68,10 +68,11 @@ def test_moe_workspace_grows_a_few_times_over_changing_lengths(pool):
         assert grows <= 3 and rows >= 8 * 2
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_hf_qwen3_moe_with_ep_equals_one_process(pool, schedule):
+def test_hf_qwen3_moe_with_ep_equals_one_process(pool):
+    """A tiny Qwen3-MoE split by hf_decoder, experts sharded by the transformers plugin's plan;
+    zero_bubble, so the all-to-alls also run in split backward's I."""
     pytest.importorskip("transformers")
-    results = pool.run(hf_moe_case, schedule)
+    results = pool.run(hf_moe_case, "zero_bubble")
     losses = [r["loss_err"] for r in results if r["loss_err"] is not None]
     assert len(losses) == 2 and max(losses) <= ATOL, losses
     for rank, result in enumerate(results):
