@@ -78,6 +78,38 @@ def reference(model, inputs, target, num_microbatches: int, max_norm):
     return total, aux, norm, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+class AllToAllByAction:
+    """Counts ``all_to_all_single`` calls by ``(stage, action kind)`` while active (an action
+    observer says which action runs)."""
+
+    def __init__(self, pipe):
+        from pp_core.runtime.observers import ActionObserver
+
+        counter = self
+
+        class Current(ActionObserver):
+            def on_action_start(self, action):
+                counter.action = action
+
+        self.pipe, self.observer, self.action, self.counts = pipe, Current(), None, {}
+
+    def __enter__(self):
+        self.saved = dist.all_to_all_single
+
+        def counted(*args, **kwargs):
+            action = self.action
+            key = f"{action.stage}{action.kind.value}" if action is not None else "none"
+            self.counts[key] = self.counts.get(key, 0) + 1
+            return self.saved(*args, **kwargs)
+        dist.all_to_all_single = counted
+        self.pipe.add_action_observer(self.observer)
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self.saved
+        self.pipe.remove_action_observer(self.observer)
+
+
 def moe_case(schedule: str, pool: bool = False, ep: int = 2, engine: str = "replicate",
              starve: bool = False, max_norm: float | None = 0.05, seq_lens=(SEQ,)) -> dict:
     """One step per entry of ``seq_lens`` of pp2 x dp2 (ep ``ep``); the last step's loss,
@@ -108,7 +140,8 @@ def moe_case(schedule: str, pool: bool = False, ep: int = 2, engine: str = "repl
         inputs, target = data(dp_size * local, step + 1)
         inputs, target = inputs[:, :seq], target[:, :seq]
         mine = slice(dp_rank * local, (dp_rank + 1) * local)
-        loss = pipe.step(inputs[mine], target=target[mine])
+        with AllToAllByAction(pipe) as all_to_alls:
+            loss = pipe.step(inputs[mine], target=target[mine])
         sync_expert_gradients(params, groups)
         finish_gradients(params, 1)
         norm = clip_grad_norm(params, max_norm, pp_mesh.get_group(), ep_group=groups.ep_group)
@@ -142,7 +175,8 @@ def moe_case(schedule: str, pool: bool = False, ep: int = 2, engine: str = "repl
             "aux_err": abs(aux.item() / (dp_size * num_mb) - ref_aux), "aux": ref_aux,
             "norm_err": abs(norm - ref_norm), "norm": ref_norm, "workspaces": workspaces,
             "moe_layers": sum(isinstance(m, MoE) for p in pipe.model_parts for m in p.modules()),
-            "expert_grad_zero": expert_grad_zero, "num_microbatches": num_mb}
+            "expert_grad_zero": expert_grad_zero, "num_microbatches": num_mb,
+            "all_to_alls": all_to_alls.counts, "stages": pipe.stage_indices}
 
 
 def hf_moe_case(schedule: str, model_type: str = "qwen3_moe") -> dict:

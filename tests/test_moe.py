@@ -38,10 +38,28 @@ CASES = [(s, p) for s in SCHEDULES for p in (False, True)]
 def test_moe_ep2_equals_one_process(pool, schedule, pool_buffers):
     results = pool.run(moe_case, schedule, pool_buffers)
     check(results)
+    if schedule in ("zero_bubble", "v_schedule", "dualpipe_v"):
+        split_backward_all_to_alls(results)
     for result in results:  # one workspace per rank, prepared before every microbatch
         assert result["moe_layers"] >= 1
         (grows, prepared, _), = result["workspaces"]
         assert prepared == [8] * result["num_microbatches"] and grows == 1
+
+
+def split_backward_all_to_alls(results) -> None:
+    """Split backward: the all-to-alls of a stage's backward run in I, W stays local - except
+    on the first stage, whose I has no input gradient to compute and whose W runs it all."""
+    ran_in_i = 0
+    for result in results:
+        counts = result["all_to_alls"]
+        for stage in result["stages"]:
+            if stage == 0:
+                assert f"{stage}I" not in counts and counts.get(f"{stage}W", 0) > 0, counts
+            else:
+                assert f"{stage}W" not in counts, f"stage {stage}'s W communicates: {counts}"
+                ran_in_i += counts.get(f"{stage}I", 0)
+            assert counts.get(f"{stage}F", 0) > 0, counts
+    assert ran_in_i > 0
 
 
 def test_moe_ep1_fsdp_equals_one_process(pool):
