@@ -111,7 +111,8 @@ class AllToAllByAction:
 
 
 def moe_case(schedule: str, pool: bool = False, ep: int = 2, engine: str = "replicate",
-             starve: bool = False, max_norm: float | None = 0.05, seq_lens=(SEQ,)) -> dict:
+             starve: bool = False, max_norm: float | None = 0.05, seq_lens=(SEQ,),
+             ac: str = "none") -> dict:
     """One step per entry of ``seq_lens`` of pp2 x dp2 (ep ``ep``); the last step's loss,
     aux loss, gradient norm and clipped gradients vs one process; the workspace's record."""
     mesh = mesh_2x2()
@@ -130,6 +131,10 @@ def moe_case(schedule: str, pool: bool = False, ep: int = 2, engine: str = "repl
     pipe = build_pipeline(model, config, pp_group=pp_mesh)
     if ep > 1:
         apply_expert_parallel(pipe.model_parts, groups.ep_group)
+    if ac != "none":  # the YAML's order: experts sharded, then AC, then the dp engine
+        from pp_core.parallel import apply_activation_checkpointing
+
+        apply_activation_checkpointing(pipe.model_parts, ac)
     apply_data_parallel(pipe, dp_mesh, shard=engine == "fsdp",
                         ignored_params=expert_parameters(pipe))
     params = [p for part in pipe.model_parts for p in part.parameters()]

@@ -66,6 +66,13 @@ def test_moe_ep1_fsdp_equals_one_process(pool):
     check(pool.run(moe_case, "1f1b", ep=1, engine="fsdp"))
 
 
+def test_moe_ep2_fsdp_with_activation_checkpointing(pool):
+    """FSDP2 shards the dense parameters (experts ignored), every block recomputes its forward
+    - all-to-alls included - in backward; aux losses are still counted once."""
+    results = pool.run(moe_case, "zero_bubble", engine="fsdp", ac="full")
+    check(results)
+
+
 def test_moe_norm_with_starved_experts(pool):
     """ep rank 1's experts receive no token: no hang, zero gradients there, the norm and the
     clipped gradients still one process's."""
