@@ -123,8 +123,10 @@ class AllToAll(torch.autograd.Function):
         rows = sum(output_splits)
         out = tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
         source = tensor
-        if send_buffer is not None:  # the workspace: no fresh send buffer per layer and step
-            source = send_buffer[:tensor.shape[0]]
+        if send_buffer is not None and send_buffer.dtype == tensor.dtype and \
+                send_buffer.device == tensor.device and send_buffer.shape[0] >= tensor.shape[0] \
+                and send_buffer.shape[1:] == tensor.shape[1:]:
+            source = send_buffer[:tensor.shape[0]]  # the workspace: no fresh buffer per call
             source.copy_(tensor)
         with record_function("pp_core.moe.all_to_all"):
             dist.all_to_all_single(out, source.contiguous(), output_splits, input_splits,
