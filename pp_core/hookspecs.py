@@ -26,6 +26,7 @@ __all__ = [
     "pp_register_models",
     "pp_register_datasets",
     "pp_runtime_initializers",
+    "pp_expert_parallel_plan",
     "pp_make_recv_buffer_allocator",
     "pp_pipeline_step",
     "pp_report_metrics",
@@ -116,6 +117,25 @@ def pp_runtime_initializers(
     de-duplicated by ``resource_key`` (see ``collect_pipeline_runtime_initializers``). A built-in
     implementation returns ``module.pipeline_runtime_initializers()`` when the module defines it,
     else NeMo AutoModel's ``module.get_pipeline_runtime_initializers()``.
+    """
+
+
+@hookspec(firstresult=True)
+def pp_expert_parallel_plan(model: "nn.Module") -> Optional[dict[str, Any]]:
+    """Return the expert-parallel plan of ``model`` (a whole model or one model part), or ``None``.
+
+    :param model: the model, or one of this rank's model parts (same class and FQNs).
+    :returns: ``{module pattern: style}``: ``fnmatch`` patterns of module FQNs relative to
+        ``model`` (e.g. ``"layers.*.moe"``), each mapped to an object with
+        ``apply(module, ep_group) -> None`` that shards that module's experts over the
+        expert-parallel process group in place (it keeps this rank's experts, marks their
+        parameters ``pp_expert_parallel = True`` and dispatches tokens with all-to-all); or
+        ``None`` to pass.
+
+    Calling: first non-``None`` result wins (a model package answers for its own models);
+    ``pp_core.parallel.apply_expert_parallel`` asks it for each model part. Built-in:
+    ``pp_core_builtins.models`` returns ``model.expert_parallel_plan()`` when the model defines
+    it (``moe_gpt``).
     """
 
 

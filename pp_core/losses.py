@@ -13,7 +13,8 @@ from typing import Callable
 from pp_core.callables import resolve_callable
 from pp_core.errors import ConfigError, did_you_mean
 
-__all__ = ["cross_entropy", "mse", "l1", "BUILTIN_LOSSES", "get_loss", "resolve_loss"]
+__all__ = ["cross_entropy", "mse", "l1", "BUILTIN_LOSSES", "get_loss", "resolve_loss",
+           "aux_loss_scale", "set_aux_loss_scale", "pop_aux_losses"]
 
 
 def cross_entropy(output, target):
@@ -63,3 +64,40 @@ def resolve_loss(value) -> Callable:
     if isinstance(value, str) and ":" not in value:
         return get_loss(value)
     return resolve_callable(value, "loss_fn")
+
+
+# ----------------------------------------------------------------------------- auxiliary losses
+# A model layer's auxiliary loss (an MoE load-balancing loss) must reach the parameters with the
+# gradient it would get if it were added to the last stage's loss - but that loss lives on another
+# rank. Such a layer injects the gradient in its own backward (pp_core_builtins' moe_gpt does) and
+# multiplies it by the factor the schedule applies to the last stage's loss: 1, or
+# 1 / num_microbatches when ``scale_grads_in_schedule``. The executor sets it for each step.
+_aux_loss_scale = [1.0]
+
+
+def aux_loss_scale() -> float:
+    """The factor the running pipeline step applies to each microbatch loss's gradient (1.0
+    outside a pipeline step: the loss is then used as is)."""
+    return _aux_loss_scale[0]
+
+
+def pop_aux_losses(model_parts) -> list:
+    """The auxiliary losses recorded by the modules of ``model_parts`` since the last call.
+
+    A module that computes one keeps the detached values in a list attribute ``pp_aux_losses``
+    (one per training forward); this returns them all and empties the lists (the metrics'
+    ``aux_loss``)."""
+    found = []
+    for part in model_parts:
+        for module in part.modules():
+            values = getattr(module, "pp_aux_losses", None)
+            if isinstance(values, list) and values:
+                found += values
+                module.pp_aux_losses = []
+    return found
+
+
+def set_aux_loss_scale(scale: float) -> float:
+    """Set :func:`aux_loss_scale`; returns the previous value (to restore it)."""
+    previous, _aux_loss_scale[0] = _aux_loss_scale[0], float(scale)
+    return previous

@@ -157,3 +157,24 @@ def test_hook_pp_pipeline_step_refuses_a_plain_implementation():
     with pytest.raises(PluginError, match=r"plugin 'Plain' implements pp_pipeline_step without "
                                           r"wrapper=True"):
         plugins_with(Plain()).run_step(None, True, lambda: None)
+
+
+def test_hook_pp_expert_parallel_plan():
+    """The doc's plugin answers for its model only; the built-in one for moe_gpt."""
+    from pp_core.parallel.expert import planned_modules
+    from pp_core_builtins.models.moe_gpt import MoEGPT, ShardExperts
+
+    plugin = _plugin_from_doc("pp_expert_parallel_plan(model)")
+    plugins = plugins_with(plugin)
+    assert plugins.pm.hook.pp_expert_parallel_plan(model=nn.Linear(2, 2)) is None
+    MyMoEModel = type("MyMoEModel", (nn.Module,), {})
+    plan = plugins.pm.hook.pp_expert_parallel_plan(model=MyMoEModel())
+    assert list(plan) == ["layers.*.moe"]
+    model = MoEGPT(vocab_size=16, dim=8, num_layers=2, num_heads=2, max_seq_len=4,
+                   num_experts=4, top_k=1)
+    from pp_core.plugin_manager import plugins_or_default
+
+    plan = plugins_or_default(None).pm.hook.pp_expert_parallel_plan(model=model)
+    found = planned_modules(model, plan)
+    assert [fqn for fqn, _, _ in found] == ["layers.0.moe", "layers.1.moe"]
+    assert all(isinstance(style, ShardExperts) for _, _, style in found)

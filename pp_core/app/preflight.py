@@ -138,6 +138,29 @@ def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
         problems.append(f"train.{wanted[0]}: {exc}")
 
 
+def _check_expert_parallel(spec: Spec, model, plugins, problems: list[str]) -> None:
+    """``distributed.ep_size`` > 1 needs the model's expert-parallel plan, and every planned
+    module's ``num_experts`` divisible by it."""
+    ep = spec.distributed["ep_size"]
+    if ep == 1:
+        return
+    from pp_core.parallel.expert import planned_modules  # torch: only with expert parallelism
+
+    plan = plugins.pm.hook.pp_expert_parallel_plan(model=model)
+    found = planned_modules(model, plan) if plan is not None else []
+    if not found:
+        problems.append(f"distributed.ep_size: {ep} needs a model with experts and an "
+                        f"expert-parallel plan (pp_expert_parallel_plan), found none for "
+                        f"{type(model).__name__}; use e.g. model.name: moe_gpt, or ep_size: 1")
+        return
+    for fqn, module, _ in found:
+        experts = getattr(module, "num_experts", None)
+        if experts is not None and experts % ep:
+            problems.append(f"distributed.ep_size: {ep} does not divide num_experts={experts} "
+                            f"of {fqn}; choose an ep_size that divides model.args.num_experts")
+            return
+
+
 def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: list[str]):
     """Plan the split and the schedule on the meta device with the function every rank plans
     with; returns the meta model (``None`` where it could not be built)."""
@@ -158,6 +181,7 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
         return None
     if model is not None:
         _check_blocks(spec, model, problems)
+        _check_expert_parallel(spec, model, plugins, problems)
     if auto:  # the launcher profiles the model and chooses; 'pp-core plan' shows the choice
         result.notes.append("pipeline.pp_schedule: auto: the schedule, microbatch size and split "
                             "are chosen when the run starts ('pp-core plan FILE' shows them)")

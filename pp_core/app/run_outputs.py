@@ -199,7 +199,9 @@ class RunRecorder:
         if self.events and self.events[0][4] <= step - TRACE_STEPS:
             self.events = [e for e in self.events if e[4] > step - TRACE_STEPS]
 
-    def record_step(self, step, loss, step_time, tokens, grad_norm, lr, started) -> None:
+    def record_step(self, step, loss, step_time, tokens, grad_norm, lr, started,
+                    extra: dict | None = None) -> None:
+        """``extra``: more figures for the metrics line (``aux_loss`` of MoE models)."""
         self.steps.append(step)
         self.step_times.append(step_time)
         self.tokens_per_s.append(tokens / step_time if step_time > 0 else 0.0)
@@ -210,7 +212,8 @@ class RunRecorder:
         if step % log_every == 0 or step == self.spec.train["steps"] or len(self.steps) == 1:
             self._log(step, {"loss": loss, "tokens_per_s": round(self.tokens_per_s[-1], 2),
                              "step_time_s": round(step_time, 6), "lr": lr,
-                             "grad_norm": grad_norm, "time": round(started + self.clock_offset, 3)})
+                             "grad_norm": grad_norm, "time": round(started + self.clock_offset, 3),
+                             **(extra or {})})
 
     def record_eval(self, step: int, loss: float | None) -> None:
         self.eval_loss = loss

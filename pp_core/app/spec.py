@@ -193,6 +193,7 @@ def _check_combinations(values: dict, problems: list[str], checkpoints_off: bool
                 problems.append(f"checkpoint.{name}: needs checkpoint.dir, found "
                                 f"checkpoint.dir unset; add checkpoint.dir: <path>")
     _fold_dp_size(dist, problems)
+    _check_ep_size(dist, ckpt, problems)
     world = dist["pp_size"] * dist["dp_size"]
     nproc = dist["nproc_per_node"]
     if nproc is None and world % dist["nnodes"]:
@@ -213,6 +214,18 @@ def _check_combinations(values: dict, problems: list[str], checkpoints_off: bool
     if not any(p.startswith("pipeline.") for p in problems):  # defaults in for bad keys mislead
         _check_pipeline(values["pipeline"], problems)
     _check_optimizer(values["train"]["optimizer"], problems)
+
+
+def _check_ep_size(dist: dict, ckpt: dict, problems: list[str]) -> None:
+    """``ep_size`` draws its ranks from the dp ranks (num_experts is checked with the model)."""
+    ep, dp = dist["ep_size"], dist["dp_size"]
+    if dp % ep:
+        problems.append(f"distributed.ep_size: expected a divisor of the data-parallel size "
+                        f"dp_replicate * dp_shard = {dp}, found {ep}; expert-parallel ranks "
+                        f"are drawn from the dp ranks")
+    if ep > 1 and ckpt["dir"] is not None:
+        problems.append("checkpoint.dir: checkpoints of expert-parallel runs (distributed.ep_size"
+                        f" = {ep}) are not supported yet; drop checkpoint.dir or set ep_size: 1")
 
 
 def _fold_dp_size(dist: dict, problems: list[str]) -> None:

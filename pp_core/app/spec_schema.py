@@ -255,6 +255,9 @@ SCHEMA: dict[str, list[Key]] = {
             "together with dp_shard)"),
         Key("dp_size", _int(1), 1, "dp_replicate * dp_shard; written alone (older files) it "
             "means dp_replicate"),
+        Key("ep_size", _int(1), 1, "expert-parallel degree: each MoE layer's experts are sharded "
+            "over this many of the dp ranks (it divides dp_replicate * dp_shard and num_experts; "
+            "docs/composition.md)"),
         Key("mixed_precision", _optional(_mixed_precision), None, "{param_dtype, reduce_dtype} "
             "of the dp engines (FSDP2's MixedPrecisionPolicy), e.g. bfloat16 / float32"),
         Key("backend", _choice("auto", "gloo", "nccl"), "auto", "auto: nccl on CUDA, else gloo"),

@@ -33,7 +33,10 @@ from pp_core.app.progress import Progress
 from pp_core.app.run_outputs import RunRecorder
 from pp_core.app.spec import Spec
 from pp_core.errors import PipelineError
+from pp_core.losses import pop_aux_losses
 from pp_core.parallel import apply_activation_checkpointing, apply_compile, apply_data_parallel
+from pp_core.parallel.expert import (apply_expert_parallel, expert_parallel_groups,
+                                     expert_parameters, sync_expert_gradients)
 from pp_core.parallel.gradients import clip_grad_norm, finish_gradients, tied_copies
 from pp_core.runtime.microbatch import kwargs_chunk_dims, num_tokens
 
@@ -88,6 +91,11 @@ class RankContext:
         self.dp_rank = (self.mesh["dp_replicate"].get_local_rank() * shard
                         + self.mesh["dp_shard"].get_local_rank())
         self.pp_size, self.dp_size = pp, dp
+        # expert parallelism: ep groups drawn from the dp ranks (pp_core.parallel.expert)
+        ep = spec.distributed.get("ep_size", 1)
+        self.expert_groups = expert_parallel_groups(self.mesh.mesh.reshape(pp, dp, -1), ep) \
+            if ep > 1 else None
+        self.ep_group = self.expert_groups.ep_group if self.expert_groups else None
 
     def data_parallel_mesh(self):
         """The sub-mesh torch's dp engines run on: ``dp_shard`` (FSDP2), ``dp_replicate``
@@ -112,12 +120,15 @@ def _build(spec: Spec, ctx: RankContext):
     pipe = build_pipeline(model, spec.pipeline_config(), pp_group=ctx.pp_mesh, device=ctx.device,
                           timeout=timeout, splitter=splitter)
     del model
+    if ctx.expert_groups is not None:  # experts sharded before AC, compile and dp wrap them
+        apply_expert_parallel(pipe.model_parts, ctx.ep_group)
     apply_parallelisms(pipe.model_parts, checkpointing, spec.train["compile"])
     dp_units = 0
     if ctx.dp_size > 1:  # last, after AC and compile, as torchtitan does
         dp_units = apply_data_parallel(pipe.model_parts, ctx.data_parallel_mesh(),
                                        shard=spec.distributed["dp_shard"] > 1,
-                                       mixed_precision=spec.distributed["mixed_precision"])
+                                       mixed_precision=spec.distributed["mixed_precision"],
+                                       ignored_params=expert_parameters(pipe.model_parts))
     options = dict(spec.train["optimizer"])
     cls = getattr(torch.optim, options.pop("name"))
     owned = _distinct_parameters(pipe.model_parts)  # a weight two local parts share: stepped once
@@ -227,6 +238,7 @@ def train(spec: Spec) -> dict[str, Any]:
     counted_once = tied_copies(pipe.model_parts, pipe.stage_indices)
     batches = _batches(_dataset(spec), start_step)
     global_batch = spec.global_batch_size
+    aux_losses = _reports_aux_losses(pipe, ctx)
     progress = Progress(steps, start_step, spec.output["progress"] if ctx.rank == 0 else "off",
                         train_cfg["log_every"])
     recorder.progress = progress
@@ -244,15 +256,19 @@ def train(spec: Spec) -> dict[str, Any]:
             param.grad = None
         t0 = time.perf_counter()
         loss = recorder.timed_step(pipe, local_inputs, local_target)
+        if ctx.expert_groups is not None:
+            sync_expert_gradients(params, ctx.expert_groups)
         finish_gradients(params, 1 if config.scale_grads_in_schedule else config.num_microbatches)
-        grad_norm = clip_grad_norm(params, train_cfg["grad_clip"], ctx.pp_group, counted_once)
+        grad_norm = clip_grad_norm(params, train_cfg["grad_clip"], ctx.pp_group, counted_once,
+                                   ep_group=ctx.ep_group)
         for optimizer in optimizers:
             if optimizer is not None:
                 optimizer.step()
         step_time = time.perf_counter() - t0
         global_loss = _mean_over_dp(None if loss is None else float(loss), ctx)
         tokens = num_tokens(inputs)
-        recorder.record_step(step, global_loss, step_time, tokens, grad_norm, lr, t0)
+        extra = {"aux_loss": _aux_loss(pipe, ctx, config)} if aux_losses else None
+        recorder.record_step(step, global_loss, step_time, tokens, grad_norm, lr, t0, extra)
         progress.update(step, global_loss, tokens / step_time, step_time)
         if train_cfg["eval_every"] and step % train_cfg["eval_every"] == 0:
             recorder.record_eval(step, _evaluate(spec, pipe, ctx, global_batch))
@@ -266,6 +282,25 @@ def train(spec: Spec) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _reports_aux_losses(pipe, ctx: RankContext) -> bool:
+    """Whether any rank's model records auxiliary losses (``pp_aux_losses``: MoE layers); the
+    same answer on every rank, so the per-step all-reduce runs everywhere or nowhere."""
+    local = any(isinstance(getattr(m, "pp_aux_losses", None), list)
+                for part in pipe.model_parts for m in part.modules())
+    flag = torch.tensor([1.0 if local else 0.0], device=ctx.device)
+    dist.all_reduce(flag)
+    return bool(flag.item())
+
+
+def _aux_loss(pipe, ctx: RankContext, config) -> float:
+    """The step's auxiliary loss: summed over layers, averaged over microbatches and dp ranks."""
+    values = pop_aux_losses(pipe.model_parts)
+    total = torch.tensor([float(sum(float(v) for v in values))], dtype=torch.float64,
+                         device=ctx.device)
+    dist.all_reduce(total)
+    return float(total) / (ctx.dp_size * config.num_microbatches)
 
 
 def _batches(data, start_step: int):

@@ -9,6 +9,8 @@ from pp_core.parallel.activation import apply_activation_checkpointing, checkpoi
 from pp_core.parallel.blocks import find_blocks
 from pp_core.parallel.compile import apply_compile
 from pp_core.parallel.data_parallel import apply_data_parallel
+from pp_core.parallel.expert import apply_expert_parallel
 
 __all__ = ["apply_activation_checkpointing", "apply_compile", "apply_data_parallel",
+           "apply_expert_parallel",
            "checkpoint_block", "find_blocks"]

@@ -53,11 +53,15 @@ def mixed_precision_policy(options: Optional[dict]):
 
 
 def apply_data_parallel(pipe_or_parts, mesh, shard: bool = True,
-                        reshard_after_forward: bool = False, mixed_precision=None) -> int:
+                        reshard_after_forward: bool = False, mixed_precision=None,
+                        ignored_params=None) -> int:
     """Wrap every block, then every part, in place; returns the FSDP units that hold parameters
     (each reduces its gradients once per step).
 
     :param mixed_precision: a ``MixedPrecisionPolicy`` or ``{param_dtype, reduce_dtype}``.
+    :param ignored_params: parameters the engine leaves alone (neither sharded nor reduced):
+        expert-parallel shards, which :func:`pp_core.parallel.expert.sync_expert_gradients`
+        averages over their own group.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -76,6 +80,8 @@ def apply_data_parallel(pipe_or_parts, mesh, shard: bool = True,
         options["reshard_after_forward"] = reshard_after_forward
     if mixed_precision is not None:
         options["mp_policy"] = mixed_precision
+    if ignored_params:
+        options["ignored_params"] = set(ignored_params)
     units = 0
     for part in parts:
         try:

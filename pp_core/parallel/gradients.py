@@ -85,16 +85,27 @@ def _squared_norm(params: list[nn.Parameter], skip: set[int], device) -> torch.T
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None, pp_group,
-                   skip: set[int] = frozenset()) -> float:
+                   skip: set[int] = frozenset(), ep_group=None) -> float:
     """The global gradient norm over every pipeline stage and dp shard; clips to ``max_norm``.
 
     Each pipeline rank holds different parameters, so squared norms are summed over the pp group
     (every dp replica holds the same reduced gradients). Parameters whose ``id`` is in ``skip``
     (extra copies of tied weights, see :func:`tied_copies`) are clipped but not counted.
+    ``ep_group``: with expert parallelism, the parameters marked ``pp_expert_parallel`` (each ep
+    rank holds different experts) are summed over it first, so each expert counts once and each
+    dense parameter once; every rank of the group joins that all-reduce, experts with gradients
+    or not.
     """
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
-    squares = _squared_norm(params, skip, device)
+    experts = {id(p) for p in params if getattr(p, "pp_expert_parallel", False)} \
+        if ep_group is not None else set()
+    squares = _squared_norm(params, set(skip) | experts, device)
+    if ep_group is not None:
+        local = _squared_norm([p for p in params if id(p) in experts], set(skip), device)
+        if dist.get_world_size(ep_group) > 1:
+            dist.all_reduce(local, group=ep_group)
+        squares = squares + local
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(squares, group=pp_group)
     norm = math.sqrt(float(squares))

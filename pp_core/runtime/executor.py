@@ -26,6 +26,7 @@ import torch
 
 from pp_core._torch_compat import profiler_enabled
 from pp_core.errors import PipelineError
+from pp_core.losses import set_aux_loss_scale
 from pp_core.runtime import transfers
 from pp_core.runtime.backward import backward_full, backward_input, backward_weight
 from pp_core.runtime.comm import Incoming, Mailbox, P2P
@@ -124,6 +125,8 @@ class Executor:
         if self.early_receives:
             transfers.prepost_forward(self)
         self.data_parallel.begin_step()
+        # layers that inject an auxiliary loss's gradient scale it as the last stage's loss
+        outside_scale = set_aux_loss_scale(self.scale)
         release_at = self.release_at
         observers, profiled = self.observers, profiler_enabled()  # once per step: cheap
         plain = not observers and not profiled
@@ -141,6 +144,7 @@ class Executor:
                 self.pending_release += [(issued, index) for index in release_at[position]]
                 self._release(blocking=False)
         self.current = None
+        set_aux_loss_scale(outside_scale)
         waiting(observers, None, mailbox.wait_sends)
         self._release(blocking=True)
         reset = getattr(self.allocator, "reset", None)
@@ -175,6 +179,7 @@ class Executor:
         self.mailbox.clear()
         self.pending_release = []
         self.data_parallel.abort()
+        set_aux_loss_scale(1.0)
         reset = getattr(self.allocator, "reset", None)
         if reset is not None:
             try:

@@ -1,7 +1,8 @@
 """pp-core's demo models and datasets, registered exactly as a third-party plugin would.
 
 Models: ``gpt`` (a small decoder-only transformer following the ``layers`` contract) and
-``uneven_gpt`` (the same with a large vocabulary and blocks of two widths: uneven costs).
+``uneven_gpt`` (the same with a large vocabulary and blocks of two widths: uneven costs),
+``moe_gpt`` (the same with mixture-of-experts feed-forward blocks; ``moe_gpt.py``).
 Datasets: ``synthetic`` (a learnable bigram language or a linear regression, no files needed)
 and ``text_bytes`` (byte-level language modelling over a text file; a public-domain text ships in
 ``plugins/pp_core_builtins/models/data/``).
@@ -34,6 +35,9 @@ def pp_register_models(register):
 
     register("gpt", GPT)
     register("uneven_gpt", uneven_gpt)
+    from pp_core_builtins.models.moe_gpt import MoEGPT
+
+    register("moe_gpt", MoEGPT)
 
 
 @hookimpl
@@ -42,3 +46,10 @@ def pp_register_datasets(register):
 
     register("synthetic", synthetic)
     register("text_bytes", text_bytes)
+
+
+@hookimpl
+def pp_expert_parallel_plan(model):
+    """A model that knows how its experts shard says so itself (``moe_gpt`` does)."""
+    method = getattr(type(model), "expert_parallel_plan", None)
+    return None if method is None else model.expert_parallel_plan()

@@ -94,3 +94,15 @@ def pp_register_splitters(register):
 @hookimpl
 def pp_register_models(register):
     register("hf_causal_lm", hf_causal_lm)
+
+
+@hookimpl
+def pp_expert_parallel_plan(model):
+    """The plan of a Hugging Face MoE decoder: its stacked-weight experts modules
+    (:mod:`pp_core_builtins.transformers.experts`)."""
+    if _missing() or not hasattr(model, "config") or "transformers" not in \
+            type(model).__module__:
+        return None
+    from pp_core_builtins.transformers.experts import expert_parallel_plan
+
+    return expert_parallel_plan(model)

@@ -1,0 +1,207 @@
+"""``moe_gpt``: the demo GPT with mixture-of-experts feed-forward blocks.
+
+Each block is the GPT block's attention followed by :class:`MoE`: a top-k router over
+``num_experts`` experts (GELU MLPs, weights stacked ``[experts, ...]``), an optional shared expert
+every token passes through, and dropless routing - every token reaches its ``top_k`` experts, no
+capacity factor, so a split, an ep degree or a microbatch size never changes the result. The
+``layers`` contract is the GPT's (:mod:`pp_core_builtins.models.gpt`), so every splitter, the
+planner, activation checkpointing and compile apply.
+
+Losses. Each MoE layer adds ``aux_loss_coef`` times the load-balancing loss
+``num_experts * sum_e f_e * p_e`` (``f_e``: share of routed slots that went to expert ``e``,
+``p_e``: mean router probability of ``e``; Switch / Megatron) and ``z_loss_coef`` times the
+router z-loss ``mean(logsumexp(logits)^2)``, computed on the microbatch the layer sees (this
+rank's tokens), to the loss *as if added to the last stage's microbatch loss*: the gradient is
+injected in the layer's own backward, scaled as the schedule scales the loss
+(:func:`pp_core.losses.aux_loss_scale`), wherever the layer's stage sits. The values are kept
+for the metrics (``pp_aux_losses``; :func:`pp_core.losses.pop_aux_losses`).
+
+Expert parallelism: :meth:`MoE.shard_experts` keeps this ep rank's ``num_experts / ep_size``
+experts; tokens travel to them and back with ``all_to_all_single`` (:mod:`.moe_dispatch`). The
+model's :meth:`MoEGPT.expert_parallel_plan` is what ``pp_expert_parallel_plan`` returns for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as functional
+from torch import nn
+
+from pp_core.losses import pop_aux_losses
+from pp_core_builtins.models.gpt import GPT
+from pp_core_builtins.models.moe_dispatch import (
+    WORKSPACE_NAME, DispatchWorkspaceInitializer, dispatch_to_experts, group_name,
+    inject_aux_loss, workspace_for)
+
+__all__ = ["MoE", "MoEBlock", "MoEGPT", "GroupedExperts", "ShardExperts", "pop_aux_losses"]
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` GELU MLPs as two stacked weights ``w1 [E, dim, hidden]``,
+    ``w2 [E, hidden, dim]``; ``forward(x, counts)`` runs rows grouped by expert."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = []
+        for expert, rows in enumerate(torch.split(x, counts)):
+            if rows.shape[0]:  # an expert with no tokens contributes no node (grad stays None)
+                outs.append(functional.gelu(rows @ self.w1[expert]) @ self.w2[expert])
+        return torch.cat(outs) if outs else x.new_zeros((0, x.shape[-1])) + 0 * x.sum()
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (dropless) plus an optional shared expert."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, hidden: int,
+                 shared_expert: bool = False, aux_loss_coef: float = 0.01,
+                 z_loss_coef: float = 0.0, normalize_top_k: bool = True):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
+        self.dim, self.num_experts, self.top_k = dim, num_experts, top_k
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.normalize_top_k = normalize_top_k
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = GroupedExperts(num_experts, dim, hidden)
+        self.shared = nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.GELU(),
+                                    nn.Linear(hidden, dim, bias=False)) if shared_expert else None
+        self.ep_group, self.ep_size, self.ep_rank = None, 1, 0
+        self.pp_aux_losses: list[torch.Tensor] = []  # detached, one per training forward
+
+    # ------------------------------------------------------------------ expert parallelism
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep_size
+
+    def shard_experts(self, ep_group) -> None:
+        """Keep this ep rank's contiguous ``num_experts / ep_size`` experts (in place)."""
+        import torch.distributed as dist  # lazy: only expert parallelism needs a process group
+
+        size, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        if self.num_experts % size:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by ep_size={size}")
+        if self.ep_size != 1:
+            raise ValueError("this MoE layer's experts are sharded already")
+        local = self.num_experts // size
+        keep = slice(rank * local, (rank + 1) * local)
+        for name in ("w1", "w2"):
+            old = getattr(self.experts, name)
+            new = nn.Parameter(old.detach()[keep].clone(), requires_grad=old.requires_grad)
+            new.pp_expert_parallel = True  # not replicated over the ep group (norms, dp sync)
+            setattr(self.experts, name, new)
+        self.ep_group, self.ep_size, self.ep_rank = ep_group, size, rank
+
+    # ------------------------------------------------------------------ the initializer
+    def workspace_key(self) -> tuple:
+        return (WORKSPACE_NAME, group_name(self.ep_group))
+
+    def workspace_signature(self) -> tuple:
+        dtype = str(self.router.weight.dtype).removeprefix("torch.")
+        return (self.dim, dtype, self.top_k, self.experts_per_rank, self.ep_size)
+
+    def pipeline_runtime_initializers(self):
+        return [DispatchWorkspaceInitializer(self.workspace_key(), self.workspace_signature())]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        tokens, k = x.shape[0], self.top_k
+        logits = self.router(x).float()
+        probs = logits.softmax(dim=-1)
+        weights, chosen = probs.topk(k, dim=-1)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if x.is_meta:  # no routing without values: shapes (and costs) as if all went to one
+            out = self.experts(x.repeat(k, 1), [tokens * k] + [0] * (self.num_experts - 1))
+            out = out[:tokens] + (self.shared(x) if self.shared is not None else 0)
+            return out.reshape(shape)
+        workspace = workspace_for(self.workspace_key(), self.workspace_signature())
+        out, counts = dispatch_to_experts(x, chosen, weights, self.num_experts, self.experts,
+                                          self.ep_group, workspace)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        if self.training and torch.is_grad_enabled():
+            aux = self._aux_loss(logits, probs, counts, tokens)
+            if not _in_backward():  # an activation-checkpoint recompute is not a new forward
+                self.pp_aux_losses.append(aux.detach())
+            out = inject_aux_loss(out, aux)
+        return out.reshape(shape)
+
+    def _aux_loss(self, logits, probs, counts, tokens: int) -> torch.Tensor:
+        share = counts.float() / float(tokens * self.top_k)
+        aux = self.aux_loss_coef * self.num_experts * (share * probs.mean(dim=0)).sum()
+        if self.z_loss_coef:
+            aux = aux + self.z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return aux
+
+
+def _in_backward() -> bool:
+    current = getattr(torch._C, "_current_graph_task_id", None)  # private; absent: assume not
+    return current is not None and current() != -1
+
+
+class MoEBlock(nn.Module):
+    """The GPT block with :class:`MoE` as its feed-forward."""
+
+    def __init__(self, dim: int, num_heads: int, moe: MoE):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.attention_norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.ffn_norm = nn.LayerNorm(dim)
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(self.attention_norm(x)).split(dim, dim=-1)
+        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+        attended = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, dim))
+        return x + self.moe(self.ffn_norm(x))
+
+
+class MoEGPT(GPT):
+    """The demo GPT (:class:`~pp_core_builtins.models.gpt.GPT`) with MoE blocks."""
+
+    def __init__(self, vocab_size: int = 256, dim: int = 64, num_layers: int = 4,
+                 num_heads: int = 4, max_seq_len: int = 256, mlp_ratio: int = 4,
+                 num_experts: int = 8, top_k: int = 2, moe_hidden: int | None = None,
+                 shared_expert: bool = False, aux_loss_coef: float = 0.01,
+                 z_loss_coef: float = 0.0, normalize_top_k: bool = True):
+        nn.Module.__init__(self)
+        hidden = moe_hidden or mlp_ratio * dim
+        self.max_seq_len = max_seq_len
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.pos_embeddings = nn.Embedding(max_seq_len, dim)
+        self.layers = nn.ModuleDict({
+            str(i): MoEBlock(dim, num_heads, MoE(dim, num_experts, top_k, hidden, shared_expert,
+                                                 aux_loss_coef, z_loss_coef, normalize_top_k))
+            for i in range(num_layers)})
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+        self._init_weights(num_layers)
+
+    def _init_weights(self, num_layers: int) -> None:
+        super()._init_weights(num_layers)  # N(0, 0.02) for every matrix, stacked experts too
+        for name, param in self.named_parameters():
+            if name.endswith("experts.w2") and not param.is_meta:
+                nn.init.normal_(param, mean=0.0, std=0.02 / (2 * num_layers) ** 0.5)
+
+    def expert_parallel_plan(self) -> dict:
+        """``{module pattern: style}`` for :func:`pp_core.parallel.apply_expert_parallel`."""
+        return {"layers.*.moe": ShardExperts()}
+
+
+class ShardExperts:
+    """The expert-parallel style of :class:`MoE`: :meth:`MoE.shard_experts` over the ep group."""
+
+    def apply(self, module: nn.Module, ep_group) -> None:
+        module.shard_experts(ep_group)
