@@ -6,6 +6,7 @@ imports torch.distributed only when a pipeline is built.
 
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PluginError, PPCoreError, ScheduleError
+from pp_core.errors import ScheduleFileNotFoundError
 from pp_core.hookspecs import hookimpl
 from pp_core.schedule.ir import (
     B,
@@ -37,6 +38,7 @@ __all__ = [
     "PPCoreError",
     "PluginError",
     "ScheduleError",
+    "ScheduleFileNotFoundError",
     "ConfigError",
     "PipelineError",
 ]

@@ -8,6 +8,7 @@ calls typed methods, never ``pm.hook.*``.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ class ModelInitializers:
     def pp_runtime_initializers(self, module):
         found = [name for name in ("pipeline_runtime_initializers",
                                    "get_pipeline_runtime_initializers")
-                 if callable(getattr(type(module), name, None))]
+                 if _defines(module, name)]
         if not found:
             return None
         answers = [getattr(module, name)() for name in found]
@@ -60,6 +61,16 @@ class ModelInitializers:
                 f"answer differently ({_listed(answers[0])} vs {_listed(answers[1])}); define "
                 f"one of the two, or make the second return the first's list")
         return answers[0] or None
+
+
+def _defines(module, name: str) -> bool:
+    """Whether ``module`` (its class, or the instance itself) defines a callable ``name``; read
+    statically, as NeMo does, so a submodule of that name or a ``__getattr__`` never counts."""
+    try:
+        inspect.getattr_static(module, name)
+    except AttributeError:
+        return False
+    return callable(getattr(module, name, None))
 
 
 def _identity(initializers):

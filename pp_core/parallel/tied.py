@@ -49,11 +49,15 @@ def tied_groups(model_parts: Sequence[nn.Module]) -> list[TiedGroup]:
     groups: dict[tuple[str, ...], TiedGroup] = {}
     seen: set[int] = set()
     for part in model_parts:
-        if not hasattr(part, "pp_tied_parameters"):  # a DDP wrapper: the part is inside
-            part = getattr(part, "module", part)
+        inner = getattr(part, "module", None)  # a DDP wrapper: the part is inside
+        if not hasattr(part, "pp_tied_parameters") and hasattr(inner, "pp_tied_parameters"):
+            part = inner
+        tied = getattr(part, "pp_tied_parameters", None)
+        if not tied:  # (asked every step: a part without tied weights costs nothing)
+            continue
         stages = getattr(part, "pp_tied_stages", {})
         params = dict(part.named_parameters(remove_duplicate=False))
-        for name, names in getattr(part, "pp_tied_parameters", {}).items():
+        for name, names in tied.items():
             group = groups.setdefault(names, TiedGroup(names, tuple(stages.get(names, ()))))
             param = params[name]
             if id(param) not in seen:  # two names of one copy: counted once
