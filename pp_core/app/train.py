@@ -12,7 +12,9 @@ loop; the first rank draws the progress line.
 
 The numbers are those of one process training the unsplit model on the global batch with
 gradient accumulation: the reported loss is the mean microbatch loss over the global batch and the
-gradient is the gradient of that mean.
+gradient is the gradient of that mean. With a token-normalised loss (``cross_entropy``, HF's
+``causal_lm_loss``; docs/data.md) that mean is the global batch's loss over its valid target
+tokens, exactly, however they fall into microbatches and dp ranks.
 """
 
 from __future__ import annotations
@@ -123,8 +125,10 @@ def _build(spec: Spec, ctx: RankContext):
     splitter = spec.model.get("splitter")  # `balanced` was resolved into module lists at launch
     if spec.pipeline["module_fqns_per_model_part"] is not None:
         splitter = None
+    # dp_group: a token-normalised loss counts the step's valid tokens over the dp ranks
     pipe = build_pipeline(model, spec.pipeline_config(), pp_group=ctx.pp_mesh, device=ctx.device,
-                          timeout=timeout, splitter=splitter)
+                          timeout=timeout, splitter=splitter,
+                          dp_group=ctx.dp_mesh if ctx.dp_size > 1 else None)
     del model
     apply_parallelisms(pipe.model_parts, checkpointing, spec.train["compile"])
     dp_units = 0
