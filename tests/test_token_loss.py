@@ -4,7 +4,12 @@ batch, on 2 gloo ranks for every built-in schedule (one pool for the module), wi
 receive-buffer pool, with ``scale_grads_in_schedule`` off (gradients of the sum of microbatch
 losses: ``M`` times the batch loss's), for a user loss that opts in with its own token count,
 and through a tiny HF Llama / Qwen2 with ``causal_lm_loss``. A plain two-argument loss keeps the
-mean of microbatch means."""
+mean of microbatch means.
+
+Packed rows (the same pool): documents packed into rows, boundaries carried by position ids that
+restart per document, microbatches of unequal document counts and lengths - loss and gradients
+equal to one process for every schedule (and with the buffer pool), through the demo GPT and HF
+Llama / Qwen2 (SDPA); and a probe that fails if any token attends across a document boundary."""
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ import torch
 from pp_core.losses import count_valid_tokens, counts_tokens, cross_entropy
 from tests._dist import DistPool
 from tests._runtime_cases import SCHEDULES
+from tests._packed_cases import leak_case, packed_case
 from tests._token_cases import hf_token_case, plain_cross_entropy, token_case
 
 ATOL = 2e-6
@@ -75,3 +81,32 @@ def test_opt_in_is_a_num_valid_tokens_keyword():
     logits = torch.randn(2, 3, 5)
     whole = cross_entropy(logits, target)
     torch.testing.assert_close(cross_entropy(logits, target, num_valid_tokens=3), whole)
+
+
+# ------------------------------------------------------------------------- packed sequences
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_packed_rows_equal_one_process(pool, schedule):
+    check(pool.run(packed_case, schedule))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zero_bubble", "dualpipe_v"])
+def test_packed_rows_with_the_buffer_pool(pool, schedule):
+    check(pool.run(packed_case, schedule, pool=True))
+
+
+@pytest.mark.parametrize("schedule,kind", [("1f1b", "llama"), ("v_schedule", "qwen2")])
+def test_packed_rows_through_hf_decoders(pool, schedule, kind):
+    pytest.importorskip("transformers")
+    check(pool.run(packed_case, schedule, kind), atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule,kind", [("interleaved_1f1b", "gpt"), ("1f1b", "llama")])
+def test_no_token_attends_across_a_document_boundary(pool, schedule, kind):
+    if kind != "gpt":
+        pytest.importorskip("transformers")
+    results = [r for r in pool.run(leak_case, schedule, kind) if r["has_output"]]
+    assert len(results) == 1
+    assert results[0]["first_moved"] > 1e-4, "the probe changed nothing: it cannot fail"
+    assert results[0]["others_moved"] == 0.0, \
+        f"a later document's outputs moved by {results[0]['others_moved']}: attention leaks"
