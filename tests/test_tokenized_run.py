@@ -1,7 +1,9 @@
 """``pp-core run examples/tokenized.yaml`` with a tokenizer trained in the test (saved to a temp
 dir, nothing downloaded): packed rows whose microbatches hold uneven numbers of valid targets.
 One microbatch per step and eight give the same losses (the token-exact loss), and a run resumed
-mid-epoch from a checkpoint gives the uninterrupted run's losses (the dataset's ``skip``)."""
+mid-epoch from a checkpoint gives the uninterrupted run's losses (the dataset's ``skip``).
+metrics.jsonl and the summary count valid tokens, padding and documents; ``output.tensorboard``
+writes TensorBoard events."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ def run(tmp_path, name: str, *sets: str) -> dict[int, float]:
     result = pp_core("run", "examples/tokenized.yaml", *[x for a in args for x in ("--set", a)],
                      env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "documents/step" in result.stdout  # the summary's data line
     return losses(metrics)
 
 
@@ -41,7 +44,13 @@ def test_microbatches_do_not_change_the_loss_and_resume_is_exact(tmp_path):
     checkpoints = tmp_path / "a" / "checkpoints"
     eight = run(tmp_path, "a", "pipeline.pp_microbatch_size=1", f"checkpoint.dir={checkpoints}",
                 "checkpoint.every=2", "checkpoint.save_final=false")
-    one = run(tmp_path, "b", "pipeline.pp_microbatch_size=8")
+    one = run(tmp_path, "b", "pipeline.pp_microbatch_size=8",
+              f"output.tensorboard={tmp_path / 'tb'}")
+    lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    for line in (x for x in lines if "loss" in x):  # figures of the data, counted as the loss
+        assert 0 < line["padding_fraction"] < 0.5 and line["docs"] > 8, line
+        assert 0 < line["valid_tokens_per_s"] < line["tokens_per_s"], line
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard events"
     assert sorted(eight) == sorted(one) == [1, 2, 3, 4]
     for step in (1, 2):
         assert abs(eight[step] - one[step]) <= 1e-5, (step, eight, one)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from pp_core import build_pipeline
 from pp_core.app.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from pp_core.app.data_metrics import batch_figures
 from pp_core.app.factories import dataset_args, dataset_factory, model_factory
 from pp_core.app.progress import Progress
 from pp_core.app.run_outputs import RunRecorder
@@ -257,7 +258,8 @@ def train(spec: Spec) -> dict[str, Any]:
         step_time = time.perf_counter() - t0
         global_loss = _mean_over_dp(None if loss is None else float(loss), ctx)
         tokens = num_tokens(inputs)
-        recorder.record_step(step, global_loss, step_time, tokens, grad_norm, lr, t0)
+        recorder.record_step(step, global_loss, step_time, tokens, grad_norm, lr, t0,
+                             data=batch_figures(inputs, target))
         progress.update(step, global_loss, tokens / step_time, step_time)
         if train_cfg["eval_every"] and step % train_cfg["eval_every"] == 0:
             recorder.record_eval(step, _evaluate(spec, pipe, ctx, global_batch))
