@@ -146,3 +146,25 @@ def test_parquet_files(tmp_path, tokenizer_dir):
     path = tmp_path / "docs.parquet"
     parquet.write_table(pyarrow.table({"text": ["one parquet document", "and another"]}), path)
     assert make(tmp_path, tokenizer_dir, files=[str(path)], seq_len=4).cache.num_docs == 2
+
+
+def test_validate_refuses_a_tokenizer_larger_than_the_model(tmp_path, tokenizer_dir, capsys):
+    import yaml
+
+    from pp_core.app import cli
+
+    spec = {"model": {"name": "gpt", "args": {"vocab_size": 64, "dim": 16, "num_layers": 2,
+                                              "num_heads": 2, "max_seq_len": 16}},
+            "data": {"name": "tokenized_text",
+                     "args": {"files": [str(DEFAULT_TEXT)], "tokenizer": tokenizer_dir,
+                              "seq_len": 16, "cache_dir": str(tmp_path / "cache")}},
+            "pipeline": {"pp_schedule": "1f1b", "pp_batch_size": 4, "pp_microbatch_size": 1,
+                         "loss_fn": "cross_entropy"},
+            "distributed": {"pp_size": 2}, "train": {"steps": 1}}
+    path = tmp_path / "pipe.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert cli.main(["validate", str(path)]) != 0
+    out = capsys.readouterr()
+    assert "data.args.tokenizer: the tokenizer's vocabulary has 120 tokens but the model's " \
+           "embedding only 64" in out.out + out.err
+    assert cli.main(["validate", str(path), "--set", "model.args.vocab_size=128"]) == 0
