@@ -25,7 +25,7 @@ __all__ = ["engine_run_backward", "ACCUMULATE_GRAD", "process_group_store", "set
            "dcp_metadata_path", "tcp_stores_listening_on_their_host", "nn_init_skipped",
            "donated_buffers_on", "donated_buffers_off", "disable_donated_buffers",
            "fsdp_reduce_and_reshard", "fsdp_reset", "ddp_arm_reducer", "fsdp_replicate",
-           "profiler_enabled", "TorchDispatchMode"]
+           "profiler_enabled", "TorchDispatchMode", "flatten_mesh"]
 
 # -------------------------------------------------------------------------- autograd (backward.py)
 
@@ -255,6 +255,13 @@ def fsdp_replicate():
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     return replicate
+
+
+def flatten_mesh(mesh):
+    """A 1-D DeviceMesh over every rank of a multi-dimensional one (an HSDP dp mesh, for the
+    token count's all-reduce, runtime/token_loss.py). torch has no public flatten; ``_flatten``
+    is what torchtitan uses. Checked on 2.13.0."""
+    return mesh._flatten()
 
 
 # ------------------------------------------------------------------ the profiler (runtime/observers.py)

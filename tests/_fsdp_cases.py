@@ -148,7 +148,7 @@ def dp_case(schedule: str, engine: str = "fsdp", kind: str = "mlp", pool: bool =
                             pp_recv_buffer_pool=pool, pp_seq_len=None if not pool else
                             (12 if kind == "hf" else 8),
                             patch_stage_backward_maybe_with_nosync=True)
-    pipe = build_pipeline(model, config, pp_group=pp_mesh)
+    pipe = build_pipeline(model, config, pp_group=pp_mesh, dp_group=dp_mesh)
     if ac != "none" or backend:
         from pp_core.parallel import apply_activation_checkpointing, apply_compile
 

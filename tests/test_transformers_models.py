@@ -67,13 +67,20 @@ def batch(batch_size: int = 4, seq: int = SEQ, padding: bool = True, seed: int =
 
 
 def reference_step(model, inputs: dict, labels, num_microbatches: int):
-    """The unsplit model on one process: sum of microbatch losses backward, mean loss returned."""
+    """The unsplit model on one process: sum of microbatch losses backward, mean loss returned.
+
+    The loss is token-exact, as the pipeline's (docs/data.md): microbatch ``m``'s loss is the sum
+    of its token losses over the batch's valid-token count ``N``, times ``M`` - so the mean is
+    the whole batch's loss however the padding falls into microbatches.
+    """
     model.zero_grad(set_to_none=True)
     losses = []
+    count = (labels[..., 1:] != -100).sum()
     for index in range(num_microbatches):
         chunk = {k: v.chunk(num_microbatches)[index] for k, v in inputs.items()}
         logits = model(**chunk).logits
-        loss = causal_lm_loss(logits, labels.chunk(num_microbatches)[index])
+        loss = causal_lm_loss(logits, labels.chunk(num_microbatches)[index],
+                              num_valid_tokens=count) * num_microbatches
         loss.backward()
         losses.append(loss.detach())
     grads = {name: p.grad.clone() for name, p in model.named_parameters(remove_duplicate=False)}

@@ -70,7 +70,7 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
                 plugins=None) -> None:
     """The datasets, one batch, the optimizer and the resume path, as a rank would build them."""
     if data_fn is not None:
-        batch = _check_dataset(spec, data_fn, False, problems)
+        batch = _check_dataset(spec, data_fn, False, problems, model)
         if spec.train["eval_every"]:
             _check_dataset(spec, data_fn, True, problems)
         if batch is not None:
@@ -79,12 +79,13 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
     _check_resume(spec, problems)
 
 
-def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str]):
+def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str], model=None):
     """The dataset's first batch, or ``None`` with a problem naming data.args (or eval_args)."""
     key = "data.eval_args" if evaluation else "data.args"
     why = " (train.eval_every is set, so evaluation builds it)" if evaluation else ""
     try:
         data = data_fn(**dataset_args(spec, data_fn, evaluation))
+        _check_vocab(spec, data, model, problems)
         batch = next(iter(data))
     except StopIteration:
         problems.append(f"{key}: the dataset yields no batch{why}")
@@ -98,6 +99,24 @@ def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str]):
                         f"{type(batch).__name__}, expected (inputs, target) pairs")
         return None
     return batch
+
+
+def _check_vocab(spec: Spec, data, model, problems: list[str]) -> None:
+    """A dataset that says its ``vocab_size`` (a tokenizer's) against the model's input
+    embedding: ids past the embedding would fail deep inside the first stage."""
+    import torch
+
+    vocab = getattr(data, "vocab_size", None)
+    if not isinstance(vocab, int) or model is None:
+        return
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    if not isinstance(embedding, torch.nn.Embedding):
+        embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if embedding is not None and embedding.num_embeddings < vocab:
+        problems.append(f"data.args.tokenizer: the tokenizer's vocabulary has {vocab} tokens but "
+                        f"the model's embedding only {embedding.num_embeddings}; set the model's "
+                        f"vocab_size (model.args) to at least {vocab}, or use a smaller tokenizer")
 
 
 def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str],

@@ -130,6 +130,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  throughput {statistics.median(tps[1:] if len(tps) > 1 else tps):,.0f} "
                      f"tokens/s (median), step time {statistics.median(steady) * 1000:,.0f} ms "
                      f"(median, first step {times[0] * 1000:,.0f} ms)")
+    if summary.get("valid_tokens_per_s") is not None:  # a dataset with integer targets
+        lines.append(f"  valid tokens {summary['valid_tokens_per_s']:,.0f}/s (mean), padding "
+                     f"{summary['padding_fraction']:.1%}, {summary['docs']:,.1f} documents/step")
     planned = summary.get("plan")
     if planned:
         measured = planned.get("measured_step_s")

@@ -112,6 +112,7 @@ class RunRecorder:
         self.steps: list[int] = []
         self.step_times: list[float] = []
         self.tokens_per_s: list[float] = []
+        self.data_figures: list[dict] = []  # per step: valid tokens/s, padding, docs (data_metrics)
         self.eval_loss: float | None = None
         self.events: list[tuple] = []  # (name, category, start, end, step), last TRACE_STEPS
         # Running figures, in space that does not grow with the run (a long run would otherwise
@@ -125,6 +126,12 @@ class RunRecorder:
         self.timer = ActionTimer(ctx.device)
         self.plugins = pipe.plugins
         self.metrics = None  # opened by open_metrics once the first step is known
+        self.tensorboard = None
+        if spec.output.get("tensorboard") and self.rank == 0:  # a pp_report_metrics sink
+            from pp_core.app.data_metrics import TensorBoardSink  # lazy: tensorboard
+
+            self.tensorboard = TensorBoardSink(spec.output["tensorboard"])
+            self.plugins.pm.register(self.tensorboard, name="pp_core.tensorboard")
 
     def say(self, text: str) -> None:
         if self.rank != 0:
@@ -200,20 +207,27 @@ class RunRecorder:
             self.events = [e for e in self.events if e[4] > step - TRACE_STEPS]
 
     def record_step(self, step, loss, step_time, tokens, grad_norm, lr, started,
-                    extra: dict | None = None) -> None:
-        """``extra``: more figures for the metrics line (``aux_loss`` of MoE models)."""
+                    data: dict | None = None, extra: dict | None = None) -> None:
+        """``data``: the batch's figures (:func:`pp_core.app.data_metrics.batch_figures`);
+        ``extra``: more figures for the metrics line (``aux_loss`` of MoE models)."""
         self.steps.append(step)
         self.step_times.append(step_time)
         self.tokens_per_s.append(tokens / step_time if step_time > 0 else 0.0)
         self.tokens_per_step = tokens
         if loss is not None:
             self.losses.append(loss)
+        figures = {}
+        if data:
+            figures = {"valid_tokens_per_s": round(data["valid_tokens"] / step_time, 2)
+                       if step_time > 0 else 0.0, "padding_fraction": data["padding_fraction"],
+                       "docs": data["docs"]}
+            self.data_figures.append(figures)
         log_every = self.spec.train["log_every"]
         if step % log_every == 0 or step == self.spec.train["steps"] or len(self.steps) == 1:
             self._log(step, {"loss": loss, "tokens_per_s": round(self.tokens_per_s[-1], 2),
-                             "step_time_s": round(step_time, 6), "lr": lr,
-                             "grad_norm": grad_norm, "time": round(started + self.clock_offset, 3),
-                             **(extra or {})})
+                             **figures, **(extra or {}), "step_time_s": round(step_time, 6),
+                             "lr": lr, "grad_norm": grad_norm,
+                             "time": round(started + self.clock_offset, 3)})
 
     def record_eval(self, step: int, loss: float | None) -> None:
         self.eval_loss = loss
@@ -258,6 +272,8 @@ class RunRecorder:
         """Gather every rank's figures on rank 0, write trace/image/summary; rank 0 returns it."""
         if self.metrics:
             self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         mine = self._rank_figures(dp_units)
         gathered = [None] * self.ctx.world_size if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
@@ -266,6 +282,14 @@ class RunRecorder:
         summary = self._summarise(gathered, start_step, wall_s)
         summary["dp_units"] = dp_units
         return summary
+
+    def _data_summary(self) -> dict[str, Any]:
+        """Means over the run's steps of the batch figures (none for data without targets)."""
+        figures = self.data_figures
+        if not figures:
+            return {}
+        return {key: sum(f[key] for f in figures) / len(figures)
+                for key in ("valid_tokens_per_s", "padding_fraction", "docs")}
 
     def _summarise(self, ranks: list[dict], start_step: int, wall_s: float) -> dict[str, Any]:
         spec, out = self.spec, self.spec.output
@@ -289,7 +313,7 @@ class RunRecorder:
             "first_step": start_step + 1, "last_step": self.steps[-1] if self.steps else start_step,
             "wall_s": wall_s, "tokens_per_step": self.tokens_per_step, "losses": self.losses,
             "steps": self.steps, "step_times": self.step_times, "tokens_per_s": self.tokens_per_s,
-            "eval_loss": self.eval_loss, "bubble_note": note,
+            "eval_loss": self.eval_loss, "bubble_note": note, **self._data_summary(),
             "ranks": [{k: v for k, v in r.items() if k not in ("events", "kind_times")}
                       for r in ranks],
             "outputs": {"metrics": out["metrics"], "trace": out["trace"],

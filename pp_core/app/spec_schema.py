@@ -308,6 +308,8 @@ SCHEMA: dict[str, list[Key]] = {
         Key("progress", _choice("auto", "bar", "plain", "off"), "auto",
             "auto: a bar on a terminal, plain lines otherwise"),
         Key("summary", _bool, True, "print the summary table at the end"),
+        Key("tensorboard", _optional(_str), None,
+            "TensorBoard log directory (needs the tensorboard extra)"),
     ],
 }
 REQUIRED_SECTIONS = ("model", "data")

@@ -12,7 +12,9 @@ loop; the first rank draws the progress line.
 
 The numbers are those of one process training the unsplit model on the global batch with
 gradient accumulation: the reported loss is the mean microbatch loss over the global batch and the
-gradient is the gradient of that mean.
+gradient is the gradient of that mean. With a token-normalised loss (``cross_entropy``, HF's
+``causal_lm_loss``; docs/data.md) that mean is the global batch's loss over its valid target
+tokens, exactly, however they fall into microbatches and dp ranks.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.distributed as dist
 
 from pp_core import build_pipeline
 from pp_core.app.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from pp_core.app.data_metrics import batch_figures
 from pp_core.app.factories import build_model, dataset_args, dataset_factory, dp_slice
 from pp_core.app.layout import RankLayout
 from pp_core.app.progress import Progress
@@ -117,8 +120,10 @@ def _build(spec: Spec, ctx: RankContext):
     splitter = spec.model.get("splitter")  # `balanced` was resolved into module lists at launch
     if spec.pipeline["module_fqns_per_model_part"] is not None:
         splitter = None
+    # dp_group: a token-normalised loss counts the step's valid tokens over the dp ranks
     pipe = build_pipeline(model, spec.pipeline_config(), pp_group=ctx.pp_mesh, device=ctx.device,
-                          timeout=timeout, splitter=splitter)
+                          timeout=timeout, splitter=splitter,
+                          dp_group=ctx.dp_mesh if ctx.dp_size > 1 else None)
     del model
     if ctx.expert_groups is not None:  # experts sharded before AC, compile and dp wrap them
         apply_expert_parallel(pipe.model_parts, ctx.ep_group)
@@ -268,7 +273,8 @@ def train(spec: Spec) -> dict[str, Any]:
         global_loss = _mean_over_dp(None if loss is None else float(loss), ctx)
         tokens = num_tokens(inputs)
         extra = {"aux_loss": _aux_loss(pipe, ctx, config)} if aux_losses else None
-        recorder.record_step(step, global_loss, step_time, tokens, grad_norm, lr, t0, extra)
+        recorder.record_step(step, global_loss, step_time, tokens, grad_norm, lr, t0,
+                             data=batch_figures(inputs, target), extra=extra)
         progress.update(step, global_loss, tokens / step_time, step_time)
         if train_cfg["eval_every"] and step % train_cfg["eval_every"] == 0:
             recorder.record_eval(step, _evaluate(spec, pipe, ctx, global_batch))

@@ -34,6 +34,7 @@ from pp_core.runtime.dp_sync import DataParallelDriver
 from pp_core.runtime.microbatch import num_tokens
 from pp_core.runtime.observers import run_action, waiting
 from pp_core.runtime.stage import Stage, as_outputs, make_stage_inputs
+from pp_core.runtime.token_loss import scaled_loss
 from pp_core.runtime.wire import ReceivedShapes, ShapeHistory
 from pp_core.schedule.ir import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
 from pp_core.schedule.lower import RankProgram
@@ -93,6 +94,9 @@ class Executor:
         self.preposted: set = set()
         self.preposted_b: set = set()
         self.data_parallel = DataParallelDriver()  # torch DP engines of the stages (dp_sync)
+        # a token-normalised loss: the step's valid-token count and M * D (runtime/token_loss)
+        self.token_count = None
+        self.token_factor = 1.0
 
     # ------------------------------------------------------------------ step
     def run(self, mb_inputs: Optional[list], mb_targets: Optional[list],
@@ -234,7 +238,7 @@ class Executor:
         if self.loss_fn is None or (target is None and not self.train):
             self.results[mb] = output.detach() if isinstance(output, torch.Tensor) else output
             return
-        loss = self.loss_fn(output, target)
+        loss = scaled_loss(self.loss_fn, output, target, self.token_count, self.token_factor)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise PipelineError(f"loss_fn returned {type(loss).__name__}"
                                 f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"

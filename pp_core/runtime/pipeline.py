@@ -12,7 +12,10 @@ What ``step`` returns: on the rank holding the last stage, the mean of the micro
 detached 0-dim float32 tensor on ``device`` (a tensor, so that CUDA need not synchronise; call
 ``.item()`` for a float); ``None`` elsewhere. Gradients are *accumulated* into ``.grad`` like
 ``loss.backward()`` does (zero them between steps): the gradient of the sum of the microbatch
-losses, or of their mean when ``scale_grads_in_schedule=True``.
+losses, or of their mean when ``scale_grads_in_schedule=True``. With a token-normalised loss
+(``cross_entropy``; :mod:`pp_core.runtime.token_loss`) that mean is the loss of the whole step
+over its valid target tokens: the unsplit model's loss on the batch (with ``dp_group``, the mean
+over the dp ranks' returns is the global batch's loss).
 
 Failures: any exception during a step - on any rank - ends the step on every rank with a
 :class:`~pp_core.PipelineError` naming the rank, stage, action and cause (see
@@ -35,7 +38,7 @@ from torch import nn
 
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PPCoreError
-from pp_core.losses import resolve_loss
+from pp_core.losses import counts_tokens, resolve_loss
 from pp_core.parallel.tied import align_tied_copies, grad_baseline, sync_tied_gradients_of
 from pp_core.planning.parts import build_model_parts
 from pp_core.plugin_manager import plugins_or_default
@@ -51,6 +54,7 @@ from pp_core.runtime.microbatch import (kwargs_chunk_dims, merge_microbatches,
                                         split_microbatches, to_device)
 from pp_core.runtime.observers import ActionTrace
 from pp_core.runtime.stage import Stage
+from pp_core.runtime.token_loss import resolve_dp_group, step_token_count
 from pp_core.schedule.ir import Schedule
 from pp_core.schedule.lower import Program, forward_only, lower
 from pp_core.schedule.validate import validate_schedule
@@ -106,7 +110,7 @@ class Pipeline:
     def __init__(self, model_parts: Sequence[nn.Module], stage_indices: Sequence[int],
                  schedule: Schedule, config: PipelineConfig, pp_group=None, device="cpu", *,
                  program: Optional[Program] = None, plugins=None, timeout=None,
-                 initializers=None, plan=None):
+                 initializers=None, plan=None, dp_group=None):
         group, rank, num_ranks = resolve_group(pp_group)
         if schedule.num_ranks != num_ranks:
             raise ConfigError(f"the schedule has {schedule.num_ranks} ranks but the process group "
@@ -149,6 +153,9 @@ class Pipeline:
         self.loss_fn = None
         if config.loss_fn is not None:
             self.loss_fn = resolve_loss(config.loss_fn)
+        self.counts_tokens = self.loss_fn is not None and counts_tokens(self.loss_fn)
+        """Whether the loss is token-normalised over the step (:mod:`~.token_loss`)."""
+        self.dp_group, self.dp_size = resolve_dp_group(dp_group)
         if initializers is None:
             initializers = collect_pipeline_runtime_initializers(self.model_parts, plugins)
         self.initializers = list(initializers)
@@ -307,6 +314,11 @@ class Pipeline:
                     raise ConfigError(f"stage_kwargs must be a dict of keyword arguments, got "
                                       f"{type(stage_kwargs).__name__}")
                 mb_kwargs = self._split(stage_kwargs, "stage_kwargs")
+            executor.token_count = None  # a token-normalised loss: the step's count, once
+            if self.counts_tokens and self.has_last and mb_targets is not None:
+                executor.token_count = step_token_count(self.loss_fn, mb_targets, self.dp_group,
+                                                        self.device)
+                executor.token_factor = float(self.num_microbatches * self.dp_size)
         except PPCoreError as exc:
             self._fail(exc, before_traffic=True)
         tracer = ActionTrace() if self.tracing else None
@@ -339,7 +351,7 @@ class Pipeline:
 
 
 def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, device="cpu", *,
-                   plugins=None, timeout=None, splitter=None) -> Pipeline:
+                   plugins=None, timeout=None, splitter=None, dp_group=None) -> Pipeline:
     """Split ``model`` over the ranks of ``pp_group`` and return this rank's :class:`Pipeline`.
 
     :param pp_group: a ProcessGroup or a 1-D DeviceMesh; ``None`` = the default group (or a
@@ -348,6 +360,8 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
     :param plugins: a :class:`pp_core.plugin_manager.Plugins`; default: the installed plugins.
     :param timeout: seconds a single wait may take before the step fails.
     :param splitter: a splitter name or object (``BalancedSplitter(profile)``); None: automatic.
+    :param dp_group: the data-parallel ranks of this rank (ProcessGroup or DeviceMesh), over
+        which a token-normalised loss counts the step's valid tokens; None: no dp.
     """
     if not isinstance(config, PipelineConfig):
         raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
@@ -371,7 +385,8 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
         raise failure
     parts = build_model_parts(model, plan.split, plan.stage_indices, config, device=device)
     pipe = Pipeline(parts, plan.stage_indices, plan.schedule, config, group, device,
-                    program=plan.program, plugins=plugins, timeout=timeout, plan=plan)
+                    program=plan.program, plugins=plugins, timeout=timeout, plan=plan,
+                    dp_group=dp_group)
     if num_ranks > 1 and plan.split.tied_parameters:  # every copy starts as the lowest stage's
         align_tied_copies(pipe.model_parts, plan.schedule.stage_ranks, rank, group)
     return pipe

@@ -3,9 +3,10 @@
 Models: ``gpt`` (a small decoder-only transformer following the ``layers`` contract) and
 ``uneven_gpt`` (the same with a large vocabulary and blocks of two widths: uneven costs),
 ``moe_gpt`` (the same with mixture-of-experts feed-forward blocks; ``moe_gpt.py``).
-Datasets: ``synthetic`` (a learnable bigram language or a linear regression, no files needed)
-and ``text_bytes`` (byte-level language modelling over a text file; a public-domain text ships in
-``plugins/pp_core_builtins/models/data/``).
+Datasets: ``synthetic`` (a learnable bigram language or a linear regression, no files needed),
+``text_bytes`` (byte-level language modelling over a text file; a public-domain text ships in
+``plugins/pp_core_builtins/models/data/``) and ``tokenized_text`` (a corpus of local files with a
+local tokenizer, tokenized once into a cache; packed or padded rows: docs/data.md).
 
 Loading this entry point does not import torch (``pp-core schedule`` loads every plugin and must
 stay fast): the hooks import the model and dataset modules when pp-core asks for models or
@@ -17,10 +18,11 @@ import importlib
 
 from pp_core import hookimpl
 
-__all__ = ["GPT", "synthetic", "text_bytes"]
+__all__ = ["GPT", "synthetic", "text_bytes", "tokenized_text"]
 
 _HOMES = {"GPT": "pp_core_builtins.models.gpt", "synthetic": "pp_core_builtins.models.datasets",
-          "text_bytes": "pp_core_builtins.models.datasets"}
+          "text_bytes": "pp_core_builtins.models.datasets",
+          "tokenized_text": "pp_core_builtins.models.tokenized"}
 
 
 def __getattr__(name):
@@ -47,6 +49,9 @@ def pp_register_datasets(register):
     register("synthetic", synthetic)
     register("text_bytes", text_bytes)
 
+    from pp_core_builtins.models.tokenized import tokenized_text
+
+    register("tokenized_text", tokenized_text)
 
 @hookimpl
 def pp_expert_parallel_plan(model):

@@ -5,6 +5,13 @@ embeddings are registered before ``layers`` (they go to the first stage), ``norm
 after it (the last stage), and ``forward`` skips whichever of them a model part holds as ``None``.
 The same ``forward`` therefore runs the whole model (``tokens -> logits``), the first stage
 (``tokens -> hidden``), a middle stage (``hidden -> hidden``) or the last (``hidden -> logits``).
+
+Packed rows (docs/data.md): ``forward(input_ids, position_ids)`` with position ids that restart
+at 0 where a document starts. The position embedding reads them, and attention is causal within
+a document and blocked across documents (a boolean SDPA mask built from them: a new document
+starts wherever a position id is not its predecessor's plus one, the rule Hugging Face's masks
+use). A stage that is not the last then returns ``(hidden, position_ids)``, so every stage gets
+its microbatch's own boundaries, in whatever order the schedule runs microbatches.
 """
 
 from __future__ import annotations
@@ -16,7 +23,17 @@ import torch
 import torch.nn.functional as functional
 from torch import nn
 
-__all__ = ["GPT", "Block", "uneven_gpt"]
+__all__ = ["GPT", "Block", "uneven_gpt", "document_mask"]
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[batch, 1, seq, seq]`` bool: query ``i`` may attend key ``j`` iff ``j <= i`` and both
+    lie in the same document (documents split where ``position_ids`` does not step by 1)."""
+    first = position_ids[:, :1] - 1
+    document = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    seq = position_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
 
 
 class Block(nn.Module):
@@ -36,11 +53,15 @@ class Block(nn.Module):
             nn.Linear(mlp_ratio * dim, dim, bias=False),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``mask``: a :func:`document_mask` (packed rows), else plain causal attention."""
         batch, seq, dim = x.shape
         q, k, v = self.qkv(self.attention_norm(x)).split(dim, dim=-1)
         q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-        attended = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            attended = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            attended = functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, dim))
         return x + self.ffn(self.ffn_norm(x))
 
@@ -77,22 +98,29 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * num_layers)
             nn.init.normal_(param, mean=0.0, std=std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
+        """``input_ids`` on the first stage, the hidden states on later ones; ``position_ids``
+        (packed rows) as described in the module docstring."""
+        x = input_ids
         if self.tok_embeddings is not None:
             if x.shape[1] > self.max_seq_len:
                 raise ValueError(f"sequence length {x.shape[1]} exceeds max_seq_len="
                                  f"{self.max_seq_len}; raise model.args.max_seq_len")
-            positions = torch.arange(x.shape[1], device=x.device)
+            positions = torch.arange(x.shape[1], device=x.device) if position_ids is None \
+                else position_ids
             x = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
                 x = x + self.pos_embeddings(positions)
+        mask = None if position_ids is None else document_mask(position_ids)
         layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
         for layer in layers:
-            x = layer(x)
+            x = layer(x) if mask is None else layer(x, mask)
         if self.norm is not None:
             x = self.norm(x)
         if self.output is not None:
             x = self.output(x)
+        elif position_ids is not None:  # the next stage needs the boundaries too
+            return x, position_ids
         return x
 
 

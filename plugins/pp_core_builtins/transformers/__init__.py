@@ -76,12 +76,22 @@ def hf_causal_lm(config, **kwargs):
     return build(config, **kwargs)
 
 
-def causal_lm_loss(logits, labels):
+def causal_lm_loss(logits, labels, *, num_valid_tokens=None):
     """Shifted next-token cross entropy ignoring ``-100``
-    (``pp_core_builtins.transformers:causal_lm_loss``)."""
+    (``pp_core_builtins.transformers:causal_lm_loss``); token-normalised over the step in a
+    pipeline (``num_valid_tokens``, docs/data.md)."""
     from pp_core_builtins.transformers.models import causal_lm_loss as loss
 
-    return loss(logits, labels)
+    return loss(logits, labels, num_valid_tokens=num_valid_tokens)
+
+
+def _count_shifted_tokens(labels):
+    from pp_core_builtins.transformers.models import count_shifted_tokens  # lazy: torch
+
+    return count_shifted_tokens(labels)
+
+
+causal_lm_loss.count_valid_tokens = _count_shifted_tokens
 
 
 @hookimpl

@@ -105,13 +105,28 @@ def hf_causal_lm(
     return model
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *,
+                   num_valid_tokens=None) -> torch.Tensor:
     """Next-token cross entropy as transformers computes it: shift by one, ignore ``-100``.
 
     ``logits`` [batch, seq, vocab], ``labels`` [batch, seq] (usually the input ids with padding
-    set to ``-100``); mean over the counted tokens of this microbatch.
+    set to ``-100``); the mean over the counted tokens of this microbatch, or, with
+    ``num_valid_tokens`` (the pipeline's count of the whole step, as transformers'
+    ``num_items_in_batch``), their sum divided by it.
     """
     vocab = logits.shape[-1]
     shifted = logits[..., :-1, :].reshape(-1, vocab).float()
-    return torch.nn.functional.cross_entropy(shifted, labels[..., 1:].reshape(-1),
-                                             ignore_index=-100)
+    if num_valid_tokens is None:
+        return torch.nn.functional.cross_entropy(shifted, labels[..., 1:].reshape(-1),
+                                                 ignore_index=-100)
+    total = torch.nn.functional.cross_entropy(shifted, labels[..., 1:].reshape(-1),
+                                              ignore_index=-100, reduction="sum")
+    return total / num_valid_tokens
+
+
+def count_shifted_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """The targets :func:`causal_lm_loss` counts: ``labels[..., 1:] != -100``."""
+    return (labels[..., 1:] != -100).sum()
+
+
+causal_lm_loss.count_valid_tokens = count_shifted_tokens

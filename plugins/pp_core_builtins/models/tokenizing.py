@@ -1,0 +1,287 @@
+"""Reading a corpus, loading a local tokenizer, and the on-disk cache of its token ids.
+
+Documents come from ``.txt`` files (split into documents at ``doc_separator``, a blank line by
+default; ``None``: one document per file), ``.jsonl`` files (one JSON object per line, its
+``text_field``), ``.parquet`` files (the ``text_field`` column; needs pyarrow) and directories
+written by Hugging Face ``datasets``' ``save_to_disk`` (needs ``datasets``). Globs are expanded
+(sorted); a directory that is not a saved dataset contributes its files of those kinds.
+
+Tokenizers are local only - nothing is downloaded: ``bytes`` (one token per UTF-8 byte, vocab
+256), a ``tokenizer.json`` file or a directory holding one (HF ``tokenizers``; the directory's
+``tokenizer_config.json`` names BOS/EOS), or any other directory ``transformers``'
+``AutoTokenizer`` loads with ``local_files_only=True``.
+
+The cache: the corpus tokenized once into ``<cache_dir>/<key>/`` - ``tokens.bin`` (uint32 token
+ids of every document back to back, read through ``numpy.memmap``), ``offsets.npy`` (document
+``d`` is ``tokens[offsets[d]:offsets[d + 1]]``) and ``meta.json``. The key hashes the files'
+contents, how they are read and the tokenizer (its file contents, BOS/EOS), so changing any of
+them tokenizes again and an unchanged corpus opens at once. Ranks that start together take a file
+lock: one tokenizes, the others wait and open its result; the directory appears by an atomic
+rename, so a killed run never leaves half a cache.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+__all__ = ["expand_files", "read_documents", "load_tokenizer", "ByteTokenizer", "TokenCache",
+           "open_cache", "CACHE_VERSION"]
+
+CACHE_VERSION = 1
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>")
+BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|bos|>")
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in
+                                 ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+def expand_files(files) -> list[Path]:
+    """``files`` (a path, a glob, or a list of them) as existing paths, in order."""
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
+    if not files:
+        raise ValueError("tokenized_text: data.args.files is empty; give the corpus's files "
+                         "(paths or globs of .txt, .jsonl, .parquet, or a saved HF dataset)")
+    found: list[Path] = []
+    for pattern in files:
+        pattern = os.path.expanduser(str(pattern))
+        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) \
+            else [pattern]
+        if not matches or not all(os.path.exists(m) for m in matches):
+            raise FileNotFoundError(f"tokenized_text: data.args.files: no file {pattern!r} "
+                                    f"(from {os.getcwd()!r}); check the path or glob")
+        for match in map(Path, matches):
+            if match.is_dir() and not _is_saved_dataset(match):
+                found += sorted(p for p in match.rglob("*") if p.suffix in TEXT_SUFFIXES)
+            else:
+                found.append(match)
+    return found
+
+
+def _column(table_columns, text_field: str, where: str):
+    if text_field not in table_columns:
+        raise KeyError(f"tokenized_text: {where} has no text field {text_field!r} (it has "
+                       f"{', '.join(map(repr, table_columns)) or 'none'}); set data.args.text_field")
+
+
+def read_documents(path: Path, text_field: str, doc_separator: Optional[str],
+                   hf_split: str) -> Iterator[str]:
+    """The documents of one file or saved dataset, in order (empty ones skipped)."""
+    if _is_saved_dataset(path):
+        try:
+            import datasets
+        except ImportError:
+            raise ImportError(f"tokenized_text: {str(path)!r} is a saved HF dataset; reading it "
+                              f"needs `pip install datasets`") from None
+        data = datasets.load_from_disk(str(path))
+        if isinstance(data, datasets.DatasetDict):
+            if hf_split not in data:
+                raise KeyError(f"tokenized_text: {str(path)!r} has splits {list(data)}, not "
+                               f"{hf_split!r}; set data.args.hf_split")
+            data = data[hf_split]
+        _column(data.column_names, text_field, repr(str(path)))
+        yield from (text for text in data[text_field] if text)
+    elif path.suffix == ".txt":
+        text = path.read_text(encoding="utf-8")
+        parts = [text] if doc_separator is None else text.split(doc_separator)
+        yield from (part.strip() for part in parts if part.strip())
+    elif path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if not isinstance(record, dict) or text_field not in record:
+                    keys = list(record) if isinstance(record, dict) else []
+                    _column(keys, text_field, f"{str(path)!r} line {number}")
+                if record[text_field]:
+                    yield str(record[text_field])
+    elif path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as parquet
+        except ImportError:
+            raise ImportError(f"tokenized_text: reading {str(path)!r} needs pyarrow "
+                              f"(`pip install pyarrow`)") from None
+        schema = parquet.read_schema(path)
+        _column(schema.names, text_field, repr(str(path)))
+        column = parquet.read_table(path, columns=[text_field]).column(text_field)
+        yield from (text for text in column.to_pylist() if text)
+    else:
+        raise ValueError(f"tokenized_text: {str(path)!r} is not a .txt, .jsonl or .parquet file "
+                         f"or a saved HF dataset directory")
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (ids 0-255); no special tokens."""
+
+    vocab_size = 256
+    bos_id = eos_id = pad_id = None
+    identity = "bytes"
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(text.encode("utf-8")) for text in texts]
+
+
+class HFTokenizer:
+    """A local tokenizer: a ``tokenizers.Tokenizer`` or a ``transformers`` one."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        config: dict = {}
+        file = path if path.is_file() else path / "tokenizer.json"
+        if path.is_dir() and (path / "tokenizer_config.json").is_file():
+            config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        if file.is_file():
+            from tokenizers import Tokenizer
+
+            self._fast = Tokenizer.from_file(str(file))
+            self._auto = None
+            self.vocab_size = self._fast.get_vocab_size(with_added_tokens=True)
+            vocab = self._fast.get_vocab(with_added_tokens=True)
+            self.bos_id = self._special(config.get("bos_token"), BOS_NAMES, vocab)
+            self.eos_id = self._special(config.get("eos_token"), EOS_NAMES, vocab)
+            self.pad_id = self._special(config.get("pad_token"), ("<pad>", "[PAD]"), vocab)
+            sources = [file] + ([path / "tokenizer_config.json"] if config else [])
+        else:
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:
+                raise ImportError(f"tokenized_text: {str(path)!r} has no tokenizer.json; loading "
+                                  f"it needs transformers (`pip install transformers`)") from None
+            self._fast = None
+            self._auto = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            self.vocab_size = len(self._auto)
+            self.bos_id, self.eos_id = self._auto.bos_token_id, self._auto.eos_token_id
+            self.pad_id = self._auto.pad_token_id
+            sources = sorted(p for p in path.iterdir() if p.is_file())
+        digest = hashlib.sha256()
+        for source in sources:
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
+        self.identity = digest.hexdigest()
+
+    @staticmethod
+    def _special(configured, names, vocab) -> Optional[int]:
+        if isinstance(configured, dict):
+            configured = configured.get("content")
+        if isinstance(configured, str):
+            return vocab.get(configured)
+        return next((vocab[name] for name in names if name in vocab), None)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if self._fast is not None:
+            return [e.ids for e in self._fast.encode_batch(texts, add_special_tokens=False)]
+        return self._auto(texts, add_special_tokens=False)["input_ids"]
+
+
+def load_tokenizer(tokenizer: str):
+    """``bytes``, or a local tokenizer file or directory (never downloaded)."""
+    if tokenizer == "bytes":
+        return ByteTokenizer()
+    path = Path(os.path.expanduser(str(tokenizer)))
+    if not path.exists():
+        raise FileNotFoundError(
+            f"tokenized_text: data.args.tokenizer={str(tokenizer)!r} is neither 'bytes' nor a "
+            f"local tokenizer.json or tokenizer directory (nothing is downloaded); save one with "
+            f"tokenizer.save_pretrained(DIR) and give DIR")
+    return HFTokenizer(path)
+
+
+class TokenCache:
+    """A tokenized corpus on disk: ``tokens`` (a uint32 memmap) and document ``offsets``."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.meta = json.loads((directory / "meta.json").read_text())
+        self.offsets = np.load(directory / "offsets.npy")
+        count = int(self.offsets[-1])
+        self.tokens = np.memmap(directory / "tokens.bin", dtype=np.uint32, mode="r",
+                                shape=(max(count, 1),))
+        self.num_docs = len(self.offsets) - 1
+
+    def document(self, index: int) -> np.ndarray:
+        return self.tokens[self.offsets[index]:self.offsets[index + 1]]
+
+
+def _cache_key(files: list[Path], reading: dict, tokenizer, bos: Optional[int],
+               eos: Optional[int]) -> str:
+    digest = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "reading": reading,
+                                        "tokenizer": tokenizer.identity, "bos": bos,
+                                        "eos": eos}, sort_keys=True).encode())
+    for file in files:
+        targets = sorted(p for p in file.rglob("*") if p.is_file()) if file.is_dir() else [file]
+        for target in targets:
+            digest.update(target.name.encode() + b"\0")
+            with open(target, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 22), b""):
+                    digest.update(block)
+    return digest.hexdigest()[:24]
+
+
+def _progress(total: int, label: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # no bar, the result is the same
+        return None
+    return tqdm(total=total, desc=label, unit="doc", file=sys.stderr, disable=None,
+                leave=False)
+
+
+def _build(directory: Path, files: list[Path], reading: dict, tokenizer, bos, eos) -> None:
+    texts = [text for file in files for text in
+             read_documents(file, reading["text_field"], reading["doc_separator"],
+                            reading["hf_split"])]
+    if not texts:
+        raise ValueError(f"tokenized_text: the corpus ({', '.join(map(str, files))}) holds no "
+                         f"text; check data.args.files and data.args.text_field")
+    staging = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
+    staging.mkdir(parents=True, exist_ok=True)
+    offsets, count, max_id = [0], 0, -1
+    bar = _progress(len(texts), f"tokenizing {len(texts)} documents")
+    with open(staging / "tokens.bin", "wb") as out:
+        for start in range(0, len(texts), 1024):
+            for ids in tokenizer.encode_batch(texts[start:start + 1024]):
+                ids = ([bos] if bos is not None else []) + list(ids) + \
+                    ([eos] if eos is not None else [])
+                array = np.asarray(ids, dtype=np.uint32)
+                out.write(array.tobytes())
+                count += len(array)
+                offsets.append(count)
+                if len(array):
+                    max_id = max(max_id, int(array.max()))
+            if bar is not None:
+                bar.update(min(1024, len(texts) - start))
+    if bar is not None:
+        bar.close()
+    np.save(staging / "offsets.npy", np.asarray(offsets, dtype=np.int64))
+    (staging / "meta.json").write_text(json.dumps({
+        "files": [str(f) for f in files], "num_docs": len(texts), "num_tokens": count,
+        "max_token_id": max_id, "vocab_size": tokenizer.vocab_size, "bos": bos, "eos": eos,
+        **reading}, indent=1))
+    os.replace(staging, directory)
+
+
+def open_cache(files, tokenizer, cache_dir, reading: dict, bos, eos) -> TokenCache:
+    """The cache of ``files`` tokenized by ``tokenizer``: opened, or built once (locked)."""
+    paths = expand_files(files)
+    root = Path(os.path.expanduser(str(cache_dir)))
+    root.mkdir(parents=True, exist_ok=True)
+    directory = root / _cache_key(paths, reading, tokenizer, bos, eos)
+    if not directory.is_dir():
+        import fcntl  # lazy: POSIX only, and only when a cache is built
+
+        with open(root / f"{directory.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not directory.is_dir():  # another rank may have built it meanwhile
+                _build(directory, paths, reading, tokenizer, bos, eos)
+    return TokenCache(directory)

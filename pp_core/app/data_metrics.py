@@ -1,0 +1,66 @@
+"""What a step's batch holds, counted the way the loss counts it; and the TensorBoard sink.
+
+:func:`batch_figures` reads the global batch a step trains on: the valid target tokens (entries
+``!= -100`` of the target, the tokens the built-in losses count), the padding fraction (the
+share of target entries that are not valid) and the documents (rows whose position ids restart
+count one document per restart - packed rows, ``tokenized_text`` - else one per row with a valid
+target). Integer targets only; a regression target gives ``{}``.
+
+:class:`TensorBoardSink` is a ``pp_report_metrics`` implementation that the run registers with
+its plugin manager on the first rank when ``output.tensorboard`` names a directory: every logged
+figure becomes a scalar (``train/loss``, ``train/tokens_per_s``, ``eval/eval_loss``, ...) in
+TensorBoard's own ``SummaryWriter``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pp_core.errors import ConfigError
+from pp_core.hookspecs import hookimpl
+from pp_core.runtime.microbatch import first_tensor
+
+__all__ = ["batch_figures", "TensorBoardSink"]
+
+
+def batch_figures(inputs, target) -> dict[str, Any]:
+    """``{"valid_tokens", "padding_fraction", "docs"}`` of one global batch (see the module)."""
+    labels = first_tensor(target)
+    if labels is None or labels.is_floating_point() or labels.numel() == 0:
+        return {}
+    valid = labels != -100
+    count = int(valid.sum())
+    positions = inputs.get("position_ids") if isinstance(inputs, dict) else None
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2:
+        docs = positions.shape[0] + int((torch.diff(positions, dim=-1) != 1).sum())
+    else:
+        docs = int(valid.reshape(valid.shape[0], -1).any(-1).sum()) if valid.dim() else 1
+    return {"valid_tokens": count, "padding_fraction": round(1.0 - count / labels.numel(), 6),
+            "docs": docs}
+
+
+class TensorBoardSink:
+    """Writes every logged figure to ``directory`` as TensorBoard scalars."""
+
+    def __init__(self, directory: str):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError(
+                f"output.tensorboard={directory!r} needs the tensorboard package: "
+                f"pip install 'pp-core[tensorboard]' (or pip install tensorboard), or remove "
+                f"output.tensorboard") from None
+        self.writer = SummaryWriter(log_dir=directory)
+
+    @hookimpl
+    def pp_report_metrics(self, step, metrics):
+        section = "eval" if any(key.startswith("eval") for key in metrics) else "train"
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "time":
+                self.writer.add_scalar(f"{section}/{key}", value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
