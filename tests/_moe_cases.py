@@ -202,7 +202,8 @@ def hf_moe_case(schedule: str, model_type: str = "qwen3_moe") -> dict:
     local = 4
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local, pp_microbatch_size=1,
                             loss_fn=causal_lm_loss, scale_grads_in_schedule=True)
-    pipe = build_pipeline(model, config, pp_group=pp_mesh)
+    # dp_group: the token-exact loss counts the valid tokens over the dp ranks (docs/data.md)
+    pipe = build_pipeline(model, config, pp_group=pp_mesh, dp_group=dp_mesh)
     sharded = apply_expert_parallel(pipe.model_parts, groups.ep_group)
     apply_data_parallel(pipe, dp_mesh, shard=False, ignored_params=expert_parameters(pipe))
     params = [p for part in pipe.model_parts for p in part.parameters()]
