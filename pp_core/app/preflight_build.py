@@ -75,7 +75,12 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
         if batch is not None:
             _check_batch(spec, model, batch, problems, notes, plugins)
     _check_optimizer(spec, model, problems)
+    before = len(problems)
     _check_resume(spec, problems)
+    if spec.checkpoint["resume"] and len(problems) == before:
+        from pp_core.app.checkpoint_identity import check_resume_identity  # torch's DCP
+
+        check_resume_identity(spec, model, problems, notes)
 
 
 def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str]):
@@ -227,7 +232,15 @@ def _check_resume(spec: Spec, problems: list[str]) -> None:
 
 
 def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
-    """Every output path can be written (nothing is created); an existing file gets a note."""
+    """Every output path can be written (nothing is created) and overwrites no input or other
+    output (:mod:`pp_core.app.output_paths`); an existing file gets a note."""
+    from pp_core.app.output_paths import collisions, path_problems, run_paths
+
+    uses = run_paths(spec)
+    clashes = path_problems(uses) or collisions(uses)
+    if clashes:
+        problems.extend(clashes)
+        return
     resume = bool(spec.checkpoint["resume"])
     directory = spec.checkpoint["dir"]
     if directory is not None and _check_path("checkpoint.dir", Path(directory), True, problems) \
