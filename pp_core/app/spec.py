@@ -236,10 +236,7 @@ def _fold_dp_size(dist: dict, problems: list[str]) -> None:
                         "drop mixed_precision")
 
 
-MAX_MICROBATCHES = 16_384
-"""Microbatches per step a pipeline file may ask for: each is a forward and a backward on every
-stage, and the schedule holds actions for all of them (100,000 took 35 s to validate; 10**9 never
-finished). Far beyond any real step."""
+from pp_core.schedule.limits import MAX_MICROBATCHES  # noqa: E402 - the schedule half's limit
 
 
 def _check_pipeline(pipeline: dict, problems: list[str]) -> None:
