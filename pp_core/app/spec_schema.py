@@ -171,6 +171,12 @@ def _compile(value):
             not isinstance(value.get("enabled", True), bool):
         raise Mismatch(f"true, false, or a mapping with keys {', '.join(sorted(allowed))} "
                        f"(enabled: a bool; the others go to torch.compile)")
+    # torch: only a spec that sets compile options pays for checking them
+    from pp_core.parallel.compile_options import compile_problem
+
+    problem = compile_problem({k: v for k, v in value.items() if k != "enabled"})
+    if problem is not None:
+        raise Mismatch(f"torch.compile options ({problem})")
     return {"enabled": True, **value}
 
 
@@ -262,7 +268,7 @@ SCHEMA: dict[str, list[Key]] = {
         Key("rdzv_endpoint", _optional(_endpoint), None,
             "host:port; default master_addr:master_port"),
         Key("rdzv_id", _str, "pp-core", "the job id every node passes"),
-        Key("timeout_s", _int(1), 300, "rendezvous and process-group timeout in seconds"),
+        Key("timeout_s", _int(1, 10**9), 300, "rendezvous and process-group timeout in seconds"),
     ],
     "train": [
         Key("steps", _int(1), 100, "optimizer steps"),

@@ -216,7 +216,30 @@ def check_stage_fqns(model, fqns_per_stage, num_stages: int, source: str) -> tup
     if doubled:
         raise ConfigError(f"{source}: parameters on more than one stage: {doubled[:8]}; each "
                           f"module with parameters belongs to exactly one stage")
+    _check_order(fqns_per_stage, source)
     return counts, tied
+
+
+def _check_order(fqns_per_stage, source: str) -> None:
+    """Stages follow the model: within one numbered container (``layers``), a later stage never
+    holds a lower index than an earlier one (``[["layers.1"], ["layers.0"]]`` runs backwards)."""
+    seen: dict[str, tuple[int, int, str]] = {}  # container -> (highest index, its stage, fqn)
+    for stage, fqns in enumerate(fqns_per_stage):
+        for fqn in fqns:
+            parts = fqn.split(".")
+            for depth, piece in enumerate(parts):
+                if not piece.isdecimal() or not piece.isascii():
+                    continue
+                container, index = ".".join(parts[:depth]), int(piece)
+                top = seen.get(container)
+                if top is not None and top[1] < stage and index < top[0]:
+                    raise ConfigError(
+                        f"{source}: stage {stage} holds {fqn!r} but the earlier stage {top[1]} "
+                        f"holds {top[2]!r}: stages must follow the model's order (stage 0 "
+                        f"first); list the parts in model order")
+                if top is None or index > top[0]:
+                    seen[container] = (index, stage, fqn)
+                break
 
 
 def _owner(name: str) -> str:
