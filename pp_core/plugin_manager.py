@@ -319,11 +319,24 @@ class Plugins:
                     f"the step, then 'return result'"
                 )
 
+        raised: list[BaseException] = []
+
         def run(pipeline, training):
-            return step()
+            try:
+                return step()
+            except BaseException as exc:
+                raised.append(exc)
+                raise
 
         # call_extra adds the step itself as the innermost implementation, for this call only
-        return hook.call_extra([run], {"pipeline": pipeline, "training": training})
+        result = hook.call_extra([run], {"pipeline": pipeline, "training": training})
+        if raised:  # a wrapper swallowed the step's exception: the pipeline is half-run
+            names = ", ".join(impl.plugin_name for impl in impls)
+            raise PluginError(f"a pp_pipeline_step wrapper ({names}) swallowed the step's "
+                              f"exception {type(raised[0]).__name__}: {raised[0]}; a wrapper "
+                              f"must let it propagate (result = yield re-raises it)") \
+                from raised[0]
+        return result
 
     def report_metrics(self, step: int, metrics: dict) -> None:
         """Hand one logged step's figures to every ``pp_report_metrics`` implementation; one
