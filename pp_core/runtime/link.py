@@ -22,8 +22,11 @@ import os
 import statistics
 import tempfile
 import time
+from datetime import timedelta
 
 import torch
+
+from pp_core.errors import PipelineError
 
 from pp_core.runtime.overhead import measure_action_overhead
 from pp_core.runtime.profile import link_pair, measure_p2p
@@ -93,6 +96,10 @@ def measure_p2p_busy(group=None, sizes=BUSY_SIZES, *, device=None, count: int = 
     return send_small, recv_small, rate
 
 
+HELPER_TIMEOUT_S = 120
+"""The longest a measuring helper waits for its peer (the measurement takes seconds)."""
+
+
 def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path: str) -> None:
     import torch.distributed as dist
 
@@ -100,7 +107,9 @@ def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     store = dist.FileStore(store_path, 2)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=2)
+    # bounded waits: a helper whose peer or parent is gone ends by itself (torch's default: 30 min)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=HELPER_TIMEOUT_S))
     try:
         link = measure_p2p(dist.group.WORLD) + measure_p2p_busy(dist.group.WORLD) + \
             (measure_action_overhead(dist.group.WORLD, device=device_type),)
@@ -121,7 +130,36 @@ def measure_local_link(backend: str = "gloo", device_type: str = "cpu") -> tuple
         return 0.0, float("inf"), 0.0, 0.0, float("inf"), 0.0
     with tempfile.TemporaryDirectory(prefix="pp-core-link-") as tmp:
         out = os.path.join(tmp, "link")
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"), backend, device_type, out),
-                 nprocs=2, join=True)
+        _run_helpers(mp, (os.path.join(tmp, "store"), backend, device_type, out))
         with open(out, encoding="utf-8") as fh:
             return tuple(float(x) for x in fh.read().split())
+
+
+def _run_helpers(mp, args) -> None:
+    """Run the two measuring processes; whatever ends the wait (Ctrl-C, SIGTERM, a helper that
+    died) ends both helpers too, within a couple of seconds: none outlives the caller."""
+    context = mp.start_processes(_worker, args=args, nprocs=2, join=False, daemon=True,
+                                 start_method="spawn")
+    try:
+        while not context.join(timeout=0.2):
+            pass
+    except mp.ProcessExitedException as exc:
+        raise PipelineError(f"a link-measuring helper process ended before it finished ({exc}); "
+                            f"the link was not measured (skip measuring with 'pp-core plan "
+                            f"--no-link')") from None
+    except mp.ProcessRaisedException as exc:
+        raise PipelineError(f"measuring the link between two local processes failed: "
+                            f"{str(exc).strip().splitlines()[-1][:300]}") from None
+    finally:
+        _stop(context.processes)
+
+
+def _stop(processes) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(1.0)
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)
