@@ -319,13 +319,14 @@ class Plugins:
                     f"the step, then 'return result'"
                 )
 
-        raised: list[BaseException] = []
+        raised: list[str] = []  # the step's exception as text: holding the exception itself
+        # would keep its frames (the executor's in-flight work) alive and stall the teardown
 
         def run(pipeline, training):
             try:
                 return step()
             except BaseException as exc:
-                raised.append(exc)
+                raised.append(f"{type(exc).__name__}: {exc}")
                 raise
 
         # call_extra adds the step itself as the innermost implementation, for this call only
@@ -333,9 +334,8 @@ class Plugins:
         if raised:  # a wrapper swallowed the step's exception: the pipeline is half-run
             names = ", ".join(impl.plugin_name for impl in impls)
             raise PluginError(f"a pp_pipeline_step wrapper ({names}) swallowed the step's "
-                              f"exception {type(raised[0]).__name__}: {raised[0]}; a wrapper "
-                              f"must let it propagate (result = yield re-raises it)") \
-                from raised[0]
+                              f"exception {raised[0][:600]}; a wrapper must let it propagate "
+                              f"(result = yield re-raises it)")
         return result
 
     def report_metrics(self, step: int, metrics: dict) -> None:

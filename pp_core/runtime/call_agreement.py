@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pp_core.errors import ConfigError
+from pp_core.errors import ConfigError, PipelineError
 
 __all__ = ["CallAgreement"]
 
@@ -33,7 +33,9 @@ class CallAgreement:
         self.device = torch.device("cpu") if device.type == "meta" else device
         self.calls = 0
 
-    def check(self, kind: str, parts) -> None:
+    def check(self, kind: str, parts, timeout=None) -> None:
+        """``timeout``: a ``timedelta`` the gathering may take (the pipeline's wait timeout), so
+        a rank that never makes the call is reported, not waited for."""
         self.calls += 1
         meta = _on_meta(parts)
         if self.num_ranks > 1:
@@ -42,7 +44,15 @@ class CallAgreement:
             mine = torch.tensor([_KINDS.index(kind), self.calls, int(meta)], dtype=torch.int64,
                                 device=self.device)
             gathered = [torch.empty_like(mine) for _ in range(self.num_ranks)]
-            dist.all_gather(gathered, mine, group=self.group)
+            work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
+            try:
+                work.wait(timeout) if timeout is not None else work.wait()
+            except RuntimeError as exc:
+                raise PipelineError(
+                    f"the other pipeline ranks did not begin a step within "
+                    f"{timeout.total_seconds():g} s of this rank's {kind}() (call {self.calls}): "
+                    f"one stopped or failed before it, or calls something else ({exc})"[:800]
+                ) from None
             table = torch.stack(gathered).cpu().tolist()
         else:
             table = [[_KINDS.index(kind), self.calls, int(meta)]]

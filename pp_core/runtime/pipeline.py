@@ -202,7 +202,7 @@ class Pipeline:
         on every rank. Returns the mean microbatch loss on the last stage's rank, else ``None``.
         """
         self._check_usable()
-        self._calls.check("step", self.model_parts)
+        self._calls.check("step", self.model_parts, self.p2p.timeout)
         if self.loss_fn is None:
             self._fail(ConfigError("step() trains, which needs a loss: set PipelineConfig.loss_fn "
                                    "(a callable, 'cross_entropy', or 'module:attr'), or call "
@@ -226,7 +226,7 @@ class Pipeline:
         loss when ``target`` is given (and a loss_fn is set), else the last stage's outputs
         concatenated along dim 0; ``None`` on other ranks."""
         self._check_usable()
-        self._calls.check("eval_step", self.model_parts)
+        self._calls.check("eval_step", self.model_parts, self.p2p.timeout)
         self._sync_parts(train=False)
         if self._eval is None:
             program = lower(forward_only(self.schedule)).rank(self.rank)
