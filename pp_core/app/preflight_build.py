@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pp_core.app.factories import dataset_args
 from pp_core.app.launch import started_by_torchrun
-from pp_core.app.preflight_fit import check_fit, check_memory
+from pp_core.app.preflight_fit import check_fit, check_memory, origin
 from pp_core.app.returns import initializer_problem, loss_problem, output_problem
 from pp_core.app.spec import Spec
 from pp_core.errors import PPCoreError, quoted, shorten
@@ -58,7 +58,7 @@ def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]
                          f"({_why(exc)})")
         else:
             problems.append(f"model.args: the model factory refused these arguments "
-                            f"({_why(exc)}); fix model.args")
+                            f"({_why(exc)}); fix model.args{origin('model', spec)}")
         return None
     if not isinstance(model, torch.nn.Module):
         problems.append(f"{key}: expected the factory to return a torch.nn.Module, found "
@@ -101,7 +101,7 @@ def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str]):
         return None
     except Exception as exc:  # noqa: BLE001 - the factory refused the file's arguments
         problems.append(f"{key}: dataset {spec.data['name']!r} refused these arguments{why} "
-                        f"({_why(exc)}); fix {key}")
+                        f"({_why(exc)}); fix {key}{origin('dataset', spec)}")
         return None
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         problems.append(f"data.name: dataset {spec.data['name']!r} yielded "
