@@ -1,9 +1,8 @@
 """Whether the data fits the model and the model fits this machine, read off the meta model.
 
 Checked for the training batch and, when ``train.eval_every`` is set, the evaluation batch
-(docs promise an eval ``seq_len`` beyond the model's is caught): token ids below the input
-embedding's rows, sequence lengths within the model's ``max_seq_len`` (or its config's
-``max_position_embeddings``). And every rank builds the whole model before cutting out its
+(docs promise an eval ``seq_len`` beyond the model's is caught): input token ids below the
+input embedding's rows, sequence lengths within the model's ``max_seq_len`` attribute. And every rank builds the whole model before cutting out its
 stages, so the ranks on one machine need that many copies of its parameters in memory.
 """
 
@@ -31,11 +30,10 @@ def _input_embedding(model):
 
 
 def _max_seq_len(model) -> int | None:
-    for owner, name in ((model, "max_seq_len"), (getattr(model, "config", None),
-                                                 "max_position_embeddings")):
-        value = getattr(owner, name, None) if owner is not None else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+    # (a Hugging Face config's max_position_embeddings is no hard limit: rotary models run longer)
+    value = getattr(model, "max_seq_len", None)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
     return None
 
 
@@ -52,7 +50,7 @@ def check_fit(model, batch, key: str, problems: list[str]) -> None:
     embedding = _input_embedding(model)
     if embedding is not None:
         rows = embedding.num_embeddings
-        for what, tensor in (("input", inputs), ("target", batch[1])):
+        for what, tensor in (("input", inputs),):  # targets may be another vocabulary
             if not isinstance(tensor, torch.Tensor) or tensor.is_floating_point() or \
                     tensor.numel() == 0 or tensor.device.type == "meta":
                 continue
