@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pp_core.errors import shorten
+from pp_core.errors import PPCoreError, shorten
 
 __all__ = ["IDENTITY_FILE", "run_identity", "identity_files", "check_resume_identity"]
 
@@ -88,7 +88,7 @@ def _compare_recorded(spec, path: Path, recorded: dict, problems: list[str],
 
 def _optimizer_state_names(spec) -> set[str] | None:
     """The per-parameter state ``train.optimizer`` keeps (one real step on one number)."""
-    import torch
+    import torch  # lazy: only a resume pays for it
 
     options = dict(spec.train["optimizer"])
     cls = getattr(torch.optim, str(options.pop("name", "AdamW")), None)
@@ -140,8 +140,6 @@ def _compare_metadata(spec, path: Path, metadata, model, problems: list[str]) ->
 def check_resume_identity(spec, model, problems: list[str], notes: list[str]) -> None:
     """Refuse a resume into another model or optimizer (see the module docstring)."""
     from pp_core.app.checkpoint import _check_dir, resume_checkpoint  # torch's DCP: seconds
-    from pp_core.errors import PPCoreError
-
     try:
         path = resume_checkpoint(spec.checkpoint["dir"], spec.checkpoint["resume"])
     except PPCoreError:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from pp_core.errors import PPCoreError
+
 __all__ = ["PathUse", "run_paths", "collisions", "path_problems", "refuse_collisions"]
 
 CHECKPOINT_MANAGED = ("step_*", "latest", ".latest.tmp-*")
@@ -161,8 +163,6 @@ def run_paths(spec) -> list[PathUse]:
 def refuse_collisions(reads: dict[str, str | None], writes: dict[str, str | None]) -> None:
     """Raise :class:`~pp_core.errors.PPCoreError` when a command's outputs would overwrite its
     inputs or each other (``{flag: path}``; ``None`` and ``-`` for stdout are skipped)."""
-    from pp_core.errors import PPCoreError
-
     uses = [PathUse(k, p, False) for k, p in reads.items() if p and p != "-"]
     uses += [PathUse(k, p, True) for k, p in writes.items() if p and p != "-"]
     problems = path_problems(uses) + collisions(uses)

@@ -42,7 +42,7 @@ def check_fit(model, batch, key: str, problems: list[str]) -> None:
     ``data.eval_args``) against the model's input embedding and ``max_seq_len``."""
     import torch  # lazy: see _input_embedding
 
-    from pp_core.runtime.microbatch import first_tensor
+    from pp_core.runtime.microbatch import first_tensor  # lazy: torch, with a batch in hand
 
     inputs = first_tensor(batch[0])
     if model is None or inputs is None or inputs.is_floating_point() or inputs.numel() == 0:
@@ -96,7 +96,7 @@ def check_memory(spec, model, problems: list[str]) -> None:
 def origin(kind: str, spec) -> str:
     """``, or plugin 'p' (pp-p 1.0) if the arguments are right`` for a registered model or
     dataset; ``""`` otherwise (a ``model.target``, a name the installed plugins lack)."""
-    from pp_core.plugin_manager import default_plugins
+    from pp_core.plugin_manager import default_plugins  # lazy: only when a factory failed
 
     name = spec.model["name"] if kind == "model" else spec.data["name"]
     if not name:
