@@ -25,9 +25,13 @@ def resolve_callable(value: Any, field_name: str = "loss_fn") -> Callable:
             f"function, or a string such as 'torch.nn.functional:cross_entropy'"
         )
     module_name, _, attr = value.partition(":")
+    if not module_name.strip() or not all(attr.split(".")):  # ":" or "mod:" or "mod:a..b"
+        raise ConfigError(
+            f"{field_name}={value!r}: expected 'module:attr' with both parts named, e.g. "
+            f"'torch.nn.functional:cross_entropy'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except (ImportError, ValueError, TypeError) as exc:  # ValueError: e.g. a relative name
         raise ConfigError(
             f"{field_name}={value!r}: cannot import module {module_name!r} ({exc}); check the "
             f"spelling or install the package that provides it"

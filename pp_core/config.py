@@ -130,8 +130,10 @@ class PipelineConfig:
         with about("module_fqns_per_model_part"):
             self._check_fqns()
         with about("dtype"):
-            if self.dtype is not None and not resolve_dtype(self.dtype).is_floating_point:
-                raise ConfigError(f"dtype={self.dtype!r} is not a floating-point dtype; "
+            dtype = resolve_dtype(self.dtype)
+            if dtype is not None and (not dtype.is_floating_point or dtype.itemsize < 2):
+                raise ConfigError(f"dtype={self.dtype!r} is not a floating-point dtype stages "
+                                  f"can send and receive (float8 is a storage format); "
                                   f"the tensors between stages need one: use 'float32', "
                                   f"'bfloat16' or 'float16'")
         with about("loss_fn"):

@@ -19,6 +19,7 @@ import pluggy
 
 from pp_core import hookspecs
 from pp_core.errors import PluginError, did_you_mean
+from pp_core.plugin_faults import DISABLE_ENV, BrokenPlugin, describe_error
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -33,7 +34,6 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "pp_core"
-DISABLE_ENV = "PP_CORE_DISABLE_PLUGINS"
 CORE_PLUGIN_NAME = "pp_core.model_initializers"
 
 logger = logging.getLogger(__name__)
@@ -82,23 +82,6 @@ def _identity(initializers):
 
 def _listed(initializers) -> str:
     return "[" + ", ".join(type(i).__name__ for i in initializers) + "]"
-
-
-@dataclass(frozen=True)
-class BrokenPlugin:
-    """An entry point that could not be loaded; listed by ``pp-core plugins`` instead of crashing."""
-
-    name: str
-    distribution: str
-    version: str
-    error: str
-
-    def message(self) -> str:
-        return (
-            f"plugin {self.name!r} ({self.distribution} {self.version}) failed to import: "
-            f"{self.error}; fix or reinstall {self.distribution}, or skip it with "
-            f"{DISABLE_ENV}={self.name}"
-        )
 
 
 def disabled_plugin_names(environ: dict | None = None) -> set[str]:
@@ -161,11 +144,17 @@ def make_plugin_manager(
             try:
                 plugin = ep.load()
             except Exception as exc:  # a plugin defect: report it, keep the others
-                broken = BrokenPlugin(ep.name, dist, version, f"{type(exc).__name__}: {exc}")
-                pm.pp_broken.append(broken)
-                logger.warning(broken.message())
+                _left_out(pm, BrokenPlugin(ep.name, dist, version, describe_error(exc)))
                 continue
-            pm.register(plugin, name=ep.name)
+            try:  # pluggy checks each hook's arguments against its spec here
+                pm.register(plugin, name=ep.name)
+                _check_hook_names(pm, ep.name, plugin)
+            except Exception as exc:  # noqa: BLE001 - PluginValidationError and the like
+                if pm.get_plugin(ep.name) is not None:
+                    pm.unregister(name=ep.name)
+                _left_out(pm, BrokenPlugin(ep.name, dist, version, describe_error(exc),
+                                           "validation"))
+                continue
             pm.pp_distributions[ep.name] = (dist, version)
     for item in plugins:
         name, plugin = item if isinstance(item, tuple) else (_plugin_name(pm, item), item)
@@ -184,22 +173,32 @@ def _plugin_name(pm: pluggy.PluginManager, plugin: Any) -> str:
     return name
 
 
+def _left_out(pm: pluggy.PluginManager, broken: BrokenPlugin) -> None:
+    pm.pp_broken.append(broken)
+    logger.warning(broken.message())
+
+
+def _check_hook_names(pm: pluggy.PluginManager, name: str, plugin: Any) -> None:
+    """Raise a PluginError naming the plugin when it implements a hook pp-core does not know."""
+    known = sorted(n for n in dir(hookspecs) if n.startswith("pp_"))
+    for attr in dir(plugin):
+        if not attr.startswith("pp_"):
+            continue
+        caller = getattr(pm.hook, attr, None)
+        if caller is None or not caller.has_spec():
+            if pm.parse_hookimpl_opts(plugin, attr) is None:
+                continue
+            hint = did_you_mean(attr, known, after=" ")
+            raise PluginError(
+                f"plugin {name!r} implements unknown hook {attr!r}; {hint}"
+                f"known hooks: {', '.join(known)}"
+            )
+
+
 def check_pending(pm: pluggy.PluginManager) -> None:
     """pluggy's ``check_pending`` with a message that names the plugin and lists the known hooks."""
-    known = sorted(name for name in dir(hookspecs) if name.startswith("pp_"))
     for name, plugin in pm.list_name_plugin():
-        for attr in dir(plugin):
-            if not attr.startswith("pp_"):
-                continue
-            caller = getattr(pm.hook, attr, None)
-            if caller is None or not caller.has_spec():
-                if pm.parse_hookimpl_opts(plugin, attr) is None:
-                    continue
-                hint = did_you_mean(attr, known, after=" ")
-                raise PluginError(
-                    f"plugin {name!r} implements unknown hook {attr!r}; {hint}"
-                    f"known hooks: {', '.join(known)}"
-                )
+        _check_hook_names(pm, name, plugin)
     pm.check_pending()
 
 
@@ -280,21 +279,28 @@ class Plugins:
         hook = getattr(self.pm.hook, hook_name)
         for impl in hook.get_hookimpls():
             plugin = impl.plugin_name
+            if any(b.name == plugin for b in self.broken):
+                continue  # left out already (it raised in another registration hook)
+            staged: list[tuple] = []  # kept only when the whole hook succeeds
 
-            def register(name, value, _plugin=plugin):
-                registry.add(name, value, _plugin, aliases_of(value))
+            def register(name, value, _staged=staged):
+                if not isinstance(name, str) or not name:
+                    raise PluginError(f"it registered a {kind} with name {name!r}; names must "
+                                      f"be non-empty strings")
+                _staged.append((name, value))
 
             try:
                 impl.function(register)
-            except PluginError:
-                raise
-            except Exception as exc:
+            except Exception as exc:  # a plugin defect: report it, keep the others
                 dist, version = self.distribution(plugin)
-                raise PluginError(
-                    f"plugin {plugin!r} ({dist} {version}) raised in {hook_name}: "
-                    f"{type(exc).__name__}: {exc}; fix the plugin or skip it with "
-                    f"{DISABLE_ENV}={plugin}"
-                ) from exc
+                broken = BrokenPlugin(plugin, dist, version, describe_error(exc), hook_name)
+                if plugin not in getattr(self.pm, "pp_distributions", {}):
+                    # passed in by the caller, not installed: the caller hears of it at once
+                    raise PluginError(broken.message()) from exc
+                _left_out(self.pm, broken)
+                continue
+            for name, value in staged:  # a clash between two plugins names both
+                registry.add(name, value, plugin, aliases_of(value))
         return registry
 
     @functools.cached_property
@@ -346,11 +352,24 @@ class Plugins:
                     f"the step, then 'return result'"
                 )
 
+        raised: list[str] = []  # the step's exception as text: holding the exception itself
+        # would keep its frames (the executor's in-flight work) alive and stall the teardown
+
         def run(pipeline, training):
-            return step()
+            try:
+                return step()
+            except BaseException as exc:
+                raised.append(f"{type(exc).__name__}: {exc}")
+                raise
 
         # call_extra adds the step itself as the innermost implementation, for this call only
-        return hook.call_extra([run], {"pipeline": pipeline, "training": training})
+        result = hook.call_extra([run], {"pipeline": pipeline, "training": training})
+        if raised:  # a wrapper swallowed the step's exception: the pipeline is half-run
+            names = ", ".join(impl.plugin_name for impl in impls)
+            raise PluginError(f"a pp_pipeline_step wrapper ({names}) swallowed the step's "
+                              f"exception {raised[0][:600]}; a wrapper must let it propagate "
+                              f"(result = yield re-raises it)")
+        return result
 
     def report_metrics(self, step: int, metrics: dict) -> None:
         """Hand one logged step's figures to every ``pp_report_metrics`` implementation; one

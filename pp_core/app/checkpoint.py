@@ -249,7 +249,8 @@ def _state(parts: Iterable[nn.Module], optimizers: Iterable, step: int) -> dict:
     return {"model": model, "optim": optim, "trainer": {"step": torch.tensor(step)}}
 
 
-def save_checkpoint(directory, step: int, parts, optimizers, process_group=None) -> Path:
+def save_checkpoint(directory, step: int, parts, optimizers, process_group=None,
+                    extra_files: dict[str, str] | None = None) -> Path:
     """Save this rank's parts and optimizers at ``<directory>/step_<step>`` (collective).
 
     Written beside and renamed into place (see the module docstring): a crash at any instant
@@ -270,6 +271,8 @@ def save_checkpoint(directory, step: int, parts, optimizers, process_group=None)
     if distributed:
         dist.barrier(group=process_group)  # every rank's shards are on disk
     if not distributed or dist.get_rank(process_group) == 0:
+        for name, text in (extra_files or {}).items():  # e.g. what it was written for
+            (staging / name).write_text(text, encoding="utf-8")
         _publish(staging, path, token[0])
     if distributed:
         dist.barrier(group=process_group)  # nobody reads or saves again before it is in place

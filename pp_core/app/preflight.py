@@ -182,6 +182,14 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
     if model is not None:
         _check_blocks(spec, model, problems)
         _check_expert_parallel(spec, model, plugins, problems)
+    if auto and _splitter(spec) is not None:  # the planner uses it: it must take the model
+        from pp_core.planning.split import select_splitter  # lazy: only for auto with a splitter
+
+        try:
+            select_splitter(model, config, plugins, _splitter(spec))
+        except PPCoreError as exc:
+            problems.append(f"model.splitter: {exc}")
+            return model
     if auto:  # the launcher profiles the model and chooses; 'pp-core plan' shows the choice
         result.notes.append("pipeline.pp_schedule: auto: the schedule, microbatch size and split "
                             "are chosen when the run starts ('pp-core plan FILE' shows them)")

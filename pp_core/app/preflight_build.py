@@ -15,7 +15,9 @@ import os
 from pathlib import Path
 
 from pp_core.app.factories import dataset_args, dp_slice
+from pp_core.app.preflight_fit import check_fit, check_memory, origin
 from pp_core.app.rendezvous import started_by_torchrun
+from pp_core.app.returns import initializer_problem, loss_problem, output_problem
 from pp_core.app.spec import Spec
 from pp_core.errors import PPCoreError, quoted, shorten
 from pp_core.losses import resolve_loss
@@ -57,7 +59,7 @@ def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]
                          f"({_why(exc)})")
         else:
             problems.append(f"model.args: the model factory refused these arguments "
-                            f"({_why(exc)}); fix model.args")
+                            f"({_why(exc)}); fix model.args{origin('model', spec)}")
         return None
     if not isinstance(model, torch.nn.Module):
         problems.append(f"{key}: expected the factory to return a torch.nn.Module, found "
@@ -69,14 +71,23 @@ def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]
 def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str],
                 plugins=None) -> None:
     """The datasets, one batch, the optimizer and the resume path, as a rank would build them."""
+    check_memory(spec, model, problems)
     if data_fn is not None:
         batch = _check_dataset(spec, data_fn, False, problems, model)
         if spec.train["eval_every"]:
-            _check_dataset(spec, data_fn, True, problems)
+            evaluated = _check_dataset(spec, data_fn, True, problems)
+            if evaluated is not None:
+                check_fit(model, evaluated, "data.eval_args", problems)
         if batch is not None:
+            check_fit(model, batch, "data.args", problems)
             _check_batch(spec, model, batch, problems, notes, plugins)
     _check_optimizer(spec, model, problems)
+    before = len(problems)
     _check_resume(spec, problems)
+    if spec.checkpoint["resume"] and len(problems) == before:
+        from pp_core.app.checkpoint_identity import check_resume_identity  # torch's DCP
+
+        check_resume_identity(spec, model, problems, notes)
 
 
 def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str], model=None):
@@ -92,7 +103,7 @@ def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str], m
         return None
     except Exception as exc:  # noqa: BLE001 - the factory refused the file's arguments
         problems.append(f"{key}: dataset {spec.data['name']!r} refused these arguments{why} "
-                        f"({_why(exc)}); fix {key}")
+                        f"({_why(exc)}); fix {key}{origin('dataset', spec)}")
         return None
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         problems.append(f"data.name: dataset {spec.data['name']!r} yielded "
@@ -160,14 +171,30 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     initializers = _runtime_initializers(model, plugins, problems)
     if initializers is None:
         return
+    for initializer in initializers:  # as the executor does before each microbatch
+        problem = initializer_problem(initializer, num_tokens(meta[0]))
+        if problem is not None:
+            if problem.startswith("note: "):
+                notes.append(problem[len("note: "):])
+            else:
+                problems.append(problem)
+            return
     try:
         with torch.no_grad():
-            for initializer in initializers:  # as the executor does before each microbatch
-                initializer.prepare(num_tokens=num_tokens(meta[0]), device=torch.device("meta"))
             output = model(*meta[0]) if isinstance(meta[0], tuple) else \
                 model(**meta[0]) if isinstance(meta[0], dict) else model(meta[0])
-            if isinstance(output, torch.Tensor):  # (a patched model's output is the split's)
-                resolve_loss(spec.pipeline["loss_fn"])(output, meta[1])
+        if isinstance(output, torch.Tensor):  # (a patched model's output is the split's)
+            with torch.enable_grad():  # the loss must carry the gradient back to the model
+                loss = resolve_loss(spec.pipeline["loss_fn"])(
+                    output.detach().requires_grad_(output.is_floating_point()), meta[1])
+            problem = loss_problem(loss, output.is_floating_point())
+            if problem is not None:
+                problems.append(f"pipeline.loss_fn: {problem}")
+        else:
+            problem = output_problem(output)
+            if problem is not None:
+                problems.append(f"{'model.target' if spec.model['target'] else 'model.name'}"
+                                f": {problem}")
     except Exception as exc:  # noqa: BLE001 - the model or loss refuses the data, or meta does
         if _meta_limit(exc):
             notes.append(f"one microbatch was not run on the meta device ({_why(exc)})")
@@ -270,7 +297,15 @@ def _check_resume(spec: Spec, problems: list[str]) -> None:
 
 
 def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
-    """Every output path can be written (nothing is created); an existing file gets a note."""
+    """Every output path can be written (nothing is created) and overwrites no input or other
+    output (:mod:`pp_core.app.output_paths`); an existing file gets a note."""
+    from pp_core.app.output_paths import collisions, path_problems, run_paths
+
+    uses = run_paths(spec)
+    clashes = path_problems(uses) or collisions(uses)
+    if clashes:
+        problems.extend(clashes)
+        return
     resume = bool(spec.checkpoint["resume"])
     directory = spec.checkpoint["dir"]
     if directory is not None and _check_path("checkpoint.dir", Path(directory), True, problems) \

@@ -205,6 +205,10 @@ def _check_combinations(values: dict, problems: list[str], checkpoints_off: bool
     if dist["nnodes"] > 1 and dist["master_port"] is None and dist["rdzv_endpoint"] is None:
         problems.append("distributed.master_port: expected a port every node can reach when "
                         "nnodes > 1 (or set distributed.rdzv_endpoint: host:port), found none")
+    if dist["node_rank"] is not None and dist["node_rank"] >= dist["nnodes"]:
+        problems.append(f"distributed.node_rank: expected this machine's index 0.."
+                        f"{dist['nnodes'] - 1} (nnodes={dist['nnodes']}), found "
+                        f"{dist['node_rank']}; no rank would ever join from it")
     if dist["rdzv_backend"] == "static" and dist["nnodes"] > 1 and dist["node_rank"] is None:
         problems.append("distributed.node_rank: expected this machine's index (0.."
                         f"{dist['nnodes'] - 1}) with rdzv_backend: static, found none")
@@ -249,10 +253,7 @@ def _fold_dp_size(dist: dict, problems: list[str]) -> None:
                         "drop mixed_precision")
 
 
-MAX_MICROBATCHES = 16_384
-"""Microbatches per step a pipeline file may ask for: each is a forward and a backward on every
-stage, and the schedule holds actions for all of them (100,000 took 35 s to validate; 10**9 never
-finished). Far beyond any real step."""
+from pp_core.schedule.limits import MAX_MICROBATCHES  # noqa: E402 - the schedule half's limit
 
 
 def _check_pipeline(pipeline: dict, problems: list[str]) -> None:

@@ -67,6 +67,14 @@ def _float(minimum: float | None = None, maximum: float | None = None) -> Callab
     return check
 
 
+def _positive_float(value):
+    """A finite number > 0 (``grad_clip: 0`` would zero every update)."""
+    number = _float(0.0)(value)
+    if number <= 0:
+        raise Mismatch("a finite number > 0")
+    return number
+
+
 def _str(value):
     if not isinstance(value, str) or not value:
         raise Mismatch("a non-empty string")
@@ -163,6 +171,12 @@ def _compile(value):
             not isinstance(value.get("enabled", True), bool):
         raise Mismatch(f"true, false, or a mapping with keys {', '.join(sorted(allowed))} "
                        f"(enabled: a bool; the others go to torch.compile)")
+    # torch: only a spec that sets compile options pays for checking them
+    from pp_core.parallel.compile_options import compile_problem
+
+    problem = compile_problem({k: v for k, v in value.items() if k != "enabled"})
+    if problem is not None:
+        raise Mismatch(f"torch.compile options ({problem})")
     return {"enabled": True, **value}
 
 
@@ -274,7 +288,7 @@ SCHEMA: dict[str, list[Key]] = {
         Key("rdzv_endpoint", _optional(_endpoint), None,
             "host:port; default master_addr:master_port"),
         Key("rdzv_id", _str, "pp-core", "the job id every node passes"),
-        Key("timeout_s", _int(1), 300, "rendezvous and process-group timeout in seconds"),
+        Key("timeout_s", _int(1, 10**9), 300, "rendezvous and process-group timeout in seconds"),
     ],
     "train": [
         Key("steps", _int(1), 100, "optimizer steps"),
@@ -284,7 +298,8 @@ SCHEMA: dict[str, list[Key]] = {
         Key("lr_decay", _choice("constant", "linear", "cosine"), "constant",
             "learning-rate shape after warm-up"),
         Key("min_lr_ratio", _float(0.0, 1.0), 0.1, "final lr / peak lr for linear or cosine"),
-        Key("grad_clip", _optional(_float(0.0)), None, "clip the global gradient norm to this"),
+        Key("grad_clip", _optional(_positive_float), None,
+            "clip the global gradient norm to this (> 0)"),
         Key("seed", _int(0, 2**64 - 1), 0, "model initialisation and data order"),
         Key("log_every", _int(1), 10, "steps between metric lines"),
         Key("eval_every", _optional(_int(1)), None, "steps between evaluations (data.eval_args)"),
@@ -292,6 +307,8 @@ SCHEMA: dict[str, list[Key]] = {
         Key("activation_checkpointing", _activation_checkpointing,
             {"mode": "none", "every": 1}, "{mode: none | full | selective, every: N} per block "
             "(docs/composition.md)"),
+        Key("on_nonfinite", _choice("stop", "skip"), "stop", "a step with a NaN/inf loss or "
+            "gradient norm: stop the run (exit 1) or skip its update (docs/refuses.md)"),
         Key("compile", _compile, {"enabled": False}, "{enabled: bool, mode, fullgraph, "
             "dynamic, backend}: torch.compile each block (docs/composition.md)"),
     ],

@@ -29,8 +29,10 @@ import torch.distributed as dist
 
 from pp_core import build_pipeline
 from pp_core.app.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from pp_core.app.checkpoint_identity import identity_files
 from pp_core.app.data_metrics import batch_figures
 from pp_core.app.factories import build_model, dataset_args, dataset_factory, dp_slice
+from pp_core.app.health import apply_update, weights_finite
 from pp_core.app.layout import RankLayout
 from pp_core.app.progress import Progress
 from pp_core.app.run_outputs import RunRecorder
@@ -266,11 +268,13 @@ def train(spec: Spec) -> dict[str, Any]:
         finish_gradients(params, 1 if config.scale_grads_in_schedule else config.num_microbatches)
         grad_norm = clip_grad_norm(params, train_cfg["grad_clip"], ctx.pp_group, counted_once,
                                    ep_group=ctx.ep_group)
-        for optimizer in optimizers:
-            if optimizer is not None:
-                optimizer.step()
-        step_time = time.perf_counter() - t0
         global_loss = _mean_over_dp(None if loss is None else float(loss), ctx)
+        # the same loss and norm on every rank, so every rank decides alike (pp_core.app.health)
+        if apply_update(step, global_loss, grad_norm, train_cfg.get("on_nonfinite", "stop"), say):
+            for optimizer in optimizers:
+                if optimizer is not None:
+                    optimizer.step()
+        step_time = time.perf_counter() - t0
         tokens = num_tokens(inputs)
         extra = {"aux_loss": _aux_loss(pipe, ctx, config)} if aux_losses else None
         recorder.record_step(step, global_loss, step_time, tokens, grad_norm, lr, t0,
@@ -281,7 +285,12 @@ def train(spec: Spec) -> dict[str, Any]:
         every, directory = spec.checkpoint["every"], spec.checkpoint["dir"]
         last = step == steps and spec.checkpoint["save_final"]
         if directory and ((every and step % every == 0) or last):
-            path = save_checkpoint(directory, step, pipe.model_parts, optimizers)
+            if not weights_finite(pipe.model_parts, ctx.device):  # never over a good one
+                raise PipelineError(f"step {step}: the weights hold NaN or inf values; the "
+                                    f"checkpoint was not saved, so {directory!r} keeps its last "
+                                    f"good one")
+            path = save_checkpoint(directory, step, pipe.model_parts, optimizers,
+                                   extra_files=identity_files(spec))
             say(f"checkpoint saved: {path}")
     progress.close()
     result = recorder.finish(start_step, time.perf_counter() - started, dp_units)

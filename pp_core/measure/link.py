@@ -22,13 +22,15 @@ import os
 import statistics
 import tempfile
 import time
+from datetime import timedelta
 
 import torch
 
-from pp_core.errors import ConfigError
+from pp_core.errors import ConfigError, PipelineError
 from pp_core.measure.overhead import measure_action_overhead
 
 __all__ = ["measure_local_link", "measure_p2p", "measure_p2p_busy", "sync"]
+
 
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work, so a clock read after it times that work."""
@@ -99,6 +101,10 @@ def measure_p2p_busy(group=None, sizes=BUSY_SIZES, *, device=None, count: int = 
     return send_small, recv_small, rate
 
 
+HELPER_TIMEOUT_S = 120
+"""The longest a measuring helper waits for its peer (the measurement takes seconds)."""
+
+
 def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path: str) -> None:
     import torch.distributed as dist
 
@@ -106,7 +112,9 @@ def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     store = dist.FileStore(store_path, 2)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=2)
+    # bounded waits: a helper whose peer or parent is gone ends by itself (torch's default: 30 min)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=HELPER_TIMEOUT_S))
     try:
         link = measure_p2p(dist.group.WORLD) + measure_p2p_busy(dist.group.WORLD) + \
             (measure_action_overhead(dist.group.WORLD, device=device_type),)
@@ -127,8 +135,7 @@ def measure_local_link(backend: str = "gloo", device_type: str = "cpu") -> tuple
         return 0.0, float("inf"), 0.0, 0.0, float("inf"), 0.0
     with tempfile.TemporaryDirectory(prefix="pp-core-link-") as tmp:
         out = os.path.join(tmp, "link")
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"), backend, device_type, out),
-                 nprocs=2, join=True)
+        _run_helpers(mp, (os.path.join(tmp, "store"), backend, device_type, out))
         with open(out, encoding="utf-8") as fh:
             return tuple(float(x) for x in fh.read().split())
 

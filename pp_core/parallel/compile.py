@@ -20,6 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pp_core._torch_compat import disable_donated_buffers
+from pp_core.errors import ConfigError
+from pp_core.parallel.compile_options import compile_problem
 from pp_core.parallel.activation import checkpoint_mode, selective_contexts
 from pp_core.parallel.blocks import find_blocks
 
@@ -42,6 +44,9 @@ def apply_compile(parts: Iterable[nn.Module], **options) -> list[str]:
     :param options: ``torch.compile`` keyword arguments (``mode``, ``fullgraph``, ``dynamic``,
         ``backend``, ...). Returns the FQNs of the compiled blocks.
     """
+    problem = compile_problem(options)
+    if problem is not None:
+        raise ConfigError(f"apply_compile: {problem}")
     disable_donated_buffers()
     done = []
     for part in parts:

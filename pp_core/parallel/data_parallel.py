@@ -32,6 +32,10 @@ from pp_core.parallel.blocks import find_blocks
 __all__ = ["apply_data_parallel", "mixed_precision_policy"]
 
 
+MIXED_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""What FSDP2's mixed precision computes and reduces in (float64 and float8 are not)."""
+
+
 def mixed_precision_policy(options: Optional[dict]):
     """FSDP2's MixedPrecisionPolicy from ``{param_dtype, reduce_dtype}`` (names like
     ``bfloat16``); ``None`` for none."""
@@ -45,7 +49,7 @@ def mixed_precision_policy(options: Optional[dict]):
         if name is None:
             continue
         dtype = getattr(torch, str(name), None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        if not isinstance(dtype, torch.dtype) or dtype not in MIXED_PRECISION_DTYPES:
             raise ConfigError(f"distributed.mixed_precision.{key}: {name!r} is not a floating "
                               f"point dtype; use float32, bfloat16 or float16")
         dtypes[key] = dtype

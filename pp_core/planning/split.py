@@ -11,13 +11,17 @@ lives in :mod:`pp_core.planning.partition` and is re-exported here.
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pp_core.errors import ConfigError, did_you_mean
+from pp_core.errors import ConfigError, PluginError, did_you_mean
 from pp_core.planning.partition import balanced_partition, spread, virtual_stages  # re-exported
+from pp_core.plugin_faults import plugin_call
 from pp_core.plugin_manager import plugins_or_default
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "SplitPlan",
@@ -68,7 +72,24 @@ class SplitPlan:
 # ----------------------------------------------------------------------------- selection
 
 
-def _accepts(splitter, model, config) -> bool:
+def splitter_origin(name: str, plugins=None) -> str:
+    """``splitter 'x' from plugin 'p' (pp-p 1.0)``: who to blame for a call into a splitter."""
+    plugins = plugins_or_default(plugins)
+    if name not in plugins.splitters:
+        return f"splitter {name!r}"
+    entry = plugins.splitters.entry(name)
+    dist, version = plugins.distribution(entry.plugin)
+    return f"splitter {entry.name!r} from plugin {entry.plugin!r} ({dist} {version})".strip()
+
+
+def _check_methods(splitter, origin: str) -> None:
+    if not callable(getattr(splitter, "split", None)):
+        raise PluginError(f"{origin} has no split(model, num_stages, config) method (it is a "
+                          f"{type(splitter).__name__}); a splitter needs one (docs/splitting.md)")
+
+
+def _accepts(splitter, model, config, origin: str = "splitter") -> bool:
+    _check_methods(splitter, origin)
     accepts = getattr(splitter, "accepts", None)
     if accepts is None:
         return True
@@ -76,12 +97,20 @@ def _accepts(splitter, model, config) -> bool:
         wants_config = len(inspect.signature(accepts).parameters) >= 2
     except (TypeError, ValueError):
         wants_config = False
-    return bool(accepts(model, config) if wants_config else accepts(model))
+    args = (model, config) if wants_config else (model,)
+    return bool(plugin_call(origin, "accepts()", accepts, *args))
 
 
-def _rejection(splitter, model) -> str:
+def _rejection(splitter, model, origin: str = "splitter") -> str:
     reason = getattr(splitter, "rejection", None)
-    return reason(model) if callable(reason) else "does not accept it"
+    return plugin_call(origin, "rejection()", reason, model) if callable(reason) else \
+        "does not accept it"
+
+
+def _priority(splitter) -> float:
+    value = getattr(splitter, "priority", DEFAULT_PRIORITY)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else \
+        DEFAULT_PRIORITY
 
 
 def select_splitter(model, config, plugins=None, splitter=None) -> tuple[str, Any]:
@@ -98,19 +127,25 @@ def select_splitter(model, config, plugins=None, splitter=None) -> tuple[str, An
     registry = plugins_or_default(plugins).splitters
     if isinstance(splitter, str):
         entry = registry.entry(splitter)
-        if not _accepts(entry.value, model, config):
+        origin = splitter_origin(entry.name, plugins)
+        if not _accepts(entry.value, model, config, origin):
             raise ConfigError(
                 f"splitter {entry.name!r} (from {entry.plugin}) cannot split "
-                f"{type(model).__name__}: {_rejection(entry.value, model)}; name another splitter "
-                f"or leave it unset to choose automatically")
+                f"{type(model).__name__}: {_rejection(entry.value, model, origin)}; name another "
+                f"splitter or leave it unset to choose automatically")
         return entry.name, entry.value
     entries = sorted(enumerate(registry), key=lambda item: (
-        -getattr(item[1].value, "priority", DEFAULT_PRIORITY), item[0]))
+        -_priority(item[1].value), item[0]))
     tried = []
     for _, entry in entries:
-        if _accepts(entry.value, model, config):
-            return entry.name, entry.value
-        tried.append(f"{entry.name}: {_rejection(entry.value, model)}")
+        origin = splitter_origin(entry.name, plugins)
+        try:
+            if _accepts(entry.value, model, config, origin):
+                return entry.name, entry.value
+            tried.append(f"{entry.name}: {_rejection(entry.value, model, origin)}")
+        except PluginError as exc:  # a broken splitter is passed over, and said so
+            logger.warning("%s; choosing among the other splitters", exc)
+            tried.append(f"{entry.name}: broken ({exc})")
     raise ConfigError(
         f"no splitter can split {type(model).__name__} ({'; '.join(tried) or 'none installed'}); "
         f"set module_fqns_per_model_part, give the model a `layers` ModuleList/ModuleDict, make it "
@@ -178,7 +213,30 @@ def check_stage_fqns(model, fqns_per_stage, num_stages: int, source: str) -> tup
         raise ConfigError(
             f"{source}: parameters {uncovered[:8]}{more} are on no stage; add their modules "
             f"(e.g. {_owner(uncovered[0])!r}) to a stage")
+    _check_order(fqns_per_stage, source)
     return counts, tied
+
+
+def _check_order(fqns_per_stage, source: str) -> None:
+    """Stages follow the model: within one numbered container (``layers``), a later stage never
+    holds a lower index than an earlier one (``[["layers.1"], ["layers.0"]]`` runs backwards)."""
+    seen: dict[str, tuple[int, int, str]] = {}  # container -> (highest index, its stage, fqn)
+    for stage, fqns in enumerate(fqns_per_stage):
+        for fqn in fqns:
+            parts = fqn.split(".")
+            for depth, piece in enumerate(parts):
+                if not piece.isdecimal() or not piece.isascii():
+                    continue
+                container, index = ".".join(parts[:depth]), int(piece)
+                top = seen.get(container)
+                if top is not None and top[1] < stage and index < top[0]:
+                    raise ConfigError(
+                        f"{source}: stage {stage} holds {fqn!r} but the earlier stage {top[1]} "
+                        f"holds {top[2]!r}: stages must follow the model's order (stage 0 "
+                        f"first); list the parts in model order")
+                if top is None or index > top[0]:
+                    seen[container] = (index, stage, fqn)
+                break
 
 
 def _owner(name: str) -> str:
@@ -211,6 +269,9 @@ def plan_split(
     if not isinstance(num_ranks, int) or num_ranks < 1:
         raise ConfigError(f"num_ranks={num_ranks!r} must be a positive int")
     name, chosen = select_splitter(model, config, plugins, splitter)
+    origin = splitter_origin(name, plugins) if not (splitter is not None and not isinstance(
+        splitter, str)) else f"splitter {name!r}"
+    _check_methods(chosen, origin)
     schedule = f"schedule {config.pp_schedule!r}" if not config.pp_schedule_csv else \
         f"the CSV schedule {config.pp_schedule_csv!r}"
     fixed = config.module_fqns_per_model_part
@@ -225,7 +286,7 @@ def plan_split(
                                                  variable_stages_per_rank, schedule)
     elif counter is not None:
         num_stages, per_rank = virtual_stages(
-            counter(model), config.layers_per_stage, num_ranks, stages_per_rank,
+            plugin_call(origin, "num_layers()", counter, model), config.layers_per_stage, num_ranks, stages_per_rank,
             variable_stages_per_rank, config.round_virtual_stages_to_pp_multiple, schedule)
     elif config.layers_per_stage is not None:
         raise ConfigError(f"layers_per_stage={config.layers_per_stage} is set, but splitter "
@@ -234,7 +295,7 @@ def plan_split(
     else:
         per_rank = stages_per_rank or 1
         num_stages = num_ranks * per_rank
-    fqns = chosen.split(model, num_stages, config)
+    fqns = plugin_call(origin, "split()", chosen.split, model, num_stages, config)
     fqns = [list(stage) for stage in fqns] if isinstance(fqns, (list, tuple)) else fqns
     counts, tied = check_stage_fqns(model, fqns, num_stages, f"splitter {name!r}")
     return SplitPlan(num_stages, fqns, name, num_ranks, per_rank, counts, tied, chosen)

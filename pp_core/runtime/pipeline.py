@@ -43,6 +43,8 @@ from pp_core.parallel.tied import align_tied_copies, grad_baseline, sync_tied_gr
 from pp_core.planning.parts import build_model_parts
 from pp_core.plugin_manager import plugins_or_default
 from pp_core.planning.plan import plan_pipeline
+from pp_core.runtime.call_agreement import CallAgreement
+from pp_core.runtime.build_checks import check_device, check_materialised, check_not_wrapped
 from pp_core.runtime.agreement import check_ranks_agree, config_fields, model_fields, plan_fields
 from pp_core.runtime.allocator import make_recv_buffer_allocator
 from pp_core.runtime.comm import P2P, PeerFailure
@@ -124,6 +126,7 @@ class Pipeline:
                               f"{len(model_parts)} model parts")
         plugins = plugins_or_default(plugins)
         self.config = config
+        self._calls = CallAgreement(group, num_ranks, device)  # step vs eval_step, every call
         self.rank = rank
         self.num_ranks = num_ranks
         self.device = torch.device(device)
@@ -213,6 +216,7 @@ class Pipeline:
         on every rank. Returns the mean microbatch loss on the last stage's rank, else ``None``.
         """
         self._check_usable()
+        self._calls.check("step", self.model_parts, self.p2p.timeout)
         if self.loss_fn is None:
             self._fail(ConfigError("step() trains, which needs a loss: set PipelineConfig.loss_fn "
                                    "(a callable, 'cross_entropy', or 'module:attr'), or call "
@@ -240,6 +244,7 @@ class Pipeline:
         loss when ``target`` is given (and a loss_fn is set), else the last stage's outputs
         concatenated along dim 0; ``None`` on other ranks."""
         self._check_usable()
+        self._calls.check("eval_step", self.model_parts, self.p2p.timeout)
         self._sync_parts(train=False)
         if self._eval is None:
             program = lower(forward_only(self.schedule)).rank(self.rank)
@@ -368,6 +373,9 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
 
+    check_device(device)  # before any collective, each a mistake every rank makes alike
+    check_not_wrapped(model)  # a wrapped model's hooks would run collectives of their own
+    check_materialised(model)
     plugins = plugins_or_default(plugins)
     group, rank, num_ranks = resolve_group(pp_group)
     if num_ranks > 1:  # ranks that disagree would train on wrong gradients, then hang

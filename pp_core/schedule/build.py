@@ -15,6 +15,7 @@ from pp_core.errors import ConfigError, ScheduleError
 from pp_core.plugin_manager import plugins_or_default
 from pp_core.schedule.csv_io import read_csv
 from pp_core.schedule.ir import Schedule, ScheduleDef, stage_to_rank
+from pp_core.schedule.limits import size_problem
 from pp_core.schedule.validate import validate_schedule
 
 __all__ = ["build_schedule", "schedule_from_def", "resolve_schedule_def", "gc_paused"]
@@ -47,6 +48,9 @@ def build_schedule(
     _check_int("num_microbatches", num_microbatches, 1)
     if stages_per_rank is not None:
         _check_int("stages_per_rank", stages_per_rank, 1)
+    too_large = size_problem(num_ranks, stages_per_rank, num_microbatches)
+    if too_large is not None:
+        raise ScheduleError(too_large)
     if csv_path is not None:
         return _from_csv(csv_path, num_ranks, num_microbatches, stages_per_rank)
     if name is None:
@@ -67,6 +71,9 @@ def schedule_from_def(canonical: str, sdef: ScheduleDef, *, num_ranks: int,
             f"stages_per_rank={v}; set stages_per_rank={sdef.stages_per_rank} (or leave it unset), "
             f"or pick a schedule that takes {v} stages per rank (e.g. 'interleaved_1f1b')")
     num_stages = num_ranks * v
+    too_large = size_problem(num_ranks, v, num_microbatches)
+    if too_large is not None:
+        raise ScheduleError(too_large)
     stage_ranks = stage_to_rank(sdef.placement, num_stages, num_ranks)
     with gc_paused():
         try:

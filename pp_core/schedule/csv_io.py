@@ -74,6 +74,7 @@ def parse_csv(text: str, format: Format = "auto", name: str = "csv", source: str
     if format not in _FORMATS:
         raise ScheduleError(f"unknown CSV format {format!r}; use one of {', '.join(_FORMATS)}")
     where = f"schedule CSV {quoted(source)}" if source else "schedule CSV"
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark (editors on Windows write one)
     if "\x00" in text:
         raise ScheduleError(f"{where} holds NUL bytes: a binary file, not CSV text")
     actions, dropped, split = [], 0, 0

@@ -87,7 +87,8 @@ class Action(NamedTuple):
 
 # Longest kinds first so "SEND_F" is not read as "S..." garbage.
 _KIND_ALTERNATION = "|".join(sorted((re.escape(k.value) for k in ActionKind), key=len, reverse=True))
-_ACTION_RE = re.compile(rf"(\d+)({_KIND_ALTERNATION})(\d+)")
+_ACTION_RE = re.compile(rf"([0-9]+)({_KIND_ALTERNATION})([0-9]+)")  # ASCII digits only:
+# \d would also take full-width and other scripts' digits, which int() then reads
 
 
 MAX_INDEX_DIGITS = 9  # stage and microbatch numbers: a billion is beyond any real schedule
@@ -108,7 +109,7 @@ def parse_action(text: str) -> Action:
                     f"{len(match.group(group)):,} digits; no schedule has more than "
                     f"{MAX_INDEX_DIGITS} digits' worth of {what}s")
         return Action(int(match.group(1)), ActionKind(match.group(2)), int(match.group(3)))
-    digits = re.match(r"\d*", stripped).end()
+    digits = re.match(r"[0-9]*", stripped).end()
     if digits == 0:
         reason = "it must start with a stage number"
         position = 0
@@ -119,7 +120,7 @@ def parse_action(text: str) -> Action:
             reason = f"expected an action kind ({kinds})"
             position = digits
         else:
-            mb = re.compile(r"\d+").match(stripped, kind_match.end())
+            mb = re.compile(r"[0-9]+").match(stripped, kind_match.end())
             if mb is None:
                 reason = "expected a microbatch number"
                 position = kind_match.end()

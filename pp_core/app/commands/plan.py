@@ -32,7 +32,7 @@ def register(subparsers) -> None:
     parser.add_argument("pipeline", metavar="PIPELINE.yaml")
     parser.add_argument("--memory-cap", metavar="SIZE",
                         help="most memory a rank may use, e.g. 512MiB or 8GiB (default: no cap)")
-    parser.add_argument("--top", type=int, default=8, metavar="N",
+    parser.add_argument("--top", type=_positive, default=8, metavar="N",
                         help="plans shown in the table (default 8)")
     parser.add_argument("--json", action="store_true", help="print the whole ranking as JSON")
     parser.add_argument("--no-link", action="store_true",
@@ -41,6 +41,17 @@ def register(subparsers) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY.PATH=VALUE", help="override a key (as for run)")
     parser.set_defaults(func=plan_command)
+
+
+def _positive(text: str) -> int:
+    """``--top``: an int >= 1 (``--top 0`` would show no plan at all)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, found {text[:40]!r}")
+    return value
 
 
 def plan_command(args) -> int:

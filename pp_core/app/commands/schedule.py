@@ -71,7 +71,7 @@ def register(subparsers) -> None:
             sub.add_argument("--pool-slack", type=int, default=2, metavar="N",
                              help="spare sets of the receive-buffer pool in the JSON's "
                                   "recv_buffers figures (default 2)")
-            sub.add_argument("--recv-bytes", type=_amount(int), metavar="N",
+            sub.add_argument("--recv-bytes", type=_amount(int, maximum=MAX_BYTES), metavar="N",
                              help="bytes of one received message; adds receive-buffer bytes "
                                   "with and without the pool to recv_buffers")
         else:
@@ -79,9 +79,19 @@ def register(subparsers) -> None:
         sub.set_defaults(func=globals()[f"_{name}"])
 
 
-def _amount(kind):
-    """An argparse type for costs, latencies and byte counts: a finite number >= 0 (``nan``
-    would print "makespan nan", ``-5`` negative byte counts)."""
+MAX_AMOUNT = 1e12
+"""Largest time or processor count the commands take: a makespan of a million actions of this
+cost stays finite (``--cost-f 1e308`` gave makespan inf and bubble nan)."""
+MIN_PROCESSORS = 1e-3
+"""``--processors 1e-300`` stretched every action by 1e300."""
+MAX_BYTES = 2 ** 60
+
+
+def _amount(kind, positive: bool = False, minimum: float | None = None,
+            maximum: float = MAX_AMOUNT):
+    """An argparse type for costs, latencies and byte counts: a finite number >= 0 (> 0 with
+    ``positive``; ``nan`` would print "makespan nan", ``-5`` negative byte counts), at most
+    ``maximum`` (and at least ``minimum``)."""
     def parse(text: str):
         import math
 
@@ -89,9 +99,13 @@ def _amount(kind):
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or not math.isfinite(value) or value < 0:
-            word = "an int" if kind is int else "a finite number"
-            raise argparse.ArgumentTypeError(f"expected {word} >= 0, found {text[:40]!r}")
+        word = "an int" if kind is int else "a finite number"
+        if value is None or not math.isfinite(value) or value < 0 or \
+                (positive and value == 0) or (minimum is not None and value < minimum):
+            low = f">= {minimum:g}" if minimum is not None else ("> 0" if positive else ">= 0")
+            raise argparse.ArgumentTypeError(f"expected {word} {low}, found {text[:40]!r}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is more than the limit {maximum:g}")
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its own messages
     return parse
@@ -106,14 +120,14 @@ def _add_common(sub) -> None:
     sub.add_argument("--stages-per-rank", "-v", type=int, metavar="V",
                      help="stages per rank (default: the schedule's own)")
     for kind, default in (("f", 1.0), ("b", 2.0), ("i", 1.0), ("w", 1.0)):
-        sub.add_argument(f"--cost-{kind}", type=_amount(float), default=default, metavar="X",
+        sub.add_argument(f"--cost-{kind}", type=_amount(float, positive=True), default=default, metavar="X",
                          help=f"time of one {kind.upper()} action (default {default:g})")
     sub.add_argument("--comm-latency", type=_amount(float), default=0.0, metavar="X",
                      help="added to every hand-off between different ranks (default 0)")
-    sub.add_argument("--processors", type=_amount(float), metavar="P",
+    sub.add_argument("--processors", type=_amount(float, minimum=MIN_PROCESSORS), metavar="P",
                      help="the ranks share P processors (CPU ranks on fewer cores than ranks); "
                           "default: one per rank")
-    sub.add_argument("--activation-bytes", type=_amount(float), metavar="N",
+    sub.add_argument("--activation-bytes", type=_amount(float, maximum=MAX_BYTES), metavar="N",
                      help="bytes one stage keeps per microbatch; adds peak bytes per rank")
     sub.add_argument("--json", action="store_true", help="print JSON instead of text")
 
@@ -123,8 +137,21 @@ def _usage(parser) -> int:
     return 2
 
 
+FLAGS = {"num_ranks": "--pp", "stages_per_rank": "--stages-per-rank",
+         "num_microbatches": "--microbatches"}
+
+
 def _schedule(args):
+    from pp_core.app.output_paths import refuse_collisions
     from pp_core.schedule.build import build_schedule
+    from pp_core.schedule.limits import size_problem
+
+    refuse_collisions({"--csv": args.csv},
+                      {"-o": args.output, "--trace": getattr(args, "trace", None)})
+    if args.pp is not None and args.microbatches is not None:
+        too_large = size_problem(args.pp, args.stages_per_rank, args.microbatches, FLAGS)
+        if too_large is not None:
+            raise ScheduleError(too_large)
 
     if args.csv and args.name:
         raise ScheduleError(f"give a schedule NAME or --csv FILE, not both (got {args.name!r} "

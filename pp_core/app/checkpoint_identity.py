@@ -1,0 +1,154 @@
+"""What a checkpoint was written for, and the refusal of a resume into something else.
+
+Each checkpoint ``pp-core run`` saves holds ``pp_core_run.json`` beside DCP's files: the model
+(``model.name`` or ``model.target``, ``model.args``), the optimizer and the pipeline layout.
+:func:`check_resume_identity` compares a resume's checkpoint with the pipeline file before any
+rank starts, by two means that do not depend on each other:
+
+* the recorded identity (when there is one): a different model or ``model.args`` (other head
+  counts, which change no parameter shape) or ``train.optimizer.name`` is refused naming the key;
+* DCP's own ``.metadata`` (every checkpoint has it): the parameter names and shapes against the
+  model built on the meta device (a 4-layer checkpoint into a 2-layer model), and the names of
+  the optimizer state against what ``train.optimizer`` keeps (``exp_avg`` or
+  ``momentum_buffer``), so older checkpoints and ``model.target`` models are covered too.
+
+A different pipeline layout is fine (the keys are parameter names): it gets a note.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pp_core.errors import PPCoreError, shorten
+
+__all__ = ["IDENTITY_FILE", "run_identity", "identity_files", "check_resume_identity"]
+
+IDENTITY_FILE = "pp_core_run.json"
+
+
+def run_identity(spec, fqns_per_stage=None) -> dict[str, Any]:
+    """The identity of what ``spec`` trains (JSON-able)."""
+    dist = spec.distributed
+    return {
+        "model": {"name": spec.model["name"], "target": spec.model["target"],
+                  "args": spec.model["args"]},
+        "optimizer": spec.train["optimizer"].get("name", "AdamW"),
+        "layout": {"pp_size": dist["pp_size"], "dp_replicate": dist["dp_replicate"],
+                   "dp_shard": dist["dp_shard"], "pp_schedule": spec.pipeline["pp_schedule"],
+                   "fqns_per_stage": fqns_per_stage},
+    }
+
+
+def identity_files(spec, fqns_per_stage=None) -> dict[str, str]:
+    """``{file name: text}`` for :func:`~pp_core.app.checkpoint.save_checkpoint`."""
+    return {IDENTITY_FILE: json.dumps(run_identity(spec, fqns_per_stage), default=str,
+                                      indent=1) + "\n"}
+
+
+def _recorded(path: Path) -> dict | None:
+    try:
+        value = json.loads((path / IDENTITY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _compare_recorded(spec, path: Path, recorded: dict, problems: list[str],
+                      notes: list[str]) -> None:
+    mine = json.loads(json.dumps(run_identity(spec), default=str))
+    where = f"checkpoint.resume: {str(path)!r} was written for"
+    theirs, ours = recorded.get("model") or {}, mine["model"]
+    for key in ("name", "target"):
+        if theirs.get(key) != ours[key]:
+            problems.append(f"model.{key}: {where} model.{key}={theirs.get(key)!r}, found "
+                            f"{ours[key]!r}; resume with the model it was trained with")
+            return
+    args_then, args_now = theirs.get("args") or {}, ours["args"]
+    differ = sorted(k for k in set(args_then) | set(args_now)
+                    if args_then.get(k) != args_now.get(k))
+    if differ:
+        shown = ", ".join(f"{k}: {args_then.get(k, '(unset)')!r} then, "
+                          f"{args_now.get(k, '(unset)')!r} now" for k in differ[:4])
+        problems.append(f"model.args.{differ[0]}: {where} other model.args ({shorten(shown, 300)}"
+                        f"); resume with the arguments it was trained with")
+    if recorded.get("optimizer") not in (None, mine["optimizer"]):
+        problems.append(f"train.optimizer.name: {where} optimizer {recorded['optimizer']!r}, "
+                        f"found {mine['optimizer']!r}; its optimizer state cannot be loaded into "
+                        f"another optimizer: use {recorded['optimizer']!r}")
+    layout = recorded.get("layout") or {}
+    changed = [k for k in ("pp_size", "dp_replicate", "dp_shard", "pp_schedule")
+               if k in layout and layout[k] != mine["layout"][k]]
+    if changed:
+        notes.append("checkpoint.resume: written with " + ", ".join(
+            f"{k}={layout[k]!r}" for k in changed) + "; it loads into this layout by parameter "
+            "name")
+
+
+def _optimizer_state_names(spec) -> set[str] | None:
+    """The per-parameter state ``train.optimizer`` keeps (one real step on one number)."""
+    import torch  # lazy: only a resume pays for it
+
+    options = dict(spec.train["optimizer"])
+    cls = getattr(torch.optim, str(options.pop("name", "AdamW")), None)
+    if not isinstance(cls, type):
+        return None
+    param = torch.nn.Parameter(torch.zeros(1))
+    try:
+        optimizer = cls([param], **options)
+        param.grad = torch.ones(1)
+        optimizer.step()
+    except Exception:  # noqa: BLE001 - preflight reports the optimizer's own problems
+        return None
+    return set(optimizer.state[param])
+
+
+def _compare_metadata(spec, path: Path, metadata, model, problems: list[str]) -> None:
+    stored = getattr(metadata, "state_dict_metadata", None) or {}
+    if model is not None:
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        saved = {k[len("model."):]: tuple(getattr(v, "size", ()) or ())
+                 for k, v in stored.items() if k.startswith("model.")}
+        extra = sorted(set(saved) - set(expected))
+        missing = sorted(set(expected) - set(saved))
+        shapes = [k for k in expected if k in saved and saved[k] != expected[k]]
+        why = None
+        if extra:
+            why = (f"holds {len(extra)} parameter(s) this model lacks ({', '.join(extra[:3])}"
+                   f"{', ...' if len(extra) > 3 else ''})")
+        elif missing:
+            why = (f"lacks {len(missing)} of this model's parameter(s) "
+                   f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+        elif shapes:
+            k = shapes[0]
+            why = f"holds {k} of shape {list(saved[k])}, this model's is {list(expected[k])}"
+        if why:
+            problems.append(f"model.args: checkpoint.resume {str(path)!r} {why}: it was written "
+                            f"for another model; resume with that model's model.args, or start "
+                            f"fresh (checkpoint.resume: false)")
+            return
+    names = {k.rsplit(".", 1)[-1] for k in stored if k.startswith("optim.state.")}
+    wanted = _optimizer_state_names(spec)
+    if names and wanted is not None and names != wanted:
+        problems.append(f"train.optimizer.name: checkpoint.resume {str(path)!r} holds optimizer "
+                        f"state {sorted(names)}, but torch.optim."
+                        f"{spec.train['optimizer'].get('name', 'AdamW')} keeps {sorted(wanted)}: "
+                        f"it was written by another optimizer; use that one")
+
+
+def check_resume_identity(spec, model, problems: list[str], notes: list[str]) -> None:
+    """Refuse a resume into another model or optimizer (see the module docstring)."""
+    from pp_core.app.checkpoint import _check_dir, resume_checkpoint  # torch's DCP: seconds
+    try:
+        path = resume_checkpoint(spec.checkpoint["dir"], spec.checkpoint["resume"])
+    except PPCoreError:
+        return  # _check_resume reports it
+    if path is None:
+        return
+    before = len(problems)
+    recorded = _recorded(path)
+    if recorded is not None:
+        _compare_recorded(spec, path, recorded, problems, notes)
+    if len(problems) == before:
+        _compare_metadata(spec, path, _check_dir(path), model, problems)

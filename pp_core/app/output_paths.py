@@ -1,0 +1,170 @@
+"""Every path a command reads and writes, and the pairs that would overwrite one another.
+
+A run reads its pipeline file, a schedule CSV, data and tokenizer files named in ``*.args``
+and the checkpoint it resumes from; it writes ``output.*`` files and checkpoints under
+``checkpoint.dir`` (``step_NNNNNNNN`` directories and the ``latest`` pointer, which it replaces).
+:func:`collisions` compares all of them at once, by the file they resolve to (symbolic links,
+``..`` and hard links included), so a write that lands on an input, on another output or inside
+what the checkpoint directory manages is refused naming both keys: one check for every key,
+present and future (any string under ``output`` is a path written). :func:`path_problems` refuses
+what is not a path at all (a NUL byte) or names a directory where a file is written.
+
+Used by ``validate`` and ``run`` (:func:`pp_core.app.preflight_build.check_outputs`) and by the
+schedule commands (``--csv X -o X``). No torch here: the schedule commands import it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from pp_core.errors import PPCoreError
+
+__all__ = ["PathUse", "run_paths", "collisions", "path_problems", "refuse_collisions"]
+
+CHECKPOINT_MANAGED = ("step_*", "latest", ".latest.tmp-*")
+"""Entries of ``checkpoint.dir`` a save creates, moves aside or replaces."""
+
+NOT_PATHS = {"progress", "summary"}
+"""``output`` keys that are not paths; every other string under ``output`` is a file written."""
+
+
+@dataclass(frozen=True)
+class PathUse:
+    """One path a command touches: ``key`` names it as the user wrote it (``output.metrics``,
+    ``the pipeline file``); ``tree``: a directory whose contents belong to it (a checkpoint);
+    ``managed``: for a written tree, the entry patterns it replaces (others are left alone)."""
+
+    key: str
+    path: str
+    writes: bool
+    tree: bool = False
+    managed: tuple[str, ...] = ()
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.path.expanduser(path))
+
+
+def _same(a: str, b: str) -> bool:
+    if _real(a) == _real(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links, case-insensitive file systems
+    except (OSError, ValueError):
+        return False
+
+
+def _inside(path: str, tree: str) -> str | None:
+    """The first component of ``path`` below ``tree`` when it lies inside, else ``None``."""
+    rel = os.path.relpath(_real(path), _real(tree))
+    if rel == "." or rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        return None
+    return rel.split(os.sep)[0]
+
+
+def _clash(a: PathUse, b: PathUse) -> str | None:
+    """Why ``a`` and ``b`` cannot both be used as given (``a`` writes), or ``None``."""
+    if _same(a.path, b.path):
+        if b.writes:
+            return (f"{a.key} and {b.key} name the same path {a.path!r}: one would overwrite "
+                    f"the other; give them different paths")
+        return (f"{a.key} {a.path!r} is {b.key}, which this command reads: it would be "
+                f"overwritten; write {a.key} somewhere else")
+    for outer, inner in ((a, b), (b, a)):
+        if not outer.tree or {outer.key, inner.key} == {"checkpoint.dir", "checkpoint.resume"}:
+            continue  # resuming from a checkpoint of checkpoint.dir is what it is for
+        entry = _inside(inner.path, outer.path)
+        if entry is None:
+            continue
+        if outer.writes and outer.managed and \
+                not any(fnmatch.fnmatchcase(entry, p) for p in outer.managed):
+            continue  # a place in the checkpoint directory that saves leave alone
+        if outer.writes:
+            return (f"{inner.key} {inner.path!r} lies at {entry!r} inside {outer.key} "
+                    f"{outer.path!r}, which a checkpoint save replaces or moves aside; put "
+                    f"{inner.key} outside it (or elsewhere than {', '.join(outer.managed)})")
+        if inner.writes:
+            return (f"{inner.key} {inner.path!r} lies inside {outer.key} {outer.path!r}, which "
+                    f"this command reads: writing there changes its input; choose another place")
+    return None
+
+
+def collisions(uses: Iterable[PathUse]) -> list[str]:
+    """One line per pair of paths that overwrite or change one another (a write involved)."""
+    uses = [u for u in uses if u.path and "\0" not in u.path]
+    found = []
+    for i, a in enumerate(uses):
+        for b in uses[i + 1:]:
+            if not (a.writes or b.writes):
+                continue
+            first, second = (a, b) if a.writes else (b, a)
+            why = _clash(first, second)
+            if why is not None:
+                found.append(why)
+    return found
+
+
+def path_problems(uses: Iterable[PathUse]) -> list[str]:
+    """A NUL byte in any path; a written file named as a directory (a trailing separator)."""
+    found = []
+    for use in uses:
+        if "\0" in use.path:
+            found.append(f"{use.key}: {use.path!r} holds a NUL byte, which no file name can "
+                         f"hold; remove it")
+        elif use.writes and not use.tree and use.path.endswith(("/", os.sep)):
+            name = Path(use.key.rsplit(".", 1)[-1]).name or "output"
+            found.append(f"{use.key}: {use.path!r} names a directory (it ends with "
+                         f"{use.path[-1]!r}), expected a file; e.g. "
+                         f"{use.path.rstrip('/' + os.sep) or '.'}/{name}{_suffix(use.key)}")
+    return found
+
+
+def _suffix(key: str) -> str:
+    return {"output.metrics": ".jsonl", "output.trace": ".json",
+            "output.schedule_image": ".svg"}.get(key, "")
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def run_paths(spec) -> list[PathUse]:
+    """Every path a ``pp-core run`` of ``spec`` reads or writes."""
+    uses = [PathUse("the pipeline file", spec.source, False)] if \
+        Path(spec.source).is_file() else []
+    csv = spec.pipeline.get("pp_schedule_csv")
+    if isinstance(csv, str):
+        uses.append(PathUse("pipeline.pp_schedule_csv", csv, False))
+    for section, sub in (("data", "args"), ("data", "eval_args"), ("model", "args")):
+        for name, value in (spec.values[section].get(sub) or {}).items():
+            for text in _strings(value):  # an argument that names an existing file is read
+                if "\0" not in text and os.path.isfile(text):
+                    uses.append(PathUse(f"{section}.{sub}.{name}", text, False))
+    resume = spec.checkpoint.get("resume")
+    if isinstance(resume, str):
+        uses.append(PathUse("checkpoint.resume", resume, False, tree=True))
+    if spec.checkpoint.get("dir"):
+        uses.append(PathUse("checkpoint.dir", spec.checkpoint["dir"], True, tree=True,
+                            managed=CHECKPOINT_MANAGED))
+    for name, value in spec.output.items():
+        if name not in NOT_PATHS and isinstance(value, str) and value:
+            uses.append(PathUse(f"output.{name}", value, True))
+    return uses
+
+
+def refuse_collisions(reads: dict[str, str | None], writes: dict[str, str | None]) -> None:
+    """Raise :class:`~pp_core.errors.PPCoreError` when a command's outputs would overwrite its
+    inputs or each other (``{flag: path}``; ``None`` and ``-`` for stdout are skipped)."""
+    uses = [PathUse(k, p, False) for k, p in reads.items() if p and p != "-"]
+    uses += [PathUse(k, p, True) for k, p in writes.items() if p and p != "-"]
+    problems = path_problems(uses) + collisions(uses)
+    if problems:
+        raise PPCoreError("; ".join(problems))

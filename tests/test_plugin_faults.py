@@ -1,0 +1,130 @@
+"""A plugin wrong in any way is reported naming it and its distribution, ``pp-core plugins``
+lists it as broken, and the commands and the other plugins still work (issue #25, class 5).
+Real distributions written in the test, found through importlib.metadata; real commands."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pp_core.app.preflight import preflight
+from pp_core.app.spec import SpecError, parse_spec
+from pp_core.plugin_manager import load_plugins
+
+from _cli import PP_CORE
+
+MISNAMED = """
+    import pp_core
+    @pp_core.hookimpl
+    def pp_register_schedules(reg):  # the spec's argument is `register`
+        reg("never", None)
+"""
+RAISING = """
+    import pp_core
+    @pp_core.hookimpl
+    def pp_register_splitters(register):
+        raise RuntimeError("boom at registration")
+"""
+SPLITTERS = """
+    import pp_core
+
+    class AcceptsRaises:
+        priority = 10_000
+        def accepts(self, model):
+            raise ValueError("accepts exploded")
+        def split(self, model, num_stages, config):
+            return []
+
+    class NoSplit:
+        def accepts(self, model):
+            return True
+
+    class SplitRaises:
+        def accepts(self, model):
+            return True
+        def split(self, model, num_stages, config):
+            raise KeyError("split exploded")
+
+    @pp_core.hookimpl
+    def pp_register_splitters(register):
+        register("acc_raises", AcceptsRaises())
+        register("no_split", NoSplit())
+        register("split_raises", SplitRaises())
+"""
+DISTS = {"pp-misnamed": ("ppt_misnamed", MISNAMED), "pp-raising": ("ppt_raising", RAISING),
+         "pp-splitters": ("ppt_splitters", SPLITTERS)}
+
+
+def _write_dists(root):
+    for dist, (module, source) in DISTS.items():
+        (root / f"{module}.py").write_text(textwrap.dedent(source))
+        info = root / f"{dist.replace('-', '_')}-1.2.3.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n")
+        (info / "entry_points.txt").write_text(f"[pp_core]\n{module} = {module}\n")
+
+
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dists")
+    _write_dists(root)
+    return root
+
+
+@pytest.fixture
+def installed(dists, monkeypatch):
+    monkeypatch.syspath_prepend(str(dists))
+    yield load_plugins()
+    for name in [m for m in sys.modules if m.startswith("ppt_")]:
+        del sys.modules[name]
+
+
+def _run(dists, *argv):
+    env = {**os.environ, "PYTHONPATH": str(dists) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([PP_CORE, *argv], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_plugins_lists_the_broken_ones_and_the_commands_still_work(dists):
+    listed = _run(dists, "plugins")
+    assert listed.returncode == 0, listed.stderr
+    out = listed.stdout
+    for name, dist, what in (("ppt_misnamed", "pp-misnamed", "failed validation"),
+                             ("ppt_raising", "pp-raising", "raised in pp_register_splitters")):
+        assert f"{name}  [{dist} 1.2.3]" in out and f"plugin {name!r} ({dist} 1.2.3) {what}" \
+            in out, out
+    assert "BROKEN" in out and "acc_raises" in out and "1f1b" in out
+    shown = _run(dists, "schedule", "show", "1f1b", "--pp", "2", "--microbatches", "2")
+    assert shown.returncode == 0 and "rank1" in shown.stdout, shown.stderr
+    assert "Traceback" not in shown.stderr + listed.stderr
+
+
+GPT = {"model": {"name": "gpt", "args": {"dim": 16, "num_layers": 2, "num_heads": 2,
+                                         "max_seq_len": 8, "vocab_size": 64}},
+       "data": {"name": "synthetic", "args": {"seq_len": 8, "vocab_size": 64}},
+       "pipeline": {"pp_batch_size": 2, "loss_fn": "cross_entropy"}}
+
+
+def test_automatic_choice_passes_over_a_splitter_whose_accepts_raises(installed, caplog):
+    found = preflight(parse_spec(GPT), installed, run_checks=False)
+    assert found.plan is not None and found.plan.splitter == "layers"
+    assert any("splitter 'acc_raises' from plugin 'ppt_splitters' (pp-splitters 1.2.3)" in
+               r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("splitter, expected", [
+    ("acc_raises", "accepts() raised ValueError: accepts exploded"),
+    ("no_split", "has no split(model, num_stages, config) method"),
+    ("split_raises", "split() raised KeyError"),
+])
+def test_a_named_broken_splitter_is_blamed_with_its_plugin(installed, splitter, expected):
+    spec = parse_spec({**GPT, "model": {**GPT["model"], "splitter": splitter}})
+    with pytest.raises(SpecError) as info:
+        preflight(spec, installed, run_checks=False)
+    message = str(info.value)
+    assert f"splitter {splitter!r} from plugin 'ppt_splitters' (pp-splitters 1.2.3)" in message
+    assert expected in message and "PP_CORE_DISABLE_PLUGINS" in message or \
+        "docs/splitting.md" in message, message
