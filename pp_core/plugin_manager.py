@@ -19,6 +19,7 @@ import pluggy
 
 from pp_core import hookspecs
 from pp_core.errors import PluginError, did_you_mean
+from pp_core.model_initializers import ModelInitializers
 from pp_core.plugin_faults import DISABLE_ENV, BrokenPlugin, describe_error
 
 __all__ = [
@@ -37,51 +38,6 @@ ENTRY_POINT_GROUP = "pp_core"
 CORE_PLUGIN_NAME = "pp_core.model_initializers"
 
 logger = logging.getLogger(__name__)
-
-
-class ModelInitializers:
-    """The core's own plugin, in every manager: a module that owns process-local resources
-    lists them itself, in a ``pipeline_runtime_initializers()`` method, or - a NeMo AutoModel
-    model - in ``get_pipeline_runtime_initializers()`` (see :mod:`pp_core.runtime.initializers`).
-    pp-core's name is asked first; a module defining both must give the same answer."""
-
-    @hookspecs.hookimpl
-    def pp_runtime_initializers(self, module):
-        found = [name for name in ("pipeline_runtime_initializers",
-                                   "get_pipeline_runtime_initializers")
-                 if _defines(module, name)]
-        if not found:
-            return None
-        answers = [getattr(module, name)() for name in found]
-        answers = [list(a) if a is not None else [] for a in answers]
-        if len(answers) == 2 and _identity(answers[0]) != _identity(answers[1]):
-            raise PluginError(
-                f"{type(module).__qualname__} defines both pipeline_runtime_initializers() "
-                f"(pp-core) and get_pipeline_runtime_initializers() (NeMo AutoModel) and they "
-                f"answer differently ({_listed(answers[0])} vs {_listed(answers[1])}); define "
-                f"one of the two, or make the second return the first's list")
-        return answers[0] or None
-
-
-def _defines(module, name: str) -> bool:
-    """Whether ``module`` (its class, or the instance itself) defines a callable ``name``; read
-    statically, as NeMo does, so a submodule of that name or a ``__getattr__`` never counts."""
-    try:
-        inspect.getattr_static(module, name)
-    except AttributeError:
-        return False
-    return callable(getattr(module, name, None))
-
-
-def _identity(initializers):
-    """What two answers must share: each initializer's type, resource_key and signature (two
-    calls may well build new but equal objects)."""
-    return [(type(i), repr(getattr(i, "resource_key", None)), repr(getattr(i, "signature", None)))
-            for i in initializers]
-
-
-def _listed(initializers) -> str:
-    return "[" + ", ".join(type(i).__name__ for i in initializers) + "]"
 
 
 def disabled_plugin_names(environ: dict | None = None) -> set[str]:
