@@ -8,7 +8,6 @@ calls typed methods, never ``pm.hook.*``.
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 from dataclasses import dataclass, field
