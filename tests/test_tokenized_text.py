@@ -148,6 +148,21 @@ def test_parquet_files(tmp_path, tokenizer_dir):
     assert make(tmp_path, tokenizer_dir, files=[str(path)], seq_len=4).cache.num_docs == 2
 
 
+def test_hugging_face_datasets_saved_to_disk(tmp_path, tokenizer_dir):
+    datasets = pytest.importorskip("datasets")
+
+    texts = ["the first saved document", "a second one", "and a third"]
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    stream = make(tmp_path, tokenizer_dir, files=[str(tmp_path / "saved")], seq_len=4)
+    assert stream.cache.num_docs == 3
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts[:2]}),
+                                   "test": datasets.Dataset.from_dict({"text": texts[2:]})})
+    splits.save_to_disk(str(tmp_path / "splits"))
+    chosen = make(tmp_path, tokenizer_dir, files=[str(tmp_path / "splits")], seq_len=4,
+                  hf_split="test")
+    assert chosen.cache.num_docs == 1
+
+
 def test_validate_refuses_a_tokenizer_larger_than_the_model(tmp_path, tokenizer_dir, capsys):
     import yaml
 

@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pp_core_builtins.models.datasets import BatchStream
 from pp_core_builtins.models.tokenizing import load_tokenizer, open_cache
 
 __all__ = ["TokenizedText", "tokenized_text", "default_cache_dir"]
@@ -58,8 +59,9 @@ def _special(setting, found: Optional[int], name: str, tokenizer: str) -> Option
                      f"token id")
 
 
-class TokenizedText:
-    """An endless, deterministic stream of whole-step batches over a tokenized corpus."""
+class TokenizedText(BatchStream):
+    """An endless, deterministic stream of whole-step batches over a tokenized corpus (batch
+    ``i`` depends only on ``(seed, i)``: ``skip`` and iteration are :class:`BatchStream`'s)."""
 
     def __init__(self, files, tokenizer: str = "bytes", seq_len: int = 64, pack: bool = True,
                  batch_size: int = 8, seed: int = 0, shuffle: bool = True,
@@ -69,8 +71,6 @@ class TokenizedText:
                  cache_dir: Optional[str] = None, num_batches: Optional[int] = None):
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"tokenized_text: seq_len={seq_len!r} must be a positive int")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"tokenized_text: batch_size={batch_size!r} must be a positive int")
         if split not in ("train", "eval"):
             raise ValueError(f"tokenized_text: split={split!r} must be 'train' or 'eval'")
         if not 0.0 <= eval_fraction < 1.0:
@@ -78,8 +78,8 @@ class TokenizedText:
         if split == "eval" and eval_files is None and eval_fraction == 0.0:
             raise ValueError("tokenized_text: split: eval needs eval_files or an eval_fraction "
                              "> 0 (the last fraction of the documents, left out of training)")
-        self.seq_len, self.pack, self.batch_size = seq_len, bool(pack), batch_size
-        self.seed, self.shuffle, self.num_batches = seed, bool(shuffle), num_batches
+        super().__init__(batch_size, seed, num_batches)
+        self.seq_len, self.pack, self.shuffle = seq_len, bool(pack), bool(shuffle)
         self.tokenizer = load_tokenizer(tokenizer)
         self.vocab_size = self.tokenizer.vocab_size
         """The tokenizer's vocabulary size: a model with a smaller one cannot take its ids."""
@@ -107,7 +107,6 @@ class TokenizedText:
         if self.rows_per_epoch < 1:
             raise ValueError(f"tokenized_text: the {split} split has {self.total_tokens} tokens, "
                              f"fewer than seq_len + 1 = {seq_len + 1}; lower seq_len or add text")
-        self.position = 0
         self._epoch: Optional[tuple[int, np.ndarray, np.ndarray]] = None
 
     # ------------------------------------------------------------------ order
@@ -164,16 +163,6 @@ class TokenizedText:
         made = [self._padded_row(epoch, row) for epoch, row in rows]
         ids, target = (torch.from_numpy(np.stack(x)) for x in zip(*made))
         return ids, target
-
-    def skip(self, count: int) -> None:
-        """Start the next iteration ``count`` batches further on (used when resuming)."""
-        self.position += count
-
-    def __iter__(self):
-        index = self.position
-        while self.num_batches is None or index < self.num_batches:
-            yield self.batch(index)
-            index += 1
 
 
 def tokenized_text(files, tokenizer: str = "bytes", seq_len: int = 64, pack: bool = True,
