@@ -35,6 +35,7 @@ from torch import nn
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PPCoreError
 from pp_core.losses import resolve_loss
+from pp_core.parallel.tensor_parallel import reduce_partial_gradients
 from pp_core.planning.parts import build_model_parts
 from pp_core.plugin_manager import plugins_or_default
 from pp_core.planning.plan import plan_pipeline
@@ -204,10 +205,14 @@ class Pipeline:
                                    "(a callable, 'cross_entropy', or 'module:attr'), or call "
                                    "eval_step() for a forward pass"), before_traffic=True)
         self._sync_parts(train=True)
+        self._has_dtensors = any(hasattr(p, "device_mesh") for part in self.model_parts
+                                 for p in part.parameters())
 
         def run():
             losses, _ = self._run(self._train, inputs, target, need_target=True,
                                   stage_kwargs=stage_kwargs)
+            if self._has_dtensors:  # tensor parallel: partial sums of replicated params, once
+                reduce_partial_gradients(p for part in self.model_parts for p in part.parameters())
             return torch.stack(losses).float().mean() if self.has_last else None
 
         # plugins' pp_pipeline_step wrappers (e.g. tied-weight gradient sums) run around it

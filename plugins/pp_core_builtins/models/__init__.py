@@ -42,3 +42,12 @@ def pp_register_datasets(register):
 
     register("synthetic", synthetic)
     register("text_bytes", text_bytes)
+
+
+@hookimpl
+def pp_tensor_parallel_plan(model, sequence_parallel):
+    if type(model).__name__ != "GPT":  # cheap: torch and the model module load only for a GPT
+        return None
+    from pp_core_builtins.models.tp_plan import gpt_plan
+
+    return gpt_plan(model, sequence_parallel)

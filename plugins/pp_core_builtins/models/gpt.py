@@ -27,6 +27,7 @@ class Block(nn.Module):
         if dim % num_heads:
             raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
         self.num_heads = num_heads
+        self.head_dim = dim // num_heads
         self.attention_norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
@@ -37,11 +38,14 @@ class Block(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = self.qkv(self.attention_norm(x)).split(dim, dim=-1)
-        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+        # shapes from the projection, not from x: under tensor parallelism (tp_plan.py) a rank
+        # holds [q, k, v] of its heads only, and with sequence parallelism x is a sequence shard
+        qkv = self.qkv(self.attention_norm(x))
+        batch, seq, width = qkv.shape
+        q, k, v = qkv.split(width // 3, dim=-1)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         attended = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, dim))
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, width // 3))
         return x + self.ffn(self.ffn_norm(x))
 
 
