@@ -29,6 +29,34 @@ def pp_tp_mesh(shape=(2, 2), names=("pp", "tp")):
     return _MESH[key]
 
 
+class CollectiveCounter:
+    """Counts the functional collectives DTensor issues (``_c10d_functional`` ops: all_reduce,
+    all_gather_into_tensor, reduce_scatter_tensor, ...) while active, forward and backward.
+    (torch's ``CommDebugMode`` counts the same ops, but its module tracker does not follow a
+    pipeline's interleaved microbatches.)"""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts: dict = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] not in \
+                        ("wait_tensor", "_wrap_tensor_autograd"):
+                    name = func.__name__.split(".")[0]
+                    counts[name] = counts.get(name, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self.counts = counts
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
 def tiny_gpt(layers: int = 4):
     from pp_core_builtins.models.gpt import GPT
 
@@ -69,9 +97,7 @@ def tp_case(schedule: str, sequence_parallel: bool = False, pool: bool = False,
     from pp_core.parallel import apply_tensor_parallel
 
     mesh = pp_tp_mesh()
-    layers = 4 if schedule not in ("interleaved_1f1b", "looped_bfs", "dfs", "zb_h2",
-                                   "v_schedule", "v_half", "v_min", "dualpipe_v") else 4
-    model = tiny_gpt(layers)
+    model = tiny_gpt(4)
     ref_model = copy.deepcopy(model)
     local = 2 * num_microbatches
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local, pp_microbatch_size=2,
@@ -88,11 +114,9 @@ def tp_case(schedule: str, sequence_parallel: bool = False, pool: bool = False,
         ref_model.zero_grad(set_to_none=True)
         inputs, target = batch("gpt", local, seed=step + 1)
         if count:
-            from torch.distributed.tensor.debug import CommDebugMode
-
-            with CommDebugMode() as comm:
+            with CollectiveCounter() as counter:
                 loss = pipe.step(inputs, target=target)
-            counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+            counts = counter.counts
         else:
             loss = pipe.step(inputs, target=target)
         ref_loss = reference(ref_model, resolve_loss("cross_entropy"), inputs, target,
@@ -112,3 +136,32 @@ def tp_case(schedule: str, sequence_parallel: bool = False, pool: bool = False,
     return {"loss_err": loss_err, "grad_err": grad_err, "names": names, "modules": modules,
             "stages": pipe.stage_indices, "counts": counts, "placements": sorted(placements),
             "tp_rank": mesh["tp"].get_local_rank()}
+
+
+def tp_matrix(schedule: str, variants: list) -> list:
+    """Several :func:`tp_case` runs in one pool call: ``variants`` are keyword dicts."""
+    return [tp_case(schedule, **variant) for variant in variants]
+
+
+def expected_collectives(stages, num_layers: int, num_stages: int, microbatches: int,
+                         sequence_parallel: bool) -> dict:
+    """The collectives the built-in GPT plan implies on one rank for one step (ours: 4 blocks,
+    evenly split). Per block and microbatch: two all-reduces forward (after ``proj`` and
+    ``ffn.2``) and two backward (into ``qkv`` and ``ffn.0``); with sequence parallelism each
+    becomes a reduce-scatter + all-gather pair. Embeddings: one forward all-reduce each
+    (reduce-scatter with SP, plus an all-gather of the output gradient backward). Head: the
+    logits' all-gather, and the input gradient's all-reduce (with SP: the input's all-gather and
+    the gradient's reduce-scatter). With SP each replicated norm parameter's partial gradient is
+    all-reduced once per step."""
+    per_stage = num_layers // num_stages
+    blocks = per_stage * len(stages)
+    first, last = 0 in stages, (num_stages - 1) in stages
+    m = microbatches
+    if not sequence_parallel:
+        counts = {"all_reduce": m * (4 * blocks + 2 * first + last),
+                  "all_gather_into_tensor": m * last}
+    else:
+        counts = {"all_gather_into_tensor": m * (4 * blocks + 2 * first + 2 * last),
+                  "reduce_scatter_tensor": m * (4 * blocks + 2 * first + last),
+                  "all_reduce": 4 * blocks + 2 * last}
+    return {k: v for k, v in counts.items() if v}
