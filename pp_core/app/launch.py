@@ -102,8 +102,9 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
         world = int(os.environ["WORLD_SIZE"])
         if world != spec.world_size:
             raise ConfigError(
-                f"torchrun started {world} ranks, but distributed.pp_size * dp_size = "
-                f"{spec.distributed['pp_size']} * {spec.distributed['dp_size']} = "
+                f"torchrun started {world} ranks, but distributed.pp_size * dp_size * tp_size = "
+                f"{spec.distributed['pp_size']} * {spec.distributed['dp_size']} * "
+                f"{spec.distributed['tp_size']} = "
                 f"{spec.world_size}; pass --nnodes/--nproc-per-node that multiply to "
                 f"{spec.world_size}")
         if wants_balanced(spec) and spec.pipeline["module_fqns_per_model_part"] is None:
@@ -123,7 +124,7 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
         if announce is not None:
             node = f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else ""
             announce(f"starting {nproc} rank(s) on this machine (pp {dist['pp_size']} x dp "
-                     f"{dist['dp_size']}{node}) on {choice.device} ({choice.reason})")
+                     f"{dist['dp_size']} x tp {dist['tp_size']}{node}) on {choice.device} ({choice.reason})")
         with _launch_temp_dir() as logs:
             return _elastic_launch(spec, entrypoint, nproc, endpoint, logs)
 

@@ -238,6 +238,11 @@ SCHEMA: dict[str, list[Key]] = {
             "together with dp_shard)"),
         Key("dp_size", _int(1), 1, "dp_replicate * dp_shard; written alone (older files) it "
             "means dp_replicate"),
+        Key("tp_size", _int(1), 1, "tensor-parallel degree inside each stage (torch's "
+            "parallelize_module with the model's plan from the pp_tensor_parallel_plan hook; the "
+            "innermost mesh dimension)"),
+        Key("sequence_parallel", _bool, False, "with tp_size > 1: also shard norms and the "
+            "activations between blocks and stages along the sequence"),
         Key("mixed_precision", _optional(_mixed_precision), None, "{param_dtype, reduce_dtype} "
             "of the dp engines (FSDP2's MixedPrecisionPolicy), e.g. bfloat16 / float32"),
         Key("backend", _choice("auto", "gloo", "nccl"), "auto", "auto: nccl on CUDA, else gloo"),
