@@ -165,3 +165,4 @@ def expected_collectives(stages, num_layers: int, num_stages: int, microbatches:
                   "reduce_scatter_tensor": m * (4 * blocks + 2 * first + last),
                   "all_reduce": 4 * blocks + 2 * last}
     return {k: v for k, v in counts.items() if v}
+

@@ -66,9 +66,10 @@ def forget_frames(exc: BaseException) -> None:
 
 
 def _abort_tensor_parallel(stages: dict, report: str) -> None:
-    """Tensor parallel stages: publish ``report`` on the tp groups' stores and destroy the
-    groups (as the dp driver does for FSDP's), so that tp peers fail instead of waiting in a
-    collective for this rank (at the latest at the group's timeout), and say why."""
+    """Tensor parallel stages: publish ``report`` on the tp groups' stores, abort and destroy
+    the groups (as the dp driver does for FSDP's). As there, a tp peer already waiting in a
+    collective for this rank may only be released at the group's timeout (gloo); its pipeline
+    peers are told through the pipeline's own store at once."""
     import torch.distributed as dist  # lazy: only a failed step of a tp pipeline gets here
 
     from pp_core._torch_compat import process_group_store
@@ -85,6 +86,9 @@ def _abort_tensor_parallel(stages: dict, report: str) -> None:
     for group in groups.values():
         try:
             publish(process_group_store(group), "pp_core/tp/error", report)
+            # abort, not only destroy: the mesh keeps the group alive, and a peer waiting in a
+            # collective is released only when the connections close
+            group.abort()
             dist.destroy_process_group(group)
         except Exception:
             pass
