@@ -166,3 +166,43 @@ def expected_collectives(stages, num_layers: int, num_stages: int, microbatches:
                   "all_reduce": 4 * blocks + 2 * last}
     return {k: v for k, v in counts.items() if v}
 
+
+
+def hf_tp_case(schedule: str, arch: str, pool: bool = False, num_microbatches: int = 4) -> dict:
+    """One step of pp2 x tp2 on a tiny Hugging Face decoder (``llama``, ``llama_tied``,
+    ``qwen2``, ``mistral``: the ARCHITECTURES of test_transformers_models) vs one process."""
+    from pp_core.parallel import apply_tensor_parallel
+    from pp_core_builtins.transformers import causal_lm_loss
+    from test_transformers_models import ARCHITECTURES, batch as hf_batch, reference_step
+    from test_transformers_models import tiny_model
+
+    mesh = pp_tp_mesh()
+    model_type, extra = ARCHITECTURES[arch]
+    model = tiny_model(model_type, 4, **extra)
+    ref_model = copy.deepcopy(model)
+    local = 2 * num_microbatches
+    config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local, pp_microbatch_size=2,
+                            loss_fn=causal_lm_loss, scale_grads_in_schedule=True,
+                            pp_recv_buffer_pool=pool, pp_seq_len=12 if pool else None)
+    pipe = build_pipeline(model, config, pp_group=mesh["pp"])
+    modules = apply_tensor_parallel(pipe.model_parts, mesh["tp"])
+    inputs, target = hf_batch(local, seed=1)
+    loss = pipe.step(inputs, target=target)
+    ref_loss, ref_grads = reference_step(ref_model, inputs, target, num_microbatches)
+    ref_loss = float(ref_loss)
+    grad_err, names = 0.0, []
+    for part in pipe.model_parts:
+        for name, param in part.named_parameters(remove_duplicate=False):
+            grad = param.grad
+            if hasattr(grad, "full_tensor"):
+                grad = grad.full_tensor()
+            want = ref_grads[name] / num_microbatches
+            grad_err = max(grad_err, ((grad - want).abs().max() / (want.abs().max() + 1e-6)).item())
+            names.append(name)
+    loss_err = None if loss is None else abs(float(loss) - ref_loss) / abs(ref_loss)
+    return {"loss_err": loss_err, "grad_err": grad_err, "names": names, "modules": modules,
+            "tp_rank": mesh["tp"].get_local_rank()}
+
+
+def hf_matrix(cases: list) -> list:
+    return [hf_tp_case(*case) for case in cases]

@@ -9,7 +9,7 @@ import pytest
 
 from tests._dist import DistPool
 from tests._runtime_cases import SCHEDULES
-from tests._tp_cases import expected_collectives, tp_matrix
+from tests._tp_cases import expected_collectives, hf_matrix, tp_matrix
 
 RTOL = 1e-5
 MICROBATCHES = 4
@@ -74,3 +74,22 @@ def test_dtensors_cross_stages(pool, schedule):
         check(results, (schedule, variant))
         if variant["count"]:
             check_counts(results, num_stages, variant["sequence_parallel"])
+
+
+HF_CASES = [("1f1b", "llama", False), ("zero_bubble", "llama_tied", True),
+            ("interleaved_1f1b", "llama_tied", False), ("1f1b", "qwen2", True),
+            ("v_schedule", "mistral", False)]
+
+
+def test_hf_decoders_pp_tp_equal_one_process(pool):
+    """Tiny random HF Llama (untied and tied embeddings: the tied pair sharded alike on its two
+    stages), Qwen2 and Mistral, with the built-in plan of pp_core_builtins.transformers."""
+    pytest.importorskip("transformers")
+    runs = pool.run(hf_matrix, HF_CASES)
+    for index, case in enumerate(HF_CASES):
+        results = [runs_of_rank[index] for runs_of_rank in runs]
+        losses = [r["loss_err"] for r in results if r["loss_err"] is not None]
+        assert len(losses) == 2 and max(losses) <= RTOL, (case, losses)
+        for rank, result in enumerate(results):
+            assert result["grad_err"] <= RTOL, (case, rank, result["grad_err"])
+            assert result["modules"] > 0

@@ -148,13 +148,13 @@ def check_tensor_parallel(model: nn.Module, plan: dict, tp_size: int,
 
 
 def reduce_partial_gradients(params) -> int:
-    """Turn every pending-sum (``Partial``) DTensor gradient into the placements of its
-    parameter; returns how many were reduced.
+    """Give every DTensor gradient the placements of its parameter; returns how many changed.
 
     A parameter replicated over tp that sees sequence shards (a norm under sequence parallelism)
     gets a gradient that is a partial sum on each tp rank. ``Pipeline.step`` reduces it once per
     step, after the last microbatch (one all-reduce per such parameter per step, not one per
-    microbatch), so optimizers, clipping and checkpoints see the parameter's own layout.
+    microbatch), so optimizers, clipping and checkpoints see the parameter's own layout. A
+    gradient torch left replicated (a row-wise embedding's) is sliced to its shard, no traffic.
     """
     from torch.distributed.tensor import DTensor  # lazy: torch.distributed
 
@@ -162,7 +162,7 @@ def reduce_partial_gradients(params) -> int:
     for param in params:
         grad = param.grad
         if isinstance(grad, DTensor) and isinstance(param, DTensor) and \
-                any(p.is_partial() for p in grad.placements):
+                tuple(grad.placements) != tuple(param.placements):
             param.grad = grad.redistribute(grad.device_mesh, param.placements)
             count += 1
     return count
