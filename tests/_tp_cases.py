@@ -133,8 +133,13 @@ def tp_case(schedule: str, sequence_parallel: bool = False, pool: bool = False,
             grad_err = max(grad_err, ((grad - want).abs().max() / (want.abs().max() + 1e-6)).item())
             names.append(name)
     loss_err = None if loss is None else abs(float(loss) - ref_loss) / abs(ref_loss)
+    from pp_core.parallel.gradients import clip_grad_norm
+
+    norm = clip_grad_norm([p for part in pipe.model_parts for p in part.parameters()], None,
+                          mesh["pp"].get_group())
+    ref_norm = float(torch.cat([p.grad.flatten() for p in ref_model.parameters()]).norm())
     return {"loss_err": loss_err, "grad_err": grad_err, "names": names, "modules": modules,
-            "stages": pipe.stage_indices, "counts": counts, "placements": sorted(placements),
+            "norm_err": abs(norm - ref_norm) / ref_norm, "stages": pipe.stage_indices, "counts": counts, "placements": sorted(placements),
             "tp_rank": mesh["tp"].get_local_rank()}
 
 
