@@ -195,13 +195,14 @@ def _check_combinations(values: dict, problems: list[str], checkpoints_off: bool
                                 f"checkpoint.dir unset; add checkpoint.dir: <path>")
     _fold_dp_size(dist, problems)
     world = dist["pp_size"] * dist["dp_size"] * dist["tp_size"]
+    product = "pp_size * dp_size" + (" * tp_size" if dist["tp_size"] > 1 else "")
     nproc = dist["nproc_per_node"]
     if nproc is None and world % dist["nnodes"]:
-        problems.append(f"distributed.nnodes: pp_size * dp_size * tp_size = {world} ranks cannot "
+        problems.append(f"distributed.nnodes: {product} = {world} ranks cannot "
                         f"be shared evenly by nnodes={dist['nnodes']}; use an nnodes that divides {world}")
     elif nproc is not None and nproc * dist["nnodes"] != world:
         problems.append(f"distributed.nproc_per_node: expected nnodes * nproc_per_node = "
-                        f"pp_size * dp_size * tp_size = {world}, found {dist['nnodes']} * {nproc}")
+                        f"{product} = {world}, found {dist['nnodes']} * {nproc}")
     if dist["sequence_parallel"] and dist["tp_size"] == 1:
         problems.append("distributed.sequence_parallel: shards activations over the tp ranks, "
                         "found tp_size = 1; set distributed.tp_size > 1 or drop sequence_parallel")
