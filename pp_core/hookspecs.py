@@ -26,6 +26,7 @@ __all__ = [
     "pp_register_models",
     "pp_register_datasets",
     "pp_runtime_initializers",
+    "pp_tensor_parallel_plan",
     "pp_expert_parallel_plan",
     "pp_make_recv_buffer_allocator",
     "pp_pipeline_step",
@@ -136,6 +137,26 @@ def pp_expert_parallel_plan(model: "nn.Module") -> Optional[dict[str, Any]]:
     ``pp_core.parallel.apply_expert_parallel`` asks it for each model part. Built-in:
     ``pp_core_builtins.models`` returns ``model.expert_parallel_plan()`` when the model defines
     it (``moe_gpt``).
+    """
+
+
+@hookspec(firstresult=True)
+def pp_tensor_parallel_plan(model: "nn.Module", sequence_parallel: bool) -> Optional[dict]:
+    """Return the tensor-parallel plan for ``model`` when this plugin knows it, else ``None``.
+
+    :param model: the whole model (``pp-core validate``) or one model part of this rank (a part
+        keeps the model's class and FQNs, with the modules of other stages removed or ``None``).
+    :param sequence_parallel: ``distributed.sequence_parallel``: also shard the activations
+        between the matmuls (norms, dropout) along the sequence (``SequenceParallel``).
+    :returns: a ``torch.distributed.tensor.parallel.parallelize_module`` plan,
+        ``{module path relative to model: ParallelStyle}`` (``*`` matches one name, e.g.
+        ``layers.*.qkv``); entries whose module a part does not hold are skipped. ``None``: not
+        a model this plugin knows.
+
+    Calling: first non-``None`` result wins (the last registered plugin is asked first). Used
+    by ``pp_core.parallel.apply_tensor_parallel`` and ``distributed.tp_size > 1``; a model no
+    plugin has a plan for is refused by ``pp-core validate``. Built-ins:
+    ``pp_core_builtins.models`` (``gpt``, ``uneven_gpt``), ``pp_core_builtins.transformers``.
     """
 
 

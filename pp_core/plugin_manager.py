@@ -342,6 +342,15 @@ class Plugins:
                              impl.plugin_name, step, type(exc).__name__, exc, DISABLE_ENV,
                              impl.plugin_name)
 
+    def tensor_parallel_plan(self, model, sequence_parallel: bool):
+        """The first plugin's ``pp_tensor_parallel_plan`` for ``model``, or ``None``."""
+        try:
+            return self.pm.hook.pp_tensor_parallel_plan(model=model,
+                                                        sequence_parallel=sequence_parallel)
+        except Exception as exc:
+            raise PluginError(f"a plugin raised in pp_tensor_parallel_plan for "
+                              f"{type(model).__name__}: {type(exc).__name__}: {exc}") from exc
+
     def recv_buffer_allocator(self, config, program, rank, device):
         return self.pm.hook.pp_make_recv_buffer_allocator(
             config=config, program=program, rank=rank, device=device

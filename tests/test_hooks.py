@@ -92,6 +92,35 @@ def test_hook_pp_runtime_initializers():
     assert [i.resource_key for i in found] == [("attention-workspace",)]
 
 
+def test_hook_pp_tensor_parallel_plan():
+    """The docs' plugin answers for its own model and passes (None) for others; the built-in
+    plan answers for the demo GPT; a model nobody knows is refused, saying how to provide one;
+    and validation names the module whose size tp_size does not divide."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from pp_core.errors import ConfigError
+    from pp_core.parallel.tensor_parallel import check_tensor_parallel, tensor_parallel_plan
+    from pp_core_builtins.models.gpt import GPT
+
+    module, namespace = _examples("pp_tensor_parallel_plan(model, sequence_parallel)")
+    module.pp_tensor_parallel_plan = namespace["pp_tensor_parallel_plan"]
+    module.__name__ = namespace["__name__"]
+    plugins = plugins_with(module)
+    plan = tensor_parallel_plan(namespace["TinyMLP"](), False, plugins)
+    assert set(plan) == {"up", "down"} and isinstance(plan["up"], ColwiseParallel)
+    gpt = GPT(vocab_size=32, dim=16, num_layers=2, num_heads=2, max_seq_len=16)
+    assert plugins.tensor_parallel_plan(gpt, True) is None  # the docs' plugin passes
+    gpt_plan = tensor_parallel_plan(gpt, True)  # the installed built-in answers for its model
+    assert "layers.*.qkv" in gpt_plan and "norm" in gpt_plan
+    assert "norm" not in tensor_parallel_plan(gpt, False)
+    assert check_tensor_parallel(gpt, gpt_plan, 2) == []
+    problems = check_tensor_parallel(gpt, gpt_plan, 3)
+    assert any("layers.0.proj.in_features = 16" in p for p in problems), problems
+    assert any("num_heads = 2" in p for p in problems), problems
+    with pytest.raises(ConfigError, match="pp_tensor_parallel_plan"):
+        tensor_parallel_plan(nn.Linear(2, 2), False, plugins)
+
+
 def test_hook_pp_make_recv_buffer_allocator_first_result_wins():
     sentinel = object()
 

@@ -96,8 +96,9 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
         world = int(os.environ["WORLD_SIZE"])
         if world != spec.world_size:
             raise ConfigError(
-                f"torchrun started {world} ranks, but distributed.pp_size * dp_size = "
-                f"{spec.distributed['pp_size']} * {spec.distributed['dp_size']} = "
+                f"torchrun started {world} ranks, but distributed.pp_size * dp_size * tp_size = "
+                f"{spec.distributed['pp_size']} * {spec.distributed['dp_size']} * "
+                f"{spec.distributed['tp_size']} = "
                 f"{spec.world_size}; pass --nnodes/--nproc-per-node that multiply to "
                 f"{spec.world_size}")
         return {int(os.environ.get("LOCAL_RANK", 0)): rank_main(_values(spec), entrypoint)}
@@ -108,8 +109,8 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
         if announce is not None:
             node = f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else ""
             announce(f"starting {layout.local_ranks} rank(s) on this machine (pp "
-                     f"{dist['pp_size']} x dp {dist['dp_size']}{node}) on {layout.device} "
-                     f"({layout.reason})")
+                     f"{dist['pp_size']} x dp {dist['dp_size']} x tp {dist['tp_size']}{node}) on "
+                     f"{layout.device} ({layout.reason})")
         with _launch_temp_dir() as logs:
             return _elastic_launch(spec, entrypoint, layout.local_ranks, endpoint, logs)
 

@@ -35,7 +35,8 @@ def local_ranks(distributed: dict, environ=None) -> int:
         return int(env["LOCAL_WORLD_SIZE"])
     if distributed["nproc_per_node"]:
         return distributed["nproc_per_node"]
-    return distributed["pp_size"] * distributed["dp_size"] // distributed["nnodes"]
+    return (distributed["pp_size"] * distributed["dp_size"] * distributed.get("tp_size", 1)
+            // distributed["nnodes"])
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,28 @@ def _check_expert_parallel(spec: Spec, model, plugins, problems: list[str]) -> N
             return
 
 
+def _check_tensor_parallel(spec: Spec, model, plugins, problems: list[str], notes) -> None:
+    """``distributed.tp_size > 1``: a plugin must have a plan for the model, and the plan's
+    sharded dimensions and the model's head counts must divide by tp_size."""
+    tp, sequence_parallel = spec.distributed["tp_size"], spec.distributed["sequence_parallel"]
+    if tp <= 1:
+        return
+    # lazy: torch (the plan's styles) only when tensor parallelism is asked for
+    from pp_core.parallel.tensor_parallel import (check_tensor_parallel, plan_modules,
+                                                  tensor_parallel_plan)
+
+    try:
+        plan = tensor_parallel_plan(model, sequence_parallel, plugins)
+    except PPCoreError as exc:
+        problems.append(str(exc))
+        return
+    found = check_tensor_parallel(model, plan, tp)
+    problems.extend(found)
+    if not found:
+        notes.append(f"distributed.tp_size: {len(plan_modules(model, plan))} modules sharded "
+                     f"{tp} ways (sequence parallel {'on' if sequence_parallel else 'off'})")
+
+
 def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: list[str]):
     """Plan the split and the schedule on the meta device with the function every rank plans
     with; returns the meta model (``None`` where it could not be built)."""
@@ -182,6 +204,7 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
     if model is not None:
         _check_blocks(spec, model, problems)
         _check_expert_parallel(spec, model, plugins, problems)
+        _check_tensor_parallel(spec, model, plugins, problems, result.notes)
     if auto and _splitter(spec) is not None:  # the planner uses it: it must take the model
         from pp_core.planning.split import select_splitter  # lazy: only for auto with a splitter
 

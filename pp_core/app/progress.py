@@ -114,8 +114,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"pp-core run summary: {summary.get('source', '')}".rstrip()]
     lines.append(
         f"  {summary['model']} ({summary['num_params'] / 1e6:.2f}M params) on {summary['data']}; "
-        f"schedule {summary['schedule']}, pp {summary['pp_size']} x dp {summary['dp_size']}, "
+        f"schedule {summary['schedule']}, pp {summary['pp_size']} x dp {summary['dp_size']}"
+        f"{' x tp ' + str(summary['tp_size']) if summary.get('tp_size', 1) > 1 else ''}, "
         f"{summary['num_stages']} stages, {summary['num_microbatches']} microbatches/step")
+    if summary.get("mesh"):
+        lines.append(f"  mesh {summary['mesh']}")
     first_step, last_step = summary["first_step"], summary["last_step"]
     lines.append(f"  steps {first_step}..{last_step} in {format_duration(summary['wall_s'])} "
                  f"({summary['tokens_per_step']:,} tokens/step)")

@@ -101,6 +101,12 @@ class ActionTimer(ActionObserver):
         return records
 
 
+def describe_mesh(mesh) -> str:
+    """``pp 2 x dp_replicate 1 x dp_shard 1 x tp 2`` for a named device mesh."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return " x ".join(f"{name} {mesh.size(i)}" for i, name in enumerate(names))
+
+
 class RunRecorder:
     """Per-rank bookkeeping of a run; only the first rank writes files and prints."""
 
@@ -308,6 +314,7 @@ class RunRecorder:
             "source": spec.source, "model": model, "data": spec.data["name"],
             "num_params": self.num_params, "schedule": schedule.name if schedule else
             spec.pipeline["pp_schedule"], "pp_size": self.ctx.pp_size, "dp_size": self.ctx.dp_size,
+            "tp_size": getattr(self.ctx, "tp_size", 1), "mesh": describe_mesh(self.ctx.mesh),
             "num_stages": schedule.num_stages if schedule else None,
             "num_microbatches": spec.pipeline_config().num_microbatches,
             "first_step": start_step + 1, "last_step": self.steps[-1] if self.steps else start_step,

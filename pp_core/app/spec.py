@@ -65,7 +65,8 @@ class Spec:
 
     @property
     def world_size(self) -> int:
-        return self.values["distributed"]["pp_size"] * self.values["distributed"]["dp_size"]
+        dist = self.values["distributed"]
+        return dist["pp_size"] * dist["dp_size"] * dist.get("tp_size", 1)
 
     @property
     def global_batch_size(self) -> int:
@@ -194,14 +195,18 @@ def _check_combinations(values: dict, problems: list[str], checkpoints_off: bool
                                 f"checkpoint.dir unset; add checkpoint.dir: <path>")
     _fold_dp_size(dist, problems)
     _check_ep_size(dist, ckpt, problems)
-    world = dist["pp_size"] * dist["dp_size"]
+    world = dist["pp_size"] * dist["dp_size"] * dist["tp_size"]
+    product = "pp_size * dp_size" + (" * tp_size" if dist["tp_size"] > 1 else "")
     nproc = dist["nproc_per_node"]
     if nproc is None and world % dist["nnodes"]:
-        problems.append(f"distributed.nnodes: pp_size * dp_size = {world} ranks cannot be shared "
-                        f"evenly by nnodes={dist['nnodes']}; use an nnodes that divides {world}")
+        problems.append(f"distributed.nnodes: {product} = {world} ranks cannot "
+                        f"be shared evenly by nnodes={dist['nnodes']}; use an nnodes that divides {world}")
     elif nproc is not None and nproc * dist["nnodes"] != world:
         problems.append(f"distributed.nproc_per_node: expected nnodes * nproc_per_node = "
-                        f"pp_size * dp_size = {world}, found {dist['nnodes']} * {nproc}")
+                        f"{product} = {world}, found {dist['nnodes']} * {nproc}")
+    if dist["sequence_parallel"] and dist["tp_size"] == 1:
+        problems.append("distributed.sequence_parallel: shards activations over the tp ranks, "
+                        "found tp_size = 1; set distributed.tp_size > 1 or drop sequence_parallel")
     if dist["nnodes"] > 1 and dist["master_port"] is None and dist["rdzv_endpoint"] is None:
         problems.append("distributed.master_port: expected a port every node can reach when "
                         "nnodes > 1 (or set distributed.rdzv_endpoint: host:port), found none")

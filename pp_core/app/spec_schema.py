@@ -269,6 +269,11 @@ SCHEMA: dict[str, list[Key]] = {
             "together with dp_shard)"),
         Key("dp_size", _int(1), 1, "dp_replicate * dp_shard; written alone (older files) it "
             "means dp_replicate"),
+        Key("tp_size", _int(1), 1, "tensor-parallel degree inside each stage (torch's "
+            "parallelize_module with the model's plan from the pp_tensor_parallel_plan hook; the "
+            "innermost mesh dimension)"),
+        Key("sequence_parallel", _bool, False, "with tp_size > 1: also shard norms and the "
+            "activations between blocks and stages along the sequence"),
         Key("ep_size", _int(1), 1, "expert-parallel degree: each MoE layer's experts are sharded "
             "over this many of the dp ranks (it divides dp_replicate * dp_shard and num_experts; "
             "docs/composition.md)"),

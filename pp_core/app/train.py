@@ -1,10 +1,10 @@
 """The training loop every rank of ``pp-core run`` executes.
 
-One rank's life: join the process group, lay the ranks out as a 3-D device mesh
-``(pp, dp_replicate, dp_shard)``,
+One rank's life: join the process group, lay the ranks out as one device mesh
+``(pp, dp_replicate, dp_shard, tp)`` (:func:`pp_core.parallel.mesh.build_device_mesh`),
 build the whole model with the run's seed (so every rank starts from the same weights, whatever
 the layout), cut out this rank's stages with :func:`pp_core.build_pipeline` over the mesh's pp
-group, hand the parts to torch's data parallelism (FSDP2 / HSDP / ``replicate``, through
+group, shard them over the tp dimension (:func:`pp_core.parallel.apply_tensor_parallel`), hand the parts to torch's data parallelism (FSDP2 / HSDP / ``replicate``, through
 :func:`pp_core.parallel.apply_data_parallel`; ``Pipeline.step`` reduces their gradients once per
 step), then for each step: take this dp rank's slice of the global batch, run the pipeline step,
 clip, step the optimizers, and report. Checkpoints, evaluation, metrics, the trace and the summary hang off the
@@ -39,10 +39,12 @@ from pp_core.app.run_outputs import RunRecorder
 from pp_core.app.spec import Spec
 from pp_core.errors import PipelineError
 from pp_core.losses import pop_aux_losses
-from pp_core.parallel import apply_activation_checkpointing, apply_compile, apply_data_parallel
+from pp_core.parallel import (apply_activation_checkpointing, apply_compile, apply_data_parallel,
+                              apply_tensor_parallel)
 from pp_core.parallel.expert import (apply_expert_parallel, expert_parallel_groups,
                                      expert_parameters, sync_expert_gradients)
 from pp_core.parallel.gradients import clip_grad_norm, finish_gradients, tied_copies
+from pp_core.parallel.mesh import build_device_mesh
 from pp_core.runtime.microbatch import kwargs_chunk_dims, num_tokens
 
 __all__ = ["train", "lr_factor", "RankContext"]
@@ -68,8 +70,6 @@ class RankContext:
     """Process group, mesh and device of this rank (``dp_rank``, ``pp_rank``, groups)."""
 
     def __init__(self, spec: Spec):
-        from torch.distributed.device_mesh import init_device_mesh
-
         layout = RankLayout.of(spec)
         device_type = layout.device
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -84,12 +84,14 @@ class RankContext:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         pp, dp = spec.distributed["pp_size"], spec.distributed["dp_size"]
         replicate, shard = spec.distributed["dp_replicate"], spec.distributed["dp_shard"]
-        if self.world_size != pp * dp:
+        tp = spec.distributed["tp_size"]
+        if self.world_size != pp * dp * tp:
             raise PipelineError(f"{self.world_size} ranks joined, but pp_size * dp_replicate * "
-                                f"dp_shard = {pp} * {replicate} * {shard} = {pp * dp}")
-        # pp outermost (as torchtitan): a dp group's ranks are neighbours, on one node if possible
-        self.mesh = init_device_mesh(device_type, (pp, replicate, shard),
-                                     mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+                                f"dp_shard * tp_size = {pp} * {replicate} * {shard} * {tp} = "
+                                f"{pp * dp * tp}")
+        # pp outermost, tp innermost (as torchtitan): a tp group's ranks are neighbours
+        self.mesh = build_device_mesh(spec.distributed, device_type)
+        self.tp_mesh, self.tp_size = self.mesh["tp"], tp
         self.pp_mesh, self.dp_mesh = self.mesh["pp"], self.mesh["dp_replicate", "dp_shard"]
         self.pp_group = self.pp_mesh.get_group()
         self.pp_rank = self.pp_mesh.get_local_rank()
@@ -127,6 +129,9 @@ def _build(spec: Spec, ctx: RankContext):
                           timeout=timeout, splitter=splitter,
                           dp_group=ctx.dp_mesh if ctx.dp_size > 1 else None)
     del model
+    # tensor parallel right after the split, before AC, compile and FSDP2 (torchtitan's order)
+    apply_tensor_parallel(pipe.model_parts, ctx.tp_mesh,
+                          sequence_parallel=spec.distributed["sequence_parallel"])
     if ctx.expert_groups is not None:  # experts sharded before AC, compile and dp wrap them
         apply_expert_parallel(pipe.model_parts, ctx.ep_group)
     apply_parallelisms(pipe.model_parts, checkpointing, spec.train["compile"])

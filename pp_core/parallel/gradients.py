@@ -70,7 +70,10 @@ def _squared_norm(params: list[nn.Parameter], skip: set[int], device) -> torch.T
             continue
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         square = local.detach().double().pow(2).sum()
-        dims = tuple(i for i, place in enumerate(grad.placements) if place.is_shard()) \
+        # sharded over a dim: anything neither replicated nor a pending sum (Shard, and the
+        # _StridedShard of a fused tensor-parallel weight, whose is_shard() is False)
+        dims = tuple(i for i, place in enumerate(grad.placements)
+                     if not (place.is_replicate() or place.is_partial())) \
             if isinstance(grad, DTensor) else ()
         if dims:
             key = (grad.device_mesh, dims)

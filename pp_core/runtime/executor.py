@@ -33,7 +33,7 @@ from pp_core.runtime.comm import Incoming, Mailbox, P2P
 from pp_core.runtime.dp_sync import DataParallelDriver
 from pp_core.runtime.microbatch import num_tokens
 from pp_core.runtime.observers import run_action, waiting
-from pp_core.runtime.stage import Stage, as_outputs, make_stage_inputs
+from pp_core.runtime.stage import Stage, as_dtensors, as_outputs, local_outputs, make_stage_inputs
 from pp_core.runtime.token_loss import scaled_loss
 from pp_core.runtime.wire import ReceivedShapes, ShapeHistory
 from pp_core.schedule.ir import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
@@ -114,6 +114,7 @@ class Executor:
         self.inputs: dict[int, Any] = {}      # key -> stage inputs needing grad
         self.outputs: dict[int, list] = {}    # key -> outputs needing grad (scaled loss last)
         self.to_send: dict[int, tuple] = {}   # key -> outputs for SEND_F / local hand-off
+        self.layouts: dict[int, tuple] = {}   # key -> DTensor placements of those outputs
         self.messages: dict[int, Incoming] = {}   # RECV_F keys (>= 0), RECV_B keys (< 0)
         self.grads_back: dict[int, list] = {}  # key -> input grads for SEND_B / local hand-off
         self.weight: dict[int, Any] = {}
@@ -177,7 +178,8 @@ class Executor:
 
     def abort(self) -> None:
         """Drop every tensor and pending operation of a failed step."""
-        for name in ("inputs", "outputs", "to_send", "messages", "grads_back", "weight"):
+        for name in ("inputs", "outputs", "to_send", "layouts", "messages", "grads_back",
+                     "weight"):
             if hasattr(self, name):
                 getattr(self, name).clear()
         self.mailbox.clear()
@@ -204,6 +206,7 @@ class Executor:
             args = self.mb_inputs[mb]
         elif stage.local_prev:
             args = make_stage_inputs(self.to_send.pop(key - M), train)
+            placements = self.layouts.pop(key - M, None)
         else:
             message = self.messages.pop(key)
             tensors = self._receive(message)
@@ -211,17 +214,21 @@ class Executor:
                 tensors = self.consume(message.lifetime, tensors)
             args = tuple(t.detach().requires_grad_(True) if train and meta.requires_grad
                          else t for t, meta in zip(tensors, message.metas))
+            placements = [meta.placements for meta in message.metas]
         if self.position in self.prepare_at and self.initializers:
             count = num_tokens(self.mb_inputs[mb] if self.mb_inputs is not None else args)
             for initializer in self.initializers:
                 initializer.prepare(num_tokens=count, device=self.device)
         with torch.set_grad_enabled(train), self.data_parallel.forward(stage_index, train):
-            output = stage(args, self.mb_kwargs[mb] if self.mb_kwargs is not None else None)
+            call_args = args if stage.is_first else as_dtensors(stage, args, placements)
+            output = stage(call_args, self.mb_kwargs[mb] if self.mb_kwargs is not None else None)
             if stage.is_last:
                 self._finish(stage_index, mb, key, output)
-            else:
-                outs = as_outputs(output, stage_index, self.dtype)
+            else:  # DTensors travel as local shards, their placements alongside
+                outs, layouts = local_outputs(as_outputs(output, stage_index, self.dtype))
                 self.to_send[key] = outs
+                if layouts is not None:
+                    self.layouts[key] = layouts
                 if train:
                     self.outputs[key] = [t for t in outs if t.requires_grad]
                     if self.early_receives and not stage.local_next:

@@ -42,6 +42,7 @@ def end_failed_step(executor, p2p, rank: int, exc: Exception) -> NoReturn:
     traceback.clear_frames(exc.__traceback__)  # its frames hold pending operations
     executor.data_parallel.fail(report)
     p2p.publish_and_abort(report)
+    _abort_tensor_parallel(executor.stages, report)
     logger.error("pipeline step failed: %s", message)
     raise PipelineError(message) from cause
 
@@ -62,3 +63,32 @@ def forget_frames(exc: BaseException) -> None:
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)
         pending += [exc.__cause__, exc.__context__]
+
+
+def _abort_tensor_parallel(stages: dict, report: str) -> None:
+    """Tensor parallel stages: publish ``report`` on the tp groups' stores, abort and destroy
+    the groups (as the dp driver does for FSDP's). As there, a tp peer already waiting in a
+    collective for this rank may only be released at the group's timeout (gloo); its pipeline
+    peers are told through the pipeline's own store at once."""
+    import torch.distributed as dist  # lazy: only a failed step of a tp pipeline gets here
+
+    from pp_core._torch_compat import process_group_store
+    from pp_core.runtime.comm import publish
+
+    groups = {}
+    for stage in stages.values():
+        for param in stage.module.parameters():
+            mesh = getattr(param, "device_mesh", None)
+            if mesh is not None:
+                for dim in range(mesh.ndim):
+                    group = mesh.get_group(dim)
+                    groups[id(group)] = group
+    for group in groups.values():
+        try:
+            publish(process_group_store(group), "pp_core/tp/error", report)
+            # abort, not only destroy: the mesh keeps the group alive, and a peer waiting in a
+            # collective is released only when the connections close
+            group.abort()
+            dist.destroy_process_group(group)
+        except Exception:
+            pass

@@ -39,6 +39,7 @@ from torch import nn
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PPCoreError
 from pp_core.losses import counts_tokens, resolve_loss
+from pp_core.parallel.tensor_parallel import reduce_partial_gradients
 from pp_core.parallel.tied import align_tied_copies, grad_baseline, sync_tied_gradients_of
 from pp_core.planning.parts import build_model_parts
 from pp_core.plugin_manager import plugins_or_default
@@ -222,11 +223,15 @@ class Pipeline:
                                    "(a callable, 'cross_entropy', or 'module:attr'), or call "
                                    "eval_step() for a forward pass"), before_traffic=True)
         self._sync_parts(train=True)
+        self._has_dtensors = any(hasattr(p, "device_mesh") for part in self.model_parts
+                                 for p in part.parameters())
 
         def run():
             baseline = grad_baseline(self.model_parts)  # weights several stages hold
             losses, _ = self._run(self._train, inputs, target, need_target=True,
                                   stage_kwargs=stage_kwargs)
+            if self._has_dtensors:  # tensor parallel: partial sums of replicated params, once
+                reduce_partial_gradients(p for part in self.model_parts for p in part.parameters())
             if baseline:  # their gradients summed over the ranks holding them
                 sync_tied_gradients_of(self.model_parts, self.schedule.stage_ranks, self.rank,
                                        self.group, baseline)

@@ -17,7 +17,7 @@ from torch import nn
 
 from pp_core.errors import PipelineError
 
-__all__ = ["Stage", "as_outputs", "make_stage_inputs"]
+__all__ = ["Stage", "as_outputs", "make_stage_inputs", "local_outputs", "as_dtensors"]
 
 
 class Stage:
@@ -48,6 +48,27 @@ class Stage:
     def __repr__(self) -> str:
         return f"Stage({self.index}, {type(self.module).__name__})"
 
+    def dtensor_mesh(self, placements):
+        """The device mesh a received DTensor lives on here: that of the part's DTensor
+        parameters with as many dimensions as ``placements`` (its tp mesh). Asked once."""
+        meshes = getattr(self, "_meshes", None)
+        if meshes is None:
+            meshes = self._meshes = {}
+            from torch.distributed.tensor import DTensor  # lazy: only stages that get DTensors
+
+            for param in self.module.parameters():
+                if isinstance(param, DTensor):
+                    meshes.setdefault(param.device_mesh.ndim, param.device_mesh)
+        mesh = meshes.get(len(placements))
+        if mesh is None:
+            raise PipelineError(
+                f"stage {self.index} received a DTensor (placements {tuple(placements)}) but its "
+                f"model part has no {len(placements)}-D DTensor parameters to take the device "
+                f"mesh from; apply tensor parallelism to this stage too "
+                f"(pp_core.parallel.apply_tensor_parallel), or return .to_local() from stage "
+                f"{self.index - 1}")
+        return mesh
+
 
 def as_outputs(value: Any, stage: int, dtype) -> tuple[torch.Tensor, ...]:
     """A non-last stage's output as a tuple of tensors (floating ones cast to ``dtype``)."""
@@ -74,3 +95,25 @@ def make_stage_inputs(tensors, grad_enabled: bool) -> tuple[torch.Tensor, ...]:
             leaf.requires_grad_(True)
         result.append(leaf)
     return tuple(result)
+
+
+def local_outputs(outs: tuple) -> tuple[tuple, Optional[tuple]]:
+    """A stage's outputs with every DTensor replaced by its local shard (differentiably, so its
+    gradient comes back as a local shard too), and the placements of each output (``()`` for a
+    plain tensor; ``None`` when no output is a DTensor)."""
+    if not any(type(t) is not torch.Tensor and hasattr(t, "to_local") for t in outs):
+        return outs, None
+    return (tuple(t.to_local() if hasattr(t, "to_local") else t for t in outs),
+            tuple(tuple(t.placements) if hasattr(t, "to_local") else () for t in outs))
+
+
+def as_dtensors(stage: Stage, leaves: tuple, placements) -> tuple:
+    """The next stage's inputs: each leaf whose sender had a DTensor becomes a DTensor again
+    (``DTensor.from_local`` on this stage's tp mesh, differentiable: the leaf's gradient is the
+    local shard of the input gradient); plain tensors pass as they are."""
+    if not placements or not any(placements):
+        return leaves
+    from torch.distributed.tensor import DTensor  # lazy: torch.distributed
+
+    return tuple(DTensor.from_local(leaf, stage.dtensor_mesh(places), places, run_check=False)
+                 if places else leaf for leaf, places in zip(leaves, placements))

@@ -37,7 +37,9 @@ def send_forward(ex, action) -> None:
     stage_index = action.stage
     key = stage_index * ex.num_microbatches + action.microbatch
     outs = ex.to_send.pop(key)
-    metas = [TensorMeta.of(t) for t in outs]
+    layouts = ex.layouts.pop(key, None)  # DTensor outputs: local shards, placements in headers
+    metas = [TensorMeta(tuple(t.shape), t.dtype, t.requires_grad, layouts[i] if layouts else ())
+             for i, t in enumerate(outs)]
     header = None
     tensors = [t.detach().contiguous() for t in outs]
     peer = ex.stages[stage_index].next_rank

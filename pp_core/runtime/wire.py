@@ -34,26 +34,61 @@ _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
 class TensorMeta(NamedTuple):
-    """What a receiver must know to allocate a buffer for one tensor."""
+    """What a receiver must know to allocate a buffer for one tensor; ``placements``: the
+    DTensor placements of a sent DTensor (its local shard travels), empty for a plain tensor."""
 
     shape: tuple
     dtype: torch.dtype
     requires_grad: bool
+    placements: tuple = ()
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "TensorMeta":
         return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
 
 
+_HAS_PLACEMENTS = 2  # flag bit next to requires_grad (bit 0)
+
+
+def encode_placements(placements: Sequence) -> list[int]:
+    """DTensor placements as numbers: ``Replicate`` 0, ``Partial("sum")`` 1, ``Shard(d)`` 2 + d."""
+    from torch.distributed.tensor import Partial, Replicate, Shard  # lazy: torch.distributed
+
+    codes = []
+    for place in placements:
+        if type(place) is Shard:
+            codes.append(2 + place.dim)
+        elif isinstance(place, Replicate):
+            codes.append(0)
+        elif isinstance(place, Partial) and place.reduce_op == "sum":
+            codes.append(1)
+        else:
+            raise PipelineError(
+                f"cannot send a DTensor with placement {place} between stages (supported: "
+                f"Replicate, Shard(dim), Partial('sum')); redistribute it at the end of the stage "
+                f"(a PrepareModuleOutput in the tensor-parallel plan) or return .to_local()")
+    return codes
+
+
+def decode_placements(codes: Sequence[int]) -> tuple:
+    from torch.distributed.tensor import Partial, Replicate, Shard  # lazy: torch.distributed
+
+    return tuple(Replicate() if c == 0 else Partial() if c == 1 else Shard(c - 2) for c in codes)
+
+
 def encode_header(metas: Sequence[TensorMeta]) -> list[int]:
-    """``[n, (dtype, requires_grad, ndim, *shape) * n]`` padded with zeros to ``HEADER_LEN``."""
+    """``[n, (dtype, flags, ndim, *shape[, nplacements, *placements]) * n]`` padded with zeros
+    to ``HEADER_LEN``; flags: bit 0 requires grad, bit 1 a DTensor's placements follow."""
     values = [len(metas)]
     for meta in metas:
         code = _DTYPE_CODE.get(meta.dtype)
         if code is None:
             raise PipelineError(f"cannot send a tensor of dtype {meta.dtype} between stages; "
                                 f"supported: {', '.join(str(d) for d in _DTYPES)}")
-        values += [code, int(meta.requires_grad), len(meta.shape), *meta.shape]
+        flags = int(meta.requires_grad) | (_HAS_PLACEMENTS if meta.placements else 0)
+        values += [code, flags, len(meta.shape), *meta.shape]
+        if meta.placements:
+            values += [len(meta.placements), *encode_placements(meta.placements)]
     if len(values) > HEADER_LEN:
         raise PipelineError(
             f"the stage output ({len(metas)} tensors, shapes {[m.shape for m in metas]}) needs "
@@ -65,10 +100,16 @@ def encode_header(metas: Sequence[TensorMeta]) -> list[int]:
 def decode_header(values: Sequence[int]) -> list[TensorMeta]:
     count, pos, metas = values[0], 1, []
     for _ in range(count):
-        code, grad, ndim = values[pos:pos + 3]
+        code, flags, ndim = values[pos:pos + 3]
         pos += 3
-        metas.append(TensorMeta(tuple(values[pos:pos + ndim]), _DTYPES[code], bool(grad)))
+        shape = tuple(values[pos:pos + ndim])
         pos += ndim
+        placements = ()
+        if flags & _HAS_PLACEMENTS:
+            count = values[pos]
+            placements = decode_placements(values[pos + 1:pos + 1 + count])
+            pos += 1 + count
+        metas.append(TensorMeta(shape, _DTYPES[code], bool(flags & 1), placements))
     return metas
 
 

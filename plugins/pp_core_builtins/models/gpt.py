@@ -41,29 +41,44 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4):
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
-        self.num_heads = num_heads
-        self.attention_norm = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = nn.Linear(dim, dim, bias=False)
-        self.ffn_norm = nn.LayerNorm(dim)
+        self.init_attention(dim, num_heads)
         self.ffn = nn.Sequential(
             nn.Linear(dim, mlp_ratio * dim, bias=False), nn.GELU(),
             nn.Linear(mlp_ratio * dim, dim, bias=False),
         )
 
+    def init_attention(self, dim: int, num_heads: int) -> None:
+        """The attention half and the feed-forward's norm (registered in this order, so every
+        block kind keeps the same parameter names before its feed-forward)."""
+        if dim % num_heads:
+            raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.attention_norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.ffn_norm = nn.LayerNorm(dim)
+
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``mask``: a :func:`document_mask` (packed rows), else plain causal attention."""
-        batch, seq, dim = x.shape
-        q, k, v = self.qkv(self.attention_norm(x)).split(dim, dim=-1)
-        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+        x = self.attend(x, mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+    def attend(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x`` plus its self-attention (the block's first residual; every block kind shares it).
+
+        Shapes come from the projection, not from ``x``: under tensor parallelism (tp_plan.py) a
+        rank holds [q, k, v] of its heads only, and with sequence parallelism ``x`` is a
+        sequence shard."""
+        qkv = self.qkv(self.attention_norm(x))
+        batch, seq, width = qkv.shape
+        q, k, v = qkv.split(width // 3, dim=-1)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if mask is None:
             attended = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             attended = functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, dim))
-        return x + self.ffn(self.ffn_norm(x))
+        return x + self.proj(attended.transpose(1, 2).reshape(batch, seq, width // 3))
 
 
 class GPT(nn.Module):

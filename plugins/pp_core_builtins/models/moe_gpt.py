@@ -23,12 +23,14 @@ model's :meth:`MoEGPT.expert_parallel_plan` is what ``pp_expert_parallel_plan`` 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as functional
 from torch import nn
 
 from pp_core.losses import pop_aux_losses
-from pp_core_builtins.models.gpt import GPT
+from pp_core_builtins.models.gpt import GPT, Block
 from pp_core_builtins.models.moe_dispatch import (
     WORKSPACE_NAME, DispatchWorkspaceInitializer, dispatch_to_experts, group_name,
     inject_aux_loss, workspace_for)
@@ -145,26 +147,16 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
-class MoEBlock(nn.Module):
-    """The GPT block with :class:`MoE` as its feed-forward."""
+class MoEBlock(Block):
+    """The GPT block with :class:`MoE` as its feed-forward (attention is :class:`Block`'s)."""
 
     def __init__(self, dim: int, num_heads: int, moe: MoE):
-        super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
-        self.num_heads = num_heads
-        self.attention_norm = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = nn.Linear(dim, dim, bias=False)
-        self.ffn_norm = nn.LayerNorm(dim)
+        nn.Module.__init__(self)
+        self.init_attention(dim, num_heads)
         self.moe = moe
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = self.qkv(self.attention_norm(x)).split(dim, dim=-1)
-        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-        attended = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, dim))
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.attend(x, mask)
         return x + self.moe(self.ffn_norm(x))
 
 

@@ -116,3 +116,14 @@ def pp_expert_parallel_plan(model):
     from pp_core_builtins.transformers.experts import expert_parallel_plan
 
     return expert_parallel_plan(model)
+
+
+@hookimpl
+def pp_tensor_parallel_plan(model, sequence_parallel):
+    """Llama / Qwen2 / Mistral (``tp_plan.SUPPORTED``); ``None`` for any other model."""
+    if getattr(getattr(model, "config", None), "model_type", None) not in (
+            "llama", "qwen2", "mistral"):
+        return None
+    from pp_core_builtins.transformers.tp_plan import hf_decoder_plan
+
+    return hf_decoder_plan(model, sequence_parallel)

@@ -130,7 +130,8 @@ def validate_command(args) -> int:
     print(f"{spec.source}: ok")
     print(f"  model {spec.model['name'] or spec.model['target']}, data {spec.data['name']}, "
           f"loss {pipeline['loss_fn']}")
-    print(f"  {spec.world_size} ranks: pp {dist['pp_size']} x dp {dist['dp_size']}; global batch "
+    print(f"  {spec.world_size} ranks: pp {dist['pp_size']} x dp {dist['dp_size']}"
+          f"{' x tp ' + str(dist['tp_size']) if dist['tp_size'] > 1 else ''}; global batch "
           f"{spec.global_batch_size} = {pipeline['pp_batch_size']} per pipeline x "
           f"{dist['dp_size']}, {spec.pipeline_config().num_microbatches} microbatches of "
           f"{pipeline['pp_microbatch_size']}")

@@ -1,0 +1,48 @@
+"""Tensor-parallel plans of the Hugging Face decoders pp-core supports (Llama, Qwen2, Mistral).
+
+Megatron's layout, as torchtitan writes it for Llama: ``q_proj``, ``k_proj``, ``v_proj`` and the
+MLP's ``gate_proj`` / ``up_proj`` column-wise (each tp rank holds whole heads, query and key/value
+alike, so ``num_attention_heads`` and ``num_key_value_heads`` must divide by tp), ``o_proj`` and
+``down_proj`` row-wise, the input embedding row-wise (vocabulary split) and ``lm_head``
+column-wise with its logits gathered for the loss. Transformers' attention reshapes with ``-1``
+heads, so it runs on the local heads unchanged. A tied ``embed_tokens`` / ``lm_head`` pair is
+sharded alike (vocabulary rows) on both stages, so the tied-gradient sum
+(:mod:`~pp_core_builtins.transformers.tied`) pairs shard with shard.
+
+Sequence parallelism is not offered for these models yet (their stage forward builds masks and
+positions from the hidden states' sequence length): the plan refuses it with a message.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["SUPPORTED", "hf_decoder_plan"]
+
+SUPPORTED = ("llama", "qwen2", "mistral")
+
+
+def hf_decoder_plan(model, sequence_parallel: bool) -> Optional[dict]:
+    """The plan for a supported ``...ForCausalLM`` (whole or one part), else ``None``."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in SUPPORTED:
+        return None
+    if sequence_parallel:
+        raise ValueError(f"distributed.sequence_parallel is not supported for Hugging Face "
+                         f"{config.model_type} models yet; set sequence_parallel: false (tensor "
+                         f"parallelism itself works)")
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    layer = "model.layers.*"
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        f"{layer}.self_attn.q_proj": ColwiseParallel(),
+        f"{layer}.self_attn.k_proj": ColwiseParallel(),
+        f"{layer}.self_attn.v_proj": ColwiseParallel(),
+        f"{layer}.self_attn.o_proj": RowwiseParallel(),
+        f"{layer}.mlp.gate_proj": ColwiseParallel(),
+        f"{layer}.mlp.up_proj": ColwiseParallel(),
+        f"{layer}.mlp.down_proj": RowwiseParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }

@@ -1,0 +1,168 @@
+"""Torch's tensor parallelism inside a pipeline stage: ``parallelize_module`` on each model part.
+
+``apply_tensor_parallel(model_parts, tp_mesh, plan=None, sequence_parallel=False)`` shards every
+part in place over the 1-D ``tp_mesh`` (the ``"tp"`` dimension of the ``("pp", "dp_replicate",
+"dp_shard", "tp")`` mesh) with torch's own styles (``ColwiseParallel``, ``RowwiseParallel``,
+``SequenceParallel``, ``PrepareModuleInput``, ...). Parameter names never change: a sharded
+parameter becomes a DTensor under the same FQN, so checkpoints, tied weights and the optimizer
+see the same names. Apply it right after the split and before activation checkpointing, compile
+and FSDP2 (torchtitan's order: TP, AC, compile, then FSDP2 on the ``dp_shard`` sub-mesh).
+
+A *plan* is a ``parallelize_module`` plan: ``{module path: ParallelStyle}``, paths relative to
+the model (``layers.*.qkv``; ``*`` matches one name). Entries whose module a part does not hold
+(the embedding on a later stage) are skipped, so one plan serves every part. Plans come from
+plugins: the hook ``pp_tensor_parallel_plan(model, sequence_parallel)`` (docs/plugins.md); the
+built-in plugins answer for the demo GPT and the supported Hugging Face decoders.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Optional
+
+from torch import nn
+
+from pp_core.errors import ConfigError
+
+__all__ = ["apply_tensor_parallel", "tensor_parallel_plan", "check_tensor_parallel",
+           "plan_modules", "reduce_partial_gradients", "NO_PLAN_HELP"]
+
+NO_PLAN_HELP = (
+    "a tensor-parallel plan is a parallelize_module plan ({module path: ParallelStyle}); provide "
+    "one with a plugin implementing the hook pp_tensor_parallel_plan(model, sequence_parallel) "
+    "(docs/plugins.md), pass plan= to pp_core.parallel.apply_tensor_parallel, or set "
+    "distributed.tp_size: 1")
+
+
+def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False,
+                         plugins=None) -> dict[str, Any]:
+    """The plan the installed plugins give for ``model`` (a whole model or one part).
+
+    :raises ConfigError: no plugin knows the model (the message says how to provide a plan).
+    """
+    from pp_core.plugin_manager import plugins_or_default  # lazy: loads the entry points
+
+    plan = plugins_or_default(plugins).tensor_parallel_plan(model, sequence_parallel)
+    if plan is None:
+        raise ConfigError(f"distributed.tp_size: no plugin provides a tensor-parallel plan for "
+                          f"the model {type(model).__name__}; {NO_PLAN_HELP}")
+    return dict(plan)
+
+
+def plan_modules(model: nn.Module, plan: dict) -> list[tuple[str, nn.Module, Any]]:
+    """``[(fqn, module, style)]`` for every module of ``model`` a plan entry matches."""
+    found = []
+    for pattern, style in plan.items():
+        parts = pattern.split(".")
+        for name, module in model.named_modules():
+            names = name.split(".") if name else []
+            if len(names) == len(parts) and all(fnmatch.fnmatchcase(n, p)
+                                                for n, p in zip(names, parts)):
+                found.append((name, module, style))
+    return found
+
+
+def apply_tensor_parallel(model_parts: list[nn.Module], tp_mesh, plan: Optional[dict] = None,
+                          sequence_parallel: bool = False, plugins=None) -> int:
+    """Shard each part in place over ``tp_mesh``; returns how many modules were parallelized.
+
+    :param model_parts: this rank's parts (``pipe.model_parts``), after the split.
+    :param tp_mesh: a 1-D ``DeviceMesh`` (``mesh["tp"]``); of size 1 nothing happens.
+    :param plan: a ``parallelize_module`` plan for every part; ``None``: each part's plan from
+        the ``pp_tensor_parallel_plan`` hook.
+    :param sequence_parallel: passed to the hook (a given ``plan`` already chose).
+    """
+    from torch.distributed.tensor.parallel import parallelize_module  # lazy: torch.distributed
+
+    if tp_mesh is None or tp_mesh.size() == 1:
+        return 0
+    if tp_mesh.ndim != 1:
+        raise ConfigError(f"apply_tensor_parallel: expected a 1-D tp mesh (mesh['tp']), found "
+                          f"{tp_mesh.ndim} dimensions")
+    count = 0
+    for part in model_parts:
+        part_plan = dict(plan) if plan is not None else tensor_parallel_plan(
+            part, sequence_parallel, plugins)
+        problems = check_tensor_parallel(part, part_plan, tp_mesh.size())
+        if problems:
+            raise ConfigError("; ".join(problems))
+        for name, module, style in plan_modules(part, part_plan):
+            parallelize_module(module, tp_mesh, style)
+            count += 1
+    return count
+
+
+def _style_dim(style) -> Optional[str]:
+    """Which side of a Linear / Embedding a style shards: ``"out"`` (column-wise), ``"in"``
+    (row-wise), or ``None`` (replicated weights, input/output preparation)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(style, ColwiseParallel):
+        return "out"
+    if isinstance(style, RowwiseParallel):
+        return "in"
+    return None
+
+
+_HEAD_NAMES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_heads",
+               "num_kv_heads", "n_kv_heads")
+
+
+def check_tensor_parallel(model: nn.Module, plan: dict, tp_size: int,
+                          key: str = "distributed.tp_size") -> list[str]:
+    """What keeps ``plan`` from sharding ``model`` ``tp_size`` ways: each sharded dimension
+    (out features of a column-wise Linear, in features of a row-wise one, rows of a row-wise
+    Embedding) and every head count of the model (``num_heads``, ``num_key_value_heads``, ... on
+    its modules or its ``config``) must be divisible by ``tp_size``. Problems name the key, the
+    module and the fix; none when the plan fits."""
+    problems = []
+    if tp_size <= 1:
+        return problems
+    fix = f"use a {key} that divides it, or change the model"
+    for name, module, style in plan_modules(model, plan):
+        side = _style_dim(style)
+        if side is None:
+            continue
+        if isinstance(module, nn.Linear):
+            size, what = ((module.out_features, "out_features") if side == "out"
+                          else (module.in_features, "in_features"))
+        elif isinstance(module, nn.Embedding):
+            size, what = ((module.embedding_dim, "embedding_dim") if side == "out"
+                          else (module.num_embeddings, "num_embeddings (vocabulary)"))
+        else:
+            continue
+        if size % tp_size:
+            problems.append(f"{key}: {tp_size} does not divide {name}.{what} = {size}; {fix}")
+    heads = {}
+    for name, module in model.named_modules():
+        for source in (module, getattr(module, "config", None)):
+            for attr in _HEAD_NAMES:
+                value = getattr(source, attr, None) if source is not None else None
+                if isinstance(value, int) and value > 0:
+                    heads.setdefault(attr, (value, name or type(model).__name__))
+    for attr, (value, where) in heads.items():
+        if value % tp_size:
+            problems.append(f"{key}: {tp_size} does not divide {attr} = {value} (of {where}); "
+                            f"each tp rank computes whole heads; {fix}")
+    return problems
+
+
+def reduce_partial_gradients(params) -> int:
+    """Give every DTensor gradient the placements of its parameter; returns how many changed.
+
+    A parameter replicated over tp that sees sequence shards (a norm under sequence parallelism)
+    gets a gradient that is a partial sum on each tp rank. ``Pipeline.step`` reduces it once per
+    step, after the last microbatch (one all-reduce per such parameter per step, not one per
+    microbatch), so optimizers, clipping and checkpoints see the parameter's own layout. A
+    gradient torch left replicated (a row-wise embedding's) is sliced to its shard, no traffic.
+    """
+    from torch.distributed.tensor import DTensor  # lazy: torch.distributed
+
+    count = 0
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and isinstance(param, DTensor) and \
+                tuple(grad.placements) != tuple(param.placements):
+            param.grad = grad.redistribute(grad.device_mesh, param.placements)
+            count += 1
+    return count
