@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 
-import torch
 import torch.distributed as dist
 
 from pp_core import PipelineConfig, build_pipeline

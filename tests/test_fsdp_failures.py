@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from pp_core import PipelineConfig, build_pipeline

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from _dist import DistPool
-from pp_core import ConfigError, PipelineConfig, build_pipeline
+from pp_core import PipelineConfig, build_pipeline
 
 NUM_RANKS = 2
 

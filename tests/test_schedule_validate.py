@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from _calls import count_calls
 
-from pp_core import Action, B, F, I, ScheduleDef, ScheduleError, W, hookimpl
+from pp_core import Action, B, F, ScheduleDef, ScheduleError, hookimpl
 from pp_core.plugin_manager import load_plugins
 from pp_core.schedule.build import build_schedule
 from pp_core.schedule.ir import SEND_F, Schedule, parse_action

@@ -87,9 +87,9 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
     :param memory_cap: bytes per rank for ``pipeline.pp_schedule: auto`` (planned here, once).
     When this process is itself a rank (started by torchrun), it just runs that rank.
     """
-    from pp_core.runtime.pipeline import _timeout as timeout_from_env  # torch: once launching
+    from pp_core.runtime.group import resolve_timeout  # lazy: torch, once launching
 
-    timeout_from_env(None)  # a bad $PP_CORE_TIMEOUT fails here, not in every rank
+    resolve_timeout(None)  # a bad $PP_CORE_TIMEOUT fails here, not in every rank
     layout = RankLayout.of(spec)
     if started_by_torchrun():
         spec = decide(spec, layout)  # refuses what only a launching process can measure

@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 from datetime import timedelta
+from typing import Sequence
 
 import torch
 
@@ -209,3 +210,33 @@ def _round_trips(numel: int, leader: bool, peer: int, group, device, count: int)
         if trip:
             times.append(time.perf_counter() - start)
     return times
+
+
+def _run_helpers(mp, args) -> None:
+    """Run the two measuring processes; whatever ends the wait (Ctrl-C, SIGTERM, a helper that
+    died) ends both helpers too, within a couple of seconds: none outlives the caller."""
+    context = mp.start_processes(_worker, args=args, nprocs=2, join=False, daemon=True,
+                                 start_method="spawn")
+    try:
+        while not context.join(timeout=0.2):
+            pass
+    except mp.ProcessExitedException as exc:
+        raise PipelineError(f"a link-measuring helper process ended before it finished ({exc}); "
+                            f"the link was not measured (skip measuring with 'pp-core plan "
+                            f"--no-link')") from None
+    except mp.ProcessRaisedException as exc:
+        raise PipelineError(f"measuring the link between two local processes failed: "
+                            f"{str(exc).strip().splitlines()[-1][:300]}") from None
+    finally:
+        _stop(context.processes)
+
+
+def _stop(processes) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(1.0)
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)

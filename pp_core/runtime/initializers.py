@@ -8,6 +8,7 @@ exactly once and refuses conflicting demands before any pipeline traffic starts.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from pp_core.initializer import PipelineRuntimeInitializer

@@ -28,10 +28,8 @@ process group's timeout).
 from __future__ import annotations
 
 import itertools
-import math
-import os
 import time
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -52,6 +50,7 @@ from pp_core.runtime.comm import P2P, PeerFailure
 from pp_core.runtime.dp_sync import make_data_parallel
 from pp_core.runtime.executor import Executor
 from pp_core.runtime.failures import end_failed_step, forget_frames
+from pp_core.runtime.group import resolve_group, resolve_timeout
 from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
 from pp_core.runtime.microbatch import (kwargs_chunk_dims, merge_microbatches,
                                         split_microbatches, to_device)
@@ -62,45 +61,9 @@ from pp_core.schedule.ir import Schedule
 from pp_core.schedule.lower import Program, forward_only, lower
 from pp_core.schedule.validate import validate_schedule
 
-__all__ = ["Pipeline", "build_pipeline", "resolve_group"]
+__all__ = ["Pipeline", "build_pipeline"]
 
 _pipeline_ids = itertools.count()
-
-
-def resolve_group(pp_group) -> tuple[Any, int, int]:
-    """``(process group or None, rank, num_ranks)`` for a ProcessGroup, 1-D DeviceMesh or None."""
-    import torch.distributed as dist
-
-    if pp_group is not None and hasattr(pp_group, "get_group") and hasattr(pp_group, "ndim"):
-        if pp_group.ndim != 1:
-            raise ConfigError(f"pp_group is a {pp_group.ndim}-D DeviceMesh; pass its pipeline "
-                              f"dimension, e.g. mesh['pp'], or a ProcessGroup")
-        pp_group = pp_group.get_group()
-    if pp_group is None:
-        if not dist.is_available() or not dist.is_initialized():
-            return None, 0, 1  # a single-process pipeline: every stage on this rank
-        pp_group = dist.group.WORLD
-    return pp_group, dist.get_rank(pp_group), dist.get_world_size(pp_group)
-
-
-def _timeout(value) -> Optional[float]:
-    if value is None:
-        env = os.environ.get("PP_CORE_TIMEOUT")
-        if not env:
-            return None
-        try:
-            value = float(env)
-        except ValueError:
-            value = None
-        if value is None or not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"PP_CORE_TIMEOUT={env!r} must be a positive, finite number of "
-                              f"seconds (e.g. 600), or unset") from None
-    if hasattr(value, "total_seconds"):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"timeout={value!r} must be a positive, finite number of seconds")
-    return float(value)
 
 
 class Pipeline:
@@ -168,7 +131,7 @@ class Pipeline:
         self.stages = {index: Stage(index, part, schedule.stage_ranks, rank)
                        for index, part in zip(self.stage_indices, self.model_parts)}
         group_name = getattr(group, "group_name", "local") if group is not None else "local"
-        self.p2p = P2P(group, self.device, _timeout(timeout), f"{group_name}/{next(_pipeline_ids)}",
+        self.p2p = P2P(group, self.device, resolve_timeout(timeout), f"{group_name}/{next(_pipeline_ids)}",
                        rank)
         self._observers: list = []  # shared by both executors (add_action_observer)
         rank_program = self.program.rank(rank)
