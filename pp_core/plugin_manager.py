@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Callable, Iterable
@@ -50,8 +51,6 @@ def _warn_unknown_disabled(blocked: set[str]) -> None:
     closest name and the known ones, rather than leave the user believing it worked."""
     known = [ep.name for ep in _entry_points()]
     for name in sorted(blocked - set(known)):
-        import warnings
-
         hint = did_you_mean(name, known, after=" ")
         warnings.warn(f"{DISABLE_ENV}: no installed plugin is named {name!r}, so it disables "
                       f"nothing; {hint}installed plugins: {', '.join(known) or 'none'}",
