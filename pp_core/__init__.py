@@ -51,7 +51,7 @@ def build_pipeline(model, config, pp_group=None, device="cpu", **options):
     :func:`pp_core.runtime.pipeline.build_pipeline`. Imported lazily so that ``import pp_core``
     stays light (no torch.distributed).
     """
-    from pp_core.runtime.pipeline import build_pipeline as _build
+    from pp_core.runtime.pipeline import build_pipeline as _build  # lazy: torch
 
     return _build(model, config, pp_group=pp_group, device=device, **options)
 
@@ -63,6 +63,6 @@ def plan_auto(model, config, inputs, target, pp_size, **options):
     ``options`` are those of :func:`pp_core.measure.plan_auto.plan_auto` (``memory_cap=``,
     ``group=``, ``device=``, ...). Imported lazily, like :func:`build_pipeline`.
     """
-    from pp_core.measure.plan_auto import plan_auto as _plan
+    from pp_core.measure.plan_auto import plan_auto as _plan  # lazy: torch, off `import pp_core`
 
     return _plan(model, config, inputs, target, pp_size, **options)

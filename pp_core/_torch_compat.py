@@ -20,6 +20,7 @@ import socket
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["engine_run_backward", "ACCUMULATE_GRAD", "process_group_store", "set_state_dict_item",
            "dcp_metadata_path", "tcp_stores_listening_on_their_host", "nn_init_skipped",
@@ -50,7 +51,7 @@ def process_group_store(group):
     """The key-value store behind ``group``, where a failing rank publishes why it failed so
     its peers can say it (:mod:`pp_core.runtime.comm`). torch has no public getter; this is
     ``distributed_c10d._get_process_group_store``, checked on 2.11, 2.13, 2.14."""
-    from torch.distributed.distributed_c10d import _get_process_group_store
+    from torch.distributed.distributed_c10d import _get_process_group_store  # lazy: private API
 
     return _get_process_group_store(group)
 
@@ -62,7 +63,7 @@ def set_state_dict_item(state_dict: dict, path, value) -> None:
     """Put ``value`` at a flattened key's ``path`` in a nested state dict, as DCP's own load
     planner does (``torch.distributed.checkpoint._traverse.set_element``; checked on 2.13,
     2.14). Used by the safe load planner of :mod:`pp_core.app.checkpoint`."""
-    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint._traverse import set_element  # lazy: private torch API
 
     set_element(state_dict, path, value)
 
@@ -88,8 +89,7 @@ def tcp_stores_listening_on_their_host(local: Callable[[str], bool]):
     argument), by replacing ``TCPStore`` where the agent looks it up: ``torch.distributed`` and
     ``torch.distributed.elastic.rendezvous.c10d_rendezvous_backend``. Checked on 2.13, 2.14.
     """
-    import torch.distributed as dist
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend  # lazy: elastic
 
     real = dist.TCPStore
 
@@ -154,7 +154,7 @@ def nn_init_skipped():
 def donated_buffers_on() -> bool:
     """Whether compiled backwards may donate their buffers (torch's default: yes)."""
     try:
-        from torch._functorch import config
+        from torch._functorch import config  # lazy: private torch API
     except ImportError:  # pragma: no cover - a torch without it
         return False
     return bool(config.donated_buffer)
@@ -163,7 +163,7 @@ def donated_buffers_on() -> bool:
 def donated_buffers_off():
     """A context in which compiled backwards keep their buffers (for a retained backward pass)."""
     try:
-        from torch._functorch import config
+        from torch._functorch import config  # lazy: private torch API
     except ImportError:  # pragma: no cover - a torch without it
         return contextlib.nullcontext()
     return config.patch(donated_buffer=False)
@@ -172,7 +172,7 @@ def donated_buffers_off():
 def disable_donated_buffers() -> None:
     """Turn buffer donation off for the process (every compile from here on)."""
     try:
-        from torch._functorch import config
+        from torch._functorch import config  # lazy: private torch API
     except ImportError:  # pragma: no cover - a torch without it
         return
     config.donated_buffer = False
@@ -188,7 +188,7 @@ def fsdp_reduce_and_reshard(modules) -> None:
     """Run every FSDP2 parameter group's post-backward (reduce-scatter or all-reduce of the
     accumulated gradients, then reshard) of ``modules`` (FSDPModules, sync already switched
     on), then each root's final callback (waits for the reductions, finalises the states)."""
-    from torch.distributed._composable_state import _get_module_state
+    from torch.distributed._composable_state import _get_module_state  # lazy: private torch API
 
     states = [_get_module_state(module) for module in modules]
     for state in states:
@@ -201,7 +201,7 @@ def fsdp_reduce_and_reshard(modules) -> None:
 
 def fsdp_reset(modules) -> None:
     """After a failed step: drop FSDP2's per-iteration state of the roots among ``modules``."""
-    from torch.distributed._composable_state import _get_module_state
+    from torch.distributed._composable_state import _get_module_state  # lazy: private torch API
 
     for module in modules:
         state = _get_module_state(module)
@@ -213,7 +213,7 @@ def fsdp_reset(modules) -> None:
 
 
 def _fsdp_mesh_infos(modules) -> list:
-    from torch.distributed._composable_state import _get_module_state
+    from torch.distributed._composable_state import _get_module_state  # lazy: private torch API
 
     infos: dict = {}
     for module in modules:
@@ -244,7 +244,7 @@ def fsdp_process_groups(modules) -> list:
 def ddp_arm_reducer(ddp, outputs) -> None:
     """Make DDP's reducer all-reduce during the next backward, whose forwards ran under
     ``no_sync`` (torch's pipelining stage does the same for its last backward)."""
-    from torch.nn.parallel.distributed import _find_tensors
+    from torch.nn.parallel.distributed import _find_tensors  # lazy: private torch API
 
     ddp.reducer.prepare_for_backward(list(_find_tensors(outputs)))
 
@@ -252,7 +252,7 @@ def ddp_arm_reducer(ddp, outputs) -> None:
 def fsdp_replicate():
     """torch's FSDP2-based ``replicate`` (DDP semantics; an FSDPModule, so split backward works);
     it lives in ``torch.distributed._composable`` on 2.13."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: private API
 
     return replicate
 

@@ -43,7 +43,7 @@ def _is_int(value: Any) -> bool:
 
 def resolve_dtype(value: Any):
     """A ``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"torch.float32"``, ``"bf16"``)."""
-    import torch
+    import torch  # lazy: torch, the core loads no torch
 
     if value is None or isinstance(value, torch.dtype):
         return value

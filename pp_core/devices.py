@@ -98,6 +98,6 @@ def shared_processors(cores: int, threads_per_rank: int, local_world_size: int,
 
 def cuda_device_count() -> int:
     """GPUs torch can use here (0 without a CUDA build or driver)."""
-    import torch
+    import torch  # lazy: torch, the core loads no torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

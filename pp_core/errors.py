@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import reprlib
 
 __all__ = ["PPCoreError", "PluginError", "ScheduleError", "ScheduleFileNotFoundError",
            "ConfigError", "PipelineError", "quoted",
@@ -56,7 +57,6 @@ def quoted(value, limit: int = 80) -> str:
     if isinstance(value, str):
         return repr(value) if len(value) <= limit else \
             f"{value[:limit - 20]!r}... ({len(value):,} chars)"
-    import reprlib
 
     bounded = reprlib.Repr()  # cost bounded too: a shared alias list may hold 10**9 items
     bounded.maxstring = bounded.maxother = bounded.maxlong = limit

@@ -41,7 +41,7 @@ def cross_entropy(output, target, *, num_valid_tokens=None):
     ``num_valid_tokens``: the mean over the valid targets; with it (the pipeline passes the
     step's count): their sum divided by it.
     """
-    import torch.nn.functional as functional
+    import torch.nn.functional as functional  # lazy: torch, the core loads no torch
 
     logits, labels = output.reshape(-1, output.shape[-1]).float(), target.reshape(-1)
     if num_valid_tokens is None:
@@ -82,14 +82,14 @@ def token_counter(loss_fn) -> Callable:
 
 def mse(output, target):
     """Mean squared error (regression); ``target`` is cast to the output's dtype."""
-    import torch.nn.functional as functional
+    import torch.nn.functional as functional  # lazy: torch, the core loads no torch
 
     return functional.mse_loss(output.float(), target.to(output.dtype).float())
 
 
 def l1(output, target):
     """Mean absolute error."""
-    import torch.nn.functional as functional
+    import torch.nn.functional as functional  # lazy: torch, the core loads no torch
 
     return functional.l1_loss(output.float(), target.to(output.dtype).float())
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Callable, Iterable
@@ -27,6 +28,7 @@ __all__ = [
     "BrokenPlugin",
     "Registry",
     "Plugins",
+    "PPCorePluginManager",
     "make_plugin_manager",
     "load_plugins",
     "default_plugins",
@@ -49,8 +51,6 @@ def _warn_unknown_disabled(blocked: set[str]) -> None:
     closest name and the known ones, rather than leave the user believing it worked."""
     known = [ep.name for ep in _entry_points()]
     for name in sorted(blocked - set(known)):
-        import warnings
-
         hint = did_you_mean(name, known, after=" ")
         warnings.warn(f"{DISABLE_ENV}: no installed plugin is named {name!r}, so it disables "
                       f"nothing; {hint}installed plugins: {', '.join(known) or 'none'}",
@@ -68,23 +68,31 @@ def _distribution_of(ep: metadata.EntryPoint) -> tuple[str, str]:
     return dist.metadata["Name"], dist.version
 
 
+class PPCorePluginManager(pluggy.PluginManager):
+    """pluggy's manager with what pp-core learns while loading: the plugins left out
+    (:attr:`broken`) and the distribution of each installed one (:attr:`distributions`)."""
+
+    def __init__(self, project_name: str = hookspecs.PROJECT_NAME):
+        super().__init__(project_name)
+        self.broken: list[BrokenPlugin] = []  # failed to load, validate or register: left out
+        self.distributions: dict[str, tuple[str, str]] = {}  # entry-point name: (dist, version)
+
+
 def make_plugin_manager(
     entry_points: bool = True,
     plugins: Iterable[Any] = (),
     disabled: Iterable[str] | None = None,
-) -> pluggy.PluginManager:
+) -> PPCorePluginManager:
     """A fresh plugin manager with pp-core's hook specs and built-in model-initializer hook.
 
     :param entry_points: load the ``pp_core`` entry-point group, one entry at a time; a plugin
-        that fails to import is recorded in ``pm.pp_broken`` (a list of :class:`BrokenPlugin`)
+        that fails to import is recorded in ``pm.broken`` (a list of :class:`BrokenPlugin`)
         and the others still load.
     :param plugins: extra plugin objects (or ``(name, object)`` pairs) to register in-process.
     :param disabled: entry-point names to skip; defaults to ``$PP_CORE_DISABLE_PLUGINS``.
     """
-    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm = PPCorePluginManager()
     pm.add_hookspecs(hookspecs)
-    pm.pp_broken = []  # type: ignore[attr-defined]
-    pm.pp_distributions = {}  # type: ignore[attr-defined]
 
     pm.register(ModelInitializers(), name=CORE_PLUGIN_NAME)
     blocked = disabled_plugin_names() if disabled is None else set(disabled)
@@ -110,7 +118,7 @@ def make_plugin_manager(
                 _left_out(pm, BrokenPlugin(ep.name, dist, version, describe_error(exc),
                                            "validation"))
                 continue
-            pm.pp_distributions[ep.name] = (dist, version)
+            pm.distributions[ep.name] = (dist, version)
     for item in plugins:
         name, plugin = item if isinstance(item, tuple) else (_plugin_name(pm, item), item)
         pm.register(plugin, name=name)
@@ -128,8 +136,8 @@ def _plugin_name(pm: pluggy.PluginManager, plugin: Any) -> str:
     return name
 
 
-def _left_out(pm: pluggy.PluginManager, broken: BrokenPlugin) -> None:
-    pm.pp_broken.append(broken)
+def _left_out(pm: PPCorePluginManager, broken: BrokenPlugin) -> None:
+    pm.broken.append(broken)
     logger.warning(broken.message())
 
 
@@ -220,14 +228,16 @@ class Plugins:
 
     def __init__(self, pm: pluggy.PluginManager):
         self.pm = pm
+        # a plain pluggy manager handed in by the caller: no plugin left out, none installed
+        self._records = pm if isinstance(pm, PPCorePluginManager) else PPCorePluginManager()
         self._failed_reporters: set[str] = set()  # pp_report_metrics raised: not called again
 
     @property
     def broken(self) -> list[BrokenPlugin]:
-        return list(getattr(self.pm, "pp_broken", []))
+        return list(self._records.broken)
 
     def distribution(self, plugin_name: str) -> tuple[str, str]:
-        return getattr(self.pm, "pp_distributions", {}).get(plugin_name, ("in-process", ""))
+        return self._records.distributions.get(plugin_name, ("in-process", ""))
 
     def _collect(self, hook_name: str, kind: str, aliases_of: Callable[[Any], Iterable[str]]):
         registry = Registry(kind)
@@ -249,10 +259,10 @@ class Plugins:
             except Exception as exc:  # a plugin defect: report it, keep the others
                 dist, version = self.distribution(plugin)
                 broken = BrokenPlugin(plugin, dist, version, describe_error(exc), hook_name)
-                if plugin not in getattr(self.pm, "pp_distributions", {}):
+                if plugin not in self._records.distributions:
                     # passed in by the caller, not installed: the caller hears of it at once
                     raise PluginError(broken.message()) from exc
-                _left_out(self.pm, broken)
+                _left_out(self._records, broken)
                 continue
             for name, value in staged:  # a clash between two plugins names both
                 registry.add(name, value, plugin, aliases_of(value))

@@ -10,6 +10,7 @@ application; the schedule command's module never imports torch at its top level.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,3 +252,69 @@ def test_the_checker_sees_relative_and_function_local_imports(tmp_path):
     assert [target for target, _, _ in imports_of("pp_core.b", files)] == ["pp_core.sub.a"]
     cycle = find_cycle(graph(files))
     assert cycle is not None and set(cycle) == {"pp_core.b", "pp_core.sub", "pp_core.sub.a"}
+
+
+LAZY_TAG = re.compile(r"#\s*lazy:\s*\S")
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
+
+def untagged_local_imports(files: dict[str, Path]) -> list[str]:
+    """``file:line`` of every function-local import (``TYPE_CHECKING`` ones aside) whose line,
+    or the first line of the run of consecutive imports it belongs to, has no ``# lazy:``
+    reason. A local import is there only to keep something heavy off a light path, and says
+    which (DESIGN.md, Layout); one with no such reason belongs at the top of the module."""
+    found = []
+    for module, path in sorted(files.items()):
+        source = path.read_text()
+        lines, tree = source.splitlines(), ast.parse(source, str(path))
+        skip = _type_checking_only(tree)
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                for field_name in ("body", "orelse", "finalbody", "handlers"):
+                    block = getattr(node, field_name, None)
+                    if not isinstance(block, list):
+                        continue
+                    head = None  # the first import of the current run of consecutive imports
+                    for stmt in block:
+                        if not isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                            head = None
+                            continue
+                        head = head or stmt
+                        if id(stmt) in skip:
+                            continue
+                        if not any(LAZY_TAG.search(lines[n.lineno - 1]) for n in (stmt, head)):
+                            found.append(f"{_shown(path)}:{stmt.lineno}: "
+                                         f"{lines[stmt.lineno - 1].strip()}")
+    return sorted(set(found))
+
+
+def test_every_function_local_import_says_why_it_is_local():
+    """Hoist it, or tag its line (or the first of a run of imports) ``# lazy: <reason>``."""
+    bad = untagged_local_imports(module_files())
+    assert not bad, (f"{len(bad)} function-local imports without a '# lazy: <reason>' "
+                     f"comment (hoist them, or say why they are local):\n" + "\n".join(bad))
+
+
+def test_the_lazy_tag_checker_sees_untagged_imports(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import os\n"
+                    "def f():\n"
+                    "    import torch  # lazy: torch\n"
+                    "    import math\n"
+                    "    x = 1\n"
+                    "    import json\n"
+                    "    if x:\n"
+                    "        from a import (b,  # lazy: optional\n"
+                    "                       c)\n"
+                    "    if TYPE_CHECKING:\n"
+                    "        import typing\n"
+                    "class C:\n"
+                    "    def g(self):\n"
+                    "        import re  # a comment that is not a reason\n")
+    found = [line.split(": ")[0] for line in untagged_local_imports({"m": path})]
+    assert found == ["m.py:14", "m.py:6"]

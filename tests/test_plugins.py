@@ -70,7 +70,7 @@ def test_misspelled_hook_names_the_plugin_and_suggests_the_hook(on_path):
     """
     make_dist(on_path, "pp-typo", {"ppt_typo": source}, {"typo": "ppt_typo"})
     pm = make_plugin_manager(disabled=())  # the others load: it is left out, listed as broken
-    [broken] = [b for b in pm.pp_broken if b.name == "typo"]
+    [broken] = [b for b in pm.broken if b.name == "typo"]
     assert "plugin 'typo' (pp-typo 1.2.3) failed validation" in broken.message()
     assert "implements unknown hook 'pp_register_schedule'; did you mean " \
         "'pp_register_schedules'" in broken.message()

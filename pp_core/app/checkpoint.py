@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pp_core._torch_compat import dcp_metadata_path, set_state_dict_item
@@ -143,7 +144,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _reader_classes():
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import FileSystemReader  # lazy: DCP, seconds
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -219,8 +220,6 @@ def _corrupt(path: Path, why: str) -> PipelineError:
 @contextlib.contextmanager
 def _single_process_quiet():
     """Without a process group DCP warns that it assumes one process: that is the intent here."""
-    import torch.distributed as dist
-
     with warnings.catch_warnings():
         if not (dist.is_available() and dist.is_initialized()):
             warnings.filterwarnings("ignore", message=".*assuming the intent is to",
@@ -229,13 +228,13 @@ def _single_process_quiet():
 
 
 def _options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import StateDictOptions  # lazy: DCP, seconds
 
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _state(parts: Iterable[nn.Module], optimizers: Iterable, step: int) -> dict:
-    from torch.distributed.checkpoint.state_dict import (
+    from torch.distributed.checkpoint.state_dict import (  # lazy: DCP, seconds
         get_model_state_dict,
         get_optimizer_state_dict,
     )
@@ -256,8 +255,7 @@ def save_checkpoint(directory, step: int, parts, optimizers, process_group=None,
     Written beside and renamed into place (see the module docstring): a crash at any instant
     leaves the previous checkpoint intact and ``latest`` naming a complete one.
     """
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # lazy: DCP, only when a checkpoint is written
 
     path = checkpoint_path(directory, step)
     distributed = dist.is_available() and dist.is_initialized()
@@ -304,7 +302,7 @@ def load_checkpoint(path, parts, optimizers, process_group=None) -> int:
 
     Works whatever pipeline layout wrote the checkpoint: the keys are parameter names.
     """
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # lazy: DCP, only when a checkpoint is read
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
@@ -351,7 +349,7 @@ def _is_damage(cause: BaseException) -> bool:
 
 def read_model_state_dict(path) -> dict[str, torch.Tensor]:
     """Every ``model.*`` tensor of a checkpoint, under its original name, on the CPU (no PG)."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # lazy: DCP, only when a checkpoint is exported
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -384,7 +382,7 @@ def export_checkpoint(path, output) -> Path:
     state = read_model_state_dict(path)
     if output.suffix == ".safetensors":
         try:
-            from safetensors.torch import save_file
+            from safetensors.torch import save_file  # lazy: safetensors, only for an export
         except ImportError:
             raise PipelineError("writing .safetensors needs the safetensors package; "
                                 "pip install safetensors, or export to a .pt file") from None

@@ -139,7 +139,7 @@ def _compare_metadata(spec, path: Path, metadata, model, problems: list[str]) ->
 
 def check_resume_identity(spec, model, problems: list[str], notes: list[str]) -> None:
     """Refuse a resume into another model or optimizer (see the module docstring)."""
-    from pp_core.app.checkpoint import _check_dir, resume_checkpoint  # torch's DCP: seconds
+    from pp_core.app.checkpoint import _check_dir, resume_checkpoint  # lazy: torch's DCP, seconds
     try:
         path = resume_checkpoint(spec.checkpoint["dir"], spec.checkpoint["resume"])
     except PPCoreError:

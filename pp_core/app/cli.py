@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 
 from pp_core import __version__
@@ -40,8 +42,6 @@ COMMAND_MODULES = ("run", "plan", "schedule", "plugins")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import importlib
-
     parser = argparse.ArgumentParser(
         prog="pp-core",
         description=DESCRIPTION,
@@ -69,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pp-core: error: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `pp-core ... | head`: the reader left, which is not an error
-        import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

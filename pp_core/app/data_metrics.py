@@ -46,7 +46,7 @@ class TensorBoardSink:
 
     def __init__(self, directory: str):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard, optional
         except ImportError:
             raise ConfigError(
                 f"output.tensorboard={directory!r} needs the tensorboard package: "

@@ -83,8 +83,7 @@ def plan_spec(spec: Spec, layout: RankLayout | None = None, memory_cap=None, plu
               measure_link: bool = True, say: Say | None = None):
     """Profile the spec's model as a rank runs it and choose: a
     :class:`pp_core.measure.plan_auto.AutoPlan`."""
-    # lazy: torch and the measuring code, only when something is measured
-    from pp_core.app.measured import as_a_rank, model_and_batch
+    from pp_core.app.measured import as_a_rank, model_and_batch  # lazy: torch, only when measuring
     from pp_core.measure.link import measure_local_link
     from pp_core.measure.plan_auto import plan_auto
 
@@ -140,8 +139,7 @@ def balanced_spec(spec: Spec, plugins=None, say: Say | None = None,
     The stage count is the one the run plans (the schedule's stages per rank, or
     ``layers_per_stage``); ``say`` gets one line per stage with its measured seconds.
     """
-    # lazy: torch and the measuring code, only when something is measured
-    from pp_core.app.measured import profile_spec
+    from pp_core.app.measured import profile_spec  # lazy: torch, only when measuring
     from pp_core.planning.balance import balance, stage_fqns, unit_costs
 
     if spec.pipeline["module_fqns_per_model_part"] is not None:

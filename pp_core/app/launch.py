@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import tempfile
 import threading
@@ -50,7 +51,7 @@ def rank_main(spec_values: dict, entrypoint: Callable | None = None) -> Any:
     spec = Spec(values, values.pop("_source", "pipeline"))
     if entrypoint is not None:
         return entrypoint(spec)
-    from pp_core.app.train import train  # torch: only the ranks need it, not the launcher
+    from pp_core.app.train import train  # lazy: torch, only the ranks need it
 
     return train(spec)
 
@@ -133,7 +134,7 @@ def _launch_temp_dir():
 
 
 def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str):
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs  # lazy: torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -176,7 +177,7 @@ def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str):
 
 
 def _rendezvous_message(exc, endpoint, dist: dict) -> str:
-    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError  # lazy: torch
 
     keys = endpoint.address_key if endpoint.address_key == endpoint.port_key else \
         f"{endpoint.address_key}/{endpoint.port_key}"
@@ -195,9 +196,7 @@ def _signals_raise():
     """Make SIGTERM, SIGHUP and SIGQUIT raise ``SignalException`` (as torch's agent does while the
     ranks run) so that cleanup runs and ``pp-core run`` exits 128 + the signal's number; every
     handler (SIGINT too, which the agent replaces and never restores) is put back afterwards."""
-    import signal
-
-    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing import SignalException  # lazy: torch
 
     def raise_signal(signum, frame):
         sigval = signal.Signals(signum)

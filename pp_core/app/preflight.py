@@ -125,7 +125,7 @@ def _check_batch(spec: Spec, problems: list[str]) -> None:
 
 def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
     """``train.activation_checkpointing`` / ``train.compile`` act per block: the model needs some."""
-    from pp_core.parallel import find_blocks  # torch: only when AC or compile is asked for
+    from pp_core.parallel import find_blocks  # lazy: torch, only when AC or compile is asked for
 
     wanted = [key for key, on in (("activation_checkpointing",
                                    spec.train["activation_checkpointing"]["mode"] != "none"),
@@ -144,7 +144,7 @@ def _check_expert_parallel(spec: Spec, model, plugins, problems: list[str]) -> N
     ep = spec.distributed["ep_size"]
     if ep == 1:
         return
-    from pp_core.parallel.expert import planned_modules  # torch: only with expert parallelism
+    from pp_core.parallel.expert import planned_modules  # lazy: torch, only with expert parallelism
 
     plan = plugins.pm.hook.pp_expert_parallel_plan(model=model)
     found = planned_modules(model, plan) if plan is not None else []
@@ -167,9 +167,8 @@ def _check_tensor_parallel(spec: Spec, model, plugins, problems: list[str], note
     tp, sequence_parallel = spec.distributed["tp_size"], spec.distributed["sequence_parallel"]
     if tp <= 1:
         return
-    # lazy: torch (the plan's styles) only when tensor parallelism is asked for
-    from pp_core.parallel.tensor_parallel import (check_tensor_parallel, plan_modules,
-                                                  tensor_parallel_plan)
+    from pp_core.parallel.tensor_parallel import (  # lazy: torch, only with tensor parallelism
+        check_tensor_parallel, plan_modules, tensor_parallel_plan)
 
     try:
         plan = tensor_parallel_plan(model, sequence_parallel, plugins)

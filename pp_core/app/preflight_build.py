@@ -11,10 +11,13 @@ line naming the YAML key and the fix.
 
 from __future__ import annotations
 
+import inspect
 import os
+import shutil
 from pathlib import Path
 
 from pp_core.app.factories import dataset_args, dp_slice
+from pp_core.app.output_paths import collisions, path_problems, run_paths
 from pp_core.app.preflight_fit import check_fit, check_memory, origin
 from pp_core.app.rendezvous import started_by_torchrun
 from pp_core.app.returns import initializer_problem, loss_problem, output_problem
@@ -42,7 +45,7 @@ def _meta_limit(exc: BaseException) -> bool:
 
 def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]):
     """The model built on the meta device, or ``None`` (a problem or a note says why)."""
-    import torch
+    import torch  # lazy: torch, only with a model in hand
 
     from pp_core._torch_compat import nn_init_skipped
 
@@ -85,7 +88,7 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
     before = len(problems)
     _check_resume(spec, problems)
     if spec.checkpoint["resume"] and len(problems) == before:
-        from pp_core.app.checkpoint_identity import check_resume_identity  # torch's DCP
+        from pp_core.app.checkpoint_identity import check_resume_identity  # lazy: DCP, seconds
 
         check_resume_identity(spec, model, problems, notes)
 
@@ -115,7 +118,7 @@ def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str], m
 def _check_vocab(spec: Spec, data, model, problems: list[str]) -> None:
     """A dataset that says its ``vocab_size`` (a tokenizer's) against the model's input
     embedding: ids past the embedding would fail deep inside the first stage."""
-    import torch
+    import torch  # lazy: torch, only with a model in hand
 
     vocab = getattr(data, "vocab_size", None)
     if not isinstance(vocab, int) or model is None:
@@ -133,7 +136,7 @@ def _check_vocab(spec: Spec, data, model, problems: list[str]) -> None:
 def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str],
                  plugins=None) -> None:
     """Shapes against the global batch and ``pp_seq_len``; one microbatch through the meta model."""
-    import torch
+    import torch  # lazy: torch, only with a model in hand
 
     from pp_core.runtime.microbatch import first_tensor
 
@@ -165,7 +168,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
                      f"set them equal to keep the pre-sized buffers' speed")
     if model is None:
         return
-    from pp_core.runtime.microbatch import num_tokens  # torch: only with a model in hand
+    from pp_core.runtime.microbatch import num_tokens  # lazy: torch, only with a model in hand
 
     meta = [_to_meta(v) for v in micro]
     initializers = _runtime_initializers(model, plugins, problems)
@@ -216,7 +219,7 @@ def _runtime_initializers(model, plugins, problems: list[str]):
 def stage_initializers(model, split, config, plugins, problems: list[str]):
     """Per stage, the runtime initializers its part collects on the meta model (``pp-core
     validate`` prints them): ``[(resource_key, signature, modules)]``, or ``None``."""
-    from pp_core.planning.parts import build_model_parts  # torch: only with a model in hand
+    from pp_core.planning.parts import build_model_parts  # lazy: torch, only with a model in hand
 
     if model is None or split is None:
         return None
@@ -238,7 +241,7 @@ def stage_initializers(model, split, config, plugins, problems: list[str]):
 
 
 def _to_meta(value):
-    import torch
+    import torch  # lazy: torch, only with a model in hand
 
     if isinstance(value, torch.Tensor):
         return value.to("meta")
@@ -251,9 +254,7 @@ def _to_meta(value):
 
 def _check_optimizer(spec: Spec, model, problems: list[str]) -> None:
     """Build the optimizer as a rank does (on meta parameters); refuse closure-only optimizers."""
-    import inspect
-
-    import torch
+    import torch  # lazy: torch, only with a model in hand
 
     options = dict(spec.train["optimizer"])
     name = options.pop("name", None)
@@ -277,7 +278,7 @@ def _check_optimizer(spec: Spec, model, problems: list[str]) -> None:
 
 def _check_resume(spec: Spec, problems: list[str]) -> None:
     """The checkpoint a resume names exists and is complete (every data file there in full)."""
-    from pp_core.app.checkpoint import latest_checkpoint, resume_checkpoint  # torch's DCP: seconds
+    from pp_core.app.checkpoint import latest_checkpoint, resume_checkpoint  # lazy: DCP, seconds
 
     resume = spec.checkpoint["resume"]
     if isinstance(resume, str) and not (Path(resume) / ".metadata").is_file():
@@ -299,8 +300,6 @@ def _check_resume(spec: Spec, problems: list[str]) -> None:
 def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
     """Every output path can be written (nothing is created) and overwrites no input or other
     output (:mod:`pp_core.app.output_paths`); an existing file gets a note."""
-    from pp_core.app.output_paths import collisions, path_problems, run_paths
-
     uses = run_paths(spec)
     clashes = path_problems(uses) or collisions(uses)
     if clashes:
@@ -310,7 +309,7 @@ def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
     directory = spec.checkpoint["dir"]
     if directory is not None and _check_path("checkpoint.dir", Path(directory), True, problems) \
             and not resume and any(Path(directory).glob("step_*")):
-        from pp_core.app.checkpoint import latest_checkpoint  # (imports torch's DCP: seconds)
+        from pp_core.app.checkpoint import latest_checkpoint  # lazy: DCP, seconds
 
         latest = latest_checkpoint(directory)
         if latest is not None:
@@ -357,8 +356,6 @@ def _check_path(key: str, path: Path, is_dir: bool, problems: list[str]) -> bool
 
 
 def _has_space(key: str, directory: Path, problems: list[str]) -> bool:
-    import shutil
-
     if shutil.disk_usage(directory).free == 0:
         problems.append(f"{key}: no space left on the device holding {quoted(str(directory))}; "
                         f"free some space or choose another place")

@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 from pp_core.errors import ConfigError, PipelineError
 
@@ -187,9 +188,7 @@ def _speaks_tcpstore(endpoint: Endpoint, seconds: float = 5.0) -> bool:
     A TCPStore client waits forever on a server that never answers, so the probe runs in a
     daemon thread and is abandoned after ``seconds``.
     """
-    from datetime import timedelta
-
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: torch.distributed, only to probe a store
 
     answered = threading.Event()
 

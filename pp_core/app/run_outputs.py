@@ -41,7 +41,7 @@ def peak_memory(device: torch.device) -> tuple[int | None, str]:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "cuda allocated"
     try:
-        import resource
+        import resource  # lazy: POSIX only
 
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return rss * (1 if sys.platform == "darwin" else 1024), "process RSS"

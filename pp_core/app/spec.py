@@ -18,6 +18,7 @@ pipeline is built.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -277,9 +278,7 @@ def _check_pipeline(pipeline: dict, problems: list[str]) -> None:
 
 def _check_optimizer(optimizer: dict, problems: list[str]) -> None:
     """``train.optimizer.name`` is a torch.optim class and every other key one of its arguments."""
-    import inspect
-
-    import torch
+    import torch  # lazy: torch, only when an optimizer is named
 
     name = optimizer.get("name", "AdamW")
     classes = {n: c for n, c in vars(torch.optim).items()

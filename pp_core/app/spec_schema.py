@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pp_core.app.rendezvous import address_problem, port_problem, split_endpoint
-from pp_core.config import field_specs
+from pp_core.config import field_specs, resolve_dtype
 from pp_core.errors import ConfigError, did_you_mean, quoted
 
 __all__ = ["Key", "SCHEMA", "REQUIRED_SECTIONS", "Mismatch", "describe_value"]
@@ -171,8 +171,7 @@ def _compile(value):
             not isinstance(value.get("enabled", True), bool):
         raise Mismatch(f"true, false, or a mapping with keys {', '.join(sorted(allowed))} "
                        f"(enabled: a bool; the others go to torch.compile)")
-    # torch: only a spec that sets compile options pays for checking them
-    from pp_core.parallel.compile_options import compile_problem
+    from pp_core.parallel.compile_options import compile_problem  # lazy: torch, only when set
 
     problem = compile_problem({k: v for k, v in value.items() if k != "enabled"})
     if problem is not None:
@@ -182,8 +181,7 @@ def _compile(value):
 
 def _mixed_precision(value):
     """``{param_dtype, reduce_dtype}``: floating-point torch dtype names."""
-    # torch: only a spec that sets mixed_precision pays for it; parsing a spec stays torch-free
-    from pp_core.parallel.data_parallel import mixed_precision_policy
+    from pp_core.parallel.data_parallel import mixed_precision_policy  # lazy: torch, only when set
 
     expected = "a mapping {param_dtype, reduce_dtype} of float32, bfloat16 or float16"
     if not isinstance(value, dict) or not value or set(value) - {"param_dtype", "reduce_dtype"}:
@@ -197,9 +195,6 @@ def _mixed_precision(value):
 
 def _param_dtype(value):
     """A floating-point torch dtype name (``model.dtype``)."""
-    # torch: only a spec that sets model.dtype pays for it; parsing a spec stays torch-free
-    from pp_core.config import resolve_dtype
-
     expected = "a floating-point dtype name: float32, bfloat16, float16 or float64"
     try:
         dtype = resolve_dtype(value)

@@ -19,6 +19,7 @@ tokens, exactly, however they fall into microbatches and dp ranks.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from datetime import timedelta
@@ -52,8 +53,6 @@ __all__ = ["train", "lr_factor", "RankContext"]
 
 def lr_factor(step: int, train: dict) -> float:
     """Learning-rate multiplier for ``step`` (1-based): linear warm-up, then constant/linear/cosine."""
-    import math
-
     warmup, total = train["warmup_steps"], train["steps"]
     if warmup and step <= warmup:
         return step / warmup

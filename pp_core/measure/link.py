@@ -26,6 +26,8 @@ from datetime import timedelta
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from pp_core.errors import ConfigError, PipelineError
 from pp_core.measure.overhead import measure_action_overhead
@@ -58,8 +60,6 @@ def measure_p2p_busy(group=None, sizes=BUSY_SIZES, *, device=None, count: int = 
     both ranks; the fixed part is the small message's, the rate from the extra bytes of the
     large one over its extra time. A group of one rank returns ``(0.0, 0.0, inf)``.
     """
-    import torch.distributed as dist
-
     pair = link_pair(group, sizes, device, "measure_p2p_busy")
     if pair is None:
         return 0.0, 0.0, math.inf
@@ -107,8 +107,6 @@ HELPER_TIMEOUT_S = 120
 
 
 def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path: str) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     if device_type == "cuda":
         torch.cuda.set_device(rank)
@@ -129,8 +127,6 @@ def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path
 def measure_local_link(backend: str = "gloo", device_type: str = "cpu") -> tuple[float, ...]:
     """``(latency_s, bytes_per_s, send_busy_s, recv_busy_s, busy_bytes_per_s,
     action_overhead_s)`` between two processes on this machine."""
-    import torch.multiprocessing as mp
-
     if device_type == "cuda" and torch.cuda.device_count() < 2:
         # one GPU: pp ranks share it, hand-offs stay on the device
         return 0.0, float("inf"), 0.0, 0.0, float("inf"), 0.0
@@ -151,8 +147,6 @@ def measure_p2p(group=None, sizes: Sequence[int] = (4, 1 << 22), *, device=None,
     group then gets rank 0's numbers (a broadcast), so all ranks plan alike. A group of one rank
     returns ``(0.0, inf)``: there is no link.
     """
-    import torch.distributed as dist
-
     pair = link_pair(group, sizes, device, "measure_p2p")
     if pair is None:
         return 0.0, math.inf
@@ -174,8 +168,6 @@ def link_pair(group, sizes: Sequence[int], device, what: str):
     """What every link measurement starts with: ``(group ranks, small numel, large numel,
     device)`` - the device the backend sends from unless given - or ``None`` for a group of one
     rank, which has no link. Refuses a missing process group and sizes that do not grow."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         raise ConfigError(f"{what} needs an initialised process group "
                           f"(torch.distributed.init_process_group)")
@@ -193,8 +185,6 @@ def link_pair(group, sizes: Sequence[int], device, what: str):
 
 
 def _round_trips(numel: int, leader: bool, peer: int, group, device, count: int) -> list[float]:
-    import torch.distributed as dist
-
     buffer = torch.zeros(numel, dtype=torch.float32, device=device)
     times = []
     for trip in range(count + 1):  # the first one warms the connection up

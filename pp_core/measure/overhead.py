@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pp_core.config import PipelineConfig
@@ -42,8 +43,6 @@ def measure_action_overhead(group=None, *, device="cpu", steps: int = 6,
                             schedule: str = "interleaved_1f1b") -> float:
     """Seconds of the executor's own CPU time per compute action, the mean over the group's
     ranks (the same number on every rank: a collective, call it on all of them)."""
-    import torch.distributed as dist
-
     device = torch.device(device)
     if device.type != "cpu":
         return 0.0

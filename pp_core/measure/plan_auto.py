@@ -17,6 +17,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
+import torch.distributed as dist
+
 from pp_core.config import PipelineConfig
 from pp_core.devices import cpu_cores, shared_processors
 from pp_core.errors import ConfigError
@@ -150,8 +153,6 @@ def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugi
 
 def _processors(processors, device, pp_size: int) -> float:
     """``processors`` as the profile records it (0.0: one per rank)."""
-    import torch
-
     if processors == "auto":
         if torch.device(device).type != "cpu":
             return 0.0
@@ -166,15 +167,11 @@ def _processors(processors, device, pp_size: int) -> float:
 
 
 def _group_rank(group) -> int:
-    import torch.distributed as dist
-
     return dist.get_rank(group)
 
 
 def _broadcast(value, group):
     """``value`` of the group's first rank, on every rank of the group."""
-    import torch.distributed as dist
-
     holder = [value]
     dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
     return holder[0]

@@ -16,6 +16,7 @@ as ``grads``). Storages that existed before (parameters, the unit's inputs) are 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 
@@ -48,8 +49,6 @@ class Allocations:
         """A context manager: count what the ops run inside it allocate (a no-op without the
         dispatch mode)."""
         if TorchDispatchMode is None:  # pragma: no cover - a torch without it
-            import contextlib
-
             return contextlib.nullcontext()
         return _Mode(self)
 

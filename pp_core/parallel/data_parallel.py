@@ -41,7 +41,7 @@ def mixed_precision_policy(options: Optional[dict]):
     ``bfloat16``); ``None`` for none."""
     if not options:
         return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # lazy: fsdp, only with mixed precision
 
     dtypes = {}
     for key in ("param_dtype", "reduce_dtype"):
@@ -67,7 +67,7 @@ def apply_data_parallel(pipe_or_parts, mesh, shard: bool = True,
         expert-parallel shards, which :func:`pp_core.parallel.expert.sync_expert_gradients`
         averages over their own group.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # lazy: fsdp, only with dp
 
     parts = getattr(pipe_or_parts, "model_parts", pipe_or_parts)
     wrap = fully_shard

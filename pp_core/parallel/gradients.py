@@ -60,7 +60,7 @@ def _squared_norm(params: list[nn.Parameter], skip: set[int], device) -> torch.T
     summed, then all-reduced over those dims (one collective per mesh and dims, not per tensor).
     A replicated one (``replicate``, HSDP's replicate dim) counts its local copy once.
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # lazy: torch.distributed.tensor, seconds
 
     total = torch.zeros((), dtype=torch.float64, device=device)
     sharded: dict[tuple, torch.Tensor] = {}

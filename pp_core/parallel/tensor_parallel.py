@@ -95,7 +95,8 @@ def apply_tensor_parallel(model_parts: list[nn.Module], tp_mesh, plan: Optional[
 def _style_dim(style) -> Optional[str]:
     """Which side of a Linear / Embedding a style shards: ``"out"`` (column-wise), ``"in"``
     (row-wise), or ``None`` (replicated weights, input/output preparation)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import (  # lazy: torch.distributed.tensor, seconds
+        ColwiseParallel, RowwiseParallel)
 
     if isinstance(style, ColwiseParallel):
         return "out"

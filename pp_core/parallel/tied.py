@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = ["TiedGroup", "tied_groups", "grad_baseline", "sync_tied_gradients_of",
@@ -132,8 +133,7 @@ def _exchange(local: torch.Tensor, rank: int, peers: list[int], group,
     each copy has the same shape and is laid out alike over its own dp mesh, so this dp rank's
     shard pairs with the same shard on the peer (the pp group of one dp rank).
     """
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # lazy: torch.distributed.tensor, seconds
 
     if isinstance(local, DTensor):
         summed = _exchange(local.to_local(), rank, peers, group, pick)

@@ -12,7 +12,7 @@ __all__ = ["PipelineRuntimeInitializer", "collect_pipeline_runtime_initializers"
 def __getattr__(name):
     # Lazy: importing pp_core.runtime (the plugin manager does) must not import torch.distributed.
     if name in ("Pipeline", "build_pipeline"):
-        from pp_core.runtime import pipeline
+        from pp_core.runtime import pipeline  # lazy: torch.distributed, see above
 
         return getattr(pipeline, name)
     raise AttributeError(f"module 'pp_core.runtime' has no attribute {name!r}")

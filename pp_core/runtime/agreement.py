@@ -18,6 +18,7 @@ import re
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 
 from pp_core.errors import ConfigError
 
@@ -87,8 +88,6 @@ def check_ranks_agree(group, fields: Mapping[str, str], device, what: str) -> No
     ``fields`` must have the same names on every rank (values are free). ``what`` says what was
     compared, for the message. A collective: every rank of ``group`` must call it.
     """
-    import torch.distributed as dist
-
     names = sorted(fields)
     size = dist.get_world_size(group)
     device = torch.device(device)

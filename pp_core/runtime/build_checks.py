@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from torch import nn
 
 from pp_core.errors import ConfigError
@@ -73,8 +74,6 @@ def check_materialised(model: nn.Module) -> None:
 def check_device(device) -> None:
     """``device`` names a device this process can use (``"tpu:7"``, ``"cuda:3"`` on a machine
     with one GPU, ``"cuda"`` without CUDA are refused with the devices it has)."""
-    import torch  # (already imported by nn; named for torch.device)
-
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as exc:

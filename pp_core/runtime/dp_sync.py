@@ -46,6 +46,7 @@ import sys
 from typing import Optional
 
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from pp_core._torch_compat import (ddp_arm_reducer, fsdp_process_groups, fsdp_reduce_and_reshard,
                                    fsdp_reset, process_group_store)
@@ -67,8 +68,6 @@ def _fsdp_modules(part) -> list:
 
 
 def _ddp(part):
-    from torch.nn.parallel import DistributedDataParallel
-
     return part if isinstance(part, DistributedDataParallel) else None
 
 

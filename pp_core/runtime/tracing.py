@@ -27,7 +27,7 @@ def gather_trace(pipe) -> list:
     events = list(pipe.last_trace or [])
     if pipe.group is None:
         return [events]
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: torch.distributed, only with a process group
 
     gathered = [None] * pipe.num_ranks
     dist.all_gather_object(gathered, events, group=pipe.group)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from pp_core.schedule.labels import COMM, KINDS, WAIT, category, colour, kind_of_label
+from pp_core.schedule.simulate import Costs, simulate
 
 __all__ = ["TraceBuilder", "chrome_trace", "measured_trace", "measured_costs", "run_trace",
            "write_chrome_trace", "write_json"]
@@ -147,8 +148,6 @@ def measured_trace(traces, schedule=None) -> dict:
         summary["measured_busy_s"].append(busy)
         summary["measured_bubble_s"].append(summary["measured_makespan_s"] - busy)
     if schedule is not None and traces and any(traces):
-        from pp_core.schedule.simulate import Costs, simulate
-
         result = simulate(schedule, Costs(per_stage=measured_costs(traces)))
         summary["predicted_makespan_s"] = result.makespan
         summary["predicted_bubble_s"] = [result.makespan - b for b in result.busy]

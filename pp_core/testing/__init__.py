@@ -14,7 +14,7 @@ __all__ = ["plugin_manager", "plugins_with", "installed_entry_point", "DistPool"
 def __getattr__(name):
     # Lazy: DistPool imports torch; plugin-manager tests (and `pp-core plugins`) need not.
     if name in ("DistPool", "Outcome", "RankError"):
-        from pp_core.testing import dist_pool
+        from pp_core.testing import dist_pool  # lazy: torch, see above
 
         return getattr(dist_pool, name)
     raise AttributeError(f"module 'pp_core.testing' has no attribute {name!r}")

@@ -27,8 +27,11 @@ import shutil
 import tempfile
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, NamedTuple
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["DistPool", "Outcome", "RankError"]
@@ -47,9 +50,6 @@ class RankError(AssertionError):
 
 
 def _worker(rank: int, world_size: int, tasks, results) -> None:
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     generation = None
     while True:
@@ -79,8 +79,6 @@ def _sendable(outcome: Outcome) -> Outcome:
     """``outcome``, or an error outcome when it cannot be pickled (a tensor that requires grad,
     a lambda). The queue pickles in a background thread that only prints such an error, so the
     test process would wait for this rank's result until the case's timeout: a fake hang."""
-    from multiprocessing.reduction import ForkingPickler
-
     try:
         ForkingPickler.dumps(outcome)  # with torch's reductions, as the queue will
         return outcome

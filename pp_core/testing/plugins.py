@@ -15,10 +15,9 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Any
 
-import pluggy
-
 from pp_core.errors import PluginError
-from pp_core.plugin_manager import ENTRY_POINT_GROUP, Plugins, make_plugin_manager
+from pp_core.plugin_manager import (ENTRY_POINT_GROUP, Plugins, PPCorePluginManager,
+                                    make_plugin_manager)
 
 __all__ = ["plugin_manager", "plugins_with", "installed_entry_point"]
 
@@ -33,7 +32,7 @@ def installed_entry_point(name: str) -> metadata.EntryPoint:
     raise PluginError(f"no installed pp_core entry point {name!r}; installed: {', '.join(known)}")
 
 
-def plugin_manager(*plugins: Any) -> pluggy.PluginManager:
+def plugin_manager(*plugins: Any) -> PPCorePluginManager:
     """A fresh plugin manager with only ``plugins`` (plus the core's model-initializer hook).
 
     Each item is an installed entry-point name (a string, loaded and registered under that

@@ -25,7 +25,7 @@ __all__ = ["RecvBufferPool", "pp_make_recv_buffer_allocator"]
 
 def __getattr__(name):
     if name == "RecvBufferPool":
-        from pp_core_builtins.buffer_pool.pool import RecvBufferPool
+        from pp_core_builtins.buffer_pool.pool import RecvBufferPool  # lazy: torch
 
         return RecvBufferPool
     raise AttributeError(f"module 'pp_core_builtins.buffer_pool' has no attribute {name!r}")
@@ -36,6 +36,6 @@ def pp_make_recv_buffer_allocator(config, program, rank, device):
     """A :class:`RecvBufferPool` for this rank when ``config.pp_recv_buffer_pool`` is true."""
     if not getattr(config, "pp_recv_buffer_pool", False):
         return None
-    from pp_core_builtins.buffer_pool.pool import RecvBufferPool
+    from pp_core_builtins.buffer_pool.pool import RecvBufferPool  # lazy: torch
 
     return RecvBufferPool(program, device, slack=config.pp_recv_buffer_pool_slack)

@@ -33,23 +33,23 @@ def __getattr__(name):
 
 @hookimpl
 def pp_register_models(register):
-    from pp_core_builtins.models.gpt import GPT, uneven_gpt
+    from pp_core_builtins.models.gpt import GPT, uneven_gpt  # lazy: torch, off the plugin listing
 
     register("gpt", GPT)
     register("uneven_gpt", uneven_gpt)
-    from pp_core_builtins.models.moe_gpt import MoEGPT
+    from pp_core_builtins.models.moe_gpt import MoEGPT  # lazy: torch, off the plugin listing
 
     register("moe_gpt", MoEGPT)
 
 
 @hookimpl
 def pp_register_datasets(register):
-    from pp_core_builtins.models.datasets import synthetic, text_bytes
+    from pp_core_builtins.models.datasets import synthetic, text_bytes  # lazy: torch
 
     register("synthetic", synthetic)
     register("text_bytes", text_bytes)
 
-    from pp_core_builtins.models.tokenized import tokenized_text
+    from pp_core_builtins.models.tokenized import tokenized_text  # lazy: torch
 
     register("tokenized_text", tokenized_text)
 
@@ -66,6 +66,6 @@ def pp_tensor_parallel_plan(model, sequence_parallel):
     """The demo GPT's plan (``gpt`` and ``uneven_gpt``: ``tp_plan.py``)."""
     if type(model).__name__ != "GPT":  # cheap: torch and the model module load only for a GPT
         return None
-    from pp_core_builtins.models.tp_plan import gpt_plan
+    from pp_core_builtins.models.tp_plan import gpt_plan  # lazy: torch, only for a tp plan
 
     return gpt_plan(model, sequence_parallel)

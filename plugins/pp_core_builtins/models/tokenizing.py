@@ -80,7 +80,7 @@ def read_documents(path: Path, text_field: str, doc_separator: Optional[str],
     """The documents of one file or saved dataset, in order (empty ones skipped)."""
     if _is_saved_dataset(path):
         try:
-            import datasets
+            import datasets  # lazy: datasets is an optional extra
         except ImportError:
             raise ImportError(f"tokenized_text: {str(path)!r} is a saved HF dataset; reading it "
                               f"needs `pip install datasets`") from None
@@ -109,7 +109,7 @@ def read_documents(path: Path, text_field: str, doc_separator: Optional[str],
                     yield str(record[text_field])
     elif path.suffix == ".parquet":
         try:
-            import pyarrow.parquet as parquet
+            import pyarrow.parquet as parquet  # lazy: pyarrow is an optional extra
         except ImportError:
             raise ImportError(f"tokenized_text: reading {str(path)!r} needs pyarrow "
                               f"(`pip install pyarrow`)") from None
@@ -143,7 +143,7 @@ class HFTokenizer:
         if path.is_dir() and (path / "tokenizer_config.json").is_file():
             config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
         if file.is_file():
-            from tokenizers import Tokenizer
+            from tokenizers import Tokenizer  # lazy: tokenizers is an optional extra
 
             self._fast = Tokenizer.from_file(str(file))
             self._auto = None
@@ -155,7 +155,7 @@ class HFTokenizer:
             sources = [file] + ([path / "tokenizer_config.json"] if config else [])
         else:
             try:
-                from transformers import AutoTokenizer
+                from transformers import AutoTokenizer  # lazy: transformers is an optional extra
             except ImportError:
                 raise ImportError(f"tokenized_text: {str(path)!r} has no tokenizer.json; loading "
                                   f"it needs transformers (`pip install transformers`)") from None
@@ -230,7 +230,7 @@ def _cache_key(files: list[Path], reading: dict, tokenizer, bos: Optional[int],
 
 def _progress(total: int, label: str):
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # lazy: tqdm is an optional extra
     except ImportError:  # no bar, the result is the same
         return None
     return tqdm(total=total, desc=label, unit="doc", file=sys.stderr, disable=None,

@@ -17,7 +17,7 @@ __all__ = ["gpt_plan", "FusedColwiseParallel"]
 
 
 def _fused_colwise():
-    from torch import nn
+    from torch import nn  # lazy: torch.distributed.tensor (seconds), only when a plan is built
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -54,11 +54,11 @@ def __getattr__(name):
 
 def gpt_plan(model, sequence_parallel: bool) -> Optional[dict]:
     """The plan for a :class:`~pp_core_builtins.models.gpt.GPT` (whole or one part), else None."""
-    from pp_core_builtins.models.gpt import GPT
+    from pp_core_builtins.models.gpt import GPT  # lazy: torch, off the plugin listing
 
     if not isinstance(model, GPT):
         return None
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard  # lazy: torch.distributed.tensor, seconds
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    SequenceParallel)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from pp_core import ConfigError, hookimpl
+from pp_core.config import PipelineConfig
 from pp_core.planning.balance import KINDS, split_by_profile
 from pp_core.planning.units import model_units, shared_modules, unit_splitter
 
@@ -114,12 +115,10 @@ class BalancedSplitter:
         _, base = self._base(model)
         make_part = getattr(base, "make_part", None)
         if make_part is None:
-            from pp_core.planning.parts import prune_model
+            from pp_core.planning.parts import prune_model  # lazy: torch, off the plugin listing
 
             return prune_model(model, fqns)
         if config is None:
-            from pp_core.config import PipelineConfig
-
             config = PipelineConfig()
         stages = self.stages(model, num_stages, config)
         config = dataclasses.replace(config, module_fqns_per_model_part=stages,

@@ -25,7 +25,7 @@ __all__ = ["LayersSplitter"]
 
 
 def _layers(model):
-    from torch import nn  # here, not at import: loading the plugin must not import torch
+    from torch import nn  # lazy: loading the plugin must not import torch
 
     layers = getattr(model, "_modules", {}).get("layers")
     return layers if isinstance(layers, (nn.ModuleList, nn.ModuleDict)) else None

@@ -28,7 +28,7 @@ __all__ = ["SequentialSplitter"]
 
 
 def _is_plain_sequential(model) -> bool:
-    from torch import nn  # here, not at import: loading the plugin must not import torch
+    from torch import nn  # lazy: loading the plugin must not import torch
 
     return isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward
 
@@ -94,10 +94,10 @@ class SequentialSplitter:
     def make_part(self, model, fqns, stage_index, num_stages, config) -> nn.Module:
         """An ``nn.Sequential`` of the stage's children, under their original names (shared)."""
         if _is_plain_sequential(model):
-            from pp_core.planning.parts import prune_model  # imports torch: not at plugin load
+            from pp_core.planning.parts import prune_model  # lazy: torch, not at plugin load
 
             return prune_model(model, fqns)
-        from torch import nn
+        from torch import nn  # lazy: loading the plugin must not import torch
 
         return nn.Sequential(OrderedDict((name, model._modules[name]) for name in fqns))
 

@@ -71,7 +71,7 @@ def hf_causal_lm(config, **kwargs):
     if _missing():
         raise PluginError(f"model 'hf_causal_lm' needs Hugging Face transformers: "
                           f"{PP_CORE_UNAVAILABLE or INSTALL}")
-    from pp_core_builtins.transformers.models import hf_causal_lm as build
+    from pp_core_builtins.transformers.models import hf_causal_lm as build  # lazy: torch
 
     return build(config, **kwargs)
 
@@ -80,7 +80,7 @@ def causal_lm_loss(logits, labels, *, num_valid_tokens=None):
     """Shifted next-token cross entropy ignoring ``-100``
     (``pp_core_builtins.transformers:causal_lm_loss``); token-normalised over the step in a
     pipeline (``num_valid_tokens``, docs/data.md)."""
-    from pp_core_builtins.transformers.models import causal_lm_loss as loss
+    from pp_core_builtins.transformers.models import causal_lm_loss as loss  # lazy: torch
 
     return loss(logits, labels, num_valid_tokens=num_valid_tokens)
 
@@ -96,7 +96,7 @@ causal_lm_loss.count_valid_tokens = _count_shifted_tokens
 
 @hookimpl
 def pp_register_splitters(register):
-    from pp_core_builtins.transformers.splitter import HFDecoderSplitter
+    from pp_core_builtins.transformers.splitter import HFDecoderSplitter  # lazy: torch
 
     register("hf_decoder", HFDecoderSplitter())
 
@@ -113,7 +113,7 @@ def pp_expert_parallel_plan(model):
     if _missing() or not hasattr(model, "config") or "transformers" not in \
             type(model).__module__:
         return None
-    from pp_core_builtins.transformers.experts import expert_parallel_plan
+    from pp_core_builtins.transformers.experts import expert_parallel_plan  # lazy: torch
 
     return expert_parallel_plan(model)
 
@@ -124,6 +124,6 @@ def pp_tensor_parallel_plan(model, sequence_parallel):
     if getattr(getattr(model, "config", None), "model_type", None) not in (
             "llama", "qwen2", "mistral"):
         return None
-    from pp_core_builtins.transformers.tp_plan import hf_decoder_plan
+    from pp_core_builtins.transformers.tp_plan import hf_decoder_plan  # lazy: torch
 
     return hf_decoder_plan(model, sequence_parallel)

@@ -42,9 +42,9 @@ _FIRST_STAGE_ARGS = ("input_ids", "attention_mask", "position_ids")
 @functools.lru_cache(maxsize=None)
 def _mask_function(attention_type: str):
     try:
-        from transformers import masking_utils
+        from transformers import masking_utils  # lazy: transformers, seconds to import
     except ImportError:
-        import transformers
+        import transformers  # lazy: transformers, seconds to import
 
         raise ConfigError(f"pp_core_builtins.transformers needs transformers>=4.53 "
                           f"(masking_utils), found {transformers.__version__}; "

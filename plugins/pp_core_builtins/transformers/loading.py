@@ -32,7 +32,7 @@ def has_checkpoint(path) -> bool:
 
 def checkpoint_index(path) -> dict[str, Path]:
     """``{tensor name: file}`` for a checkpoint directory (sharded or not)."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors, only when a checkpoint is read
 
     path = Path(path)
     if (path / INDEX_FILE).exists():
@@ -70,7 +70,7 @@ def load_part(part: nn.Module, path, strict: bool = True) -> list[str]:
         its initial value and its name is returned).
     :returns: the names not found (empty when ``strict``).
     """
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors, only when a checkpoint is read
 
     index = checkpoint_index(path)
     targets = part.state_dict(keep_vars=True)

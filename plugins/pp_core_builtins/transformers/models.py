@@ -21,13 +21,14 @@ import torch
 
 from pp_core import ConfigError
 from pp_core.config import resolve_dtype
+from pp_core_builtins.transformers.loading import has_checkpoint, load_part
 
 __all__ = ["hf_causal_lm", "causal_lm_loss", "hf_config"]
 
 
 def hf_config(config: Any, **overrides):
     """A transformers ``PretrainedConfig`` from a dict (with ``model_type``) or a local path."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import AutoConfig, PretrainedConfig  # lazy: transformers, seconds to import
 
     if isinstance(config, PretrainedConfig):
         return config
@@ -73,9 +74,7 @@ def hf_causal_lm(
     :param dtype: parameter dtype, e.g. ``"bfloat16"`` (default: the config's, else float32).
     :param attn_implementation: ``"sdpa"``, ``"eager"``, ... (default: transformers' choice).
     """
-    from transformers import AutoModelForCausalLM
-
-    from pp_core_builtins.transformers.loading import has_checkpoint
+    from transformers import AutoModelForCausalLM  # lazy: transformers, seconds to import
 
     if checkpoint is None and isinstance(config, (str, os.PathLike)) and has_checkpoint(config):
         checkpoint = str(config)
@@ -99,8 +98,6 @@ def hf_causal_lm(
         torch.set_default_dtype(previous)
     model.pp_checkpoint = str(checkpoint) if checkpoint is not None else None
     if checkpoint is not None and not meta:
-        from pp_core_builtins.transformers.loading import load_part
-
         load_part(model, checkpoint)
     return model
 

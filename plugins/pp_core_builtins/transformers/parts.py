@@ -23,11 +23,13 @@ from __future__ import annotations
 import copy
 import types
 
+import torch
 from torch import nn
 
 from pp_core.planning.parts import prune_model
 from pp_core_builtins.transformers.forward import DecoderAdapter, patch_causal_lm, patch_text_module
 from pp_core_builtins.transformers.layout import DecoderLayout
+from pp_core_builtins.transformers.loading import load_part
 
 __all__ = ["build_part", "build_plain_part", "tie_groups", "init_part_weights"]
 
@@ -80,7 +82,7 @@ def _replace_on_path(part: nn.Module, fqn: str) -> nn.Module:
 
 
 def _walk_init(module: nn.Module, init, seen: set[int]) -> None:
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # lazy: transformers, seconds to import
 
     for child in module.children():
         _walk_init(child, child._init_weights if isinstance(child, PreTrainedModel) else init, seen)
@@ -95,8 +97,6 @@ def _refill_rotary(part: nn.Module) -> None:
     transformers 5 refills them in ``_init_weights``; transformers 4 computes them only in the
     constructor, so a fresh module is built on the part's device and its buffers copied.
     """
-    import torch
-
     for module in {id(m): m for m in part.modules()}.values():
         if not type(module).__name__.endswith("RotaryEmbedding") or \
                 getattr(module, "config", None) is None or not hasattr(module, "inv_freq"):
@@ -116,15 +116,11 @@ def init_part_weights(part: nn.Module) -> None:
     tables; never re-ties weights. Then, when the model named a checkpoint directory
     (``pp_checkpoint``), loads this part's tensors from it.
     """
-    import torch
-
     with torch.no_grad():
         _walk_init(part, part._init_weights, set())
         _refill_rotary(part)
     checkpoint = getattr(part, "pp_checkpoint", None)
     if checkpoint is not None:
-        from pp_core_builtins.transformers.loading import load_part
-
         load_part(part, checkpoint)
 
 

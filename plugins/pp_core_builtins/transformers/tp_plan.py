@@ -31,7 +31,7 @@ def hf_decoder_plan(model, sequence_parallel: bool) -> Optional[dict]:
         raise ValueError(f"distributed.sequence_parallel is not supported for Hugging Face "
                          f"{config.model_type} models yet; set sequence_parallel: false (tensor "
                          f"parallelism itself works)")
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate  # lazy: torch.distributed.tensor, seconds
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     layer = "model.layers.*"

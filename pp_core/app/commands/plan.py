@@ -55,7 +55,7 @@ def _positive(text: str) -> int:
 
 
 def plan_command(args) -> int:
-    from pp_core.app.decide import as_auto, plan_spec
+    from pp_core.app.decide import as_auto, plan_spec  # lazy: only when `pp-core plan` runs
     from pp_core.planning.report import format_ranking
     from pp_core.planning.sizes import parse_size
     from pp_core.app.preflight import preflight

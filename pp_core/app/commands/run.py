@@ -15,6 +15,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 from pp_core.config import is_auto
 from pp_core.errors import ConfigError
@@ -83,7 +84,7 @@ def register(subparsers) -> None:
 
 
 def _checked(args):
-    from pp_core.app.preflight import preflight
+    from pp_core.app.preflight import preflight  # lazy: only when the command runs
     from pp_core.app.spec import load_spec
 
     spec = load_spec(args.pipeline, args.overrides)
@@ -91,7 +92,7 @@ def _checked(args):
 
 
 def run_command(args) -> int:
-    from pp_core.app.launch import launch, started_by_torchrun
+    from pp_core.app.launch import launch, started_by_torchrun  # lazy: torch
 
     from pp_core.planning.sizes import parse_size
 
@@ -104,7 +105,7 @@ def run_command(args) -> int:
     if not started_by_torchrun() or os.environ.get("RANK") == "0":  # once, not once per rank
         for note in found.notes:
             print(f"pp-core: note: {note}", flush=True)
-    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing import SignalException  # lazy: torch
 
     try:
         launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True),
@@ -117,7 +118,7 @@ def run_command(args) -> int:
 
 
 def validate_command(args) -> int:
-    from pp_core.app.rendezvous import resolve
+    from pp_core.app.rendezvous import resolve  # lazy: only when `pp-core validate` runs
     from pp_core.app.spec import SpecError
 
     spec, found = _checked(args)
@@ -138,7 +139,7 @@ def validate_command(args) -> int:
     if found.plan is not None:
         print("  split: " + found.plan.describe().replace("\n", "\n  "))
     if found.schedule is not None:
-        from pp_core.schedule.simulate import simulate
+        from pp_core.schedule.simulate import simulate  # lazy: only when `pp-core validate` runs
 
         result = simulate(found.schedule)
         print(f"  schedule {found.schedule.name}: {found.schedule.num_stages} stages, "
@@ -178,9 +179,7 @@ def _parallelisms(spec) -> str:
 
 
 def export_command(args) -> int:
-    from pathlib import Path
-
-    from pp_core.app.checkpoint import export_checkpoint, latest_checkpoint
+    from pp_core.app.checkpoint import export_checkpoint, latest_checkpoint  # lazy: DCP, seconds
 
     source = Path(args.checkpoint)
     if not (source / ".metadata").is_file():

@@ -9,9 +9,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
+from pp_core.app.output_paths import refuse_collisions
 from pp_core.errors import PPCoreError, ScheduleError
+from pp_core.schedule.buffer_plan import recv_buffer_report
+from pp_core.schedule.build import build_schedule
+from pp_core.schedule.csv_io import format_csv, read_csv
+from pp_core.schedule.limits import size_problem
+from pp_core.schedule.lower import lower
+from pp_core.schedule.render import caption, render_svg, render_text
+from pp_core.schedule.simulate import Costs, simulate
+from pp_core.schedule.trace import chrome_trace
 
 HELP = """\
 Build a pipeline schedule (a registered name or a torch-format CSV), check it
@@ -93,8 +103,6 @@ def _amount(kind, positive: bool = False, minimum: float | None = None,
     ``positive``; ``nan`` would print "makespan nan", ``-5`` negative byte counts), at most
     ``maximum`` (and at least ``minimum``)."""
     def parse(text: str):
-        import math
-
         try:
             value = kind(text)
         except ValueError:
@@ -142,10 +150,6 @@ FLAGS = {"num_ranks": "--pp", "stages_per_rank": "--stages-per-rank",
 
 
 def _schedule(args):
-    from pp_core.app.output_paths import refuse_collisions
-    from pp_core.schedule.build import build_schedule
-    from pp_core.schedule.limits import size_problem
-
     refuse_collisions({"--csv": args.csv},
                       {"-o": args.output, "--trace": getattr(args, "trace", None)})
     if args.pp is not None and args.microbatches is not None:
@@ -157,8 +161,6 @@ def _schedule(args):
         raise ScheduleError(f"give a schedule NAME or --csv FILE, not both (got {args.name!r} "
                             f"and --csv {args.csv!r})")
     if args.csv:
-        from pp_core.schedule.csv_io import read_csv
-
         schedule = read_csv(args.csv, format="auto")
         if args.pp is not None or args.microbatches is not None or args.stages_per_rank:
             build_schedule(csv_path=args.csv,
@@ -180,8 +182,6 @@ def _schedule(args):
 
 
 def _simulated(args):
-    from pp_core.schedule.simulate import Costs, simulate
-
     costs = Costs(F=args.cost_f, B=args.cost_b, I=args.cost_i, W=args.cost_w)
     return simulate(_schedule(args), costs, comm_latency=args.comm_latency,
                     activation_bytes=args.activation_bytes, processors=args.processors)
@@ -196,8 +196,6 @@ def _write(path: str, text: str) -> None:
 
 
 def _show(args) -> int:
-    from pp_core.schedule.render import caption, render_svg, render_text
-
     result = _simulated(args)
     timeline = render_text(result)  # refuses a timeline too large to draw before writing files
     if args.output:
@@ -224,15 +222,12 @@ def _simulate(args) -> int:
     if args.json or args.output:  # the text table does not show them; lowering every rank costs
         figures["recv_buffers"] = _recv_buffers(result.schedule, args)
     if args.trace:
-        from pp_core.schedule.trace import chrome_trace
-
         _write(args.trace, json.dumps(chrome_trace(result)))
     if args.output:
         _write(args.output, json.dumps(figures, indent=2) + "\n")
     if args.json:
         print(json.dumps(figures, indent=2))
         return 0
-    from pp_core.schedule.render import caption
 
     print(caption(result))
     print(f"{'rank':>4}  {'stages':<12} {'busy':>8} {'idle':>8} {'peak act.':>9}"
@@ -253,16 +248,11 @@ def _simulate(args) -> int:
 
 def _recv_buffers(schedule, args) -> dict:
     """Receive-buffer sets (and bytes) per rank, stage and direction, with and without the pool."""
-    from pp_core.schedule.buffer_plan import recv_buffer_report
-    from pp_core.schedule.lower import lower
-
     return recv_buffer_report(lower(schedule), slack=args.pool_slack,
                               bytes_per_set=args.recv_bytes)
 
 
 def _export(args) -> int:
-    from pp_core.schedule.csv_io import format_csv
-
     schedule = _schedule(args)
     text = format_csv(schedule)
     if args.output:
