@@ -16,6 +16,7 @@ not); those shims import on first use.
 from __future__ import annotations
 
 import contextlib
+import sys
 import socket
 from typing import Callable, Optional
 
@@ -262,6 +263,25 @@ def flatten_mesh(mesh):
     token count's all-reduce, runtime/token_loss.py). torch has no public flatten; ``_flatten``
     is what torchtitan uses. Checked on 2.13.0."""
     return mesh._flatten()
+
+
+def composable_engines(module) -> tuple[str, ...]:
+    """The composable engines (``fully_shard``, ``replicate``, ...) managing ``module``, read
+    from their registry without importing them (nothing registered: the module is not wrapped;
+    runtime/build_checks.py). Checked on 2.13.0. Missing: ``()``, and the FSDPModule / DDP type
+    checks alone find wrapped models."""
+    contract = sys.modules.get("torch.distributed._composable.contract")
+    registry = getattr(contract, "_get_registry", None) if contract is not None else None
+    return tuple(registry(module) or {}) if registry is not None else ()
+
+
+def compile_backends() -> list[str]:
+    """Every backend name ``torch.compile`` accepts, as ``torch._dynamo.list_backends`` gives
+    them (parallel/compile_options.py; there is no public list). Importing dynamo takes seconds,
+    so only when a backend is named. Checked on 2.13.0."""
+    import torch._dynamo  # lazy: seconds to import, only when a backend is named
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
 
 
 # ------------------------------------------------------------------ the profiler (runtime/observers.py)

@@ -18,12 +18,6 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 OPTIONS = ("mode", "fullgraph", "dynamic", "backend", "options")
 
 
-def _backends() -> list[str]:
-    import torch._dynamo  # lazy: seconds to import, only when a backend is named
-
-    return sorted(torch._dynamo.list_backends(exclude_tags=()))
-
-
 def compile_problem(options: dict[str, Any]) -> str | None:
     """Why ``torch.compile(**options)`` would fail (``None``: it would not)."""
     unknown = sorted(set(options) - set(OPTIONS))
@@ -45,7 +39,9 @@ def compile_problem(options: dict[str, Any]) -> str | None:
     if backend is not None and not callable(backend):
         if not isinstance(backend, str) or not backend:
             return f"backend: expected a backend name, found {backend!r}"
-        known = _backends()
+        from pp_core._torch_compat import compile_backends  # lazy: torch, only for a backend
+
+        known = compile_backends()
         if backend not in known:
             return f"backend: unknown backend {backend!r}; torch has {', '.join(known)}"
     return None

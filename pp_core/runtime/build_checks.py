@@ -16,6 +16,7 @@ import sys
 import torch
 from torch import nn
 
+from pp_core._torch_compat import composable_engines
 from pp_core.errors import ConfigError
 
 __all__ = ["check_not_wrapped", "wrapped_modules", "check_materialised", "check_device"]
@@ -31,12 +32,9 @@ def _engines(module: nn.Module) -> list[str]:
     ddp = sys.modules.get("torch.nn.parallel.distributed")
     if ddp is not None and isinstance(module, ddp.DistributedDataParallel):
         found.append("DistributedDataParallel")
-    contract = sys.modules.get("torch.distributed._composable.contract")
-    registry = getattr(contract, "_get_registry", None) if contract is not None else None
-    if registry is not None:
-        for name in (registry(module) or {}):
-            if name in ("replicate", "fully_shard") and not found:
-                found.append(name)
+    for name in composable_engines(module):
+        if name in ("replicate", "fully_shard") and not found:
+            found.append(name)
     return found
 
 
