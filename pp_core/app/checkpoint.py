@@ -48,10 +48,10 @@ from torch import nn
 
 from pp_core._torch_compat import dcp_metadata_path, set_state_dict_item
 from pp_core.errors import PipelineError
+from pp_core.parallel.dtensor_state import restride, unstride
 
 __all__ = ["checkpoint_path", "latest_checkpoint", "resume_checkpoint", "save_checkpoint",
-           "load_checkpoint",
-           "read_model_state_dict", "load_into_model", "export_checkpoint", "SafeReader",
+           "load_checkpoint", "read_model_state_dict", "load_into_model", "export_checkpoint", "SafeReader",
            "SafeLoadPlanner"]
 
 _STEP_DIR = re.compile(r"step_(\d{8})$")
@@ -235,9 +235,7 @@ def _options():
 
 def _state(parts: Iterable[nn.Module], optimizers: Iterable, step: int) -> dict:
     from torch.distributed.checkpoint.state_dict import (  # lazy: DCP, seconds
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+        get_model_state_dict, get_optimizer_state_dict)
 
     model: dict = {}
     optim: dict = {}
@@ -245,7 +243,8 @@ def _state(parts: Iterable[nn.Module], optimizers: Iterable, step: int) -> dict:
         model.update(get_model_state_dict(part))
         if optimizer is not None:
             optim.update(get_optimizer_state_dict(part, optimizer, options=_options()))
-    return {"model": model, "optim": optim, "trainer": {"step": torch.tensor(step)}}
+    state = {"model": model, "optim": optim, "trainer": {"step": torch.tensor(step)}}
+    return state, unstride(state)  # DCP writes no strided shard (the fused qkv): whole ones
 
 
 def save_checkpoint(directory, step: int, parts, optimizers, process_group=None,
@@ -264,7 +263,7 @@ def save_checkpoint(directory, step: int, parts, optimizers, process_group=None,
         dist.broadcast_object_list(token, group=process_group, group_src=0)
     staging = path.with_name(f"{path.name}.tmp-{token[0]}")
     with _single_process_quiet():
-        dcp.save(_state(parts, optimizers, step), checkpoint_id=str(staging),
+        dcp.save(_state(parts, optimizers, step)[0], checkpoint_id=str(staging),
                  process_group=process_group)
     if distributed:
         dist.barrier(group=process_group)  # every rank's shards are on disk
@@ -311,7 +310,7 @@ def load_checkpoint(path, parts, optimizers, process_group=None) -> int:
 
     path = Path(path)
     _check_dir(path)
-    state = _state(parts, optimizers, 0)
+    state, strided = _state(parts, optimizers, 0)
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path), storage_reader=SafeReader(str(path)),
@@ -325,6 +324,7 @@ def load_checkpoint(path, parts, optimizers, process_group=None) -> int:
         raise PipelineError(
             f"cannot load checkpoint {str(path)!r} into this pipeline: {type(cause).__name__}: "
             f"{str(cause)[:300]}; was it written for this model (model.args)?") from None
+    restride(state, strided)
     for part, optimizer in zip(parts, optimizers):
         names = set(part.state_dict().keys())
         set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in names})
