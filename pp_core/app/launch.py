@@ -109,9 +109,10 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
         endpoint = prepare_endpoint(dist)
         if announce is not None:
             node = f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else ""
+            tp = f" x tp {dist['tp_size']}" if dist["tp_size"] > 1 else ""
             announce(f"starting {layout.local_ranks} rank(s) on this machine (pp "
-                     f"{dist['pp_size']} x dp {dist['dp_size']} x tp {dist['tp_size']}{node}) on "
-                     f"{layout.device} ({layout.reason})")
+                     f"{dist['pp_size']} x dp {dist['dp_size']}{tp}{node}) on {layout.device} "
+                     f"({layout.reason})")
         with _launch_temp_dir() as logs:
             return _elastic_launch(spec, entrypoint, layout.local_ranks, endpoint, logs)
 

@@ -116,6 +116,8 @@ def _build(spec: Spec, ctx: RankContext):
     """Model (seeded, whole, then split), pipeline, one optimizer per model part."""
     model = build_model(spec)
     num_params = sum(p.numel() for p in model.parameters())
+    # the whole model, as every rank builds it: the same answer everywhere, no collective
+    aux_losses = any(isinstance(getattr(m, "pp_aux_losses", None), list) for m in model.modules())
     checkpointing = activation_checkpointing_of(spec, model)
     # each wait is bounded by distributed.timeout_s (so a stuck peer's message says how long),
     # unless $PP_CORE_TIMEOUT sets it for every pipeline
@@ -144,7 +146,7 @@ def _build(spec: Spec, ctx: RankContext):
     cls = getattr(torch.optim, options.pop("name"))
     owned = _distinct_parameters(pipe.model_parts)  # a weight two local parts share: stepped once
     optimizers = [cls(params, **options) if params else None for params in owned]
-    return pipe, optimizers, num_params, dp_units
+    return pipe, optimizers, num_params, dp_units, aux_losses
 
 
 def _distinct_parameters(parts) -> list[list]:
@@ -237,7 +239,7 @@ def train(spec: Spec) -> dict[str, Any]:
     """Run this rank's part of the pipeline; rank 0 returns the summary (see ``format_summary``)."""
     started = time.perf_counter()
     ctx = RankContext(spec)
-    pipe, optimizers, num_params, dp_units = _build(spec, ctx)
+    pipe, optimizers, num_params, dp_units, aux_losses = _build(spec, ctx)
     config = spec.pipeline_config()
     base_lrs = [[g["lr"] for g in o.param_groups] if o else [] for o in optimizers]
     recorder = RunRecorder(spec, ctx, pipe, num_params)
@@ -249,7 +251,6 @@ def train(spec: Spec) -> dict[str, Any]:
     counted_once = tied_copies(pipe.model_parts, pipe.stage_indices)
     batches = _batches(_dataset(spec), start_step)
     global_batch = spec.global_batch_size
-    aux_losses = _reports_aux_losses(pipe, ctx)
     progress = Progress(steps, start_step, spec.output["progress"] if ctx.rank == 0 else "off",
                         train_cfg["log_every"])
     recorder.progress = progress
@@ -301,16 +302,6 @@ def train(spec: Spec) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     return result
-
-
-def _reports_aux_losses(pipe, ctx: RankContext) -> bool:
-    """Whether any rank's model records auxiliary losses (``pp_aux_losses``: MoE layers); the
-    same answer on every rank, so the per-step all-reduce runs everywhere or nowhere."""
-    local = any(isinstance(getattr(m, "pp_aux_losses", None), list)
-                for part in pipe.model_parts for m in part.modules())
-    flag = torch.tensor([1.0 if local else 0.0], device=ctx.device)
-    dist.all_reduce(flag)
-    return bool(flag.item())
 
 
 def _aux_loss(pipe, ctx: RankContext, config) -> float:

@@ -59,12 +59,13 @@ def check_not_wrapped(model: nn.Module) -> None:
         f"pp_core.parallel.apply_data_parallel(pipe.model_parts, dp_mesh))")
 
 
-def check_materialised(model: nn.Module) -> None:
+def check_materialised(model: nn.Module,
+                       what: str = "the model passed to build_pipeline") -> None:
     """A model on the meta device has no values to train: refuse it, naming a tensor."""
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
         if tensor.is_meta:
             raise ConfigError(
-                f"the model passed to build_pipeline is on the meta device (no values; e.g. "
+                f"{what} is on the meta device (no values; e.g. "
                 f"{name!r}); build it on a real device, or call model.to_empty(device=...) and "
                 f"initialise it first (pp_core.plan_pipeline plans on meta without building)")
 

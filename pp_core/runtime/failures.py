@@ -81,7 +81,10 @@ def _abort_tensor_parallel(stages: dict, report: str) -> None:
             mesh = getattr(param, "device_mesh", None)
             if mesh is not None:
                 for dim in range(mesh.ndim):
-                    group = mesh.get_group(dim)
+                    try:
+                        group = mesh.get_group(dim)
+                    except RuntimeError:  # already gone: the dp driver ended FSDP's groups
+                        continue
                     groups[id(group)] = group
     for group in groups.values():
         try:

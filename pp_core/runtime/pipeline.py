@@ -343,7 +343,8 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
 
     check_device(device)  # before any collective, each a mistake every rank makes alike
     check_not_wrapped(model)  # a wrapped model's hooks would run collectives of their own
-    check_materialised(model)
+    if getattr(model, "pp_checkpoint", None) is None:  # else each part loads its own weights
+        check_materialised(model)
     plugins = plugins_or_default(plugins)
     group, rank, num_ranks = resolve_group(pp_group)
     if num_ranks > 1:  # ranks that disagree would train on wrong gradients, then hang
@@ -360,6 +361,8 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
     if failure is not None:
         raise failure
     parts = build_model_parts(model, plan.split, plan.stage_indices, config, device=device)
+    for part in parts:
+        check_materialised(part, "a model part of this rank")
     pipe = Pipeline(parts, plan.stage_indices, plan.schedule, config, group, device,
                     program=plan.program, plugins=plugins, timeout=timeout, plan=plan,
                     dp_group=dp_group)
