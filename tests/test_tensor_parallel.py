@@ -51,15 +51,20 @@ VARIANTS = [dict(sequence_parallel=False, pool=False, count=True),
             dict(sequence_parallel=True, pool=True)]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_pp_tp_equals_one_process(pool, schedule):
-    """Every built-in schedule: plain / buffer pool, sequence parallel off / on."""
-    runs = pool.run(tp_matrix, schedule, VARIANTS)
-    for index, variant in enumerate(VARIANTS):
+def check_variants(runs, schedule: str, variants) -> None:
+    """Each variant's results on every rank against one process; the collectives counted where
+    the variant asks for it."""
+    for index, variant in enumerate(variants):
         results = [runs_of_rank[index] for runs_of_rank in runs]
         check(results, (schedule, variant))
         if variant.get("count"):
             check_counts(results, variant["sequence_parallel"])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp_tp_equals_one_process(pool, schedule):
+    """Every built-in schedule: plain / buffer pool, sequence parallel off / on."""
+    check_variants(pool.run(tp_matrix, schedule, VARIANTS), schedule, VARIANTS)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "v_schedule"])
@@ -69,12 +74,7 @@ def test_dtensors_cross_stages(pool, schedule):
     DTensor back; numbers as with local tensors, and no extra collective."""
     variants = [dict(sequence_parallel=sp, boundary="dtensor", pool=buffers, count=not buffers)
                 for sp in (False, True) for buffers in (False, True)]
-    runs = pool.run(tp_matrix, schedule, variants)
-    for index, variant in enumerate(variants):
-        results = [runs_of_rank[index] for runs_of_rank in runs]
-        check(results, (schedule, variant))
-        if variant.get("count"):
-            check_counts(results, variant["sequence_parallel"])
+    check_variants(pool.run(tp_matrix, schedule, variants), schedule, variants)
 
 
 HF_CASES = [("1f1b", "llama", False), ("zero_bubble", "llama_tied", True),
