@@ -184,3 +184,16 @@ def test_cpu_ranks_sharing_the_cores_are_planned_as_sharing_them():
     work = sum(u.forward_s + min(u.backward_s, u.input_grad_s + u.weight_grad_s)
                for u in given.profiles[2].units) * 4
     assert given.predicted_step_s >= work / 1.5 * 0.999
+
+
+@pytest.mark.parametrize("command", ["plan", "validate"])
+def test_auto_and_plan_refuse_tensor_parallelism_they_cannot_model(tmp_path, capsys, command):
+    """The planner profiles one unsharded process: at tp_size > 1 its figures would be wrong,
+    so ``pp-core plan`` and ``pp_schedule: auto`` refuse before profiling, saying what works."""
+    import yaml
+
+    path = tmp_path / "tp.yaml"
+    path.write_text(yaml.safe_dump(apply_overrides(BASE, ["distributed.tp_size=2"])))
+    assert cli.main([command, str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "cannot model tensor parallelism yet" in err and "tp_size=1" in err, err
