@@ -26,6 +26,7 @@ from pp_core.errors import ConfigError, PipelineError
 from pp_core.app.launch import launch
 from pp_core.app.rendezvous import _wait_for_listener, prepare_endpoint
 from pp_core.app.spec import SpecError, parse_spec
+from pp_core.app.spec_sections import DistributedSpec
 from pp_core_builtins.models import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ TINY = {
 }
 
 
-def distributed(**values) -> dict:
+def distributed(**values) -> DistributedSpec:
     return parse_spec({**TINY, "distributed": {**TINY["distributed"], **values}},
                       "t.yaml").distributed
 
