@@ -27,7 +27,7 @@ def spec(**model):
 def test_the_cut_is_measured_once_and_written_into_the_spec():
     lines = []
     resolved = balanced_spec(spec(splitter="balanced"), say=lines.append)
-    stages = resolved.pipeline["module_fqns_per_model_part"]
+    stages = resolved.pipeline.module_fqns_per_model_part
     units = model_units(GPT(**TINY["model"]["args"]))
     assert len(stages) == 2 and [fqn for stage in stages for fqn in stage] == \
         [fqn for unit in units for fqn in unit]
@@ -39,14 +39,12 @@ def test_the_cut_is_measured_once_and_written_into_the_spec():
 
 
 def test_limits_name_the_fix(monkeypatch):
-    both = spec(splitter="balanced")
-    both.pipeline["module_fqns_per_model_part"] = [["tok_embeddings", "pos_embeddings",
-                                                    "layers.0"], ["layers.1", "layers.2",
-                                                                  "layers.3", "norm", "output"]]
+    both = spec(splitter="balanced").with_("pipeline", module_fqns_per_model_part=[
+        ["tok_embeddings", "pos_embeddings", "layers.0"],
+        ["layers.1", "layers.2", "layers.3", "norm", "output"]])
     with pytest.raises(ConfigError, match="names the stages too; remove one of them"):
         balanced_spec(both)
-    nodes = spec(splitter="balanced")
-    nodes.distributed["nnodes"] = 2
+    nodes = spec(splitter="balanced").with_("distributed", nnodes=2)
     with pytest.raises(ConfigError, match="each of several nodes would measure its own cut"):
         balanced_spec(nodes)
     monkeypatch.setenv("RANK", "0")

@@ -26,6 +26,7 @@ from pp_core.errors import ConfigError, PipelineError
 from pp_core.app.launch import launch
 from pp_core.app.rendezvous import _wait_for_listener, prepare_endpoint
 from pp_core.app.spec import SpecError, parse_spec
+from pp_core.app.spec_sections import DistributedSpec
 from pp_core_builtins.models import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ TINY = {
 }
 
 
-def distributed(**values) -> dict:
+def distributed(**values) -> DistributedSpec:
     return parse_spec({**TINY, "distributed": {**TINY["distributed"], **values}},
                       "t.yaml").distributed
 
@@ -179,7 +180,7 @@ def test_bad_rendezvous_keys_are_refused_with_the_key(key, value, expected):
     ("master_port", 29500),
 ])
 def test_good_rendezvous_keys_pass(key, value):
-    assert distributed(**{key: value})[key] == value
+    assert getattr(distributed(**{key: value}), key) == value
 
 
 def test_one_node_hosts_the_store_on_a_free_port():

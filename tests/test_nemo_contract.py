@@ -119,7 +119,7 @@ def test_model_dtype_casts_parameters_in_yaml(tmp_path, capsys):
 
     path = tmp_path / "pipe.yaml"
     path.write_text(yaml.safe_dump({**BASE, "model": {**BASE["model"], "dtype": "bf16"}}))
-    assert load_spec(str(path), []).model["dtype"] == "bfloat16"
+    assert load_spec(str(path), []).model.dtype == "bfloat16"
     code, text = validate(tmp_path, capsys, "model.dtype=int64")
     assert code == 1 and "model.dtype" in text, text
 

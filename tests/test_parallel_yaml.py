@@ -27,14 +27,14 @@ def _train(**train):
 
 def test_yaml_keys_default_off_and_normalise():
     train = _train()
-    assert train["activation_checkpointing"] == {"mode": "none", "every": 1}
-    assert train["compile"] == {"enabled": False}
-    assert _train(activation_checkpointing="Full")["activation_checkpointing"] == \
+    assert train.activation_checkpointing == {"mode": "none", "every": 1}
+    assert train.compile == {"enabled": False}
+    assert _train(activation_checkpointing="Full").activation_checkpointing == \
         {"mode": "full", "every": 1}
-    assert _train(activation_checkpointing={"mode": "selective", "every": 2})[
-        "activation_checkpointing"] == {"mode": "selective", "every": 2}
-    assert _train(compile=True)["compile"] == {"enabled": True}
-    assert _train(compile={"mode": "max-autotune"})["compile"] == \
+    assert _train(activation_checkpointing={"mode": "selective", "every": 2}
+                  ).activation_checkpointing == {"mode": "selective", "every": 2}
+    assert _train(compile=True).compile == {"enabled": True}
+    assert _train(compile={"mode": "max-autotune"}).compile == \
         {"enabled": True, "mode": "max-autotune"}
 
 

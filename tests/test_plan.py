@@ -53,9 +53,9 @@ def build_on_rank(overrides):
 
     torch.set_num_threads(1)
     spec = spec_of(overrides)
-    model = model_factory(spec)(**spec.model["args"])
+    model = model_factory(spec)(**spec.model.args)
     try:
-        pipe = build_pipeline(model, spec.pipeline_config(), timeout=60)
+        pipe = build_pipeline(model, spec.pipeline, timeout=60)
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     rank = dist.get_rank()
@@ -83,7 +83,7 @@ def test_validate_build_and_summary_plan_alike(pool, tmp_path, case):
     else:
         overrides = (f"pipeline.pp_schedule={case}",)
     validated = preflight(spec_of(overrides), run_checks=False)
-    program = plan_pipeline(None, spec_of(overrides).pipeline_config(), 2).program
+    program = plan_pipeline(None, spec_of(overrides).pipeline, 2).program
     built = pool.run(build_on_rank, overrides)
     for rank, found in enumerate(built):
         assert found["rows"] == found["summary_rows"] == validated.schedule.rows(), rank

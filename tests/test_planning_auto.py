@@ -32,7 +32,7 @@ def ran(spec):
     from pp_core.app.train import train
 
     summary = train(spec)
-    return {"pipeline": spec.pipeline_config().to_dict(), "summary": summary}
+    return {"pipeline": spec.pipeline.to_dict(), "summary": summary}
 
 
 def test_yaml_auto_is_planned_once_and_every_rank_runs_the_same_concrete_plan(tmp_path):

@@ -3,6 +3,7 @@ what was expected, what was found and the closest valid key; ``--set`` overrides
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -12,7 +13,10 @@ import yaml
 from pp_core.app import cli
 from pp_core.app.factories import dataset_args, dataset_factory
 from pp_core.app.preflight import preflight
-from pp_core.app.spec import SCHEMA, SpecError, apply_overrides, load_spec, parse_override, parse_spec
+from pp_core.app.spec import (SCHEMA, Spec, SpecError, apply_overrides, load_spec, parse_override,
+                              parse_spec)
+from pp_core.app.spec_sections import SECTIONS
+from pp_core.config import PipelineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -43,11 +47,51 @@ def problems_of(*overrides: str, plugins: bool = False) -> list[str]:
 def test_a_good_spec_fills_every_default():
     spec = spec_with()
     for section, keys in SCHEMA.items():
-        assert set(spec.values[section]) == {k.name for k in keys}
-    assert spec.train["optimizer"] == {"name": "AdamW", "lr": 1e-3}
-    assert spec.distributed["master_addr"] == "127.0.0.1"
-    assert spec.pipeline_config().num_microbatches == 4
+        assert set(spec.to_dict()[section]) == {k.name for k in keys}
+    assert spec.train.optimizer == {"name": "AdamW", "lr": 1e-3}
+    assert spec.distributed.master_addr == "127.0.0.1"
+    assert spec.pipeline.num_microbatches == 4
     assert spec.world_size == 2 and spec.global_batch_size == 4
+
+
+def test_each_section_class_has_exactly_the_schema_keys_and_defaults():
+    assert list(SECTIONS) == list(SCHEMA)
+    for section, keys in SCHEMA.items():
+        declared = dataclasses.fields(SECTIONS[section])
+        assert [f.name for f in declared] == [k.name for k in keys], section
+        made = SECTIONS[section]()
+        for key in keys:
+            assert getattr(made, key.name) == key.default, f"{section}.{key.name}"
+
+
+def test_the_spec_is_typed_and_frozen():
+    spec = spec_with("model.args.dim=64", "train.steps=5")
+    assert spec.train.steps == 5 and spec.model.args["dim"] == 64
+    with pytest.raises(AttributeError):
+        spec.train.stpes
+    with pytest.raises(AttributeError):
+        spec.trian
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.train.steps = 6
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.train = spec.train
+    assert isinstance(spec.pipeline, PipelineConfig) and spec.pipeline is spec.pipeline
+    assert spec.pipeline.pp_batch_size == 4
+    changed = spec.with_("train", steps=9)
+    assert (changed.train.steps, spec.train.steps) == (9, 5) and changed.model is spec.model
+
+
+def test_to_dict_and_from_dict_give_back_the_same_spec():
+    spec = spec_with("pipeline.module_fqns_per_model_part=[[a, b], [c]]",
+                     "pipeline.pp_schedule=gpipe", "checkpoint.dir=ck", "checkpoint.resume=true")
+    values = spec.to_dict()
+    assert yaml.safe_load(yaml.safe_dump(values)) == values  # plain data, as in a file
+    again = Spec.from_dict(values, spec.source)
+    assert again == spec and again.to_dict() == values and again.source == "pipe.yaml"
+    values["model"]["args"]["dim"] = 1  # a copy: the spec keeps its own values
+    assert spec.model.args["dim"] == 32 and again.model.args["dim"] == 32
+    planned = dataclasses.replace(spec, plan={"schedule": "gpipe"})
+    assert Spec.from_dict(planned.to_dict(), "x.yaml").plan == {"schedule": "gpipe"}
 
 
 def test_unknown_section_and_key_name_the_closest_valid_one():
@@ -169,9 +213,9 @@ def test_overrides_create_and_replace(tmp_path):
     path.write_text(yaml.safe_dump(BASE))
     spec = load_spec(path, ["train.steps=7", "data.args.seq_len=8", "output.metrics=m.jsonl",
                             "train.optimizer.lr=1e-2"])
-    assert spec.train["steps"] == 7 and spec.data["args"]["seq_len"] == 8
-    assert spec.output["metrics"] == "m.jsonl"
-    assert spec.train["optimizer"]["lr"] == 0.01  # YAML reads 1e-2 as a string; coerced
+    assert spec.train.steps == 7 and spec.data.args["seq_len"] == 8
+    assert spec.output.metrics == "m.jsonl"
+    assert spec.train.optimizer["lr"] == 0.01  # YAML reads 1e-2 as a string; coerced
     with pytest.raises(SpecError, match=r"train.steps is 3 \(int\), not a mapping"):
         load_spec(path, ["train.steps.x=1"])
     with pytest.raises(SpecError, match=r"train.stesp: unknown key; did you mean 'train.steps'"):
@@ -182,7 +226,7 @@ def test_checkpoint_dir_null_turns_a_files_checkpoints_off():
     """docs/yaml.md's own example, ``--set checkpoint.dir=null``, on the demo (which saves every
     250 steps): no checkpoints, no error. ``every`` with no ``dir`` at all is still refused."""
     spec = load_spec(ROOT / "examples" / "demo.yaml", ["checkpoint.dir=null"])
-    assert spec.checkpoint["dir"] is None  # train() saves nothing without a dir
+    assert spec.checkpoint.dir is None  # train() saves nothing without a dir
     assert "--set checkpoint.dir=null" in (ROOT / "docs" / "yaml.md").read_text()
     assert problems_of("checkpoint.every=5") == [
         "checkpoint.every: needs checkpoint.dir, found checkpoint.dir unset; add checkpoint.dir: "
@@ -196,7 +240,7 @@ def test_pp_schedule_null_with_a_csv_validates_and_without_one_is_named(tmp_path
     cli.main(["schedule", "export", "gpipe", "--pp", "2", "-m", "4", "-o", str(csv)])
     spec = spec_with("pipeline.pp_schedule=null", f"pipeline.pp_schedule_csv={csv}")
     checked = preflight(spec)
-    assert spec.pipeline_config().pp_schedule is None
+    assert spec.pipeline.pp_schedule is None
     assert checked.schedule.num_stages == 2 and checked.plan.num_stages == 2
     assert problems_of("pipeline.pp_schedule=null") == [
         "pipeline.pp_schedule: pp_schedule=None needs pp_schedule_csv: set one of the two, a "

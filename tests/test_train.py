@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from pp_core.parallel.gradients import finish_gradients
 from pp_core.app.launch import launch
 from pp_core.losses import cross_entropy
 from pp_core.app.spec import parse_spec
+from pp_core.app.spec_sections import TrainSpec
 from pp_core.app.factories import dp_slice
 from pp_core.app.train import lr_factor
 from pp_core.runtime.microbatch import num_tokens
@@ -139,11 +141,11 @@ def test_finish_gradients_scales_and_fills_missing():
 
 
 def test_lr_schedule_and_batch_helpers():
-    train = {"warmup_steps": 2, "steps": 10, "lr_decay": "cosine", "min_lr_ratio": 0.1}
+    train = TrainSpec(warmup_steps=2, steps=10, lr_decay="cosine", min_lr_ratio=0.1)
     assert [lr_factor(s, train) for s in (1, 2)] == [0.5, 1.0]
     assert math.isclose(lr_factor(10, train), 0.1)
-    assert lr_factor(5, {**train, "lr_decay": "constant"}) == 1.0
-    assert math.isclose(lr_factor(6, {**train, "lr_decay": "linear"}), 1 - 0.9 * 0.5)
+    assert lr_factor(5, replace(train, lr_decay="constant")) == 1.0
+    assert math.isclose(lr_factor(6, replace(train, lr_decay="linear")), 1 - 0.9 * 0.5)
     batch = torch.arange(8).reshape(4, 2)
     assert dp_slice({"x": batch}, 1, 2, 4)["x"].tolist() == [[4, 5], [6, 7]]
     with pytest.raises(Exception, match=r"expected the global batch size"):

@@ -49,10 +49,10 @@ def test_pp2_fsdp2_trains_like_pp2_alone_on_the_global_batch(schedule):
 
 def test_dp_keys_fold_into_dp_size():
     dist = lambda **d: parse_spec({**BASE, "distributed": d}).distributed  # noqa: E731
-    assert dist(pp_size=2, dp_shard=2)["dp_size"] == 2
-    assert dist(pp_size=2, dp_size=2)["dp_replicate"] == 2  # the older key: replicas
+    assert dist(pp_size=2, dp_shard=2).dp_size == 2
+    assert dist(pp_size=2, dp_size=2).dp_replicate == 2  # the older key: replicas
     folded = dist(dp_replicate=2, dp_shard=3)
-    assert folded["dp_size"] == 6 and dist(**folded)["dp_size"] == 6  # reading twice is stable
+    assert folded.dp_size == 6 and dist(**vars(folded)).dp_size == 6  # reading twice is stable
     assert parse_spec({**BASE, "distributed": {"dp_shard": 2}}).world_size == 4
     with pytest.raises(SpecError, match=r"distributed.dp_size: expected dp_replicate \* dp_shard"):
         dist(dp_size=4, dp_replicate=3)
@@ -60,7 +60,7 @@ def test_dp_keys_fold_into_dp_size():
         dist(dp_shard=2, mixed_precision={"param_dtype": "int8"})
     with pytest.raises(SpecError, match=r"distributed.mixed_precision: applies to the data-par"):
         dist(mixed_precision={"param_dtype": "bfloat16"})
-    assert dist(dp_shard=2, mixed_precision={"param_dtype": "bfloat16"})["mixed_precision"] == \
+    assert dist(dp_shard=2, mixed_precision={"param_dtype": "bfloat16"}).mixed_precision == \
         {"param_dtype": "bfloat16"}
 
 

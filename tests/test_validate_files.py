@@ -52,13 +52,13 @@ def test_bad_files_are_refused_with_one_short_line(tmp_path, capsys, content, ex
 def test_aliases_that_stay_small_still_work(tmp_path):
     path = tmp_path / "pipe.yaml"
     path.write_text(GOOD.replace("args: {seq_len: 16}", "args: &d {seq_len: 16}, eval_args: *d"))
-    assert load_spec(path).data["eval_args"] == {"seq_len": 16}
+    assert load_spec(path).data.eval_args == {"seq_len": 16}
 
 
 def test_a_merge_key_may_be_overridden_without_counting_as_a_duplicate(tmp_path):
     path = tmp_path / "pipe.yaml"
     path.write_text(GOOD + "train: {<<: &t {steps: 3, log_every: 1}, steps: 5}\n")
-    assert load_spec(path).train["steps"] == 5 and load_spec(path).train["log_every"] == 1
+    assert load_spec(path).train.steps == 5 and load_spec(path).train.log_every == 1
 
 
 def test_a_set_override_is_read_the_same_way():

@@ -32,11 +32,11 @@ def run_identity(spec, fqns_per_stage=None) -> dict[str, Any]:
     """The identity of what ``spec`` trains (JSON-able)."""
     dist = spec.distributed
     return {
-        "model": {"name": spec.model["name"], "target": spec.model["target"],
-                  "args": spec.model["args"]},
-        "optimizer": spec.train["optimizer"].get("name", "AdamW"),
-        "layout": {"pp_size": dist["pp_size"], "dp_replicate": dist["dp_replicate"],
-                   "dp_shard": dist["dp_shard"], "pp_schedule": spec.pipeline["pp_schedule"],
+        "model": {"name": spec.model.name, "target": spec.model.target,
+                  "args": spec.model.args},
+        "optimizer": spec.train.optimizer.get("name", "AdamW"),
+        "layout": {"pp_size": dist.pp_size, "dp_replicate": dist.dp_replicate,
+                   "dp_shard": dist.dp_shard, "pp_schedule": spec.pipeline.pp_schedule,
                    "fqns_per_stage": fqns_per_stage},
     }
 
@@ -90,7 +90,7 @@ def _optimizer_state_names(spec) -> set[str] | None:
     """The per-parameter state ``train.optimizer`` keeps (one real step on one number)."""
     import torch  # lazy: only a resume pays for it
 
-    options = dict(spec.train["optimizer"])
+    options = dict(spec.train.optimizer)
     cls = getattr(torch.optim, str(options.pop("name", "AdamW")), None)
     if not isinstance(cls, type):
         return None
@@ -133,7 +133,7 @@ def _compare_metadata(spec, path: Path, metadata, model, problems: list[str]) ->
     if names and wanted is not None and names != wanted:
         problems.append(f"train.optimizer.name: checkpoint.resume {str(path)!r} holds optimizer "
                         f"state {sorted(names)}, but torch.optim."
-                        f"{spec.train['optimizer'].get('name', 'AdamW')} keeps {sorted(wanted)}: "
+                        f"{spec.train.optimizer.get('name', 'AdamW')} keeps {sorted(wanted)}: "
                         f"it was written by another optimizer; use that one")
 
 
@@ -141,7 +141,7 @@ def check_resume_identity(spec, model, problems: list[str], notes: list[str]) ->
     """Refuse a resume into another model or optimizer (see the module docstring)."""
     from pp_core.app.checkpoint import _check_dir, resume_checkpoint  # lazy: torch's DCP, seconds
     try:
-        path = resume_checkpoint(spec.checkpoint["dir"], spec.checkpoint["resume"])
+        path = resume_checkpoint(spec.checkpoint.dir, spec.checkpoint.resume)
     except PPCoreError:
         return  # _check_resume reports it
     if path is None:

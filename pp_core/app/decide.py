@@ -17,6 +17,7 @@ refused there with the way out. ``pp-core plan`` runs the same steps and prints 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from pp_core.app.factories import build_model
@@ -40,14 +41,14 @@ Say = Callable[[str], None]
 
 def is_balanced(spec: Spec) -> bool:
     """``model.splitter: balanced`` (the cut is measured at launch)."""
-    name = spec.model.get("splitter")
+    name = spec.model.splitter
     return name is not None and name.lower() == "balanced"
 
 
 def decide(spec: Spec, layout: RankLayout, *, announce: Say | None = None,
            memory_cap: int | None = None) -> Spec:
     """The spec every rank runs: ``auto`` planned, a ``balanced`` cut measured, or ``spec``."""
-    auto = is_auto(spec.pipeline["pp_schedule"])
+    auto = is_auto(spec.pipeline.pp_schedule)
     if started_by_torchrun():  # every process is a rank: nobody can measure for all of them
         if auto:
             raise ConfigError(
@@ -55,7 +56,7 @@ def decide(spec: Spec, layout: RankLayout, *, announce: Say | None = None,
                 "torchrun every process is a rank; run 'pp-core plan FILE' and put the chosen "
                 "schedule, pp_microbatch_size and module_fqns_per_model_part in the file, or "
                 "start with 'pp-core run'")
-        if is_balanced(spec) and spec.pipeline["module_fqns_per_model_part"] is None:
+        if is_balanced(spec) and spec.pipeline.module_fqns_per_model_part is None:
             raise ConfigError(
                 "model.splitter: balanced profiles once in the launching process, which "
                 "torchrun does not have; start it with `pp-core run`, or put the cut into "
@@ -88,7 +89,7 @@ def plan_spec(spec: Spec, layout: RankLayout | None = None, memory_cap=None, plu
     from pp_core.measure.plan_auto import plan_auto
 
     layout = RankLayout.of(spec) if layout is None else layout
-    pp_size = spec.distributed["pp_size"]
+    pp_size = spec.distributed.pp_size
     model, inputs, target, device = model_and_batch(spec, layout, plugins)
     link = None
     if measure_link and pp_size > 1:
@@ -98,7 +99,7 @@ def plan_spec(spec: Spec, layout: RankLayout | None = None, memory_cap=None, plu
     if say is not None:
         say(f"auto: profiling {type(model).__name__} on {device}")
     with as_a_rank(layout, device):
-        return plan_auto(model, spec.pipeline_config(), inputs, target, pp_size,
+        return plan_auto(model, spec.pipeline, inputs, target, pp_size,
                          device=device, memory_cap=memory_cap, plugins=plugins, link=link,
                          processors=layout.processors if device.type == "cpu" else None)
 
@@ -107,29 +108,25 @@ def as_auto(spec: Spec) -> Spec:
     """The spec with ``pp_schedule: auto`` and nothing fixing the schedule or the split, for
     ``pp-core plan`` on a file that names a schedule (the plan does not use it, so a schedule
     that could not run at this ``pp_size`` must not stop the planning)."""
-    if is_auto(spec.pipeline["pp_schedule"]):
+    if is_auto(spec.pipeline.pp_schedule):
         return spec
-    values = spec.to_dict()
-    values["pipeline"].update(pp_schedule="auto", pp_schedule_csv=None, layers_per_stage=None,
-                              module_fqns_per_model_part=None,
-                              round_virtual_stages_to_pp_multiple=None)
-    return Spec(values, spec.source)
+    return spec.with_("pipeline", pp_schedule="auto", pp_schedule_csv=None,
+                      layers_per_stage=None, module_fqns_per_model_part=None,
+                      round_virtual_stages_to_pp_multiple=None)
 
 
 def resolved_spec(spec: Spec, plan) -> Spec:
     """The spec every rank runs: the plan's concrete pipeline keys, and ``plan`` (what was
     predicted, for the run summary)."""
-    values = spec.to_dict()
     chosen = plan.config.to_dict()
-    for key in PLANNED_KEYS:
-        values["pipeline"][key] = chosen[key]
     best = plan.chosen
-    values["plan"] = {"schedule": best.option.schedule,
-                      "stages_per_rank": best.option.stages_per_rank,
-                      "microbatch_size": best.option.microbatch_size,
-                      "predicted_step_s": best.predicted_step_s,
-                      "predicted_peak_bytes": [m.total(best.pool) for m in best.memory]}
-    return Spec(values, spec.source)
+    predicted = {"schedule": best.option.schedule,
+                 "stages_per_rank": best.option.stages_per_rank,
+                 "microbatch_size": best.option.microbatch_size,
+                 "predicted_step_s": best.predicted_step_s,
+                 "predicted_peak_bytes": [m.total(best.pool) for m in best.memory]}
+    planned = spec.with_("pipeline", **{key: chosen[key] for key in PLANNED_KEYS})
+    return replace(planned, plan=predicted)
 
 
 def balanced_spec(spec: Spec, plugins=None, say: Say | None = None,
@@ -142,16 +139,16 @@ def balanced_spec(spec: Spec, plugins=None, say: Say | None = None,
     from pp_core.app.measured import profile_spec  # lazy: torch, only when measuring
     from pp_core.planning.balance import balance, stage_fqns, unit_costs
 
-    if spec.pipeline["module_fqns_per_model_part"] is not None:
+    if spec.pipeline.module_fqns_per_model_part is not None:
         raise ConfigError("model.splitter: balanced cuts the model itself, but pipeline."
                           "module_fqns_per_model_part names the stages too; remove one of them")
-    if spec.distributed["nnodes"] > 1:
+    if spec.distributed.nnodes > 1:
         raise ConfigError("model.splitter: balanced profiles on the launching machine, and each "
                           "of several nodes would measure its own cut; profile once (pp_core."
                           "app.measured.profile_spec) and put the cut into pipeline."
                           "module_fqns_per_model_part")
     num_stages = _num_stages(spec, plugins)
-    size = spec.pipeline["pp_microbatch_size"]
+    size = spec.pipeline.pp_microbatch_size
     profile = profile_spec(spec, [size], plugins, layout=layout)[size]
     costs = unit_costs(profile)
     counts = balance(costs, num_stages)
@@ -163,10 +160,8 @@ def balanced_spec(spec: Spec, plugins=None, say: Say | None = None,
                 f"{sum(costs[start:start + count]) * 1e3:.2f} ms forward+backward per "
                 f"microbatch ({stages[index][0]} .. {stages[index][-1]})")
         start += count
-    values = spec.to_dict()
-    values["pipeline"].update(module_fqns_per_model_part=stages, layers_per_stage=None,
-                              round_virtual_stages_to_pp_multiple=None)
-    return Spec(values, spec.source)
+    return spec.with_("pipeline", module_fqns_per_model_part=stages, layers_per_stage=None,
+                      round_virtual_stages_to_pp_multiple=None)
 
 
 def _num_stages(spec: Spec, plugins) -> int:
@@ -176,5 +171,5 @@ def _num_stages(spec: Spec, plugins) -> int:
 
     with torch.device("meta"):
         model = build_model(spec, plugins)
-    return plan_pipeline(model, spec.pipeline_config(), spec.distributed["pp_size"],
+    return plan_pipeline(model, spec.pipeline, spec.distributed.pp_size,
                          plugins=plugins).split.num_stages

@@ -20,15 +20,15 @@ __all__ = ["model_factory", "build_model", "dataset_factory", "dataset_args", "a
 
 def model_factory(spec: Spec, plugins=None) -> Callable:
     """The callable that builds the model: a registered name, or ``model.target`` (imports code)."""
-    if spec.model["target"] is not None:
-        target = resolve_callable(spec.model["target"], "model.target")
+    if spec.model.target is not None:
+        target = resolve_callable(spec.model.target, "model.target")
         if not (inspect.isclass(target) or inspect.isfunction(target)):
-            raise ConfigError(f"model.target={quoted(spec.model['target'])} names a "
+            raise ConfigError(f"model.target={quoted(spec.model.target)} names a "
                               f"{type(target).__name__}, not a class or a Python function; "
                               f"validate and run call it with model.args, so name your model's "
                               f"class or factory function")
         return target
-    return plugins_or_default(plugins).models.get(spec.model["name"])
+    return plugins_or_default(plugins).models.get(spec.model.name)
 
 
 def build_model(spec: Spec, plugins=None):
@@ -39,16 +39,16 @@ def build_model(spec: Spec, plugins=None):
     ``model.dtype`` when the file sets it."""
     import torch  # lazy: torch, off the spec checks' light path
 
-    torch.manual_seed(spec.train["seed"])
-    model = model_factory(spec, plugins)(**spec.model["args"])
-    if spec.model.get("dtype") is not None:  # model.dtype; pipeline.dtype casts no parameter
-        model = model.to(getattr(torch, spec.model["dtype"]))
+    torch.manual_seed(spec.train.seed)
+    model = model_factory(spec, plugins)(**spec.model.args)
+    if spec.model.dtype is not None:  # model.dtype; pipeline.dtype casts no parameter
+        model = model.to(getattr(torch, spec.model.dtype))
     return model
 
 
 def dataset_factory(spec: Spec, plugins=None) -> Callable:
     """The registered dataset factory ``data.name``."""
-    return plugins_or_default(plugins).datasets.get(spec.data["name"])
+    return plugins_or_default(plugins).datasets.get(spec.data.name)
 
 
 def accepts(factory: Callable, name: str) -> bool:
@@ -66,9 +66,9 @@ def dataset_args(spec: Spec, factory: Callable, evaluation: bool = False) -> dic
     Every dataset yields whole-step batches of ``pp_batch_size * dp_size`` samples; a factory
     that takes ``batch_size`` gets it filled in when the YAML leaves it out.
     """
-    args = dict(spec.data["args"])
+    args = dict(spec.data.args)
     if evaluation:
-        args.update(spec.data["eval_args"])
+        args.update(spec.data.eval_args)
     if "batch_size" not in args and accepts(factory, "batch_size"):
         args["batch_size"] = spec.global_batch_size
     return args

@@ -30,6 +30,7 @@ from pp_core.app.decide import decide
 from pp_core.app.layout import RankLayout
 from pp_core.app.rendezvous import prepare_endpoint, started_by_torchrun
 from pp_core.app.spec import Spec
+from pp_core.app.spec_sections import DistributedSpec
 from pp_core.errors import ConfigError, PPCoreError, PipelineError
 
 __all__ = ["launch", "started_by_torchrun", "rank_main", "is_loopback"]
@@ -42,13 +43,14 @@ def is_loopback(address: str) -> bool:
     return address in ("localhost", "::1") or address.startswith("127.")
 
 
-def rank_main(spec_values: dict, entrypoint: Callable | None = None) -> Any:
-    """What every rank runs: rebuild the :class:`Spec` and train (or call ``entrypoint(spec)``)."""
+def rank_main(spec_values: dict, entrypoint: Callable | None = None,
+              source: str = "pipeline") -> Any:
+    """What every rank runs: rebuild the :class:`Spec` from :meth:`Spec.to_dict` and train (or
+    call ``entrypoint(spec)``)."""
     configure_logging(f"pp-core rank {os.environ.get('RANK', '0')}")
     # the launcher reports a failed step once, as the run's error (not once per rank)
     logging.getLogger("pp_core.runtime.failures").setLevel(logging.CRITICAL)
-    values = dict(spec_values)
-    spec = Spec(values, values.pop("_source", "pipeline"))
+    spec = Spec.from_dict(spec_values, source)
     if entrypoint is not None:
         return entrypoint(spec)
     from pp_core.app.train import train  # lazy: torch, only the ranks need it
@@ -98,20 +100,21 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
         if world != spec.world_size:
             raise ConfigError(
                 f"torchrun started {world} ranks, but distributed.pp_size * dp_size * tp_size = "
-                f"{spec.distributed['pp_size']} * {spec.distributed['dp_size']} * "
-                f"{spec.distributed['tp_size']} = "
+                f"{spec.distributed.pp_size} * {spec.distributed.dp_size} * "
+                f"{spec.distributed.tp_size} = "
                 f"{spec.world_size}; pass --nnodes/--nproc-per-node that multiply to "
                 f"{spec.world_size}")
-        return {int(os.environ.get("LOCAL_RANK", 0)): rank_main(_values(spec), entrypoint)}
+        return {int(os.environ.get("LOCAL_RANK", 0)): rank_main(spec.to_dict(), entrypoint,
+                                                               spec.source)}
     dist = spec.distributed
     with _signals_raise():  # SIGTERM during the checks or the rendezvous ends us cleanly too
         spec = decide(spec, layout, announce=announce, memory_cap=memory_cap)
         endpoint = prepare_endpoint(dist)
         if announce is not None:
-            node = f", node of {dist['nnodes']}" if dist["nnodes"] > 1 else ""
-            tp = f" x tp {dist['tp_size']}" if dist["tp_size"] > 1 else ""
+            node = f", node of {dist.nnodes}" if dist.nnodes > 1 else ""
+            tp = f" x tp {dist.tp_size}" if dist.tp_size > 1 else ""
             announce(f"starting {layout.local_ranks} rank(s) on this machine (pp "
-                     f"{dist['pp_size']} x dp {dist['dp_size']}{tp}{node}) on {layout.device} "
+                     f"{dist.pp_size} x dp {dist.dp_size}{tp}{node}) on {layout.device} "
                      f"({layout.reason})")
         with _launch_temp_dir() as logs:
             return _elastic_launch(spec, entrypoint, layout.local_ranks, endpoint, logs)
@@ -144,14 +147,14 @@ def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str):
 
     dist = spec.distributed
     host = endpoint.host
-    if dist["rdzv_backend"] == "static":
-        rdzv_configs: dict[str, Any] = {"timeout": dist["timeout_s"],
-                                        "rank": dist["node_rank"] or 0}
+    if dist.rdzv_backend == "static":
+        rdzv_configs: dict[str, Any] = {"timeout": dist.timeout_s,
+                                        "rank": dist.node_rank or 0}
     else:  # the c10d handler reads join_timeout (not timeout); is_host: we know, torch guesses
-        rdzv_configs = {"join_timeout": dist["timeout_s"], "is_host": endpoint.is_host}
+        rdzv_configs = {"join_timeout": dist.timeout_s, "is_host": endpoint.is_host}
     config = LaunchConfig(
-        min_nodes=dist["nnodes"], max_nodes=dist["nnodes"], nproc_per_node=nproc,
-        run_id=dist["rdzv_id"], rdzv_backend=dist["rdzv_backend"], rdzv_endpoint=str(endpoint),
+        min_nodes=dist.nnodes, max_nodes=dist.nnodes, nproc_per_node=nproc,
+        run_id=dist.rdzv_id, rdzv_backend=dist.rdzv_backend, rdzv_endpoint=str(endpoint),
         rdzv_configs=rdzv_configs, max_restarts=0, monitor_interval=0.1, start_method="spawn",
         local_addr=host if is_loopback(host) else None,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # not a /tmp/torchelastic_* per run
@@ -167,7 +170,7 @@ def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str):
         contextlib.nullcontext()  # else torch's TCPStore servers listen on every interface
     try:
         with listeners, _loopback_gloo(is_loopback(host)):
-            return elastic_launch(config, rank_main)(_values(spec), entrypoint)
+            return elastic_launch(config, rank_main)(spec.to_dict(), entrypoint, spec.source)
     except ChildFailedError as exc:
         raise PipelineError(_failure_message(exc)) from None
     except RendezvousError as exc:
@@ -177,14 +180,14 @@ def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str):
             logger.setLevel(level)
 
 
-def _rendezvous_message(exc, endpoint, dist: dict) -> str:
+def _rendezvous_message(exc, endpoint, dist: DistributedSpec) -> str:
     from torch.distributed.elastic.rendezvous import RendezvousTimeoutError  # lazy: torch
 
     keys = endpoint.address_key if endpoint.address_key == endpoint.port_key else \
         f"{endpoint.address_key}/{endpoint.port_key}"
     if isinstance(exc, RendezvousTimeoutError):
         return (f"the rendezvous at {endpoint} did not complete within distributed.timeout_s = "
-                f"{dist['timeout_s']} s: expected {dist['nnodes']} nodes; start pp-core run (or "
+                f"{dist.timeout_s} s: expected {dist.nnodes} nodes; start pp-core run (or "
                 f"torchrun) on every node with the same {keys} and distributed.rdzv_id, or "
                 f"raise distributed.timeout_s")
     cause = exc.__cause__ or exc.__context__
@@ -217,12 +220,6 @@ def _signals_raise():
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
-
-
-def _values(spec: Spec) -> dict:
-    values = spec.to_dict()
-    values["_source"] = spec.source
-    return values
 
 
 def _failure_message(exc) -> str:

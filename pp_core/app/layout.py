@@ -23,20 +23,21 @@ from pp_core.devices import (
 
 if TYPE_CHECKING:
     from pp_core.app.spec import Spec
+    from pp_core.app.spec_sections import DistributedSpec
 
 __all__ = ["RankLayout", "local_ranks"]
 
 
-def local_ranks(distributed: dict, environ=None) -> int:
+def local_ranks(distributed: "DistributedSpec", environ=None) -> int:
     """How many ranks run on this machine: torchrun's ``LOCAL_WORLD_SIZE`` inside a launched
     job, else ``nproc_per_node`` (default: every rank of the job over ``nnodes``)."""
     env = os.environ if environ is None else environ
     if "LOCAL_WORLD_SIZE" in env:
         return int(env["LOCAL_WORLD_SIZE"])
-    if distributed["nproc_per_node"]:
-        return distributed["nproc_per_node"]
-    return (distributed["pp_size"] * distributed["dp_size"] * distributed.get("tp_size", 1)
-            // distributed["nnodes"])
+    if distributed.nproc_per_node:
+        return distributed.nproc_per_node
+    return (distributed.pp_size * distributed.dp_size * distributed.tp_size
+            // distributed.nnodes)
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,8 @@ class RankLayout:
         (naming ``distributed.device`` / ``backend``) for a device the machine cannot give."""
         dist = spec.distributed
         ranks = local_ranks(dist, environ)
-        choice = choose_device(dist["device"], ranks, cuda_device_count(), dist["backend"])
+        choice = choose_device(dist.device, ranks, cuda_device_count(), dist.backend)
         threads = cpu_threads_per_rank(ranks, environ)
         processors = None if choice.device != "cpu" else \
-            shared_processors(cpu_cores(), threads, ranks, dist["pp_size"])
+            shared_processors(cpu_cores(), threads, ranks, dist.pp_size)
         return cls(choice.device, choice.backend, choice.reason, ranks, threads, processors)

@@ -53,7 +53,7 @@ def profile_spec(spec: Spec, microbatch_sizes: Optional[Sequence[int]] = None, p
     (:func:`model_and_batch`); on the CPU with a rank's thread count. Activation
     checkpointing and compile (``train.*``) are not applied: their costs are not in it."""
     layout = RankLayout.of(spec) if layout is None else layout
-    config = spec.pipeline_config()
+    config = spec.pipeline
     sizes = list(microbatch_sizes or [config.pp_microbatch_size])
     model, inputs, target, device = model_and_batch(spec, layout, plugins)
     with as_a_rank(layout, device):

@@ -140,21 +140,21 @@ def run_paths(spec) -> list[PathUse]:
     """Every path a ``pp-core run`` of ``spec`` reads or writes."""
     uses = [PathUse("the pipeline file", spec.source, False)] if \
         Path(spec.source).is_file() else []
-    csv = spec.pipeline.get("pp_schedule_csv")
+    csv = spec.pipeline.pp_schedule_csv
     if isinstance(csv, str):
         uses.append(PathUse("pipeline.pp_schedule_csv", csv, False))
     for section, sub in (("data", "args"), ("data", "eval_args"), ("model", "args")):
-        for name, value in (spec.values[section].get(sub) or {}).items():
+        for name, value in (getattr(getattr(spec, section), sub)).items():
             for text in _strings(value):  # an argument that names an existing file is read
                 if "\0" not in text and os.path.isfile(text):
                     uses.append(PathUse(f"{section}.{sub}.{name}", text, False))
-    resume = spec.checkpoint.get("resume")
+    resume = spec.checkpoint.resume
     if isinstance(resume, str):
         uses.append(PathUse("checkpoint.resume", resume, False, tree=True))
-    if spec.checkpoint.get("dir"):
-        uses.append(PathUse("checkpoint.dir", spec.checkpoint["dir"], True, tree=True,
+    if spec.checkpoint.dir:
+        uses.append(PathUse("checkpoint.dir", spec.checkpoint.dir, True, tree=True,
                             managed=CHECKPOINT_MANAGED))
-    for name, value in spec.output.items():
+    for name, value in vars(spec.output).items():
         if name not in NOT_PATHS and isinstance(value, str) and value:
             uses.append(PathUse(f"output.{name}", value, True))
     return uses

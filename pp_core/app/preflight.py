@@ -45,7 +45,7 @@ class Preflight:
 def _splitter(spec: Spec):
     """``model.splitter`` as the meta-device plan uses it: ``balanced`` cuts where measured time
     says, at launch (:mod:`pp_core.app.decide`); its stage count is its base splitter's."""
-    name = spec.model.get("splitter")
+    name = spec.model.splitter
     return None if name is not None and name.lower() == "balanced" else name
 
 
@@ -78,20 +78,20 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
     problems: list[str] = []
     result = Preflight()
     model_fn = data_fn = None
-    key = "model.target" if spec.model["target"] is not None else "model.name"
+    key = "model.target" if spec.model.target is not None else "model.name"
     try:
         model_fn = model_factory(spec, plugins)
-        _check_args("model.args", model_fn, spec.model["args"], problems)
+        _check_args("model.args", model_fn, spec.model.args, problems)
     except PPCoreError as exc:
         problems.append(f"{key}: {exc}")
     try:
         data_fn = dataset_factory(spec, plugins)
         for section in ("args", "eval_args"):
-            _check_args(f"data.{section}", data_fn, spec.data[section], problems)
+            _check_args(f"data.{section}", data_fn, getattr(spec.data, section), problems)
         _check_batch(spec, problems)
     except PPCoreError as exc:
         problems.append(f"data.name: {exc}")
-    if spec.pipeline["loss_fn"] is None:
+    if spec.pipeline.loss_fn is None:
         problems.append("pipeline.loss_fn: expected a loss for the last stage, found none; "
                         "e.g. loss_fn: cross_entropy, or 'module:attr'")
     try:
@@ -114,12 +114,12 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
 
 def _check_batch(spec: Spec, problems: list[str]) -> None:
     for section in ("args", "eval_args"):
-        size = spec.data[section].get("batch_size")
+        size = getattr(spec.data, section).get("batch_size")
         if size is not None and size != spec.global_batch_size:
             problems.append(
                 f"data.{section}.batch_size: expected pipeline.pp_batch_size * "
-                f"distributed.dp_size = {spec.pipeline['pp_batch_size']} * "
-                f"{spec.distributed['dp_size']} = {spec.global_batch_size} (each step's global "
+                f"distributed.dp_size = {spec.pipeline.pp_batch_size} * "
+                f"{spec.distributed.dp_size} = {spec.global_batch_size} (each step's global "
                 f"batch), found {size}; leave it out and pp-core fills it in")
 
 
@@ -128,8 +128,8 @@ def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
     from pp_core.parallel import find_blocks  # lazy: torch, only when AC or compile is asked for
 
     wanted = [key for key, on in (("activation_checkpointing",
-                                   spec.train["activation_checkpointing"]["mode"] != "none"),
-                                  ("compile", spec.train["compile"]["enabled"])) if on]
+                                   spec.train.activation_checkpointing["mode"] != "none"),
+                                  ("compile", spec.train.compile["enabled"])) if on]
     if not wanted:
         return
     try:
@@ -141,7 +141,7 @@ def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
 def _check_expert_parallel(spec: Spec, model, plugins, problems: list[str]) -> None:
     """``distributed.ep_size`` > 1 needs the model's expert-parallel plan, and every planned
     module's ``num_experts`` divisible by it."""
-    ep = spec.distributed["ep_size"]
+    ep = spec.distributed.ep_size
     if ep == 1:
         return
     from pp_core.parallel.expert import planned_modules  # lazy: torch, only with expert parallelism
@@ -164,7 +164,7 @@ def _check_expert_parallel(spec: Spec, model, plugins, problems: list[str]) -> N
 def _check_tensor_parallel(spec: Spec, model, plugins, problems: list[str], notes) -> None:
     """``distributed.tp_size > 1``: a plugin must have a plan for the model, and the plan's
     sharded dimensions and the model's head counts must divide by tp_size."""
-    tp, sequence_parallel = spec.distributed["tp_size"], spec.distributed["sequence_parallel"]
+    tp, sequence_parallel = spec.distributed.tp_size, spec.distributed.sequence_parallel
     if tp <= 1:
         return
     from pp_core.parallel.tensor_parallel import (  # lazy: torch, only with tensor parallelism
@@ -185,8 +185,8 @@ def _check_tensor_parallel(spec: Spec, model, plugins, problems: list[str], note
 def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: list[str]):
     """Plan the split and the schedule on the meta device with the function every rank plans
     with; returns the meta model (``None`` where it could not be built)."""
-    config = spec.pipeline_config()
-    num_ranks = spec.distributed["pp_size"]
+    config = spec.pipeline
+    num_ranks = spec.distributed.pp_size
     sizes = (f" (pp_size={num_ranks}, microbatches = pp_batch_size / pp_microbatch_size = "
              f"{config.num_microbatches})")
     auto = is_auto(config.pp_schedule)

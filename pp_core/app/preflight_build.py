@@ -49,10 +49,10 @@ def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]
 
     from pp_core._torch_compat import nn_init_skipped
 
-    key = "model.target" if spec.model["target"] is not None else "model.name"
+    key = "model.target" if spec.model.target is not None else "model.name"
     try:
         with torch.device("meta"), nn_init_skipped():
-            model = model_fn(**spec.model["args"])
+            model = model_fn(**spec.model.args)
     except PPCoreError as exc:  # e.g. a missing optional dependency, named with its extra
         problems.append(f"{key}: {exc}")
         return None
@@ -77,7 +77,7 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
     check_memory(spec, model, problems)
     if data_fn is not None:
         batch = _check_dataset(spec, data_fn, False, problems, model)
-        if spec.train["eval_every"]:
+        if spec.train.eval_every:
             evaluated = _check_dataset(spec, data_fn, True, problems)
             if evaluated is not None:
                 check_fit(model, evaluated, "data.eval_args", problems)
@@ -87,7 +87,7 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
     _check_optimizer(spec, model, problems)
     before = len(problems)
     _check_resume(spec, problems)
-    if spec.checkpoint["resume"] and len(problems) == before:
+    if spec.checkpoint.resume and len(problems) == before:
         from pp_core.app.checkpoint_identity import check_resume_identity  # lazy: DCP, seconds
 
         check_resume_identity(spec, model, problems, notes)
@@ -105,11 +105,11 @@ def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str], m
         problems.append(f"{key}: the dataset yields no batch{why}")
         return None
     except Exception as exc:  # noqa: BLE001 - the factory refused the file's arguments
-        problems.append(f"{key}: dataset {spec.data['name']!r} refused these arguments{why} "
+        problems.append(f"{key}: dataset {spec.data.name!r} refused these arguments{why} "
                         f"({_why(exc)}); fix {key}{origin('dataset', spec)}")
         return None
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        problems.append(f"data.name: dataset {spec.data['name']!r} yielded "
+        problems.append(f"data.name: dataset {spec.data.name!r} yielded "
                         f"{type(batch).__name__}, expected (inputs, target) pairs")
         return None
     return batch
@@ -143,7 +143,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     inputs, target = batch
     global_batch = spec.global_batch_size
     try:
-        pieces = global_batch // spec.pipeline["pp_microbatch_size"]
+        pieces = global_batch // spec.pipeline.pp_microbatch_size
         micro = [dp_slice(v, 0, pieces, global_batch) for v in (inputs, target)]
     except PPCoreError as exc:
         problems.append(f"data.args: {exc}")
@@ -159,7 +159,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
                         f"{tuple(first.shape)}); every dimension must be at least 1 (e.g. "
                         f"data.args.seq_len)")
         return
-    seq_len = spec.pipeline["pp_seq_len"]
+    seq_len = spec.pipeline.pp_seq_len
     if seq_len is not None and (first.dim() < 2 or first.shape[1] != seq_len):
         found = f"sequence length {first.shape[1]}" if first.dim() >= 2 else \
             f"shape {tuple(first.shape)}"
@@ -188,7 +188,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
                 model(**meta[0]) if isinstance(meta[0], dict) else model(meta[0])
         if isinstance(output, torch.Tensor):  # (a patched model's output is the split's)
             with torch.enable_grad():  # the loss must carry the gradient back to the model
-                loss = resolve_loss(spec.pipeline["loss_fn"])(
+                loss = resolve_loss(spec.pipeline.loss_fn)(
                     output.detach().requires_grad_(output.is_floating_point()), meta[1])
             problem = loss_problem(loss, output.is_floating_point())
             if problem is not None:
@@ -196,7 +196,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
         else:
             problem = output_problem(output)
             if problem is not None:
-                problems.append(f"{'model.target' if spec.model['target'] else 'model.name'}"
+                problems.append(f"{'model.target' if spec.model.target else 'model.name'}"
                                 f": {problem}")
     except Exception as exc:  # noqa: BLE001 - the model or loss refuses the data, or meta does
         if _meta_limit(exc):
@@ -256,7 +256,7 @@ def _check_optimizer(spec: Spec, model, problems: list[str]) -> None:
     """Build the optimizer as a rank does (on meta parameters); refuse closure-only optimizers."""
     import torch  # lazy: torch, only with a model in hand
 
-    options = dict(spec.train["optimizer"])
+    options = dict(spec.train.optimizer)
     name = options.pop("name", None)
     cls = getattr(torch.optim, str(name), None)
     if not isinstance(cls, type):
@@ -280,7 +280,7 @@ def _check_resume(spec: Spec, problems: list[str]) -> None:
     """The checkpoint a resume names exists and is complete (every data file there in full)."""
     from pp_core.app.checkpoint import latest_checkpoint, resume_checkpoint  # lazy: DCP, seconds
 
-    resume = spec.checkpoint["resume"]
+    resume = spec.checkpoint.resume
     if isinstance(resume, str) and not (Path(resume) / ".metadata").is_file():
         latest = latest_checkpoint(resume)
         hint = f"; did you mean {quoted(str(latest))} (its latest)?" if latest else \
@@ -290,7 +290,7 @@ def _check_resume(spec: Spec, problems: list[str]) -> None:
         problems.append(f"checkpoint.resume: {quoted(resume)} {what}{hint}")
         return
     try:
-        resume_checkpoint(spec.checkpoint["dir"], resume)
+        resume_checkpoint(spec.checkpoint.dir, resume)
     except PPCoreError as exc:
         problems.append(f"checkpoint.resume: {exc}")
 
@@ -305,8 +305,8 @@ def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
     if clashes:
         problems.extend(clashes)
         return
-    resume = bool(spec.checkpoint["resume"])
-    directory = spec.checkpoint["dir"]
+    resume = bool(spec.checkpoint.resume)
+    directory = spec.checkpoint.dir
     if directory is not None and _check_path("checkpoint.dir", Path(directory), True, problems) \
             and not resume and any(Path(directory).glob("step_*")):
         from pp_core.app.checkpoint import latest_checkpoint  # lazy: DCP, seconds
@@ -317,7 +317,7 @@ def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
                          f"{latest.name}; this run starts at step 0 and replaces those it "
                          f"saves again (checkpoint.resume: true continues from {latest.name})")
     for name in ("metrics", "trace", "schedule_image"):
-        path = spec.output[name]
+        path = getattr(spec.output, name)
         if path is None:
             continue
         key = f"output.{name}"
@@ -368,11 +368,11 @@ def check_local_ranks(spec: Spec, problems: list[str]) -> None:
     where the launcher's world size decides)."""
     if started_by_torchrun():
         return
-    local = spec.world_size // spec.distributed["nnodes"]
+    local = spec.world_size // spec.distributed.nnodes
     bound = LOCAL_RANKS_PER_CPU * (os.cpu_count() or 1)
     if local > bound:
         dist = spec.distributed
-        problems.append(f"distributed.dp_size: pp_size * dp_size / nnodes = {dist['pp_size']} * "
-                        f"{dist['dp_size']} / {dist['nnodes']} = {local:,} processes on this "
+        problems.append(f"distributed.dp_size: pp_size * dp_size / nnodes = {dist.pp_size} * "
+                        f"{dist.dp_size} / {dist.nnodes} = {local:,} processes on this "
                         f"machine, more than it can run ({LOCAL_RANKS_PER_CPU} per CPU core, "
                         f"{bound}); use smaller sizes, or more machines (distributed.nnodes)")

@@ -83,14 +83,14 @@ def check_memory(spec, model, problems: list[str]) -> None:
     if not total:
         return
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    local = max(1, spec.world_size // spec.distributed["nnodes"])
+    local = max(1, spec.world_size // spec.distributed.nnodes)
     if size * local > total:
-        key = "model.target" if spec.model["target"] else "model.args"
+        key = "model.target" if spec.model.target else "model.args"
         problems.append(f"{key}: the model's parameters take {size / 2**30:,.1f} GiB, and each of "
                         f"the {local} rank(s) on this machine builds the whole model before "
                         f"taking its stages: {local} x {size / 2**30:,.1f} GiB is more than this "
                         f"machine's {total / 2**30:,.1f} GiB of memory; use a smaller model "
-                        f"({quoted(str(spec.model['args']), 80)}) or more machines")
+                        f"({quoted(str(spec.model.args), 80)}) or more machines")
 
 
 def origin(kind: str, spec) -> str:
@@ -98,7 +98,7 @@ def origin(kind: str, spec) -> str:
     dataset; ``""`` otherwise (a ``model.target``, a name the installed plugins lack)."""
     from pp_core.plugin_manager import default_plugins  # lazy: only when a factory failed
 
-    name = spec.model["name"] if kind == "model" else spec.data["name"]
+    name = spec.model.name if kind == "model" else spec.data.name
     if not name:
         return ""
     try:

@@ -24,8 +24,12 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from pp_core.errors import ConfigError, PipelineError
+
+if TYPE_CHECKING:
+    from pp_core.app.spec_sections import DistributedSpec
 
 __all__ = ["Endpoint", "address_problem", "split_endpoint", "port_problem", "prepare_endpoint",
            "resolve", "started_by_torchrun"]
@@ -96,16 +100,16 @@ class Endpoint:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
-def _named(dist: dict) -> tuple[str, int, str, str]:
+def _named(dist: DistributedSpec) -> tuple[str, int, str, str]:
     """``(host, port or 0, key naming the host, key naming the port)``."""
-    if dist["rdzv_endpoint"]:
-        host, port = split_endpoint(dist["rdzv_endpoint"])
+    if dist.rdzv_endpoint:
+        host, port = split_endpoint(dist.rdzv_endpoint)
         return host, port, "distributed.rdzv_endpoint", "distributed.rdzv_endpoint"
-    return (dist["master_addr"], dist["master_port"] or 0, "distributed.master_addr",
+    return (dist.master_addr, dist.master_port or 0, "distributed.master_addr",
             "distributed.master_port")
 
 
-def resolve(dist: dict) -> tuple[int, tuple]:
+def resolve(dist: DistributedSpec) -> tuple[int, tuple]:
     """The address family and socket address of the rendezvous host; ConfigError if unknown."""
     host, port, address_key, _ = _named(dist)
     try:
@@ -117,7 +121,7 @@ def resolve(dist: dict) -> tuple[int, tuple]:
     return family, sockaddr
 
 
-def prepare_endpoint(dist: dict) -> Endpoint:
+def prepare_endpoint(dist: DistributedSpec) -> Endpoint:
     """Check the endpoint of ``distributed`` on this machine; a port of 0/unset becomes a free one.
 
     Raises :class:`ConfigError` (naming the key) for an address that does not resolve, an address
@@ -127,7 +131,7 @@ def prepare_endpoint(dist: dict) -> Endpoint:
     """
     host, port, address_key, port_key = _named(dist)
     family, sockaddr = resolve(dist)
-    one_node = dist["nnodes"] == 1
+    one_node = dist.nnodes == 1
     free, failure = _try_bind(family, sockaddr[0], port)
     if failure is None:
         return Endpoint(host, free, True, address_key, port_key)
@@ -141,7 +145,7 @@ def prepare_endpoint(dist: dict) -> Endpoint:
         if not port:
             raise ConfigError(f"{port_key}: expected the port the rendezvous host listens on, "
                               f"found none")
-        _wait_for_listener(endpoint, dist["timeout_s"])
+        _wait_for_listener(endpoint, dist.timeout_s)
     elif failure != errno.EADDRINUSE:
         raise ConfigError(f"{port_key}: cannot listen on {endpoint} "
                           f"({os.strerror(failure)}); "

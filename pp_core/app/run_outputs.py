@@ -133,10 +133,10 @@ class RunRecorder:
         self.plugins = pipe.plugins
         self.metrics = None  # opened by open_metrics once the first step is known
         self.tensorboard = None
-        if spec.output.get("tensorboard") and self.rank == 0:  # a pp_report_metrics sink
+        if spec.output.tensorboard and self.rank == 0:  # a pp_report_metrics sink
             from pp_core.app.data_metrics import TensorBoardSink  # lazy: tensorboard
 
-            self.tensorboard = TensorBoardSink(spec.output["tensorboard"])
+            self.tensorboard = TensorBoardSink(spec.output.tensorboard)
             self.plugins.pm.register(self.tensorboard, name="pp_core.tensorboard")
 
     def say(self, text: str) -> None:
@@ -151,7 +151,7 @@ class RunRecorder:
         """Open ``output.metrics`` on the first rank for a run that continues after
         ``start_step``: the lines of later steps (a resumed run is about to write them again)
         are dropped, so every step appears once; a fresh run starts an empty file."""
-        path = self.spec.output["metrics"]
+        path = self.spec.output.metrics
         if not path or self.rank != 0:
             return
         path = Path(path)
@@ -228,8 +228,8 @@ class RunRecorder:
                        if step_time > 0 else 0.0, "padding_fraction": data["padding_fraction"],
                        "docs": data["docs"]}
             self.data_figures.append(figures)
-        log_every = self.spec.train["log_every"]
-        if step % log_every == 0 or step == self.spec.train["steps"] or len(self.steps) == 1:
+        log_every = self.spec.train.log_every
+        if step % log_every == 0 or step == self.spec.train.steps or len(self.steps) == 1:
             self._log(step, {"loss": loss, "tokens_per_s": round(self.tokens_per_s[-1], 2),
                              **figures, **(extra or {}), "step_time_s": round(step_time, 6),
                              "lr": lr, "grad_norm": grad_norm,
@@ -304,34 +304,34 @@ class RunRecorder:
         for figures in ranks:
             figures["bubble_simulated"] = None if simulated is None else \
                 simulated[figures["pp_rank"]]
-        if out["trace"]:
-            write_json(run_trace(ranks), out["trace"])
-        if out["schedule_image"] and schedule is not None:
-            Path(out["schedule_image"]).parent.mkdir(parents=True, exist_ok=True)
-            Path(out["schedule_image"]).write_text(render_svg(simulate(schedule)))
-        model = spec.model["name"] or spec.model["target"]
+        if out.trace:
+            write_json(run_trace(ranks), out.trace)
+        if out.schedule_image and schedule is not None:
+            Path(out.schedule_image).parent.mkdir(parents=True, exist_ok=True)
+            Path(out.schedule_image).write_text(render_svg(simulate(schedule)))
+        model = spec.model.name or spec.model.target
         summary = {
-            "source": spec.source, "model": model, "data": spec.data["name"],
+            "source": spec.source, "model": model, "data": spec.data.name,
             "num_params": self.num_params, "schedule": schedule.name if schedule else
-            spec.pipeline["pp_schedule"], "pp_size": self.ctx.pp_size, "dp_size": self.ctx.dp_size,
+            spec.pipeline.pp_schedule, "pp_size": self.ctx.pp_size, "dp_size": self.ctx.dp_size,
             "tp_size": getattr(self.ctx, "tp_size", 1), "mesh": describe_mesh(self.ctx.mesh),
             "num_stages": schedule.num_stages if schedule else None,
-            "num_microbatches": spec.pipeline_config().num_microbatches,
+            "num_microbatches": spec.pipeline.num_microbatches,
             "first_step": start_step + 1, "last_step": self.steps[-1] if self.steps else start_step,
             "wall_s": wall_s, "tokens_per_step": self.tokens_per_step, "losses": self.losses,
             "steps": self.steps, "step_times": self.step_times, "tokens_per_s": self.tokens_per_s,
             "eval_loss": self.eval_loss, "bubble_note": note, **self._data_summary(),
             "ranks": [{k: v for k, v in r.items() if k not in ("events", "kind_times")}
                       for r in ranks],
-            "outputs": {"metrics": out["metrics"], "trace": out["trace"],
-                        "schedule image": out["schedule_image"],
-                        "checkpoints": spec.checkpoint["dir"]},
+            "outputs": {"metrics": out.metrics, "trace": out.trace,
+                        "schedule image": out.schedule_image,
+                        "checkpoints": spec.checkpoint.dir},
         }
-        planned = spec.values.get("plan")
+        planned = spec.plan
         if planned is not None:  # pipeline.pp_schedule: auto - what the planner predicted
             measured = [r["pipeline_step_s"] for r in ranks if r["pipeline_step_s"] is not None]
             summary["plan"] = {**planned, "measured_step_s": max(measured) if measured else None}
-        if out["summary"] and self.steps:
+        if out.summary and self.steps:
             print(format_summary(summary), flush=True)
         return summary
 

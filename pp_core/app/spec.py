@@ -8,6 +8,10 @@ mistakes into one :class:`SpecError` whose lines read::
     pipe.yaml: train.stpes: unknown key; did you mean 'train.steps'?
     pipe.yaml: train.steps: expected a positive int, found 'ten' (str)
 
+A checked :class:`Spec` is frozen: one dataclass per section (:mod:`pp_core.app.spec_sections`),
+read as attributes (``spec.train.steps``); ``spec.pipeline`` is the run's
+:class:`~pp_core.config.PipelineConfig`, built once here.
+
 Checks that need the installed plugins (model and dataset names, the schedule, the split) live in
 :mod:`pp_core.app.preflight`. YAML is parsed by :mod:`pp_core.app.spec_yaml` (a ``yaml.SafeLoader`` that
 also refuses duplicate keys, alias bombs, deep nesting and non-UTF-8 bytes): plain data only, but a
@@ -19,11 +23,13 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
 from pp_core.app.spec_schema import REQUIRED_SECTIONS, SCHEMA, Key, Mismatch, describe_value
+from pp_core.app.spec_sections import (SECTIONS, CheckpointSpec, DataSpec, DistributedSpec,
+                                       ModelSpec, OutputSpec, TrainSpec)
 from pp_core.app.spec_yaml import YamlProblem, load_yaml_text, read_yaml
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, closest, did_you_mean, quoted
@@ -45,33 +51,50 @@ class SpecError(ConfigError):
             super().__init__(f"{len(self.problems)} problems in {source}:{lines}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Spec:
-    """A checked pipeline: ``values[section][key]`` with every default filled in."""
+    """A checked pipeline: one frozen section each (``spec.train.steps``), every default filled
+    in; ``spec.pipeline`` is the run's :class:`~pp_core.config.PipelineConfig`. A changed spec is
+    a new one (:meth:`with_`); ``plan`` is what ``pipeline.pp_schedule: auto`` predicted."""
 
-    values: dict[str, dict[str, Any]]
+    model: ModelSpec
+    data: DataSpec
+    pipeline: PipelineConfig
+    distributed: DistributedSpec
+    train: TrainSpec
+    checkpoint: CheckpointSpec
+    output: OutputSpec
     source: str = "pipeline"
+    plan: dict[str, Any] | None = None
 
-    def __getattr__(self, name: str) -> dict[str, Any]:
-        values = self.__dict__.get("values", {})
-        if name in values:
-            return values[name]
-        raise AttributeError(name)
+    def with_(self, section: str, **changes: Any) -> "Spec":
+        """This spec with ``changes`` to one section (a :class:`PipelineConfig` checks its own)."""
+        return replace(self, **{section: replace(getattr(self, section), **changes)})
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return copy.deepcopy(self.values)
+        """``{section: {key: value}}``, plain data as in the file (and ``plan`` when planned)."""
+        out = {name: {f.name: copy.deepcopy(getattr(getattr(self, name), f.name))
+                      for f in fields(cls)} for name, cls in SECTIONS.items()}
+        if self.plan is not None:
+            out["plan"] = copy.deepcopy(self.plan)
+        return out
 
-    def pipeline_config(self):
-        return PipelineConfig(**self.values["pipeline"])
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "pipeline") -> "Spec":
+        """The spec :meth:`to_dict` gave (on a rank): the values as they are, checked no further
+        than :class:`PipelineConfig` checks itself."""
+        values = copy.deepcopy(values)
+        sections = {name: kind(**values.get(name, {})) for name, kind in SECTIONS.items()}
+        return cls(**sections, source=source, plan=values.get("plan"))
 
     @property
     def world_size(self) -> int:
-        dist = self.values["distributed"]
-        return dist["pp_size"] * dist["dp_size"] * dist.get("tp_size", 1)
+        dist = self.distributed
+        return dist.pp_size * dist.dp_size * dist.tp_size
 
     @property
     def global_batch_size(self) -> int:
-        return self.values["pipeline"]["pp_batch_size"] * self.values["distributed"]["dp_size"]
+        return self.pipeline.pp_batch_size * self.distributed.dp_size
 
 
 # ----------------------------------------------------------------------------- --set
@@ -138,11 +161,12 @@ def parse_spec(data: Any, source: str = "pipeline") -> Spec:
             problems.append(f"{section}: expected a mapping of keys, found {describe_value(raw)}")
             raw = {}
         values[section] = _check_section(section, keys, raw, problems)
-    _check_combinations(values, problems,
-                        checkpoints_off=_explicit_null(data, "checkpoint", "dir"))
+    pipeline = _check_combinations(values, problems,
+                                   checkpoints_off=_explicit_null(data, "checkpoint", "dir"))
     if problems:
         raise SpecError(problems, source)
-    return Spec(values, source)
+    sections = {name: kind(**values[name]) for name, kind in SECTIONS.items() if name != "pipeline"}
+    return Spec(**sections, pipeline=pipeline, source=source)
 
 
 def _check_section(section: str, keys: list[Key], raw: dict, problems: list[str]) -> dict:
@@ -175,8 +199,10 @@ def _explicit_null(data: dict, section: str, key: str) -> bool:
     return isinstance(raw, dict) and key in raw and raw[key] is None
 
 
-def _check_combinations(values: dict, problems: list[str], checkpoints_off: bool = False) -> None:
-    """Combinations no single key can judge: both/neither, implied keys, divisibility.
+def _check_combinations(values: dict, problems: list[str],
+                        checkpoints_off: bool = False) -> PipelineConfig | None:
+    """Combinations no single key can judge: both/neither, implied keys, divisibility; returns
+    the spec's :class:`PipelineConfig` (``None`` when the pipeline section is wrong).
 
     ``checkpoints_off``: ``checkpoint.dir: null`` was written out (``--set checkpoint.dir=null``
     turns a file's checkpoints off), so ``checkpoint.every`` is moot; an ``every`` with no ``dir``
@@ -226,9 +252,11 @@ def _check_combinations(values: dict, problems: list[str], checkpoints_off: bool
     if dist["backend"] == "nccl" and dist["device"] == "cpu":
         problems.append("distributed.backend: expected 'gloo' or 'auto' with device: cpu, "
                         "found 'nccl' (nccl needs CUDA tensors)")
+    config = None
     if not any(p.startswith("pipeline.") for p in problems):  # defaults in for bad keys mislead
-        _check_pipeline(values["pipeline"], problems)
+        config = _check_pipeline(values["pipeline"], problems)
     _check_optimizer(values["train"]["optimizer"], problems)
+    return config
 
 
 def _check_ep_size(dist: dict, ckpt: dict, problems: list[str]) -> None:
@@ -267,18 +295,20 @@ def _fold_dp_size(dist: dict, problems: list[str]) -> None:
 from pp_core.schedule.limits import MAX_MICROBATCHES  # noqa: E402 - the schedule half's limit
 
 
-def _check_pipeline(pipeline: dict, problems: list[str]) -> None:
+def _check_pipeline(pipeline: dict, problems: list[str]) -> PipelineConfig | None:
+    """The one :class:`PipelineConfig` a spec builds, or ``None`` with its problem added."""
     try:
         config = PipelineConfig(**pipeline)
     except ConfigError as exc:
         key = f"pipeline.{exc.field}" if exc.field in pipeline else "pipeline"
         problems.append(f"{key}: {exc}")
-        return
+        return None
     if config.num_microbatches > MAX_MICROBATCHES:
         problems.append(f"pipeline.pp_batch_size: pp_batch_size / pp_microbatch_size = "
                         f"{config.pp_batch_size:,} / {config.pp_microbatch_size:,} = "
                         f"{config.num_microbatches:,} microbatches per step, more than "
                         f"{MAX_MICROBATCHES:,}; use a larger pp_microbatch_size")
+    return config
 
 
 def _check_optimizer(optimizer: dict, problems: list[str]) -> None:

@@ -38,6 +38,7 @@ from pp_core.app.layout import RankLayout
 from pp_core.app.progress import Progress
 from pp_core.app.run_outputs import RunRecorder
 from pp_core.app.spec import Spec
+from pp_core.app.spec_sections import TrainSpec
 from pp_core.errors import PipelineError
 from pp_core.losses import pop_aux_losses
 from pp_core.parallel import (apply_activation_checkpointing, apply_compile, apply_data_parallel,
@@ -51,16 +52,16 @@ from pp_core.runtime.microbatch import kwargs_chunk_dims, num_tokens
 __all__ = ["train", "lr_factor", "RankContext"]
 
 
-def lr_factor(step: int, train: dict) -> float:
+def lr_factor(step: int, train: TrainSpec) -> float:
     """Learning-rate multiplier for ``step`` (1-based): linear warm-up, then constant/linear/cosine."""
-    warmup, total = train["warmup_steps"], train["steps"]
+    warmup, total = train.warmup_steps, train.steps
     if warmup and step <= warmup:
         return step / warmup
-    if train["lr_decay"] == "constant" or total <= warmup:
+    if train.lr_decay == "constant" or total <= warmup:
         return 1.0
     progress = min(1.0, (step - warmup) / (total - warmup))
-    floor = train["min_lr_ratio"]
-    if train["lr_decay"] == "linear":
+    floor = train.min_lr_ratio
+    if train.lr_decay == "linear":
         return 1.0 - (1.0 - floor) * progress
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -79,17 +80,19 @@ class RankContext:
             self.device = torch.device("cpu")
             torch.set_num_threads(layout.threads_per_rank)  # cores shared out
         if not dist.is_initialized():
-            dist.init_process_group(layout.backend, timeout=timedelta(seconds=spec.distributed["timeout_s"]))
+            dist.init_process_group(layout.backend,
+                                    timeout=timedelta(seconds=spec.distributed.timeout_s))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        pp, dp = spec.distributed["pp_size"], spec.distributed["dp_size"]
-        replicate, shard = spec.distributed["dp_replicate"], spec.distributed["dp_shard"]
-        tp = spec.distributed["tp_size"]
+        given = spec.distributed
+        pp, dp, replicate, shard = given.pp_size, given.dp_size, given.dp_replicate, given.dp_shard
+        tp = given.tp_size
         if self.world_size != pp * dp * tp:
             raise PipelineError(f"{self.world_size} ranks joined, but pp_size * dp_replicate * "
                                 f"dp_shard * tp_size = {pp} * {replicate} * {shard} * {tp} = "
                                 f"{pp * dp * tp}")
         # pp outermost, tp innermost (as torchtitan): a tp group's ranks are neighbours
-        self.mesh = build_device_mesh(spec.distributed, device_type)
+        self.mesh = build_device_mesh({"pp_size": pp, "dp_replicate": replicate,
+                                       "dp_shard": shard, "tp_size": tp}, device_type)
         self.tp_mesh, self.tp_size = self.mesh["tp"], tp
         self.pp_mesh, self.dp_mesh = self.mesh["pp"], self.mesh["dp_replicate", "dp_shard"]
         self.pp_group = self.pp_mesh.get_group()
@@ -98,7 +101,7 @@ class RankContext:
                         + self.mesh["dp_shard"].get_local_rank())
         self.pp_size, self.dp_size = pp, dp
         # expert parallelism: ep groups drawn from the dp ranks (pp_core.parallel.expert)
-        ep = spec.distributed.get("ep_size", 1)
+        ep = spec.distributed.ep_size
         self.expert_groups = expert_parallel_groups(self.mesh.mesh.reshape(pp, dp, -1), ep) \
             if ep > 1 else None
         self.ep_group = self.expert_groups.ep_group if self.expert_groups else None
@@ -121,28 +124,28 @@ def _build(spec: Spec, ctx: RankContext):
     checkpointing = activation_checkpointing_of(spec, model)
     # each wait is bounded by distributed.timeout_s (so a stuck peer's message says how long),
     # unless $PP_CORE_TIMEOUT sets it for every pipeline
-    timeout = None if os.environ.get("PP_CORE_TIMEOUT") else spec.distributed["timeout_s"]
-    splitter = spec.model.get("splitter")  # `balanced` was resolved into module lists at launch
-    if spec.pipeline["module_fqns_per_model_part"] is not None:
+    timeout = None if os.environ.get("PP_CORE_TIMEOUT") else spec.distributed.timeout_s
+    splitter = spec.model.splitter  # `balanced` was resolved into module lists at launch
+    if spec.pipeline.module_fqns_per_model_part is not None:
         splitter = None
     # dp_group: a token-normalised loss counts the step's valid tokens over the dp ranks
-    pipe = build_pipeline(model, spec.pipeline_config(), pp_group=ctx.pp_mesh, device=ctx.device,
+    pipe = build_pipeline(model, spec.pipeline, pp_group=ctx.pp_mesh, device=ctx.device,
                           timeout=timeout, splitter=splitter,
                           dp_group=ctx.dp_mesh if ctx.dp_size > 1 else None)
     del model
     # tensor parallel right after the split, before AC, compile and FSDP2 (torchtitan's order)
     apply_tensor_parallel(pipe.model_parts, ctx.tp_mesh,
-                          sequence_parallel=spec.distributed["sequence_parallel"])
+                          sequence_parallel=spec.distributed.sequence_parallel)
     if ctx.expert_groups is not None:  # experts sharded before AC, compile and dp wrap them
         apply_expert_parallel(pipe.model_parts, ctx.ep_group)
-    apply_parallelisms(pipe.model_parts, checkpointing, spec.train["compile"])
+    apply_parallelisms(pipe.model_parts, checkpointing, spec.train.compile)
     dp_units = 0
     if ctx.dp_size > 1:  # last, after AC and compile, as torchtitan does
         dp_units = apply_data_parallel(pipe.model_parts, ctx.data_parallel_mesh(),
-                                       shard=spec.distributed["dp_shard"] > 1,
-                                       mixed_precision=spec.distributed["mixed_precision"],
+                                       shard=spec.distributed.dp_shard > 1,
+                                       mixed_precision=spec.distributed.mixed_precision,
                                        ignored_params=expert_parameters(pipe.model_parts))
-    options = dict(spec.train["optimizer"])
+    options = dict(spec.train.optimizer)
     cls = getattr(torch.optim, options.pop("name"))
     owned = _distinct_parameters(pipe.model_parts)  # a weight two local parts share: stepped once
     optimizers = [cls(params, **options) if params else None for params in owned]
@@ -168,7 +171,7 @@ def activation_checkpointing_of(spec: Spec, model) -> dict:
     thing as ``mode: full``; HF's own wrapper is turned off so that one mechanism, pp-core's
     (one recompute per block with split backward), does it.
     """
-    setting = dict(spec.train["activation_checkpointing"])
+    setting = dict(spec.train.activation_checkpointing)
     new_name = hasattr(type(model), "is_activation_checkpointing")  # transformers >= 5
     on = getattr(model, "is_activation_checkpointing" if new_name else
                  "is_gradient_checkpointing", False)
@@ -210,12 +213,12 @@ def _mean_over_dp(value: float | None, ctx: RankContext) -> float | None:
 
 
 def _resume_step(spec: Spec, pipe, optimizers, ctx: RankContext, say) -> int:
-    resume = spec.checkpoint["resume"]
+    resume = spec.checkpoint.resume
     if not resume:
         return 0
-    path = resume_checkpoint(spec.checkpoint["dir"], resume)
+    path = resume_checkpoint(spec.checkpoint.dir, resume)
     if path is None:
-        say(f"checkpoint.resume: no checkpoint in {spec.checkpoint['dir']!r} yet; starting at "
+        say(f"checkpoint.resume: no checkpoint in {spec.checkpoint.dir!r} yet; starting at "
             f"step 0")
         return 0
     step = load_checkpoint(path, pipe.model_parts, optimizers)
@@ -226,7 +229,7 @@ def _resume_step(spec: Spec, pipe, optimizers, ctx: RankContext, say) -> int:
 def _evaluate(spec: Spec, pipe, ctx: RankContext, global_batch: int) -> float | None:
     losses = []
     for index, (inputs, target) in enumerate(_dataset(spec, evaluation=True)):
-        if index >= spec.train["eval_steps"]:
+        if index >= spec.train.eval_steps:
             break
         with torch.no_grad():
             loss = pipe.eval_step(dp_slice(inputs, ctx.dp_rank, ctx.dp_size, global_batch),
@@ -240,25 +243,25 @@ def train(spec: Spec) -> dict[str, Any]:
     started = time.perf_counter()
     ctx = RankContext(spec)
     pipe, optimizers, num_params, dp_units, aux_losses = _build(spec, ctx)
-    config = spec.pipeline_config()
+    config = spec.pipeline
     base_lrs = [[g["lr"] for g in o.param_groups] if o else [] for o in optimizers]
     recorder = RunRecorder(spec, ctx, pipe, num_params)
     say = recorder.say
     start_step = _resume_step(spec, pipe, optimizers, ctx, say)
     recorder.open_metrics(start_step)
-    train_cfg, steps = spec.train, spec.train["steps"]
+    train_cfg, steps = spec.train, spec.train.steps
     params = [p for mine in _distinct_parameters(pipe.model_parts) for p in mine]
     counted_once = tied_copies(pipe.model_parts, pipe.stage_indices)
     batches = _batches(_dataset(spec), start_step)
     global_batch = spec.global_batch_size
-    progress = Progress(steps, start_step, spec.output["progress"] if ctx.rank == 0 else "off",
-                        train_cfg["log_every"])
+    progress = Progress(steps, start_step, spec.output.progress if ctx.rank == 0 else "off",
+                        train_cfg.log_every)
     recorder.progress = progress
     for step in range(start_step + 1, steps + 1):
         try:
             inputs, target = next(batches)
         except StopIteration:
-            raise PipelineError(f"dataset {spec.data['name']!r} ran out after {step - 1} steps; "
+            raise PipelineError(f"dataset {spec.data.name!r} ran out after {step - 1} steps; "
                                 f"train.steps={steps} needs more batches") from None
         lr = _set_lr(optimizers, base_lrs, lr_factor(step, train_cfg))
         local_inputs = dp_slice(inputs, ctx.dp_rank, ctx.dp_size, global_batch,
@@ -271,11 +274,11 @@ def train(spec: Spec) -> dict[str, Any]:
         if ctx.expert_groups is not None:
             sync_expert_gradients(params, ctx.expert_groups)
         finish_gradients(params, 1 if config.scale_grads_in_schedule else config.num_microbatches)
-        grad_norm = clip_grad_norm(params, train_cfg["grad_clip"], ctx.pp_group, counted_once,
+        grad_norm = clip_grad_norm(params, train_cfg.grad_clip, ctx.pp_group, counted_once,
                                    ep_group=ctx.ep_group)
         global_loss = _mean_over_dp(None if loss is None else float(loss), ctx)
         # the same loss and norm on every rank, so every rank decides alike (pp_core.app.health)
-        if apply_update(step, global_loss, grad_norm, train_cfg.get("on_nonfinite", "stop"), say):
+        if apply_update(step, global_loss, grad_norm, train_cfg.on_nonfinite, say):
             for optimizer in optimizers:
                 if optimizer is not None:
                     optimizer.step()
@@ -285,10 +288,10 @@ def train(spec: Spec) -> dict[str, Any]:
         recorder.record_step(step, global_loss, step_time, tokens, grad_norm, lr, t0,
                              data=batch_figures(inputs, target), extra=extra)
         progress.update(step, global_loss, tokens / step_time, step_time)
-        if train_cfg["eval_every"] and step % train_cfg["eval_every"] == 0:
+        if train_cfg.eval_every and step % train_cfg.eval_every == 0:
             recorder.record_eval(step, _evaluate(spec, pipe, ctx, global_batch))
-        every, directory = spec.checkpoint["every"], spec.checkpoint["dir"]
-        last = step == steps and spec.checkpoint["save_final"]
+        every, directory = spec.checkpoint.every, spec.checkpoint.dir
+        last = step == steps and spec.checkpoint.save_final
         if directory and ((every and step % every == 0) or last):
             if not weights_finite(pipe.model_parts, ctx.device):  # never over a good one
                 raise PipelineError(f"step {step}: the weights hold NaN or inf values; the "

@@ -76,8 +76,8 @@ def plan_command(args) -> int:
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
-    print(f"{spec.source}: pp {spec.distributed['pp_size']}, pp_batch_size "
-          f"{spec.pipeline['pp_batch_size']}; profiled in {plan.profile_s:.1f} s" +
+    print(f"{spec.source}: pp {spec.distributed.pp_size}, pp_batch_size "
+          f"{spec.pipeline.pp_batch_size}; profiled in {plan.profile_s:.1f} s" +
           ("" if plan.link is None else f", link {plan.link[0] * 1e6:.0f} us + "
                                         f"{plan.link[1] / 1e9:.2f} GB/s") +
           ("" if plan.processors is None else

@@ -98,9 +98,9 @@ def run_command(args) -> int:
 
     cap = None if args.memory_cap is None else parse_size(args.memory_cap)
     spec, found = _checked(args)
-    if cap is not None and not is_auto(spec.pipeline["pp_schedule"]):
+    if cap is not None and not is_auto(spec.pipeline.pp_schedule):
         raise ConfigError(f"--memory-cap={args.memory_cap} only steers pipeline.pp_schedule: "
-                          f"auto, and the file names {spec.pipeline['pp_schedule']!r}; drop "
+                          f"auto, and the file names {spec.pipeline.pp_schedule!r}; drop "
                           f"--memory-cap or set pp_schedule: auto")
     if not started_by_torchrun() or os.environ.get("RANK") == "0":  # once, not once per rank
         for note in found.notes:
@@ -122,20 +122,20 @@ def validate_command(args) -> int:
     from pp_core.app.spec import SpecError
 
     spec, found = _checked(args)
-    if spec.distributed["nnodes"] == 1:  # then the rendezvous host is this machine
+    if spec.distributed.nnodes == 1:  # then the rendezvous host is this machine
         try:
             resolve(spec.distributed)
         except ConfigError as exc:
             raise SpecError([str(exc)], spec.source) from None
     dist, pipeline = spec.distributed, spec.pipeline
     print(f"{spec.source}: ok")
-    print(f"  model {spec.model['name'] or spec.model['target']}, data {spec.data['name']}, "
-          f"loss {pipeline['loss_fn']}")
-    print(f"  {spec.world_size} ranks: pp {dist['pp_size']} x dp {dist['dp_size']}"
-          f"{' x tp ' + str(dist['tp_size']) if dist['tp_size'] > 1 else ''}; global batch "
-          f"{spec.global_batch_size} = {pipeline['pp_batch_size']} per pipeline x "
-          f"{dist['dp_size']}, {spec.pipeline_config().num_microbatches} microbatches of "
-          f"{pipeline['pp_microbatch_size']}")
+    print(f"  model {spec.model.name or spec.model.target}, data {spec.data.name}, "
+          f"loss {pipeline.loss_fn}")
+    print(f"  {spec.world_size} ranks: pp {dist.pp_size} x dp {dist.dp_size}"
+          f"{' x tp ' + str(dist.tp_size) if dist.tp_size > 1 else ''}; global batch "
+          f"{spec.global_batch_size} = {pipeline.pp_batch_size} per pipeline x "
+          f"{dist.dp_size}, {spec.pipeline.num_microbatches} microbatches of "
+          f"{pipeline.pp_microbatch_size}")
     if found.plan is not None:
         print("  split: " + found.plan.describe().replace("\n", "\n  "))
     if found.schedule is not None:
@@ -168,7 +168,7 @@ def _initializers(per_stage) -> str:
 
 def _parallelisms(spec) -> str:
     """``activation checkpointing full (every block), compile on (mode default)``."""
-    ac, compiled = spec.train["activation_checkpointing"], spec.train["compile"]
+    ac, compiled = spec.train.activation_checkpointing, spec.train.compile
     every = "every block" if ac["every"] == 1 else f"every {ac['every']}th block"
     text = "activation checkpointing " + ("off" if ac["mode"] == "none" else
                                           f"{ac['mode']} ({every})")
