@@ -64,8 +64,8 @@ def plan_command(args) -> int:
 
     cap = None if args.memory_cap is None else parse_size(args.memory_cap)
     spec = load_spec(args.pipeline, args.overrides)
-    if spec.distributed["tp_size"] > 1:
-        raise ConfigError(f"{spec.source}: distributed.tp_size: {spec.distributed['tp_size']}: "
+    if spec.distributed.tp_size > 1:
+        raise ConfigError(f"{spec.source}: distributed.tp_size: {spec.distributed.tp_size}: "
                           f"pp-core plan profiles the model unsharded on one process and cannot "
                           f"model tensor parallelism yet; rank the plans without it: pp-core plan "
                           f"{args.pipeline} --set distributed.tp_size=1 "
