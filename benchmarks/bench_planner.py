@@ -28,6 +28,7 @@ On 2 and 4 gloo ranks of this machine (one thread per rank), for a GPT with a la
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -196,8 +197,6 @@ OWN_PROCESSORS = {"processors": 0.0}
 
 def predicted_with(candidate, profiles, pp: int, plugins, fields: dict) -> float:
     """``candidate``'s predicted step, same split, on its profile with ``fields`` replaced."""
-    import dataclasses
-
     from pp_core.planning.choose import predict
     from pp_core.schedule.build import resolve_schedule_def
 
@@ -312,7 +311,7 @@ def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
     best_hand = min(hand, key=lambda r: r["measured_step_s"])
     best_hand_min = min(hand, key=lambda r: r["measured_min_step_s"])
     return {
-        "pp": pp, "link": link, "processors": plan.processors, "profile_s": plan.profile_s,
+        "pp": pp, "link": list(dataclasses.astuple(link)), "processors": plan.processors, "profile_s": plan.profile_s,
         "runs": rows,
         "auto_over_best_by_hand": auto["measured_step_s"] / best_hand["measured_step_s"],
         "best_by_hand": best_hand["label"],
@@ -339,8 +338,6 @@ def bench_pp(pp: int, steps: int, link, rounds: int) -> dict:
 def planning_time_pp8() -> dict:
     """choose_plan at pp=8 with every installed schedule, on a profile of a 30-block model;
     with a processor per rank and with the ranks sharing 2 (the processor-sharing replay)."""
-    import dataclasses
-
     from pp_core.losses import resolve_loss
     from pp_core.planning.choose import choose_plan
     from pp_core.measure.profile import profile_model
@@ -374,7 +371,8 @@ def main(argv=None) -> int:
 
     load = os.getloadavg()
     link = measure_local_link("gloo", "cpu")
-    report = {"model": MODEL, "batch": BATCH, "seq_len": SEQ, "link": link,
+    figures = list(dataclasses.astuple(link))  # the report's link: the figures in field order
+    report = {"model": MODEL, "batch": BATCH, "seq_len": SEQ, "link": figures,
               "load_before": load, "planning_pp8": planning_time_pp8(), "pp": []}
     print(f"planning at pp=8: {report['planning_pp8']}", flush=True)
     for pp in (int(r) for r in args.ranks.split(",")):

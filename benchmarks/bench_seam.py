@@ -71,7 +71,7 @@ def seam_micro_us(calls: int = 50000) -> dict:
     from pp_core.runtime.observers import ActionObserver, profiling, run_action, waiting
     from pp_core.schedule.ir import F, Action
 
-    def handler(executor, action):
+    def handler(executor, state, action):
         pass
 
     def per_call(body) -> float:
@@ -83,11 +83,11 @@ def seam_micro_us(calls: int = 50000) -> dict:
 
     def direct():
         for _ in range(calls):
-            handler(None, action)
+            handler(None, None, action)
 
     def observed():
         for _ in range(calls):
-            run_action(handler, None, action, observers, False)
+            run_action(handler, None, None, action, observers, False)
 
     def unused():
         for _ in range(calls):

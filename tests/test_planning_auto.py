@@ -80,7 +80,7 @@ def test_plan_auto_over_a_group_gives_every_rank_rank_0s_plan():
         results = pool.run(plan_on_ranks, True)
     assert results[0]["config"] == results[1]["config"]
     assert results[0]["chosen"] == results[1]["chosen"]
-    assert results[0]["link"] == results[1]["link"] and results[0]["link"][0] > 0
+    assert results[0]["link"] == results[1]["link"] and results[0]["link"].latency_s > 0
     assert results[1]["loss"] is not None and results[1]["loss"] > 0
 
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from pp_core.planning.costs import ModelProfile, UnitCost
+from pp_core.planning.costs import Link, ModelProfile, UnitCost
 from pp_core.planning.refine import handoff_charges, simulate_split
 from pp_core.schedule.build import build_schedule
 
@@ -94,3 +94,22 @@ def test_unmeasured_profiles_predict_as_before_and_round_trip():
     assert ModelProfile.from_dict(old) == dataclasses.replace(
         measured, p2p_send_busy_s=0.0, p2p_recv_busy_s=0.0,
         p2p_busy_bytes_per_s=float("inf"), action_overhead_s=0.0)
+
+
+def test_a_link_fills_the_profile_fields_its_figures_name():
+    figures = (1e-5, 1e9, 1e-4, 2e-4, 5e8, 3e-5)
+    link = Link.of(figures)
+    assert dataclasses.astuple(link) == figures and Link.of(link) is link
+    # the figures land on the profile's p2p fields, in field order
+    assert profile(**{k: v for k, v in link.profile_fields().items()
+                      if k not in ("p2p_latency_s", "p2p_bytes_per_s")}) == \
+        dataclasses.replace(profile(), p2p_send_busy_s=1e-4, p2p_recv_busy_s=2e-4,
+                            p2p_busy_bytes_per_s=5e8, action_overhead_s=3e-5)
+    # latency and bandwidth alone: the rest unmeasured, as a profile without them
+    short = Link.of((1e-5, 1e9)).profile_fields()
+    assert ModelProfile(2, profile().units, **short) == profile()
+    assert Link.from_dict(link.to_dict()) == link
+    assert list(link.to_dict()) == ["latency_s", "bytes_per_s", "send_busy_s", "recv_busy_s",
+                                    "busy_bytes_per_s", "action_overhead_s"]
+    with pytest.raises(ValueError, match="the first two at least; got 1"):
+        Link.of((1e-5,))

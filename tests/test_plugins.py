@@ -167,3 +167,26 @@ def test_an_unknown_disabled_name_is_named_with_the_known_ones(monkeypatch):
                                          r"pp_core_builtins.schedules.gpipe") as caught:
         plugins = load_plugins()
     assert len(caught) == 1 and "gpipe" not in plugins.schedules
+
+
+def test_a_lazy_callable_imports_its_target_on_first_use_with_its_signature(on_path):
+    import copy
+    import inspect
+
+    from pp_core import ConfigError
+    from pp_core.app.factories import accepts
+    from pp_core.callables import LazyCallable
+
+    (on_path / "ppt_heavy.py").write_text(
+        "def make(width, *, batch_size=8):\n    return ('made', width, batch_size)\n")
+    lazy = LazyCallable("ppt_heavy:make")
+    copy.copy(lazy)
+    assert "ppt_heavy" not in sys.modules  # registering, copying and showing import nothing
+    assert "ppt_heavy:make" in repr(lazy) and "ppt_heavy" not in sys.modules
+    # what validation reads of a factory: its parameters (batch_size filled in) and its name
+    assert list(inspect.signature(lazy).parameters) == ["width", "batch_size"]
+    assert accepts(lazy, "batch_size") and not accepts(lazy, "depth")
+    assert lazy.__qualname__ == "make" and "ppt_heavy" in sys.modules
+    assert lazy(3) == ("made", 3, 8)
+    with pytest.raises(ConfigError, match="cannot import module 'ppt_missing'"):
+        LazyCallable("ppt_missing:make")()

@@ -170,7 +170,8 @@ def early_receives(allocator_class):
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     losses = [pipe.step(x, target=y) for _ in range(3)]  # shapes predicted from step 3 on
     # rank 1 posted its forward receives at the start of step 3 (predicted shapes)
-    early = pipe._train.early_receives, bool(pipe._train.preposted)
+    state = pipe._train.state  # the last step's
+    early = state.early_receives, bool(state.preposted)
     return early, [None if loss is None else float(loss) for loss in losses]
 
 

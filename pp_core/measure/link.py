@@ -5,8 +5,8 @@ starts two short-lived processes on the run's backend (gloo on CPU, NCCL between
 GPUs), lets them time a small and a large message with
 :func:`measure_p2p`, what a message costs each rank with
 :func:`measure_p2p_busy` and the executor's time per action with
-:func:`pp_core.measure.overhead.measure_action_overhead`, and returns the link tuple
-(:data:`~pp_core.planning.costs.LINK_FIELDS` order). About three seconds, once per run. The
+:func:`pp_core.measure.overhead.measure_action_overhead`, and returns the
+:class:`~pp_core.planning.costs.Link`. About three seconds, once per run. The
 processes rendezvous through a file in a temp dir (no port).
 
 Why the busy time: latency is what a hand-off adds to the *dependency*; but the ranks pay too:
@@ -22,6 +22,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import astuple
 from datetime import timedelta
 from typing import Sequence
 
@@ -31,6 +32,7 @@ import torch.multiprocessing as mp
 
 from pp_core.errors import ConfigError, PipelineError
 from pp_core.measure.overhead import measure_action_overhead
+from pp_core.planning.costs import Link
 
 __all__ = ["measure_local_link", "measure_p2p", "measure_p2p_busy", "sync"]
 
@@ -115,26 +117,25 @@ def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path
     dist.init_process_group(backend, store=store, rank=rank, world_size=2,
                             timeout=timedelta(seconds=HELPER_TIMEOUT_S))
     try:
-        link = measure_p2p(dist.group.WORLD) + measure_p2p_busy(dist.group.WORLD) + \
-            (measure_action_overhead(dist.group.WORLD, device=device_type),)
+        link = Link(*measure_p2p(dist.group.WORLD), *measure_p2p_busy(dist.group.WORLD),
+                    measure_action_overhead(dist.group.WORLD, device=device_type))
         if rank == 0:
             with open(out_path, "w", encoding="utf-8") as fh:
-                fh.write(" ".join(map(repr, link)))
+                fh.write(" ".join(map(repr, astuple(link))))
     finally:
         dist.destroy_process_group()
 
 
-def measure_local_link(backend: str = "gloo", device_type: str = "cpu") -> tuple[float, ...]:
-    """``(latency_s, bytes_per_s, send_busy_s, recv_busy_s, busy_bytes_per_s,
-    action_overhead_s)`` between two processes on this machine."""
+def measure_local_link(backend: str = "gloo", device_type: str = "cpu") -> Link:
+    """The :class:`~pp_core.planning.costs.Link` between two processes on this machine."""
     if device_type == "cuda" and torch.cuda.device_count() < 2:
         # one GPU: pp ranks share it, hand-offs stay on the device
-        return 0.0, float("inf"), 0.0, 0.0, float("inf"), 0.0
+        return Link()
     with tempfile.TemporaryDirectory(prefix="pp-core-link-") as tmp:
         out = os.path.join(tmp, "link")
         _run_helpers(mp, (os.path.join(tmp, "store"), backend, device_type, out))
         with open(out, encoding="utf-8") as fh:
-            return tuple(float(x) for x in fh.read().split())
+            return Link.of(fh.read().split())
 
 
 def measure_p2p(group=None, sizes: Sequence[int] = (4, 1 << 22), *, device=None,

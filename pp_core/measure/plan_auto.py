@@ -11,7 +11,6 @@ process), the caller is the only one deciding and hands the resulting config to 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from pp_core.measure.link import measure_p2p, measure_p2p_busy
 from pp_core.measure.overhead import measure_action_overhead
 from pp_core.measure.profile import profile_model
 from pp_core.planning.choose import Candidate, Ranking, choose_plan
-from pp_core.planning.costs import LINK_FIELDS
+from pp_core.planning.costs import Link
 from pp_core.planning.sizes import parse_size
 from pp_core.plugin_manager import plugins_or_default
 
@@ -42,8 +41,8 @@ class AutoPlan:
     config: PipelineConfig
     ranking: Ranking
     profile_s: float = 0.0
-    link: tuple[float, ...] | None = None
-    """Latency, bandwidth and the busy times (:data:`~pp_core.planning.costs.LINK_FIELDS`)."""
+    link: Link | None = None
+    """The link the plan was made for (:class:`~pp_core.planning.costs.Link`); ``None``: none."""
     profiles: dict | None = None
     """``{microbatch size: ModelProfile}``: rank again (another cap) without profiling again."""
 
@@ -63,10 +62,7 @@ class AutoPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"chosen": self.chosen.to_dict(), "profile_s": self.profile_s,
-                "link": None if self.link is None else
-                {"latency_s": self.link[0], "bytes_per_s": self.link[1],
-                 **{name.replace("p2p_", ""): value
-                    for name, value in zip(LINK_FIELDS[2:], self.link[2:])}},
+                "link": None if self.link is None else self.link.to_dict(),
                 "processors": self.processors, "ranking": self.ranking.to_dict()}
 
 
@@ -92,7 +88,7 @@ def concrete_config(config: PipelineConfig, candidate: Candidate) -> PipelineCon
 def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
               device="cpu", memory_cap: int | str | None = None, plugins=None, group=None,
               microbatch_sizes: Sequence[int] | None = None,
-              link: tuple[float, ...] | None = None, schedules=None,
+              link: Link | Sequence[float] | None = None, schedules=None,
               repeats: int = 5, processors: float | str | None = "auto") -> AutoPlan:
     """Profile ``model`` on ``device``, choose the fastest plan that fits, return it.
 
@@ -101,10 +97,11 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
     :param memory_cap: bytes per rank (or ``"8GiB"``); ``None``: no cap.
     :param group: a process group of the pp ranks: rank 0 decides, every rank gets the same plan
         (a collective: call it on every rank of the group). ``None``: this process decides.
-    :param link: ``(latency_s, bytes_per_s)`` between ranks, optionally followed by the busy
-        times of a hand-off (:func:`pp_core.measure.link.measure_p2p_busy`) and the executor's
-        time per action (:func:`pp_core.measure.overhead.measure_action_overhead`); default:
-        all measured over ``group``, or none (0 s, unlimited) without one.
+    :param link: the :class:`~pp_core.planning.costs.Link` between ranks, or its figures in
+        field order: ``(latency_s, bytes_per_s)``, optionally followed by the busy times of a
+        hand-off (:func:`pp_core.measure.link.measure_p2p_busy`) and the executor's time per
+        action (:func:`pp_core.measure.overhead.measure_action_overhead`); default: all
+        measured over ``group``, or none (0 s, unlimited) without one.
     :param schedules: restrict the choice (``{name: ScheduleDef}``); default: the installed.
     :param repeats: timed microbatches per unit and size (their median counts).
     :param processors: how many ranks' worth of processors the pipeline's ranks share
@@ -119,9 +116,11 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
                           "it (a CSV fixes the schedule: use build_pipeline directly)")
     cap = None if memory_cap is None else parse_size(memory_cap, "memory_cap")
     plugins = plugins_or_default(plugins)
-    if link is None and group is not None:
-        link = measure_p2p(group) + measure_p2p_busy(group) + \
-            (measure_action_overhead(group, device=device),)
+    if link is not None:
+        link = Link.of(link)
+    elif group is not None:
+        link = Link(*measure_p2p(group), *measure_p2p_busy(group),
+                    measure_action_overhead(group, device=device))
     ranking, profile_s, profiles = None, 0.0, None
     if group is None or _group_rank(group) == 0:
         started = time.perf_counter()
@@ -148,7 +147,7 @@ def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugi
     parts_like = dataclasses.replace(config, pp_schedule="1f1b")  # dtype, patches: as run
     return profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device,
                          repeats=repeats, config=parts_like, plugins=plugins,
-                         p2p=link or (0.0, math.inf))
+                         p2p=link if link is not None else Link())
 
 
 def _processors(processors, device, pp_size: int) -> float:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -33,7 +32,7 @@ from pp_core.measure.held_for_weight import HeldForWeight
 from pp_core.measure.link import sync
 from pp_core.measure.transient import Allocations
 from pp_core.planning.balance import stage_fqns
-from pp_core.planning.costs import LINK_FIELDS, ModelProfile, UnitCost
+from pp_core.planning.costs import Link, ModelProfile, UnitCost
 from pp_core.planning.parts import build_model_parts
 from pp_core.planning.split import SplitPlan
 from pp_core.planning.units import model_units, shared_modules, unit_splitter
@@ -230,7 +229,7 @@ def profile_model(
     config=None,
     plugins=None,
     splitter=None,
-    p2p: tuple[float, float] = (0.0, math.inf),
+    p2p: Link | Sequence[float] = Link(),
     clock: str = "auto",
 ) -> dict[int, ModelProfile]:
     """Measure ``model`` unit by unit; ``{microbatch_size: ModelProfile}``.
@@ -243,9 +242,9 @@ def profile_model(
     :param config: a :class:`~pp_core.config.PipelineConfig` whose ``dtype`` and model patches
         the parts are built with (optional).
     :param splitter: the splitter whose ``units`` define the units (default: pp-core's choice).
-    :param p2p: ``(latency_s, bytes_per_s)`` to record (:func:`measure_p2p`), optionally followed
-        by the busy times of :func:`pp_core.measure.link.measure_p2p_busy` (the order of
-        :data:`~pp_core.planning.costs.LINK_FIELDS`); default a free link.
+    :param p2p: the :class:`~pp_core.planning.costs.Link` to record, or its figures in field
+        order: ``(latency_s, bytes_per_s)`` (:func:`measure_p2p`), optionally followed by the
+        busy times of :func:`pp_core.measure.link.measure_p2p_busy`; default a free link.
     :param clock: ``"auto"``, ``"wall"`` or ``"cpu"`` (:data:`CLOCKS`).
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -274,14 +273,15 @@ def profile_model(
                 x = to_device(_take(inputs, size, "inputs"), device, None)
                 y = to_device(_take(target, size, "target"), device, None)
                 result[size] = _profile_size(runner, units, x, y, loss_fn, size, repeats,
-                                             exclude, p2p)
+                                             exclude, Link.of(p2p))
     finally:
         for p in params:
             p.grad = kept[id(p)]
     return result
 
 
-def _profile_size(runner, units, x, y, loss_fn, size, repeats, exclude, p2p) -> ModelProfile:
+def _profile_size(runner, units, x, y, loss_fn, size, repeats, exclude,
+                  link: Link) -> ModelProfile:
     n = len(units)
     saved = [_Saved(exclude) for _ in range(n)]
     first = _one_microbatch(runner, x, y, loss_fn, False, saved)  # warm-up + memory
@@ -310,4 +310,4 @@ def _profile_size(runner, units, x, y, loss_fn, size, repeats, exclude, p2p) -> 
                  output_grad_held_bytes=held[i].received_held)
         for i in range(n))
     return ModelProfile(size, costs, shared_fqns=tuple(runner.shared), device=str(runner.device),
-                        **dict(zip(LINK_FIELDS, p2p)))
+                        **link.profile_fields())

@@ -8,14 +8,55 @@ rank's own device; the balanced splitter and the planner read them. Pure data: n
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
-__all__ = ["UnitCost", "ModelProfile", "LINK_FIELDS"]
+__all__ = ["UnitCost", "ModelProfile", "Link"]
 
-LINK_FIELDS = ("p2p_latency_s", "p2p_bytes_per_s", "p2p_send_busy_s", "p2p_recv_busy_s",
-               "p2p_busy_bytes_per_s", "action_overhead_s")
-"""The :class:`ModelProfile` fields a measured *link* tuple fills, in its order (the link
-measurements give the first two, or more)."""
+
+@dataclass(frozen=True)
+class Link:
+    """The point-to-point link between two ranks, as measured (:mod:`pp_core.measure.link`):
+    what a hand-off adds to the dependency (``latency_s`` plus bytes over ``bytes_per_s``),
+    what it holds each rank up (``send_busy_s`` / ``recv_busy_s`` plus bytes over
+    ``busy_bytes_per_s``), and the executor's own time per compute action. The defaults are a
+    free link: nothing measured."""
+
+    latency_s: float = 0.0
+    bytes_per_s: float = math.inf
+    send_busy_s: float = 0.0
+    recv_busy_s: float = 0.0
+    busy_bytes_per_s: float = math.inf
+    action_overhead_s: float = 0.0
+
+    @classmethod
+    def of(cls, value) -> "Link":
+        """``value`` as a Link: a Link, or its figures in field order (the first two at least:
+        ``(latency_s, bytes_per_s)``, as :func:`pp_core.measure.link.measure_p2p` gives)."""
+        if isinstance(value, cls):
+            return value
+        figures = tuple(value)
+        if not 2 <= len(figures) <= len(fields(cls)):
+            raise ValueError(f"a link is {len(fields(cls))} figures "
+                             f"({', '.join(f.name for f in fields(cls))}), the first two at "
+                             f"least; got {len(figures)}")
+        return cls(*(float(x) for x in figures))
+
+    def profile_fields(self) -> dict:
+        """The :class:`ModelProfile` fields this link fills."""
+        return {"p2p_latency_s": self.latency_s, "p2p_bytes_per_s": self.bytes_per_s,
+                "p2p_send_busy_s": self.send_busy_s, "p2p_recv_busy_s": self.recv_busy_s,
+                "p2p_busy_bytes_per_s": self.busy_bytes_per_s,
+                "action_overhead_s": self.action_overhead_s}
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able data, keyed by field name."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Link":
+        """The inverse of :meth:`to_dict` (missing fields: not measured)."""
+        return cls(**data)
 
 
 @dataclass(frozen=True)

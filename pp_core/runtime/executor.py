@@ -13,6 +13,9 @@ executor only knows how to run each kind of action:
 * ``SEND_F``/``SEND_B`` post the send of what the preceding compute produced
   (the communication handlers live in :mod:`pp_core.runtime.transfers`).
 
+Every handler gets the step's :class:`~pp_core.runtime.step_state.StepState`, made by
+:meth:`Executor.run` for each step; a failed step ends by clearing it (:meth:`Executor.abort`).
+
 Observers registered with ``Pipeline.add_action_observer`` are called around every action, and
 every action runs in a ``torch.profiler`` record while a profiler records
 (:mod:`pp_core.runtime.observers`).
@@ -20,7 +23,7 @@ every action runs in a ``torch.profiler`` record while a profiler records
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -34,8 +37,10 @@ from pp_core.runtime.dp_sync import DataParallelDriver
 from pp_core.runtime.microbatch import num_tokens
 from pp_core.runtime.observers import run_action, waiting
 from pp_core.runtime.stage import Stage, as_dtensors, as_outputs, local_outputs, make_stage_inputs
+from pp_core.runtime.step_state import StepState
 from pp_core.runtime.token_loss import scaled_loss
-from pp_core.runtime.wire import ReceivedShapes, ShapeHistory
+from pp_core.runtime.transfers import BoundaryShapes, TransferContext
+from pp_core.runtime.wire import ReceivedShapes
 from pp_core.schedule.ir import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W
 from pp_core.schedule.lower import RankProgram
 
@@ -43,7 +48,12 @@ __all__ = ["Executor"]
 
 
 class Executor:
-    """Runs one rank's program for one step (training) or one forward pass (evaluation)."""
+    """Runs one rank's program for one step (training) or one forward pass (evaluation).
+
+    What one step makes lives in its :class:`~pp_core.runtime.step_state.StepState` (``state``:
+    the running step's, or the last one's once it finished); what the SEND/RECV handlers need
+    besides it is the fixed :class:`~pp_core.runtime.transfers.TransferContext` (``context``).
+    """
 
     def __init__(self, program: RankProgram, stages: dict[int, Stage], p2p: P2P, allocator, *,
                  train: bool, loss_fn=None, scale: float = 1.0, initializers=(),
@@ -60,18 +70,19 @@ class Executor:
         self.initializers = list(initializers)
         self.device = device
         self.dtype = dtype
-        self.static_shapes = static_shapes
-        self.shapes_sent = ShapeHistory()  # dynamic shapes: keyed by the receiving stage
         # what receivers learn from headers; the mailbox reports to it (not to the executor,
         # which owns the mailbox: a reference cycle would keep the model alive after del)
-        self.shapes_received = ReceivedShapes(static_shapes)
-        self.mailbox = Mailbox(p2p, allocator, device, self.shapes_received)
+        shapes = BoundaryShapes(ReceivedShapes(static_shapes))
+        self.mailbox = Mailbox(p2p, allocator, device, shapes.received)
         # shared with the pipeline, which adds and removes observers (pp_core.runtime.observers)
         self.observers: list = observers if observers is not None else []
         self.num_microbatches = program.num_microbatches
-        self.current = None  # the action being run, for error messages
         actions = program.actions
-        self.lifetime_at = {lt.posted: index for index, lt in enumerate(program.recv_lifetimes)}
+        self.context = TransferContext(
+            rank=self.rank, stages=stages, mailbox=self.mailbox,
+            num_microbatches=self.num_microbatches, static_shapes=static_shapes, device=device,
+            actions=actions, shapes=shapes,
+            lifetime_at={lt.posted: index for index, lt in enumerate(program.recv_lifetimes)})
         self.release_at: dict[int, list[int]] = {}
         for index, lt in enumerate(program.recv_lifetimes):
             self.release_at.setdefault(lt.released, []).append(index)
@@ -83,52 +94,33 @@ class Executor:
         # an allocator that hands buffers out again must get them back when the program says
         # (pp_core.runtime.buffers: ``reuses_buffers``, True unless it says otherwise)
         self.track_release = bool(getattr(allocator, "reuses_buffers", True))
-        self.pending_release: list[tuple[int, int]] = []
         self.consume = getattr(allocator, "consume", None)
-        self.recv_started: set[int] = set()
-        self.sent_metas: dict[int, list] = {}
-        self.probed: set[int] = set()  # pp_seq_len: boundaries this step sent its first on
-        self.recv_probed: set[int] = set()
-        self.shape_noted = False
-        self.early_receives = False
-        self.preposted: set = set()
-        self.preposted_b: set = set()
         self.data_parallel = DataParallelDriver()  # torch DP engines of the stages (dp_sync)
-        # a token-normalised loss: the step's valid-token count and M * D (runtime/token_loss)
-        self.token_count = None
-        self.token_factor = 1.0
+        self.state: Optional[StepState] = None
+
+    @property
+    def current(self):
+        """The action being run, for error messages (``None`` between actions)."""
+        return None if self.state is None else self.state.current
 
     # ------------------------------------------------------------------ step
     def run(self, mb_inputs: Optional[list], mb_targets: Optional[list],
-            mb_kwargs: Optional[list] = None):
+            mb_kwargs: Optional[list] = None, *, token_count=None, token_factor: float = 1.0):
         """Run the program once. Returns ``(losses, outputs)`` (lists by microbatch; empty when
         this rank does not hold the last stage). ``mb_kwargs``: per microbatch, keyword inputs
-        for every stage."""
-        M = self.num_microbatches
-        self.mb_kwargs = mb_kwargs
-        self.shapes_sent.new_step()
-        self.shapes_received.history.new_step()
-        self.probed, self.recv_probed = set(), set()
-        self.mb_inputs = mb_inputs
-        self.mb_targets = mb_targets
-        self.inputs: dict[int, Any] = {}      # key -> stage inputs needing grad
-        self.outputs: dict[int, list] = {}    # key -> outputs needing grad (scaled loss last)
-        self.to_send: dict[int, tuple] = {}   # key -> outputs for SEND_F / local hand-off
-        self.layouts: dict[int, tuple] = {}   # key -> DTensor placements of those outputs
-        self.messages: dict[int, Incoming] = {}   # RECV_F keys (>= 0), RECV_B keys (< 0)
-        self.grads_back: dict[int, list] = {}  # key -> input grads for SEND_B / local hand-off
-        self.weight: dict[int, Any] = {}
-        self.losses: list = [None] * M
-        self.results: list = [None] * M
-        handlers = _HANDLERS
-        mailbox = self.mailbox
-        self.preposted = set()
-        self.preposted_b = set()
+        for every stage. ``token_count`` / ``token_factor``: a token-normalised loss's valid
+        tokens of the step and M * D (:mod:`pp_core.runtime.token_loss`)."""
+        mailbox, context = self.mailbox, self.context
         # post receives before their RECV where the backend matches by tag and buffers do not
         # follow the program's lifetimes (docs/runtime.md, The executor)
-        self.early_receives = not mailbox.ordered and not self.track_release
-        if self.early_receives:
-            transfers.prepost_forward(self)
+        self.state = state = StepState(
+            self.num_microbatches, mb_inputs, mb_targets, mb_kwargs, token_count, token_factor,
+            early_receives=not mailbox.ordered and not self.track_release)
+        context.shapes.sent.new_step()
+        context.shapes.received.history.new_step()
+        handlers = _HANDLERS
+        if state.early_receives:
+            transfers.prepost_forward(context, state)
         self.data_parallel.begin_step()
         # layers that inject an auxiliary loss's gradient scale it as the last stage's loss
         outside_scale = set_aux_loss_scale(self.scale)
@@ -136,54 +128,48 @@ class Executor:
         observers, profiled = self.observers, profiler_enabled()  # once per step: cheap
         plain = not observers and not profiled
         for position, action in enumerate(self.program.actions):
-            self.current = action
-            self.position = position
+            state.current = action
+            state.position = position
             if plain:
-                handlers[action.kind](self, action)
+                handlers[action.kind](self, state, action)
             else:
-                run_action(handlers[action.kind], self, action, observers, profiled)
+                run_action(handlers[action.kind], self, state, action, observers, profiled)
             if mailbox.unflushed and not mailbox.ordered:
                 mailbox.poll()
             if position in release_at and self.track_release:
                 issued = mailbox.sends_issued
-                self.pending_release += [(issued, index) for index in release_at[position]]
-                self._release(blocking=False)
-        self.current = None
+                state.pending_release += [(issued, index) for index in release_at[position]]
+                self._release(state, blocking=False)
+        state.current = None
         set_aux_loss_scale(outside_scale)
         waiting(observers, None, mailbox.wait_sends)
-        self._release(blocking=True)
+        self._release(state, blocking=True)
         reset = getattr(self.allocator, "reset", None)
         if reset is not None:
             reset()
-        leftovers = [name for name in ("inputs", "outputs", "to_send", "messages", "grads_back",
-                                       "weight") if getattr(self, name)]
+        leftovers = state.leftovers()
         if leftovers:
             raise PipelineError(f"rank {self.rank}: the program left work undone ({leftovers}); "
                                 f"the schedule is incomplete - run validate_schedule() on it")
-        losses = [loss for loss in self.losses if loss is not None]
-        outputs = [out for out in self.results if out is not None]
-        self.mb_inputs = self.mb_targets = self.mb_kwargs = self.losses = self.results = None
-        return losses, outputs
+        return state.finish()
 
-    def _release(self, blocking: bool) -> None:
+    def _release(self, state: StepState, blocking: bool) -> None:
         mailbox = self.mailbox
         mailbox.reap()
         keep = []
-        for issued, index in self.pending_release:
+        for issued, index in state.pending_release:
             if blocking or issued <= mailbox.sends_done:
                 self.allocator.release(index)
             else:
                 keep.append((issued, index))
-        self.pending_release = keep
+        state.pending_release = keep
 
     def abort(self) -> None:
         """Drop every tensor and pending operation of a failed step."""
-        for name in ("inputs", "outputs", "to_send", "layouts", "messages", "grads_back",
-                     "weight"):
-            if hasattr(self, name):
-                getattr(self, name).clear()
+        if self.state is not None:
+            self.state.clear()
+            self.state = None
         self.mailbox.clear()
-        self.pending_release = []
         self.data_parallel.abort()
         set_aux_loss_scale(1.0)
         reset = getattr(self.allocator, "reset", None)
@@ -194,110 +180,121 @@ class Executor:
                 pass
 
     # ------------------------------------------------------------------ forward
-    def _forward(self, action) -> None:
+    def _forward(self, state: StepState, action) -> None:
         stage_index, _, mb = action
         stage = self.stages[stage_index]
         M = self.num_microbatches
         key = stage_index * M + mb
         train = self.train
         if stage.is_first:
-            if self.mb_inputs is None:
+            if state.mb_inputs is None:
                 raise PipelineError("the first stage needs the step's inputs on this rank")
-            args = self.mb_inputs[mb]
+            args = state.mb_inputs[mb]
         elif stage.local_prev:
-            args = make_stage_inputs(self.to_send.pop(key - M), train)
-            placements = self.layouts.pop(key - M, None)
+            args = make_stage_inputs(state.to_send.pop(key - M), train)
+            placements = state.layouts.pop(key - M, None)
         else:
-            message = self.messages.pop(key)
-            tensors = self._receive(message)
+            message = state.messages.pop(key)
+            tensors = self._receive(state, message)
             if self.consume is not None:
                 tensors = self.consume(message.lifetime, tensors)
             args = tuple(t.detach().requires_grad_(True) if train and meta.requires_grad
                          else t for t, meta in zip(tensors, message.metas))
             placements = [meta.placements for meta in message.metas]
-        if self.position in self.prepare_at and self.initializers:
-            count = num_tokens(self.mb_inputs[mb] if self.mb_inputs is not None else args)
+        if state.position in self.prepare_at and self.initializers:
+            count = num_tokens(state.mb_inputs[mb] if state.mb_inputs is not None else args)
             for initializer in self.initializers:
                 initializer.prepare(num_tokens=count, device=self.device)
+        mb_kwargs = state.mb_kwargs
         with torch.set_grad_enabled(train), self.data_parallel.forward(stage_index, train):
             call_args = args if stage.is_first else as_dtensors(stage, args, placements)
-            output = stage(call_args, self.mb_kwargs[mb] if self.mb_kwargs is not None else None)
+            output = stage(call_args, mb_kwargs[mb] if mb_kwargs is not None else None)
             if stage.is_last:
-                self._finish(stage_index, mb, key, output)
+                self._finish(state, mb, key, output)
             else:  # DTensors travel as local shards, their placements alongside
                 outs, layouts = local_outputs(as_outputs(output, stage_index, self.dtype))
-                self.to_send[key] = outs
+                state.to_send[key] = outs
                 if layouts is not None:
-                    self.layouts[key] = layouts
+                    state.layouts[key] = layouts
                 if train:
-                    self.outputs[key] = [t for t in outs if t.requires_grad]
-                    if self.early_receives and not stage.local_next:
-                        transfers.post_recv_backward(self, stage_index, key, -1)
-                        self.preposted_b.add(key)
+                    state.outputs[key] = [t for t in outs if t.requires_grad]
+                    if state.early_receives and not stage.local_next:
+                        transfers.post_recv_backward(self.context, state, stage_index, key, -1)
+                        state.preposted_b.add(key)
         if train and not stage.is_first:
             needs = [t for t in args if t.requires_grad]
-            self.inputs[key] = needs
+            state.inputs[key] = needs
         elif train:
-            self.inputs[key] = []
+            state.inputs[key] = []
 
-    def _finish(self, stage_index: int, mb: int, key: int, output) -> None:
-        target = None if self.mb_targets is None else self.mb_targets[mb]
+    def _finish(self, state: StepState, mb: int, key: int, output) -> None:
+        target = None if state.mb_targets is None else state.mb_targets[mb]
         if self.loss_fn is None or (target is None and not self.train):
-            self.results[mb] = output.detach() if isinstance(output, torch.Tensor) else output
+            state.results[mb] = output.detach() if isinstance(output, torch.Tensor) else output
             return
-        loss = scaled_loss(self.loss_fn, output, target, self.token_count, self.token_factor)
+        loss = scaled_loss(self.loss_fn, output, target, state.token_count, state.token_factor)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise PipelineError(f"loss_fn returned {type(loss).__name__}"
                                 f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
                                 f"; it must return a scalar tensor (e.g. a mean over the batch)")
-        self.losses[mb] = loss.detach().reshape(())
+        state.losses[mb] = loss.detach().reshape(())
         if self.train:
-            self.outputs[key] = [loss.reshape(()) * self.scale if self.scale != 1.0
-                                 else loss.reshape(())]
+            state.outputs[key] = [loss.reshape(()) * self.scale if self.scale != 1.0
+                                  else loss.reshape(())]
 
     # ------------------------------------------------------------------ backward
-    def _grads_for(self, stage: Stage, key: int):
+    def _grads_for(self, state: StepState, stage: Stage, key: int):
         if stage.is_last:
             return None
         if stage.local_next:
-            return self.grads_back.pop(key + self.num_microbatches)
-        message = self.messages.pop(-1 - key, None)
+            return state.grads_back.pop(key + self.num_microbatches)
+        message = state.messages.pop(-1 - key, None)
         if message is None:
             return []
-        tensors = self._receive(message)
+        tensors = self._receive(state, message)
         if self.consume is not None:
             tensors = self.consume(message.lifetime, tensors)
         return tensors
 
-    def _receive(self, message: Incoming) -> list:
+    def _receive(self, state: StepState, message: Incoming) -> list:
         """Wait for a message the current action consumes (the observers see the wait)."""
         if not self.observers:
             return self.mailbox.receive(message)
-        return waiting(self.observers, self.current, self.mailbox.receive, message)
+        return waiting(self.observers, state.current, self.mailbox.receive, message)
 
-    def _backward(self, action) -> None:
+    def _backward(self, state: StepState, action) -> None:
         stage_index, kind, mb = action
         stage = self.stages[stage_index]
         key = stage_index * self.num_microbatches + mb
-        grads = self._grads_for(stage, key)
-        outputs = self.outputs.pop(key)
-        inputs = self.inputs.pop(key)
-        with self.data_parallel.backward(stage_index, self.position, outputs):
+        grads = self._grads_for(state, stage, key)
+        outputs = state.outputs.pop(key)
+        inputs = state.inputs.pop(key)
+        with self.data_parallel.backward(stage_index, state.position, outputs):
             if kind is B:
                 input_grads = backward_full(outputs, grads, inputs)
             else:
-                input_grads, self.weight[key] = backward_input(outputs, grads, inputs)
+                input_grads, state.weight[key] = backward_input(outputs, grads, inputs)
         if not stage.is_first:
-            self.grads_back[key] = input_grads
+            state.grads_back[key] = input_grads
 
-    def _weight(self, action) -> None:
+    def _weight(self, state: StepState, action) -> None:
         key = action.stage * self.num_microbatches + action.microbatch
-        with self.data_parallel.backward(action.stage, self.position):
-            backward_weight(self.weight.pop(key))
+        with self.data_parallel.backward(action.stage, state.position):
+            backward_weight(state.weight.pop(key))
 
 
-# plain functions, called as handler(executor, action): bound methods stored on the executor
-# would make a reference cycle that keeps the model alive after ``del pipe``
+def _on_context(handler):
+    """A SEND/RECV handler, called as the compute ones are: with the executor's context."""
+    def run(executor: Executor, state: StepState, action) -> None:
+        handler(executor.context, state, action)
+    run.__name__ = handler.__name__
+    return run
+
+
+# plain functions, called as handler(executor, state, action): bound methods stored on the
+# executor would make a reference cycle that keeps the model alive after ``del pipe``
 _HANDLERS = {F: Executor._forward, B: Executor._backward, I: Executor._backward,
-             W: Executor._weight, SEND_F: transfers.send_forward, RECV_F: transfers.recv_forward,
-             SEND_B: transfers.send_backward, RECV_B: transfers.recv_backward}
+             W: Executor._weight, SEND_F: _on_context(transfers.send_forward),
+             RECV_F: _on_context(transfers.recv_forward),
+             SEND_B: _on_context(transfers.send_backward),
+             RECV_B: _on_context(transfers.recv_backward)}

@@ -73,15 +73,16 @@ class ActionTrace(ActionObserver):
             self.events.append(("wait_sends", self._start, time.perf_counter()))
 
 
-def run_action(handler, executor, action, observers, profiled: bool) -> None:
-    """Run one action under the observers and, when ``profiled``, a profiler record."""
+def run_action(handler, executor, state, action, observers, profiled: bool) -> None:
+    """Run ``handler(executor, state, action)`` under the observers and, when ``profiled``, a
+    profiler record."""
     for observer in observers:
         observer.on_action_start(action)
     if profiled:
         with torch.profiler.record_function(profiler_label(action)):
-            handler(executor, action)
+            handler(executor, state, action)
     else:
-        handler(executor, action)
+        handler(executor, state, action)
     for observer in reversed(observers):
         observer.on_action_end(action)
 

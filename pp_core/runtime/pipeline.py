@@ -287,18 +287,18 @@ class Pipeline:
                     raise ConfigError(f"stage_kwargs must be a dict of keyword arguments, got "
                                       f"{type(stage_kwargs).__name__}")
                 mb_kwargs = self._split(stage_kwargs, "stage_kwargs")
-            executor.token_count = None  # a token-normalised loss: the step's count, once
+            tokens = {}  # a token-normalised loss: the step's count, once
             if self.counts_tokens and self.has_last and mb_targets is not None:
-                executor.token_count = step_token_count(self.loss_fn, mb_targets, self.dp_group,
-                                                        self.device)
-                executor.token_factor = float(self.num_microbatches * self.dp_size)
+                tokens = dict(token_count=step_token_count(self.loss_fn, mb_targets,
+                                                           self.dp_group, self.device),
+                              token_factor=float(self.num_microbatches * self.dp_size))
         except PPCoreError as exc:
             self._fail(exc, before_traffic=True)
         tracer = ActionTrace() if self.tracing else None
         if tracer is not None:
             executor.observers.append(tracer)
         try:
-            result = executor.run(mb_inputs, mb_targets, mb_kwargs)
+            result = executor.run(mb_inputs, mb_targets, mb_kwargs, **tokens)
             if tracer is not None:
                 offset = time.time() - time.perf_counter()
                 self.last_trace = [(a, s + offset, e + offset) for a, s, e in tracer.events]

@@ -1,9 +1,11 @@
 """The executor's SEND/RECV actions: what a stage's outputs and input gradients become on the wire.
 
-Each function is the handler of one action kind, called as ``handler(executor, action)`` like the
-compute handlers in :mod:`pp_core.runtime.executor`; they read and fill the step's state there
-(``to_send``, ``grads_back``, ``messages``) and post through its
-:class:`~pp_core.runtime.comm.Mailbox`. Message formats: :mod:`pp_core.runtime.wire`.
+Each function is the handler of one action kind, called as ``handler(context, state, action)``:
+``state`` is the step's :class:`~pp_core.runtime.step_state.StepState` (they read and fill
+``to_send``, ``grads_back``, ``messages``), ``context`` the executor's fixed
+:class:`TransferContext` (the stages, the :class:`~pp_core.runtime.comm.Mailbox` they post
+through, the shapes each boundary carried in earlier steps). Message formats:
+:mod:`pp_core.runtime.wire`.
 
 Forward messages carry a header unless ``pp_seq_len`` is set: then the first message of each
 stage boundary in a step is packed with its header, sized by the last step's shapes (the very
@@ -18,60 +20,90 @@ With dynamic shapes both ends predict a boundary's shapes from the last two step
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 from pp_core.errors import PipelineError
-from pp_core.runtime.comm import Incoming
+from pp_core.runtime.comm import Incoming, Mailbox
+from pp_core.runtime.step_state import StepState
 from pp_core.runtime.wire import (TAG_BACKWARD, TAG_FIXUP, TAG_FORWARD, TAG_PACKED, TensorMeta,
-                                  encode_header, pack, same_buffers)
+                                  ReceivedShapes, ShapeHistory, encode_header, pack,
+                                  same_buffers)
 from pp_core.schedule.ir import RECV_F
 
-__all__ = ["send_forward", "recv_forward", "send_backward", "recv_backward", "post_recv_backward",
-           "prepost_forward"]
+__all__ = ["BoundaryShapes", "TransferContext", "send_forward", "recv_forward", "send_backward",
+           "recv_backward", "post_recv_backward", "prepost_forward"]
 
 _FIRST_BACKWARD_TAG = 64  # above the tags of pp_core.runtime.wire
 
 logger = logging.getLogger(__name__)
 
 
-def send_forward(ex, action) -> None:
+@dataclass(eq=False)
+class BoundaryShapes:
+    """What the stage boundaries of this rank carried in earlier steps: kept from step to step."""
+
+    received: ReceivedShapes  # what receivers learn from headers (the mailbox reports to it)
+    sent: ShapeHistory = field(default_factory=ShapeHistory)  # dynamic: by receiving stage
+    sent_metas: dict = field(default_factory=dict)  # pp_seq_len: the last shapes sent, by stage
+    recv_started: set = field(default_factory=set)  # pp_seq_len: boundaries received on ever
+    noted: bool = False  # pp_seq_len did not hold, said once
+
+
+@dataclass(frozen=True, eq=False)
+class TransferContext:
+    """What the SEND/RECV handlers work with besides the step: fixed for the executor's life."""
+
+    rank: int
+    stages: dict
+    mailbox: Mailbox
+    num_microbatches: int
+    static_shapes: bool
+    device: Any
+    actions: list  # the rank's program
+    lifetime_at: dict  # program position of a RECV -> index of its buffer lifetime
+    shapes: BoundaryShapes
+
+
+def send_forward(ctx: TransferContext, state: StepState, action) -> None:
     stage_index = action.stage
-    key = stage_index * ex.num_microbatches + action.microbatch
-    outs = ex.to_send.pop(key)
-    layouts = ex.layouts.pop(key, None)  # DTensor outputs: local shards, placements in headers
+    key = stage_index * ctx.num_microbatches + action.microbatch
+    outs = state.to_send.pop(key)
+    layouts = state.layouts.pop(key, None)  # DTensor outputs: local shards, placements in header
     metas = [TensorMeta(tuple(t.shape), t.dtype, t.requires_grad, layouts[i] if layouts else ())
              for i, t in enumerate(outs)]
     header = None
     tensors = [t.detach().contiguous() for t in outs]
-    peer = ex.stages[stage_index].next_rank
-    if not ex.static_shapes:
+    peer = ctx.stages[stage_index].next_rank
+    if not ctx.static_shapes:
         header = encode_header(metas)
         edge, mb = stage_index + 1, action.microbatch
-        predicted = ex.shapes_sent.predict(edge, mb)
-        ex.shapes_sent.record(edge, mb, metas)
+        predicted = ctx.shapes.sent.predict(edge, mb)
+        ctx.shapes.sent.record(edge, mb, metas)
         if predicted is not None:  # the receiver posted one packed buffer of these shapes
             if same_buffers(predicted, metas):
-                ex.mailbox.send([pack(header, tensors, metas, ex.device)], peer, TAG_PACKED)
+                ctx.mailbox.send([pack(header, tensors, metas, ctx.device)], peer, TAG_PACKED)
                 return
-            ex.mailbox.send([pack(header, [None] * len(predicted), predicted, ex.device)]
-                            + tensors, peer, (TAG_PACKED,) + (TAG_FIXUP,) * len(tensors))
+            ctx.mailbox.send([pack(header, [None] * len(predicted), predicted, ctx.device)]
+                             + tensors, peer, (TAG_PACKED,) + (TAG_FIXUP,) * len(tensors))
             return
     else:
-        known = ex.sent_metas.get(stage_index)
-        probe = stage_index not in ex.probed  # this boundary's first message of the step
-        ex.probed.add(stage_index)
+        known = ctx.shapes.sent_metas.get(stage_index)
+        probe = stage_index not in state.probed  # this boundary's first message of the step
+        state.probed.add(stage_index)
         if known is None:
-            ex.sent_metas[stage_index] = metas
+            ctx.shapes.sent_metas[stage_index] = metas
             header = encode_header(metas)
         elif probe:  # header and payload packed, sized by the last step's shapes (both ends)
             header = encode_header(metas)
             if same_buffers(known, metas):
-                ex.sent_metas[stage_index] = metas
-                ex.mailbox.send([pack(header, tensors, metas, ex.device)], peer, TAG_PACKED)
+                ctx.shapes.sent_metas[stage_index] = metas
+                ctx.mailbox.send([pack(header, tensors, metas, ctx.device)], peer, TAG_PACKED)
                 return
-            ex.sent_metas[stage_index] = metas  # the rest of the step: these shapes
-            shape_note(ex, stage_index, known, metas)
-            ex.mailbox.send([pack(header, [None] * len(known), known, ex.device)] + tensors,
-                            peer, (TAG_PACKED,) + (TAG_FIXUP,) * len(tensors))
+            ctx.shapes.sent_metas[stage_index] = metas  # the rest of the step: these shapes
+            shape_note(ctx, stage_index, known, metas)
+            ctx.mailbox.send([pack(header, [None] * len(known), known, ctx.device)] + tensors,
+                             peer, (TAG_PACKED,) + (TAG_FIXUP,) * len(tensors))
             return
         elif known != metas:
             raise PipelineError(
@@ -79,38 +111,38 @@ def send_forward(ex, action) -> None:
                 f"{_describe(metas)}; with pp_seq_len set every microbatch of a step must have "
                 f"the same shapes (a new length may come with the next step): unset pp_seq_len "
                 f"to let shapes vary per microbatch, or pad the step's inputs to one length")
-    ex.mailbox.send(tensors, peer, TAG_FORWARD, header)
+    ctx.mailbox.send(tensors, peer, TAG_FORWARD, header)
 
 
-def shape_note(ex, stage_index: int, known, metas) -> None:
+def shape_note(ctx: TransferContext, stage_index: int, known, metas) -> None:
     """Say once per pipeline, on its rank 0, that ``pp_seq_len`` did not hold (a hint)."""
-    if ex.rank != 0 or ex.shape_noted:
+    if ctx.rank != 0 or ctx.shapes.noted:
         return
-    ex.shape_noted = True
+    ctx.shapes.noted = True
     logger.warning("pp_seq_len is a hint, and a batch of another length arrived: stage %d "
                    "now sends %s instead of %s; each step runs with the shapes its first "
                    "message announces (noted once)", stage_index, _describe(metas),
                    _describe(known))
 
 
-def recv_forward(ex, action) -> None:
-    if ex.position in ex.preposted:
+def recv_forward(ctx: TransferContext, state: StepState, action) -> None:
+    if state.position in state.preposted:
         return
     stage_index = action.stage
-    key = stage_index * ex.num_microbatches + action.microbatch
-    peer = ex.stages[stage_index].prev_rank
-    lifetime = ex.lifetime_at.get(ex.position, -1)
-    if not ex.static_shapes:
-        predicted = ex.shapes_received.history.predict(stage_index, action.microbatch)
+    key = stage_index * ctx.num_microbatches + action.microbatch
+    peer = ctx.stages[stage_index].prev_rank
+    lifetime = ctx.lifetime_at.get(state.position, -1)
+    if not ctx.static_shapes:
+        predicted = ctx.shapes.received.history.predict(stage_index, action.microbatch)
         message = Incoming(peer, TAG_FORWARD if predicted is None else TAG_PACKED, None,
                            lifetime, predicted)
         header = True
     else:
-        known = ex.shapes_received.metas.get(stage_index)
-        first = stage_index not in ex.recv_started  # the first message ever: a plain header
-        probe = stage_index not in ex.recv_probed  # this boundary's first message of the step
-        ex.recv_started.add(stage_index)
-        ex.recv_probed.add(stage_index)
+        known = ctx.shapes.received.metas.get(stage_index)
+        first = stage_index not in ctx.shapes.recv_started  # the first ever: a plain header
+        probe = stage_index not in state.recv_probed  # this boundary's first message of the step
+        ctx.shapes.recv_started.add(stage_index)
+        state.recv_probed.add(stage_index)
         if first or known is None:
             message = Incoming(peer, TAG_FORWARD, None, lifetime)
             header = first
@@ -122,61 +154,62 @@ def recv_forward(ex, action) -> None:
             header = False
     message.edge = stage_index
     message.microbatch = action.microbatch
-    ex.messages[key] = ex.mailbox.post(message, header)
+    state.messages[key] = ctx.mailbox.post(message, header)
 
 
-def prepost_forward(ex) -> None:
+def prepost_forward(ctx: TransferContext, state: StepState) -> None:
     """Tag-matching backends: post, at the start of the step, every forward receive whose size
     is known (a predicted packed message, or static shapes after the first step), so that
     senders never wait for the receiver to reach its ``RECV``. Receives of one tag are still
     posted in program order, which is all tag matching needs. All or none: a message posted
     later would queue behind later ones and wait for them when consumed."""
-    recvs = [(position, action) for position, action in enumerate(ex.program.actions)
+    recvs = [(position, action) for position, action in enumerate(ctx.actions)
              if action.kind is RECV_F]
-    shapes = ex.shapes_received
+    shapes = ctx.shapes.received
     for _, action in recvs:
-        if ex.static_shapes:
+        if ctx.static_shapes:
             if action.stage not in shapes.metas:
                 return
         elif shapes.history.predict(action.stage, action.microbatch) is None:
             return
     for position, action in recvs:
-        ex.position = position
-        recv_forward(ex, action)
-        ex.preposted.add(position)
+        state.position = position
+        recv_forward(ctx, state, action)
+        state.preposted.add(position)
 
 
-def send_backward(ex, action) -> None:
-    key = action.stage * ex.num_microbatches + action.microbatch
-    grads = ex.grads_back.pop(key)
+def send_backward(ctx: TransferContext, state: StepState, action) -> None:
+    key = action.stage * ctx.num_microbatches + action.microbatch
+    grads = state.grads_back.pop(key)
     if grads:
         tensors = [g.detach().contiguous() for g in grads]
-        ex.mailbox.send(tensors, ex.stages[action.stage].prev_rank,
-                        _backward_tag(ex, key - ex.num_microbatches))
+        ctx.mailbox.send(tensors, ctx.stages[action.stage].prev_rank,
+                         _backward_tag(ctx, key - ctx.num_microbatches))
 
 
-def _backward_tag(ex, key: int) -> int:
+def _backward_tag(ctx: TransferContext, key: int) -> int:
     """The tag of the gradient message for the outputs of ``key`` (stage * M + microbatch): on
     tag-matching backends one tag per message, so its receive may be posted at any time (the
     executor posts it as soon as the outputs exist); NCCL ignores tags."""
-    return TAG_BACKWARD if ex.mailbox.ordered else _FIRST_BACKWARD_TAG + key
+    return TAG_BACKWARD if ctx.mailbox.ordered else _FIRST_BACKWARD_TAG + key
 
 
-def recv_backward(ex, action) -> None:
-    key = action.stage * ex.num_microbatches + action.microbatch
-    if key in ex.preposted_b:
-        ex.preposted_b.discard(key)
+def recv_backward(ctx: TransferContext, state: StepState, action) -> None:
+    key = action.stage * ctx.num_microbatches + action.microbatch
+    if key in state.preposted_b:
+        state.preposted_b.discard(key)
         return
-    post_recv_backward(ex, action.stage, key, ex.lifetime_at.get(ex.position, -1))
+    post_recv_backward(ctx, state, action.stage, key, ctx.lifetime_at.get(state.position, -1))
 
 
-def post_recv_backward(ex, stage_index: int, key: int, lifetime: int) -> None:
-    outputs = ex.outputs.get(key)
+def post_recv_backward(ctx: TransferContext, state: StepState, stage_index: int, key: int,
+                       lifetime: int) -> None:
+    outputs = state.outputs.get(key)
     if not outputs:
         return
     metas = [TensorMeta(tuple(t.shape), t.dtype, False) for t in outputs]
-    message = Incoming(ex.stages[stage_index].next_rank, _backward_tag(ex, key), metas, lifetime)
-    ex.messages[-1 - key] = ex.mailbox.post(message, False)
+    message = Incoming(ctx.stages[stage_index].next_rank, _backward_tag(ctx, key), metas, lifetime)
+    state.messages[-1 - key] = ctx.mailbox.post(message, False)
 
 
 def _describe(metas) -> str:

@@ -8,15 +8,17 @@ Datasets: ``synthetic`` (a learnable bigram language or a linear regression, no 
 ``plugins/pp_core_builtins/models/data/``) and ``tokenized_text`` (a corpus of local files with a
 local tokenizer, tokenized once into a cache; packed or padded rows: docs/data.md).
 
-Loading this entry point does not import torch (``pp-core schedule`` loads every plugin and must
-stay fast): the hooks import the model and dataset modules when pp-core asks for models or
-datasets, and ``from pp_core_builtins.models import GPT`` loads ``pp_core_builtins.models.gpt``
+Neither loading this entry point nor registering its models and datasets imports torch
+(``pp-core schedule`` and ``pp-core plugins`` load every plugin and must stay fast): they are
+registered by name (:class:`pp_core.callables.LazyCallable`) and their modules load when one is
+called, and ``from pp_core_builtins.models import GPT`` loads ``pp_core_builtins.models.gpt``
 on first use.
 """
 
 import importlib
 
 from pp_core import hookimpl
+from pp_core.callables import LazyCallable
 
 __all__ = ["GPT", "synthetic", "text_bytes", "tokenized_text"]
 
@@ -33,25 +35,17 @@ def __getattr__(name):
 
 @hookimpl
 def pp_register_models(register):
-    from pp_core_builtins.models.gpt import GPT, uneven_gpt  # lazy: torch, off the plugin listing
-
-    register("gpt", GPT)
-    register("uneven_gpt", uneven_gpt)
-    from pp_core_builtins.models.moe_gpt import MoEGPT  # lazy: torch, off the plugin listing
-
-    register("moe_gpt", MoEGPT)
+    # by name, imported on first use: torch stays off the plugin listing
+    register("gpt", LazyCallable("pp_core_builtins.models.gpt:GPT"))
+    register("uneven_gpt", LazyCallable("pp_core_builtins.models.gpt:uneven_gpt"))
+    register("moe_gpt", LazyCallable("pp_core_builtins.models.moe_gpt:MoEGPT"))
 
 
 @hookimpl
 def pp_register_datasets(register):
-    from pp_core_builtins.models.datasets import synthetic, text_bytes  # lazy: torch
-
-    register("synthetic", synthetic)
-    register("text_bytes", text_bytes)
-
-    from pp_core_builtins.models.tokenized import tokenized_text  # lazy: torch
-
-    register("tokenized_text", tokenized_text)
+    register("synthetic", LazyCallable("pp_core_builtins.models.datasets:synthetic"))
+    register("text_bytes", LazyCallable("pp_core_builtins.models.datasets:text_bytes"))
+    register("tokenized_text", LazyCallable("pp_core_builtins.models.tokenized:tokenized_text"))
 
 
 @hookimpl

@@ -94,11 +94,30 @@ def _count_shifted_tokens(labels):
 causal_lm_loss.count_valid_tokens = _count_shifted_tokens
 
 
+class _LazySplitter:
+    """The ``hf_decoder`` splitter as registered: an
+    :class:`~pp_core_builtins.transformers.splitter.HFDecoderSplitter` made on first use of
+    any of its attributes (``accepts``, ``split``, ``priority``, ...), so that registering it -
+    which ``pp-core plugins`` does - imports neither torch nor transformers."""
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):  # copy, pickle and friends probe for these: none here
+            raise AttributeError(attr)
+        splitter = self.__dict__.get("splitter")
+        if splitter is None:
+            from pp_core_builtins.transformers.splitter import HFDecoderSplitter  # lazy: torch
+
+            splitter = self.__dict__["splitter"] = HFDecoderSplitter()
+        return getattr(splitter, attr)
+
+    def __repr__(self) -> str:
+        return "<hf_decoder splitter, made on first use>" if "splitter" not in self.__dict__ \
+            else repr(self.__dict__["splitter"])
+
+
 @hookimpl
 def pp_register_splitters(register):
-    from pp_core_builtins.transformers.splitter import HFDecoderSplitter  # lazy: torch
-
-    register("hf_decoder", HFDecoderSplitter())
+    register("hf_decoder", _LazySplitter())
 
 
 @hookimpl

@@ -78,8 +78,8 @@ def plan_command(args) -> int:
         return 0
     print(f"{spec.source}: pp {spec.distributed.pp_size}, pp_batch_size "
           f"{spec.pipeline.pp_batch_size}; profiled in {plan.profile_s:.1f} s" +
-          ("" if plan.link is None else f", link {plan.link[0] * 1e6:.0f} us + "
-                                        f"{plan.link[1] / 1e9:.2f} GB/s") +
+          ("" if plan.link is None else f", link {plan.link.latency_s * 1e6:.0f} us + "
+                                        f"{plan.link.bytes_per_s / 1e9:.2f} GB/s") +
           ("" if plan.processors is None else
            f"; the ranks share {plan.processors:g} processors' worth of cores"))
     print(format_ranking(plan.ranking, top=args.top))
