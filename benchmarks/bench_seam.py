@@ -68,7 +68,8 @@ def seam_micro_us(calls: int = 50000) -> dict:
     """The seam's own host cost, apart from the step (whose noise on a shared machine is larger):
     per step when unused (the profiler check and the end-of-step wait call), per action with one
     do-nothing observer (``run_action`` against calling the handler directly)."""
-    from pp_core.runtime.observers import ActionObserver, profiling, run_action, waiting
+    from pp_core._torch_compat import profiler_enabled
+    from pp_core.runtime.observers import ActionObserver, run_action, waiting
     from pp_core.schedule.ir import F, Action
 
     def handler(executor, state, action):
@@ -91,8 +92,8 @@ def seam_micro_us(calls: int = 50000) -> dict:
 
     def unused():
         for _ in range(calls):
-            profiling()
-            waiting([], None, handler, None, None)
+            profiler_enabled()
+            waiting([], None, handler, None, None, None)
 
     base = per_call(direct)
     return {"unused_per_step_us": round(per_call(unused) - base, 3),
