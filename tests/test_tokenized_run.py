@@ -41,15 +41,22 @@ def run(tmp_path, name: str, *sets: str) -> dict[int, float]:
 
 
 def test_microbatches_do_not_change_the_loss_and_resume_is_exact(tmp_path):
+    """Two runs: eight microbatches a step, saving at step 2; then one microbatch a step,
+    resumed from that checkpoint mid-epoch. The resumed run's steps 3 and 4 are the first run's:
+    the same batches (the dataset's ``skip``) and the same loss however they are cut."""
     checkpoints = tmp_path / "a" / "checkpoints"
     eight = run(tmp_path, "a", "pipeline.pp_microbatch_size=1", f"checkpoint.dir={checkpoints}",
                 "checkpoint.every=2", "checkpoint.save_final=false")
+    assert sorted(eight) == [1, 2, 3, 4]
+    saved = sorted(p for p in checkpoints.iterdir() if p.is_dir())
+    assert len(saved) == 2, saved
     try:  # the tensorboard extra (scripts/setup-env.sh installs it)
         import tensorboard  # noqa: F401
         board = [f"output.tensorboard={tmp_path / 'tb'}"]
     except ImportError:
         board = []
-    one = run(tmp_path, "b", "pipeline.pp_microbatch_size=8", *board)
+    one = run(tmp_path, "b", "pipeline.pp_microbatch_size=8", f"checkpoint.resume={saved[0]}",
+              "checkpoint.dir=null", *board)
     lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     for line in (x for x in lines if "loss" in x):  # figures of the data, counted as the loss
         assert 0 <= line["padding_fraction"] < 0.5 and line["docs"] >= 8, line
@@ -59,15 +66,6 @@ def test_microbatches_do_not_change_the_loss_and_resume_is_exact(tmp_path):
         assert abs(ratio - (1 - line["padding_fraction"])) < 1e-3, line
     if board:
         assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard events"
-    assert sorted(eight) == sorted(one) == [1, 2, 3, 4]
-    for step in (1, 2):
-        assert abs(eight[step] - one[step]) <= 1e-5, (step, eight, one)
+    assert sorted(one) == [3, 4]
     for step in (3, 4):
-        assert abs(eight[step] - one[step]) <= 1e-4, (step, eight, one)
-    saved = sorted(p for p in checkpoints.iterdir() if p.is_dir())
-    assert len(saved) == 2, saved
-    resumed = run(tmp_path, "c", "pipeline.pp_microbatch_size=1", f"checkpoint.resume={saved[0]}",
-                  "checkpoint.dir=null")
-    assert sorted(resumed) == [3, 4]
-    for step in (3, 4):
-        assert abs(resumed[step] - eight[step]) <= 1e-6, (step, resumed, eight)
+        assert abs(one[step] - eight[step]) <= 1e-5, (step, one, eight)
