@@ -1,5 +1,5 @@
 """``pp-core run`` with ``moe_gpt``: expert parallelism changes where experts live, never the
-numbers (ep 1 and ep 2 give the same losses for 20 steps), and ``examples/moe.yaml`` validates
+numbers (ep 1 and ep 2 give the same losses for 8 steps), and ``examples/moe.yaml`` validates
 and runs; the metrics carry the aux loss. ``pp-core validate`` refuses an ep_size that does not
 divide dp or num_experts."""
 
@@ -20,11 +20,11 @@ MOE = {**TINY,
        "distributed": {"pp_size": 2, "dp_replicate": 2, "device": "cpu"}}
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-# examples/moe.yaml made tiny: 20 steps, 4 experts, clipping on, a heavy aux loss
+# examples/moe.yaml made tiny: 8 steps, 4 experts, clipping on, a heavy aux loss
 TINY_EXAMPLE = ["model.args.vocab_size=32", "model.args.dim=16", "model.args.max_seq_len=8",
                 "model.args.num_experts=4", "model.args.moe_hidden=16",
                 "model.args.aux_loss_coef=0.1", "data.args.vocab_size=32", "data.args.seq_len=8",
-                "pipeline.pp_batch_size=4", "pipeline.pp_microbatch_size=1", "train.steps=20",
+                "pipeline.pp_batch_size=4", "pipeline.pp_microbatch_size=2", "train.steps=8",
                 "train.log_every=1", "train.grad_clip=0.5", "output.progress=off",
                 "output.summary=false", "distributed.device=cpu"]
 
@@ -40,7 +40,7 @@ def _example_metrics(tmp_path, ep: int) -> list[dict]:
 
 def test_example_runs_and_ep1_and_ep2_give_the_same_losses(tmp_path):
     one, two = _example_metrics(tmp_path, 1), _example_metrics(tmp_path, 2)
-    assert len(one) == len(two) == 20
+    assert len(one) == len(two) == 8
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"])), (a, b)
         assert abs(a["aux_loss"] - b["aux_loss"]) <= 1e-5, (a, b)
