@@ -173,9 +173,12 @@ def expected_collectives(stages, num_layers: int, num_stages: int, microbatches:
 
 
 
-def hf_tp_case(schedule: str, arch: str, pool: bool = False, num_microbatches: int = 4) -> dict:
+def hf_tp_case(schedule: str, arch: str, pool: bool = False, sequence_parallel: bool = False,
+               num_microbatches: int = 4) -> dict:
     """One step of pp2 x tp2 on a tiny Hugging Face decoder (``llama``, ``llama_tied``,
-    ``qwen2``, ``mistral``: the ARCHITECTURES of test_transformers_models) vs one process."""
+    ``qwen2``, ``mistral``: the ARCHITECTURES of test_transformers_models) vs one process;
+    with ``sequence_parallel`` the activations between blocks and stages are sequence shards
+    (the batch's 12 tokens, 6 per tp rank)."""
     from pp_core.parallel import apply_tensor_parallel
     from pp_core_builtins.transformers import causal_lm_loss
     from test_transformers_models import ARCHITECTURES, batch as hf_batch, reference_step
@@ -190,7 +193,8 @@ def hf_tp_case(schedule: str, arch: str, pool: bool = False, num_microbatches: i
                             loss_fn=causal_lm_loss, scale_grads_in_schedule=True,
                             pp_recv_buffer_pool=pool, pp_seq_len=12 if pool else None)
     pipe = build_pipeline(model, config, pp_group=mesh["pp"])
-    modules = apply_tensor_parallel(pipe.model_parts, mesh["tp"])
+    modules = apply_tensor_parallel(pipe.model_parts, mesh["tp"],
+                                    sequence_parallel=sequence_parallel)
     inputs, target = hf_batch(local, seed=1)
     loss = pipe.step(inputs, target=target)
     ref_loss, ref_grads = reference_step(ref_model, inputs, target, num_microbatches)

@@ -77,9 +77,12 @@ def test_dtensors_cross_stages(pool, schedule):
     check_variants(pool.run(tp_matrix, schedule, variants), schedule, variants)
 
 
-HF_CASES = [("1f1b", "llama", False), ("zero_bubble", "llama_tied", True),
-            ("interleaved_1f1b", "llama_tied", False), ("1f1b", "qwen2", True),
-            ("v_schedule", "mistral", False)]
+# (schedule, architecture, receive-buffer pool, sequence parallelism)
+HF_CASES = [("1f1b", "llama", False, False), ("zero_bubble", "llama_tied", True, False),
+            ("interleaved_1f1b", "llama_tied", False, False), ("1f1b", "qwen2", True, False),
+            ("v_schedule", "mistral", False, False),
+            ("1f1b", "llama", False, True), ("zero_bubble", "llama_tied", True, True),
+            ("interleaved_1f1b", "qwen2", False, True), ("v_schedule", "mistral", True, True)]
 
 
 def test_hf_decoders_pp_tp_equal_one_process(pool):

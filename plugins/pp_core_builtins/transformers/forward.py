@@ -165,6 +165,17 @@ def _layers(text: nn.Module):
     return [(int(key), layer) for key, layer in items if layer is not None]
 
 
+def _whole_sequence(hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """``hidden``, or where it is this tp rank's sequence shard ``[b, s/tp, d]`` (sequence
+    parallelism) an empty ``[b, s, 0]`` stand-in of its dtype and device: the masks and the rotary
+    table read only those, and must cover the whole sequence, whose length the (never sharded)
+    position ids give. Attention all-gathers the shards before q/k/v, so it runs on all of it."""
+    length = position_ids.shape[-1]
+    if hidden.shape[1] == length:
+        return hidden
+    return torch.empty((hidden.shape[0], length, 0), dtype=hidden.dtype, device=hidden.device)
+
+
 def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
     """The patched text-module forward (bound by :func:`patch_text_module`)."""
     if self.embed_tokens is not None:
@@ -179,8 +190,9 @@ def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
                 raise ValueError(f"attention_mask must be the 2-D padding mask [batch, seq], got "
                                  f"shape {tuple(attention_mask.shape)}")
             attention_mask = attention_mask.to(torch.long)
-        if position_ids is None:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        if position_ids is None:  # the whole sequence's, also when ``hidden`` is a shard
+            length = (input_ids if embeds is None else embeds).shape[1]
+            position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)
     else:
         if kwargs or not 2 <= len(args) <= 3:
             raise TypeError(
@@ -189,11 +201,12 @@ def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
         hidden, position_ids = args[0], args[1]
         attention_mask = args[2] if len(args) == 3 else None
     masks: dict[str, object] = {}
-    position_embeddings = adapter.position_embeddings(self, hidden, position_ids)
+    whole = _whole_sequence(hidden, position_ids)
+    position_embeddings = adapter.position_embeddings(self, whole, position_ids)
     for index, layer in _layers(self):
         kind = adapter.attention_type(self, layer, index)
         if kind not in masks:
-            masks[kind] = adapter.attention_mask(self, kind, hidden, attention_mask, position_ids)
+            masks[kind] = adapter.attention_mask(self, kind, whole, attention_mask, position_ids)
         hidden = adapter.call_layer(layer, hidden, masks[kind], position_embeddings, position_ids)
     if self.norm is not None:
         return self.norm(hidden)

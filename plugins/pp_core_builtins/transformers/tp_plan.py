@@ -27,22 +27,25 @@ def hf_decoder_plan(model, sequence_parallel: bool) -> Optional[dict]:
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in SUPPORTED:
         return None
-    if sequence_parallel:
-        raise ValueError(f"distributed.sequence_parallel is not supported for Hugging Face "
-                         f"{config.model_type} models yet; set sequence_parallel: false (tensor "
-                         f"parallelism itself works)")
-    from torch.distributed.tensor import Replicate  # lazy: torch.distributed.tensor, seconds
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import Replicate, Shard  # lazy: torch.distributed.tensor, seconds
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel)
 
     layer = "model.layers.*"
-    return {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-        f"{layer}.self_attn.q_proj": ColwiseParallel(),
-        f"{layer}.self_attn.k_proj": ColwiseParallel(),
-        f"{layer}.self_attn.v_proj": ColwiseParallel(),
-        f"{layer}.self_attn.o_proj": RowwiseParallel(),
-        f"{layer}.mlp.gate_proj": ColwiseParallel(),
-        f"{layer}.mlp.up_proj": ColwiseParallel(),
-        f"{layer}.mlp.down_proj": RowwiseParallel(),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    between = Shard(1) if sequence_parallel else Replicate()  # layout between the blocks
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        f"{layer}.self_attn.q_proj": ColwiseParallel(input_layouts=between),
+        f"{layer}.self_attn.k_proj": ColwiseParallel(input_layouts=between),
+        f"{layer}.self_attn.v_proj": ColwiseParallel(input_layouts=between),
+        f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=between),
+        f"{layer}.mlp.gate_proj": ColwiseParallel(input_layouts=between),
+        f"{layer}.mlp.up_proj": ColwiseParallel(input_layouts=between),
+        f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=between),
+        "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
     }
+    if sequence_parallel:
+        plan.update({f"{layer}.input_layernorm": SequenceParallel(),
+                     f"{layer}.post_attention_layernorm": SequenceParallel(),
+                     "model.norm": SequenceParallel()})
+    return plan
