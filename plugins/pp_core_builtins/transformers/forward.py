@@ -165,7 +165,16 @@ def _layers(text: nn.Module):
     return [(int(key), layer) for key, layer in items if layer is not None]
 
 
-def _whole_sequence(hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def _sequence_shard(embeds: torch.Tensor, mesh) -> torch.Tensor:
+    """This tp rank's sequence shard of ``inputs_embeds`` (all tp ranks are given the same)."""
+    size, length = mesh.size(), embeds.shape[1]
+    if length % size:
+        raise ValueError(f"with sequence parallelism the sequence length must divide by tp_size: "
+                         f"got inputs_embeds of {length} tokens at tp_size {size}")
+    return embeds.narrow(1, mesh.get_local_rank() * (length // size), length // size)
+
+
+def _whole_sequence(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """``hidden``, or where it is this tp rank's sequence shard ``[b, s/tp, d]`` (sequence
     parallelism) an empty ``[b, s, 0]`` stand-in of its dtype and device: the masks and the rotary
     table read only those, and must cover the whole sequence, whose length the (never sharded)
@@ -173,6 +182,11 @@ def _whole_sequence(hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.T
     length = position_ids.shape[-1]
     if hidden.shape[1] == length:
         return hidden
+    mesh = getattr(self, "pp_sequence_shards", None)
+    if mesh is not None and length % mesh.size():
+        raise ValueError(f"with sequence parallelism the sequence length must divide by tp_size "
+                         f"(a stage receives sequence shards of equal length): got {length} "
+                         f"tokens at tp_size {mesh.size()}; pad the batch to a multiple")
     return torch.empty((hidden.shape[0], length, 0), dtype=hidden.dtype, device=hidden.device)
 
 
@@ -193,6 +207,8 @@ def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
         if position_ids is None:  # the whole sequence's, also when ``hidden`` is a shard
             length = (input_ids if embeds is None else embeds).shape[1]
             position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)
+        if embeds is not None and getattr(self, "pp_sequence_shards", None) is not None:
+            hidden = _sequence_shard(embeds, self.pp_sequence_shards)
     else:
         if kwargs or not 2 <= len(args) <= 3:
             raise TypeError(
@@ -201,7 +217,7 @@ def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
         hidden, position_ids = args[0], args[1]
         attention_mask = args[2] if len(args) == 3 else None
     masks: dict[str, object] = {}
-    whole = _whole_sequence(hidden, position_ids)
+    whole = _whole_sequence(self, hidden, position_ids)
     position_embeddings = adapter.position_embeddings(self, whole, position_ids)
     for index, layer in _layers(self):
         kind = adapter.attention_type(self, layer, index)

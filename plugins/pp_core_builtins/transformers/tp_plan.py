@@ -22,6 +22,28 @@ __all__ = ["SUPPORTED", "hf_decoder_plan"]
 SUPPORTED = ("llama", "qwen2", "mistral")
 
 
+def _sequence_shards():
+    from torch.distributed.tensor.parallel import ParallelStyle  # lazy: torch.distributed.tensor
+
+    class SequenceShards(ParallelStyle):
+        """Marks a text module whose hidden states are sequence shards: its stage forward
+        (:mod:`~pp_core_builtins.transformers.forward`) then cuts ``inputs_embeds`` given to
+        the first stage into this tp rank's shard, as the sharded embedding does for
+        ``input_ids``, and checks that the sequence length divides by tp."""
+
+        def _apply(self, module, device_mesh):
+            module.pp_sequence_shards = device_mesh
+            return module
+
+    return SequenceShards
+
+
+def __getattr__(name):
+    if name == "SequenceShards":
+        return _sequence_shards()
+    raise AttributeError(name)
+
+
 def hf_decoder_plan(model, sequence_parallel: bool) -> Optional[dict]:
     """The plan for a supported ``...ForCausalLM`` (whole or one part), else ``None``."""
     config = getattr(model, "config", None)
@@ -45,7 +67,8 @@ def hf_decoder_plan(model, sequence_parallel: bool) -> Optional[dict]:
         "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
     }
     if sequence_parallel:
-        plan.update({f"{layer}.input_layernorm": SequenceParallel(),
+        plan.update({"model": _sequence_shards()(),
+                     f"{layer}.input_layernorm": SequenceParallel(),
                      f"{layer}.post_attention_layernorm": SequenceParallel(),
                      "model.norm": SequenceParallel()})
     return plan
