@@ -12,7 +12,9 @@ so the part's text module and root get these forwards instead:
 
 Only the 2-D padding mask and the position ids cross stages (integer tensors, no gradient);
 every stage rebuilds its 4-D causal / sliding-window masks and its rotary table from them with
-transformers' own functions, so each stage sees exactly what the unsplit model would.
+transformers' own functions, so each stage sees exactly what the unsplit model would. With
+sequence parallelism the hidden states are a tp rank's sequence shard: the masks and the rotary
+table are still built for the whole sequence, whose length the position ids give.
 Architecture quirks (embedding multipliers, logit soft-capping, per-layer attention types) live in
 :class:`DecoderAdapter`, which a third-party splitter can subclass (docs/transformers.md).
 """

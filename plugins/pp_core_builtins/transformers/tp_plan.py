@@ -9,12 +9,21 @@ heads, so it runs on the local heads unchanged. A tied ``embed_tokens`` / ``lm_h
 sharded alike (vocabulary rows) on both stages, so the tied-gradient sum
 (:mod:`~pp_core_builtins.transformers.tied`) pairs shard with shard.
 
-Sequence parallelism is not offered for these models yet (their stage forward builds masks and
-positions from the hidden states' sequence length): the plan refuses it with a message.
+With sequence parallelism (the demo GPT's layout): ``input_layernorm``,
+``post_attention_layernorm`` and ``model.norm`` run on sequence shards (``SequenceParallel``);
+q/k/v and gate/up all-gather their input from ``Shard(1)``, o_proj / down_proj and the embedding
+reduce-scatter to ``Shard(1)``, ``lm_head`` gathers its input and its logits. Between blocks and
+stages the hidden states are local sequence shards ``[b, s/tp, d]``; the position ids and the
+padding mask are never sharded, so every stage builds its masks and rotary table for the whole
+sequence (:func:`~pp_core_builtins.transformers.forward.text_stage_forward`), and attention runs
+on the gathered sequence with them. The text module is marked (``SequenceShards``) so that
+``inputs_embeds`` given to the first stage are cut into the rank's shard too. The sequence
+length must divide by tp.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 __all__ = ["SUPPORTED", "hf_decoder_plan"]
@@ -22,6 +31,7 @@ __all__ = ["SUPPORTED", "hf_decoder_plan"]
 SUPPORTED = ("llama", "qwen2", "mistral")
 
 
+@functools.lru_cache(maxsize=None)  # one class, so isinstance holds
 def _sequence_shards():
     from torch.distributed.tensor.parallel import ParallelStyle  # lazy: torch.distributed.tensor
 
