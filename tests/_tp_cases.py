@@ -173,9 +173,13 @@ def expected_collectives(stages, num_layers: int, num_stages: int, microbatches:
 
 
 
-def hf_tp_case(schedule: str, arch: str, pool: bool = False, num_microbatches: int = 4) -> dict:
+def hf_tp_case(schedule: str, arch: str, pool: bool = False, sequence_parallel: bool = False,
+               embeds: bool = False, num_microbatches: int = 4) -> dict:
     """One step of pp2 x tp2 on a tiny Hugging Face decoder (``llama``, ``llama_tied``,
-    ``qwen2``, ``mistral``: the ARCHITECTURES of test_transformers_models) vs one process."""
+    ``qwen2``, ``mistral``: the ARCHITECTURES of test_transformers_models) vs one process;
+    with ``sequence_parallel`` the activations between blocks and stages are sequence shards
+    (the batch's 12 tokens, 6 per tp rank). ``embeds``: the first stage is given
+    ``inputs_embeds`` (the model's own embeddings of the tokens) instead of ``input_ids``."""
     from pp_core.parallel import apply_tensor_parallel
     from pp_core_builtins.transformers import causal_lm_loss
     from test_transformers_models import ARCHITECTURES, batch as hf_batch, reference_step
@@ -190,23 +194,32 @@ def hf_tp_case(schedule: str, arch: str, pool: bool = False, num_microbatches: i
                             loss_fn=causal_lm_loss, scale_grads_in_schedule=True,
                             pp_recv_buffer_pool=pool, pp_seq_len=12 if pool else None)
     pipe = build_pipeline(model, config, pp_group=mesh["pp"])
-    modules = apply_tensor_parallel(pipe.model_parts, mesh["tp"])
+    modules = apply_tensor_parallel(pipe.model_parts, mesh["tp"],
+                                    sequence_parallel=sequence_parallel)
     inputs, target = hf_batch(local, seed=1)
+    if embeds:
+        with torch.no_grad():
+            inputs["inputs_embeds"] = ref_model.model.embed_tokens(inputs.pop("input_ids"))
     loss = pipe.step(inputs, target=target)
     ref_loss, ref_grads = reference_step(ref_model, inputs, target, num_microbatches)
     ref_loss = float(ref_loss)
-    grad_err, names = 0.0, []
+    grad_err, names, replicated = 0.0, [], []
     for part in pipe.model_parts:
         for name, param in part.named_parameters(remove_duplicate=False):
             grad = param.grad
+            names.append(name)
+            if grad is None:  # the embedding, given inputs_embeds
+                assert name not in ref_grads, name
+                continue
             if hasattr(grad, "full_tensor"):
+                if all(p.is_replicate() for p in grad.placements):
+                    replicated.append(name)  # a norm's, under sequence parallelism
                 grad = grad.full_tensor()
             want = ref_grads[name] / num_microbatches
             grad_err = max(grad_err, ((grad - want).abs().max() / (want.abs().max() + 1e-6)).item())
-            names.append(name)
     loss_err = None if loss is None else abs(float(loss) - ref_loss) / abs(ref_loss)
     return {"loss_err": loss_err, "grad_err": grad_err, "names": names, "modules": modules,
-            "tp_rank": mesh["tp"].get_local_rank()}
+            "replicated": replicated, "tp_rank": mesh["tp"].get_local_rank()}
 
 
 def hf_matrix(cases: list) -> list:

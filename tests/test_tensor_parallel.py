@@ -77,14 +77,20 @@ def test_dtensors_cross_stages(pool, schedule):
     check_variants(pool.run(tp_matrix, schedule, variants), schedule, variants)
 
 
-HF_CASES = [("1f1b", "llama", False), ("zero_bubble", "llama_tied", True),
-            ("interleaved_1f1b", "llama_tied", False), ("1f1b", "qwen2", True),
-            ("v_schedule", "mistral", False)]
+# (schedule, architecture, receive-buffer pool, sequence parallelism[, inputs_embeds])
+HF_CASES = [("1f1b", "llama", False, False), ("zero_bubble", "llama_tied", True, False),
+            ("interleaved_1f1b", "llama_tied", False, False), ("1f1b", "qwen2", True, False),
+            ("v_schedule", "mistral", False, False),
+            ("1f1b", "llama", False, True), ("zero_bubble", "llama_tied", True, True),
+            ("interleaved_1f1b", "qwen2", False, True), ("v_schedule", "mistral", True, True),
+            ("1f1b", "llama", False, True, True)]
 
 
 def test_hf_decoders_pp_tp_equal_one_process(pool):
     """Tiny random HF Llama (untied and tied embeddings: the tied pair sharded alike on its two
-    stages), Qwen2 and Mistral, with the built-in plan of pp_core_builtins.transformers."""
+    stages), Qwen2 and Mistral, with the built-in plan of pp_core_builtins.transformers; with
+    sequence parallelism too (sequence shards between blocks and stages, masks and rotary tables
+    for the whole sequence on every stage), also given inputs_embeds."""
     pytest.importorskip("transformers")
     runs = pool.run(hf_matrix, HF_CASES)
     for index, case in enumerate(HF_CASES):
@@ -94,3 +100,7 @@ def test_hf_decoders_pp_tp_equal_one_process(pool):
         for rank, result in enumerate(results):
             assert result["grad_err"] <= RTOL, (case, rank, result["grad_err"])
             assert result["modules"] > 0
+            # SequenceParallel makes the norms' weights replicated DTensors; nothing else is
+            norms = [n for n in result["names"] if n.endswith("norm.weight")]
+            assert norms and sorted(result["replicated"]) == (sorted(norms) if case[3] else []), \
+                (case, rank, result["replicated"])

@@ -83,7 +83,8 @@ def reference_step(model, inputs: dict, labels, num_microbatches: int):
                               num_valid_tokens=count) * num_microbatches
         loss.backward()
         losses.append(loss.detach())
-    grads = {name: p.grad.clone() for name, p in model.named_parameters(remove_duplicate=False)}
+    grads = {name: p.grad.clone() for name, p in model.named_parameters(remove_duplicate=False)
+             if p.grad is not None}  # none for the embedding given inputs_embeds
     return torch.stack(losses).mean(), grads
 
 

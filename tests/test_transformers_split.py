@@ -366,3 +366,47 @@ def test_gradient_norm_counts_a_tied_weight_once():
     assert len(skip) == 1  # lm_head's copy on the last stage
     assert clip_grad_norm(params, None, None, skip) == pytest.approx(expected, rel=1e-6)
     assert clip_grad_norm(params, None, None) > expected  # counted twice without it
+
+
+def test_sequence_parallel_plan_and_whole_sequence_masks():
+    """Sequence parallelism's pieces on one process (tests/test_tensor_parallel.py runs them at
+    pp2 x tp2 against the unsplit model): the plan, the whole-sequence stand-in the masks and
+    the rotary table are built from, the shard of given inputs_embeds, the refusals."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
+    from pp_core_builtins.transformers.forward import _sequence_shard, _whole_sequence
+    from pp_core_builtins.transformers.tp_plan import SequenceShards, hf_decoder_plan
+
+    model = tiny_model()
+    plain, sp = hf_decoder_plan(model, False), hf_decoder_plan(model, True)
+    assert set(sp) - set(plain) == {"model", "model.layers.*.input_layernorm",
+                                    "model.layers.*.post_attention_layernorm", "model.norm"}
+    assert isinstance(sp["model.norm"], SequenceParallel) and isinstance(sp["model"], SequenceShards)
+    assert sp["model.layers.*.self_attn.q_proj"].input_layouts == (Shard(1),)
+    assert sp["model.layers.*.mlp.down_proj"].output_layouts == (Shard(1),)
+    assert sp["model.embed_tokens"].output_layouts == (Shard(1),)
+    assert sp["lm_head"].input_layouts == (Shard(1),)
+    assert sp["lm_head"].output_layouts == (Replicate(),)
+    assert plain["model.layers.*.mlp.down_proj"].output_layouts == (Replicate(),)
+
+    class Mesh:  # what the forward reads of a 1-D tp DeviceMesh (one of size 2 needs 2 ranks)
+        def __init__(self, rank):
+            self.rank = rank
+
+        def size(self):
+            return 2
+
+        def get_local_rank(self):
+            return self.rank
+
+    text = model.model
+    hidden, positions = torch.randn(2, 12, 32), torch.arange(12)[None]
+    assert _whole_sequence(text, hidden, positions) is hidden
+    whole = _whole_sequence(text, hidden[:, :6], positions)  # a tp rank's sequence shard
+    assert whole.shape == (2, 12, 0) and whole.dtype == hidden.dtype
+    assert torch.equal(torch.cat([_sequence_shard(hidden, Mesh(r)) for r in (0, 1)], 1), hidden)
+    text.pp_sequence_shards = Mesh(0)
+    with pytest.raises(ValueError, match="must divide by tp_size .*got 13 tokens at tp_size 2"):
+        _whole_sequence(text, hidden[:, :7], torch.arange(13)[None])
+    with pytest.raises(ValueError, match="inputs_embeds of 13 tokens at tp_size 2"):
+        _sequence_shard(torch.randn(2, 13, 32), Mesh(0))

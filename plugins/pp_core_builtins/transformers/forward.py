@@ -12,7 +12,9 @@ so the part's text module and root get these forwards instead:
 
 Only the 2-D padding mask and the position ids cross stages (integer tensors, no gradient);
 every stage rebuilds its 4-D causal / sliding-window masks and its rotary table from them with
-transformers' own functions, so each stage sees exactly what the unsplit model would.
+transformers' own functions, so each stage sees exactly what the unsplit model would. With
+sequence parallelism the hidden states are a tp rank's sequence shard: the masks and the rotary
+table are still built for the whole sequence, whose length the position ids give.
 Architecture quirks (embedding multipliers, logit soft-capping, per-layer attention types) live in
 :class:`DecoderAdapter`, which a third-party splitter can subclass (docs/transformers.md).
 """
@@ -165,6 +167,31 @@ def _layers(text: nn.Module):
     return [(int(key), layer) for key, layer in items if layer is not None]
 
 
+def _sequence_shard(embeds: torch.Tensor, mesh) -> torch.Tensor:
+    """This tp rank's sequence shard of ``inputs_embeds`` (all tp ranks are given the same)."""
+    size, length = mesh.size(), embeds.shape[1]
+    if length % size:
+        raise ValueError(f"with sequence parallelism the sequence length must divide by tp_size: "
+                         f"got inputs_embeds of {length} tokens at tp_size {size}")
+    return embeds.narrow(1, mesh.get_local_rank() * (length // size), length // size)
+
+
+def _whole_sequence(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """``hidden``, or where it is this tp rank's sequence shard ``[b, s/tp, d]`` (sequence
+    parallelism) an empty ``[b, s, 0]`` stand-in of its dtype and device: the masks and the rotary
+    table read only those, and must cover the whole sequence, whose length the (never sharded)
+    position ids give. Attention all-gathers the shards before q/k/v, so it runs on all of it."""
+    length = position_ids.shape[-1]
+    if hidden.shape[1] == length:
+        return hidden
+    mesh = getattr(self, "pp_sequence_shards", None)
+    if mesh is not None and length % mesh.size():
+        raise ValueError(f"with sequence parallelism the sequence length must divide by tp_size "
+                         f"(a stage receives sequence shards of equal length): got {length} "
+                         f"tokens at tp_size {mesh.size()}; pad the batch to a multiple")
+    return torch.empty((hidden.shape[0], length, 0), dtype=hidden.dtype, device=hidden.device)
+
+
 def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
     """The patched text-module forward (bound by :func:`patch_text_module`)."""
     if self.embed_tokens is not None:
@@ -179,8 +206,11 @@ def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
                 raise ValueError(f"attention_mask must be the 2-D padding mask [batch, seq], got "
                                  f"shape {tuple(attention_mask.shape)}")
             attention_mask = attention_mask.to(torch.long)
-        if position_ids is None:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        if position_ids is None:  # the whole sequence's, also when ``hidden`` is a shard
+            length = (input_ids if embeds is None else embeds).shape[1]
+            position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)
+        if embeds is not None and getattr(self, "pp_sequence_shards", None) is not None:
+            hidden = _sequence_shard(embeds, self.pp_sequence_shards)
     else:
         if kwargs or not 2 <= len(args) <= 3:
             raise TypeError(
@@ -189,11 +219,12 @@ def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
         hidden, position_ids = args[0], args[1]
         attention_mask = args[2] if len(args) == 3 else None
     masks: dict[str, object] = {}
-    position_embeddings = adapter.position_embeddings(self, hidden, position_ids)
+    whole = _whole_sequence(self, hidden, position_ids)
+    position_embeddings = adapter.position_embeddings(self, whole, position_ids)
     for index, layer in _layers(self):
         kind = adapter.attention_type(self, layer, index)
         if kind not in masks:
-            masks[kind] = adapter.attention_mask(self, kind, hidden, attention_mask, position_ids)
+            masks[kind] = adapter.attention_mask(self, kind, whole, attention_mask, position_ids)
         hidden = adapter.call_layer(layer, hidden, masks[kind], position_embeddings, position_ids)
     if self.norm is not None:
         return self.norm(hidden)
