@@ -79,6 +79,11 @@ def test_the_base_file_validates(tmp_path, capsys):
     (("train.grad_clip=.nan",), "train.grad_clip: expected a finite number >= 0.0, found nan"),
     (("distributed.dp_size=100000",), "distributed.dp_size: pp_size * dp_size / nnodes = 2 * "
                                       "100000 / 1 = 200,000 processes on this machine"),
+    # sequence parallelism shards the sequence: its length divides by tp_size
+    (("distributed.tp_size=2", "distributed.sequence_parallel=true", "data.args.seq_len=15",
+      "distributed.pp_size=1"),
+     "distributed.sequence_parallel: shards the sequence over the tp_size=2 ranks, but the "
+     "dataset yields sequences of 15"),
     # smaller ones
     (("model.name=null", "model.target=os:system", "model.args={}"),
      "model.target: model.target='os:system' names a builtin_function_or_method, not a class "

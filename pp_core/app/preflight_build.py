@@ -159,6 +159,12 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
                         f"{tuple(first.shape)}); every dimension must be at least 1 (e.g. "
                         f"data.args.seq_len)")
         return
+    tp = spec.distributed.tp_size
+    if spec.distributed.sequence_parallel and first.dim() >= 2 and first.shape[1] % tp:
+        problems.append(f"distributed.sequence_parallel: shards the sequence over the "
+                        f"tp_size={tp} ranks, but the dataset yields sequences of "
+                        f"{first.shape[1]}; make the length a multiple of {tp} (e.g. "
+                        f"data.args.seq_len) or set sequence_parallel: false")
     seq_len = spec.pipeline.pp_seq_len
     if seq_len is not None and (first.dim() < 2 or first.shape[1] != seq_len):
         found = f"sequence length {first.shape[1]}" if first.dim() >= 2 else \
