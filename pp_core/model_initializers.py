@@ -12,6 +12,7 @@ import inspect
 
 from pp_core import hookspecs
 from pp_core.errors import PluginError
+from pp_core.plugin_faults import code_origin, plugin_call
 
 __all__ = ["ModelInitializers"]
 
@@ -29,7 +30,8 @@ class ModelInitializers:
                  if _defines(module, name)]
         if not found:
             return None
-        answers = [getattr(module, name)() for name in found]
+        answers = [plugin_call(lambda: code_origin(module), f"{name}()", getattr(module, name))
+                   for name in found]
         answers = [list(a) if a is not None else [] for a in answers]
         if len(answers) == 2 and _identity(answers[0]) != _identity(answers[1]):
             raise PluginError(

@@ -20,7 +20,7 @@ import pluggy
 from pp_core import hookspecs
 from pp_core.errors import PluginError, did_you_mean
 from pp_core.model_initializers import ModelInitializers
-from pp_core.plugin_faults import DISABLE_ENV, BrokenPlugin, describe_error
+from pp_core.plugin_faults import DISABLE_ENV, BrokenPlugin, describe_error, plugin_call
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -239,6 +239,16 @@ class Plugins:
     def distribution(self, plugin_name: str) -> tuple[str, str]:
         return self._records.distributions.get(plugin_name, ("in-process", ""))
 
+    def describe(self, plugin_name: str) -> str:
+        """``plugin 'p' (pp-p 1.0)``: a plugin as an error names it."""
+        return f"plugin {plugin_name!r} ({' '.join(self.distribution(plugin_name)).strip()})"
+
+    def origin(self, kind: str, name: str) -> str:
+        """``model 'gpt' from plugin 'p' (pp-p 1.0)``: who registered ``name`` (``kind``:
+        ``schedule``, ``splitter``, ``model`` or ``dataset``); an unknown name raises."""
+        entry = getattr(self, f"{kind}s").entry(name)
+        return f"{kind} {entry.name!r} from {self.describe(entry.plugin)}"
+
     def _collect(self, hook_name: str, kind: str, aliases_of: Callable[[Any], Iterable[str]]):
         registry = Registry(kind)
         hook = getattr(self.pm.hook, hook_name)
@@ -292,13 +302,9 @@ class Plugins:
         """Every plugin's initializers for ``module``, in hook-call order (``None`` skipped)."""
         found = []
         for impl in reversed(self.pm.hook.pp_runtime_initializers.get_hookimpls()):
-            try:
-                result = impl.function(module=module)
-            except Exception as exc:
-                raise PluginError(
-                    f"plugin {impl.plugin_name!r} raised in pp_runtime_initializers for "
-                    f"{type(module).__name__}: {type(exc).__name__}: {exc}"
-                ) from exc
+            result = plugin_call(self.describe(impl.plugin_name),
+                                 f"pp_runtime_initializers(module={type(module).__name__})",
+                                 impl.function, module=module)
             if result is not None:
                 found.extend((impl.plugin_name, item) for item in result)
         return found

@@ -30,6 +30,23 @@ def mlp(num_layers: int = 8) -> nn.Sequential:
                            for _ in range(num_layers)])
 
 
+class InPlace(nn.Module):
+    """A block that changes the tensor it receives in place first (``x.add_(1)`` / ``x.mul_(2)``):
+    unsplit it gets an intermediate result (a linear's output, which autograd does not save)."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.op, self.linear = op, nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.linear(x.add_(1) if self.op == "add" else x.mul_(2))
+
+
+def in_place(op: str, num_layers: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), *[InPlace(op) for _ in range(num_layers - 1)])
+
+
 def gpt(num_layers: int):
     from pp_core_builtins.models.gpt import GPT
 
@@ -93,11 +110,14 @@ def compare(pipe, ref_model, loss, ref_loss) -> dict:
 
 
 def train_case(schedule, num_microbatches, scale, kind="mlp", csv_text=None, steps=1,
-               layers=8) -> dict:
-    """One or more steps of ``schedule``; differences against the unsplit model."""
-    model = mlp(layers) if kind == "mlp" else gpt(layers)
+               layers=8, buffer_pool=False) -> dict:
+    """One or more steps of ``schedule``; differences against the unsplit model. ``kind``:
+    ``mlp``, ``gpt``, or ``in_place_add`` / ``in_place_mul`` (:func:`in_place`)."""
+    model = mlp(layers) if kind == "mlp" else \
+        in_place(kind.rsplit("_", 1)[1], layers) if kind.startswith("in_place") else gpt(layers)
     ref_model = copy.deepcopy(model)
-    loss_fn = mse if kind == "mlp" else "cross_entropy"
+    loss_fn = "cross_entropy" if kind == "gpt" else mse
+    data = "mlp" if kind != "gpt" else "gpt"
     batch_size = 2 * num_microbatches
     csv_path = None
     if csv_text is not None:
@@ -109,13 +129,13 @@ def train_case(schedule, num_microbatches, scale, kind="mlp", csv_text=None, ste
             handle.write(csv_text)
     config = PipelineConfig(pp_schedule=schedule, pp_schedule_csv=csv_path,
                             pp_batch_size=batch_size, pp_microbatch_size=2, loss_fn=loss_fn,
-                            scale_grads_in_schedule=scale)
+                            scale_grads_in_schedule=scale, pp_recv_buffer_pool=buffer_pool)
     pipe = build_pipeline(model, config)
     from pp_core.losses import resolve_loss
 
     fn = resolve_loss(loss_fn)
     for step in range(steps):
-        inputs, target = batch(kind, batch_size, seed=step + 1, seq=8 - step % 3)
+        inputs, target = batch(data, batch_size, seed=step + 1, seq=8 - step % 3)
         loss = pipe.step(inputs, target=target)
         ref_loss = reference(ref_model, fn, inputs, target, num_microbatches, scale)
     if csv_path:

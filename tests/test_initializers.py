@@ -93,12 +93,28 @@ def test_plugin_hook_supplies_initializers_for_modules_it_knows():
     assert [i.resource_key for i in found] == [("linear-ws", 2)]
 
 
-def test_plugin_raising_is_named():
+class RaisingBlock(Block):
+    def pipeline_runtime_initializers(self):
+        raise ValueError("bad block")
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("plugin", r"plugin 'broken' \(in-process\): pp_runtime_initializers\(module=Block\) raised "
+               r"ValueError: bad module"),
+    ("model", r"class 'RaisingBlock' of module 'test_initializers': "
+              r"pipeline_runtime_initializers\(\) raised ValueError: bad block"),
+])
+def test_plugin_raising_is_named(where, expected):
+    """Through the plugin guard: a hook that raises is blamed on its plugin, a model's own
+    ``pipeline_runtime_initializers()`` on the model's class (not on pp-core's core plugin)."""
     class Broken:
         @hookimpl
         def pp_runtime_initializers(self, module):
-            raise ValueError("bad module")
+            if isinstance(module, Block):
+                raise ValueError("bad module")
 
     from pp_core import PluginError
-    with pytest.raises(PluginError, match=r"plugin 'broken' raised in pp_runtime_initializers"):
-        collect_pipeline_runtime_initializers(parts([Block()]), plugins_with(("broken", Broken())))
+    plugins = plugins_with(("broken", Broken())) if where == "plugin" else plugins_with()
+    with pytest.raises(PluginError, match=expected):
+        collect_pipeline_runtime_initializers(
+            parts([Block() if where == "plugin" else RaisingBlock()]), plugins)

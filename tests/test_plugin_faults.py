@@ -4,6 +4,7 @@ Real distributions written in the test, found through importlib.metadata; real c
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -55,8 +56,54 @@ SPLITTERS = """
         register("no_split", NoSplit())
         register("split_raises", SplitRaises())
 """
+FACTORIES = """
+    import os
+    import pp_core
+    import torch
+    from torch import nn
+
+    class InitBoom(nn.Sequential):  # this plugin's pp_runtime_initializers raises for it
+        pass
+
+    def model_boom(**args):
+        raise RuntimeError("model exploded")
+
+    def model_late(**args):  # builds on the meta device (validate), raises on the ranks
+        if torch.empty(0).device.type != "meta":
+            raise RuntimeError("model exploded on a rank")
+        from pp_core_builtins.models.gpt import GPT
+        return GPT(**args)
+
+    def init_boom(**args):
+        return InitBoom(nn.Linear(16, 16), nn.Linear(16, 16))
+
+    def data_boom(**args):
+        raise RuntimeError("dataset exploded")
+
+    def data_late(**args):  # builds in the launching process (validate), raises on the ranks
+        if "RANK" in os.environ:
+            raise RuntimeError("dataset exploded on a rank")
+        from pp_core_builtins.models.datasets import synthetic
+        return synthetic(**args)
+
+    @pp_core.hookimpl
+    def pp_register_models(register):
+        for factory in (model_boom, model_late, init_boom):
+            register(factory.__name__, factory)
+
+    @pp_core.hookimpl
+    def pp_register_datasets(register):
+        register("data_boom", data_boom)
+        register("data_late", data_late)
+
+    @pp_core.hookimpl
+    def pp_runtime_initializers(module):
+        if isinstance(module, InitBoom):
+            raise RuntimeError("initializers exploded")
+        return None
+"""
 DISTS = {"pp-misnamed": ("ppt_misnamed", MISNAMED), "pp-raising": ("ppt_raising", RAISING),
-         "pp-splitters": ("ppt_splitters", SPLITTERS)}
+         "pp-splitters": ("ppt_splitters", SPLITTERS), "pp-factories": ("ppt_factories", FACTORIES)}
 
 
 def _write_dists(root):
@@ -83,9 +130,10 @@ def installed(dists, monkeypatch):
         del sys.modules[name]
 
 
-def _run(dists, *argv):
+def _run(dists, *argv, cwd=None):
     env = {**os.environ, "PYTHONPATH": str(dists) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([PP_CORE, *argv], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([PP_CORE, *argv], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=cwd)
 
 
 def test_plugins_lists_the_broken_ones_and_the_commands_still_work(dists):
@@ -128,3 +176,38 @@ def test_a_named_broken_splitter_is_blamed_with_its_plugin(installed, splitter, 
     assert f"splitter {splitter!r} from plugin 'ppt_splitters' (pp-splitters 1.2.3)" in message
     assert expected in message and "PP_CORE_DISABLE_PLUGINS" in message or \
         "docs/splitting.md" in message, message
+
+
+BLAMED = "from plugin 'ppt_factories' (pp-factories 1.2.3)"
+
+
+@pytest.mark.parametrize("command, model, data, expected", [
+    ("validate", "model_boom", "synthetic", "model.args: the model factory refused these "
+     "arguments (RuntimeError: model exploded); fix model.args, or model 'model_boom' " + BLAMED),
+    ("validate", "gpt", "data_boom", "data.args: dataset 'data_boom' refused these arguments "
+     "(RuntimeError: dataset exploded); fix data.args, or dataset 'data_boom' " + BLAMED),
+    ("validate", "init_boom", "synthetic", "model: plugin 'ppt_factories' (pp-factories 1.2.3): "
+     "pp_runtime_initializers(module=InitBoom) raised RuntimeError: initializers exploded"),
+    ("run", "model_late", "synthetic", "failed: PluginError: the model factory refused these "
+     "arguments (RuntimeError: model exploded on a rank); fix model.args, or model 'model_late' "
+     + BLAMED),
+    ("run", "gpt", "data_late", "failed: PluginError: dataset 'data_late' refused these "
+     "arguments (RuntimeError: dataset exploded on a rank); fix data.args, or dataset "
+     "'data_late' " + BLAMED),
+    ("run", "gpt", "synthetic", None),  # the others still work, the broken plugins installed
+], ids=["model-validate", "dataset-validate", "initializers-validate", "model-run", "dataset-run",
+        "others-work"])
+def test_a_plugin_factory_that_raises_is_one_message_naming_it(dists, tmp_path, command, model,
+                                                               data, expected):
+    """A plugin's model, dataset or pp_runtime_initializers that raises: one line naming the
+    YAML key, the name, the plugin and its distribution, at validate and from the ranks."""
+    spec = {**GPT, "model": {**GPT["model"], "name": model},
+            "data": {**GPT["data"], "name": data}, "train": {"steps": 1}}
+    path = tmp_path / "pipe.yaml"
+    path.write_text(json.dumps(spec))
+    done = _run(dists, command, str(path), cwd=tmp_path)
+    if expected is None:
+        assert done.returncode == 0, done.stderr
+        return
+    assert done.returncode != 0 and expected in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

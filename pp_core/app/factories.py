@@ -1,7 +1,10 @@
 """The model and dataset factories a spec names, and the arguments the dataset gets.
 
 One module, used by ``pp-core validate`` (:mod:`pp_core.app.preflight`) and by every training
-process (:mod:`pp_core.app.train`), so what validation checks is exactly what a run builds.
+process (:mod:`pp_core.app.train`), so what validation checks is exactly what a run builds. A
+factory a plugin registered is called through the plugin guard
+(:func:`pp_core.plugin_faults.factory_call`): one that raises is one error naming the YAML key,
+the model or dataset, its plugin and distribution - at validate and on the ranks alike.
 """
 
 from __future__ import annotations
@@ -12,10 +15,13 @@ from typing import Callable
 from pp_core.app.spec import Spec
 from pp_core.callables import resolve_callable
 from pp_core.errors import ConfigError, PipelineError, quoted
+from pp_core.plugin_faults import factory_call
 from pp_core.plugin_manager import plugins_or_default
 
 __all__ = ["model_factory", "build_model", "dataset_factory", "dataset_args", "accepts",
-           "dp_slice"]
+           "dp_slice", "call_factory", "build_dataset", "EVALUATION_NOTE"]
+
+EVALUATION_NOTE = " (train.eval_every is set, so evaluation builds it)"
 
 
 def model_factory(spec: Spec, plugins=None) -> Callable:
@@ -40,7 +46,7 @@ def build_model(spec: Spec, plugins=None):
     import torch  # lazy: torch, off the spec checks' light path
 
     torch.manual_seed(spec.train.seed)
-    model = model_factory(spec, plugins)(**spec.model.args)
+    model = call_factory("model", spec, model_factory(spec, plugins), spec.model.args, plugins)
     if spec.model.dtype is not None:  # model.dtype; pipeline.dtype casts no parameter
         model = model.to(getattr(torch, spec.model.dtype))
     return model
@@ -49,6 +55,30 @@ def build_model(spec: Spec, plugins=None):
 def dataset_factory(spec: Spec, plugins=None) -> Callable:
     """The registered dataset factory ``data.name``."""
     return plugins_or_default(plugins).datasets.get(spec.data.name)
+
+
+def build_dataset(spec: Spec, plugins=None, evaluation: bool = False):
+    """The spec's dataset (``data.eval_args`` over ``data.args`` for evaluation), as a rank
+    builds it."""
+    factory = dataset_factory(spec, plugins)
+    return call_factory("dataset", spec, factory, dataset_args(spec, factory, evaluation),
+                        plugins, evaluation)
+
+
+def call_factory(kind: str, spec: Spec, factory: Callable, arguments: dict, plugins=None,
+                 evaluation: bool = False):
+    """``factory(**arguments)`` for the spec's ``kind`` (``model`` or ``dataset``): through the
+    plugin guard when a plugin registered it; a ``model.target`` (the user's own code) is
+    called as it is."""
+    if kind == "model":
+        if spec.model.target is not None:
+            return factory(**arguments)
+        origin = plugins_or_default(plugins).origin("model", spec.model.name)
+        return factory_call(origin, "the model factory", "model.args", factory, arguments)
+    origin = plugins_or_default(plugins).origin("dataset", spec.data.name)
+    key = "data.eval_args" if evaluation else "data.args"
+    return factory_call(origin, f"dataset {spec.data.name!r}", key, factory, arguments,
+                        EVALUATION_NOTE if evaluation else "")
 
 
 def accepts(factory: Callable, name: str) -> bool:

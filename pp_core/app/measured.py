@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from pp_core.app.factories import build_model, dataset_args, dataset_factory
+from pp_core.app.factories import build_dataset, build_model
 from pp_core.app.layout import RankLayout
 from pp_core.app.spec import Spec
 from pp_core.losses import resolve_loss
@@ -29,8 +29,7 @@ def model_and_batch(spec: Spec, layout: RankLayout, plugins=None):
     ranks' device (``cuda:0`` when they get GPUs), and the dataset's first batch."""
     device = torch.device("cuda", 0) if layout.device == "cuda" else torch.device("cpu")
     model = build_model(spec, plugins).to(device)
-    factory = dataset_factory(spec, plugins)
-    inputs, target = next(iter(factory(**dataset_args(spec, factory))))
+    inputs, target = next(iter(build_dataset(spec, plugins)))
     return model, inputs, target, device
 
 

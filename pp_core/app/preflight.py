@@ -197,7 +197,7 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
         csv = config.pp_schedule_csv is not None
         problems.append(f"pipeline.{schedule_field(config)}: {exc}" + (sizes if csv else ""))
         return None
-    model = build_meta_model(spec, model_fn, problems, result.notes)
+    model = build_meta_model(spec, model_fn, problems, result.notes, plugins)
     if problems:
         return None
     if model is not None:

@@ -16,14 +16,15 @@ import os
 import shutil
 from pathlib import Path
 
-from pp_core.app.factories import dataset_args, dp_slice
+from pp_core.app.factories import EVALUATION_NOTE, call_factory, dataset_args, dp_slice
 from pp_core.app.output_paths import collisions, path_problems, run_paths
-from pp_core.app.preflight_fit import check_fit, check_memory, origin
+from pp_core.app.preflight_fit import check_fit, check_memory
 from pp_core.app.rendezvous import started_by_torchrun
 from pp_core.app.returns import initializer_problem, loss_problem, output_problem
 from pp_core.app.spec import Spec
-from pp_core.errors import PPCoreError, quoted, shorten
+from pp_core.errors import PluginError, PPCoreError, quoted, shorten
 from pp_core.losses import resolve_loss
+from pp_core.plugin_manager import plugins_or_default
 from pp_core.runtime.initializers import (collect_pipeline_runtime_initializers,
                                           summarize_runtime_initializers)
 
@@ -43,26 +44,29 @@ def _meta_limit(exc: BaseException) -> bool:
         (isinstance(exc, RuntimeError) and "meta" in str(exc).lower())
 
 
-def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]):
+def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str],
+                     plugins=None):
     """The model built on the meta device, or ``None`` (a problem or a note says why)."""
     import torch  # lazy: torch, only with a model in hand
 
     from pp_core._torch_compat import nn_init_skipped
 
     key = "model.target" if spec.model.target is not None else "model.name"
-    try:
+    try:  # the call a rank makes (a plugin's factory through the plugin guard)
         with torch.device("meta"), nn_init_skipped():
-            model = model_fn(**spec.model.args)
-    except PPCoreError as exc:  # e.g. a missing optional dependency, named with its extra
-        problems.append(f"{key}: {exc}")
-        return None
+            model = call_factory("model", spec, model_fn, spec.model.args, plugins)
     except Exception as exc:  # noqa: BLE001 - the factory refused the arguments, or meta did
-        if _meta_limit(exc):
+        cause = exc.__cause__ if isinstance(exc, PluginError) else exc
+        if cause is not None and _meta_limit(cause) and not isinstance(cause, PPCoreError):
             notes.append(f"split not checked: the model could not be built on the meta device "
-                         f"({_why(exc)})")
-        else:
+                         f"({_why(cause)})")
+        elif isinstance(exc, PluginError) and cause is not None:  # the guard's message
+            problems.append(f"model.args: {exc}")
+        elif isinstance(exc, PPCoreError):  # e.g. a missing optional dependency, named
+            problems.append(f"{key}: {exc}")
+        else:  # model.target: the user's own code
             problems.append(f"model.args: the model factory refused these arguments "
-                            f"({_why(exc)}); fix model.args{origin('model', spec)}")
+                            f"({_why(exc)}); fix model.args")
         return None
     if not isinstance(model, torch.nn.Module):
         problems.append(f"{key}: expected the factory to return a torch.nn.Module, found "
@@ -76,9 +80,9 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
     """The datasets, one batch, the optimizer and the resume path, as a rank would build them."""
     check_memory(spec, model, problems)
     if data_fn is not None:
-        batch = _check_dataset(spec, data_fn, False, problems, model)
+        batch = _check_dataset(spec, data_fn, False, problems, model, plugins)
         if spec.train.eval_every:
-            evaluated = _check_dataset(spec, data_fn, True, problems)
+            evaluated = _check_dataset(spec, data_fn, True, problems, plugins=plugins)
             if evaluated is not None:
                 check_fit(model, evaluated, "data.eval_args", problems)
         if batch is not None:
@@ -93,20 +97,26 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
         check_resume_identity(spec, model, problems, notes)
 
 
-def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str], model=None):
+def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str], model=None,
+                   plugins=None):
     """The dataset's first batch, or ``None`` with a problem naming data.args (or eval_args)."""
     key = "data.eval_args" if evaluation else "data.args"
-    why = " (train.eval_every is set, so evaluation builds it)" if evaluation else ""
-    try:
-        data = data_fn(**dataset_args(spec, data_fn, evaluation))
+    why = EVALUATION_NOTE if evaluation else ""
+    try:  # the call a rank makes (the plugin's factory through the plugin guard)
+        data = call_factory("dataset", spec, data_fn, dataset_args(spec, data_fn, evaluation),
+                            plugins, evaluation)
         _check_vocab(spec, data, model, problems)
         batch = next(iter(data))
     except StopIteration:
         problems.append(f"{key}: the dataset yields no batch{why}")
         return None
-    except Exception as exc:  # noqa: BLE001 - the factory refused the file's arguments
+    except PluginError as exc:  # the guard's message: the arguments, or the plugin
+        problems.append(f"{key}: {exc}")
+        return None
+    except Exception as exc:  # noqa: BLE001 - its first batch failed
+        origin = plugins_or_default(plugins).origin("dataset", spec.data.name)
         problems.append(f"{key}: dataset {spec.data.name!r} refused these arguments{why} "
-                        f"({_why(exc)}); fix {key}{origin('dataset', spec)}")
+                        f"({_why(exc)}); fix {key}, or {origin} if the arguments are right")
         return None
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         problems.append(f"data.name: dataset {spec.data.name!r} yielded "
@@ -219,6 +229,9 @@ def _runtime_initializers(model, plugins, problems: list[str]):
     except (RuntimeError, TypeError) as exc:
         problems.append(f"model.args: the model's runtime initializers disagree ({_why(exc)}); "
                         f"give every module that shares a resource_key the same signature")
+        return None
+    except PluginError as exc:  # a pp_runtime_initializers hook (or the model's method) raised
+        problems.append(f"model: {exc}")
         return None
 
 

@@ -12,7 +12,7 @@ import os
 
 from pp_core.errors import quoted
 
-__all__ = ["check_fit", "check_memory", "machine_memory", "origin"]
+__all__ = ["check_fit", "check_memory", "machine_memory"]
 
 
 def _input_embedding(model):
@@ -91,20 +91,3 @@ def check_memory(spec, model, problems: list[str]) -> None:
                         f"taking its stages: {local} x {size / 2**30:,.1f} GiB is more than this "
                         f"machine's {total / 2**30:,.1f} GiB of memory; use a smaller model "
                         f"({quoted(str(spec.model.args), 80)}) or more machines")
-
-
-def origin(kind: str, spec) -> str:
-    """``, or plugin 'p' (pp-p 1.0) if the arguments are right`` for a registered model or
-    dataset; ``""`` otherwise (a ``model.target``, a name the installed plugins lack)."""
-    from pp_core.plugin_manager import default_plugins  # lazy: only when a factory failed
-
-    name = spec.model.name if kind == "model" else spec.data.name
-    if not name:
-        return ""
-    try:
-        registry = default_plugins().models if kind == "model" else default_plugins().datasets
-        entry = registry.entry(name)
-    except Exception:  # noqa: BLE001 - naming the plugin is a courtesy, never a new failure
-        return ""
-    dist, version = default_plugins().distribution(entry.plugin)
-    return f", or plugin {entry.plugin!r} ({dist} {version}) if the arguments are right"

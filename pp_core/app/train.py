@@ -32,7 +32,7 @@ from pp_core import build_pipeline
 from pp_core.app.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from pp_core.app.checkpoint_identity import identity_files
 from pp_core.app.data_metrics import batch_figures
-from pp_core.app.factories import build_model, dataset_args, dataset_factory, dp_slice
+from pp_core.app.factories import build_dataset, build_model, dp_slice
 from pp_core.app.health import apply_update, weights_finite
 from pp_core.app.layout import RankLayout
 from pp_core.app.progress import Progress
@@ -199,11 +199,6 @@ def _set_lr(optimizers, base_lrs, factor: float) -> float:
     return next((b for bases in base_lrs for b in bases), 0.0) * factor
 
 
-def _dataset(spec: Spec, evaluation: bool = False):
-    factory = dataset_factory(spec)
-    return factory(**dataset_args(spec, factory, evaluation))
-
-
 def _mean_over_dp(value: float | None, ctx: RankContext) -> float | None:
     """The mean over dp replicas of a value only the last-stage ranks hold, on every rank."""
     buffer = torch.tensor([0.0 if value is None else float(value),
@@ -228,7 +223,7 @@ def _resume_step(spec: Spec, pipe, optimizers, ctx: RankContext, say) -> int:
 
 def _evaluate(spec: Spec, pipe, ctx: RankContext, global_batch: int) -> float | None:
     losses = []
-    for index, (inputs, target) in enumerate(_dataset(spec, evaluation=True)):
+    for index, (inputs, target) in enumerate(build_dataset(spec, evaluation=True)):
         if index >= spec.train.eval_steps:
             break
         with torch.no_grad():
@@ -252,7 +247,7 @@ def train(spec: Spec) -> dict[str, Any]:
     train_cfg, steps = spec.train, spec.train.steps
     params = [p for mine in _distinct_parameters(pipe.model_parts) for p in mine]
     counted_once = tied_copies(pipe.model_parts, pipe.stage_indices)
-    batches = _batches(_dataset(spec), start_step)
+    batches = _batches(build_dataset(spec), start_step)
     global_batch = spec.global_batch_size
     progress = Progress(steps, start_step, spec.output.progress if ctx.rank == 0 else "off",
                         train_cfg.log_every)

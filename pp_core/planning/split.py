@@ -77,9 +77,7 @@ def splitter_origin(name: str, plugins=None) -> str:
     plugins = plugins_or_default(plugins)
     if name not in plugins.splitters:
         return f"splitter {name!r}"
-    entry = plugins.splitters.entry(name)
-    dist, version = plugins.distribution(entry.plugin)
-    return f"splitter {entry.name!r} from plugin {entry.plugin!r} ({dist} {version})".strip()
+    return plugins.origin("splitter", name)
 
 
 def _check_methods(splitter, origin: str) -> None:

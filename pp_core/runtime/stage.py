@@ -6,6 +6,13 @@ dict; a later stage as ``forward(*outs)`` where ``outs`` is the previous stage's
 or a tuple of tensors). Integer and boolean tensors cross stages without gradients. The last
 stage's output goes to the loss function unchanged. Keyword inputs every stage needs (``step(...,
 stage_kwargs={"position_ids": ...})``) are added to every call as ``**kwargs``.
+
+A later stage's inputs that need a gradient are leaves the runtime made (the tensor received, or
+the previous local stage's output detached), and torch refuses an in-place operation on a leaf
+that requires grad. Unsplit, the same tensor is an intermediate result, so a block that starts
+with ``x.mul_(2)`` trains. The stage is therefore called with :func:`handed` inputs: each such
+leaf passed through an identity autograd node that shares its storage (no copy), so the part may
+change its input in place and the gradient still reaches the leaf the backward asks for.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ class Stage:
         module = self.module
         kwargs = kwargs or {}
         if not self.is_first:
-            return module(*inputs, **kwargs)
+            return module(*handed(inputs), **kwargs)
         if isinstance(inputs, dict):
             return module(**inputs, **kwargs)
         if isinstance(inputs, (tuple, list)):
@@ -84,6 +91,26 @@ def as_outputs(value: Any, stage: int, dtype) -> tuple[torch.Tensor, ...]:
     if dtype is not None:
         items = [t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in items]
     return tuple(items)
+
+
+class _Handoff(torch.autograd.Function):
+    """Identity: the same storage as a new non-leaf tensor (its version counter is shared, so a
+    tensor the sender's graph saved is still checked as it is unsplit)."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def handed(inputs) -> tuple:
+    """A later stage's inputs as its part receives them: every plain leaf that requires grad
+    behind an identity node (the module docstring says why)."""
+    return tuple(_Handoff.apply(t) if type(t) is torch.Tensor and t.requires_grad and t.is_leaf
+                 else t for t in inputs)
 
 
 def make_stage_inputs(tensors, grad_enabled: bool) -> tuple[torch.Tensor, ...]:
