@@ -69,8 +69,8 @@ CASES = [
                                                           "splitter": "sequential"}},
      "model.splitter: splitter 'sequential'"),
     ({**BASE, "model": {"target": "losses_mod:DictModel"}}, "the model returned dict"),
-    (_with("model", args={**ARGS, "num_heads": 5}), "fix model.args, or plugin "
-                                                     "'pp_core_builtins.models' (pp-core"),
+    (_with("model", args={**ARGS, "num_heads": 5}), "fix model.args, or model 'gpt' from "
+                                                     "plugin 'pp_core_builtins.models' (pp-core"),
     (_with("distributed", nnodes=2, node_rank=2, master_port=29999, rdzv_backend="static"),
      "distributed.node_rank: expected this machine's index 0..1 (nnodes=2), found 2"),
 ]
