@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 import pluggy
 
 from pp_core import hookspecs
+from pp_core.callables import LazyCallable
 from pp_core.errors import PluginError, did_you_mean
 from pp_core.model_initializers import ModelInitializers
 from pp_core.plugin_faults import DISABLE_ENV, BrokenPlugin, describe_error, plugin_call
@@ -220,7 +221,10 @@ class Registry:
         )
 
     def get(self, name: str) -> Any:
-        return self.entry(name).value
+        """What ``name`` was registered as; a factory registered by name
+        (:class:`~pp_core.callables.LazyCallable`) is imported now and given as itself."""
+        value = self.entry(name).value
+        return value.__wrapped__ if isinstance(value, LazyCallable) else value
 
 
 class Plugins:
