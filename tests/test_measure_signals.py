@@ -1,6 +1,13 @@
 """Signals and dying helpers while ``pp_schedule: auto`` measures the link (issue #25, class 7):
 Ctrl-C ends ``pp-core run`` within seconds with nothing left running, a measuring helper killed
-during ``pp-core plan`` is one clear error. Real processes; signals as a terminal sends them."""
+during ``pp-core plan`` is one clear error. Real processes; signals as a terminal sends them.
+
+And a signal at every other phase - auto's profiling, the training auto chose, a checkpoint
+save, ``pp-core plan`` measuring - ends the command within seconds with 128 + the signal's number
+and nothing left running: SIGINT to the process group (Ctrl-C in a terminal), SIGTERM to the
+command's process only (``kill PID``, a job scheduler). A model that lingers where the test
+signals (its forward while the launcher profiles it, its ``state_dict`` while a rank saves) holds
+each phase open, so the signal lands inside it every time."""
 
 from __future__ import annotations
 
@@ -113,3 +120,91 @@ def test_a_helper_killed_during_plan_is_one_clear_error(tmp_path):
         "--no-link" in err and "Traceback" not in err, err[-2000:]
     time.sleep(0.5)
     assert _tagged() == [], "processes outlived pp-core"
+
+
+LINGER = """
+import inspect, os, time
+from pathlib import Path
+from pp_core_builtins.models.gpt import GPT
+
+def _linger(phase):
+    Path(f"lingering-{phase}").touch()  # the test signals once this file exists
+    for _ in range(600):
+        time.sleep(0.1)
+
+class Lingering(GPT):
+    def __init__(self, linger="", **args):
+        super().__init__(**args)
+        self.linger = linger
+        self.register_state_dict_post_hook(Lingering._saving)
+
+    def forward(self, x, *rest, **kwargs):
+        if self.linger == "profile" and "RANK" not in os.environ and x.device.type != "meta":
+            _linger("profile")  # the launcher profiles the model for pp_schedule: auto
+        return super().forward(x, *rest, **kwargs)
+
+    @staticmethod
+    def _saving(module, state_dict, prefix, local_metadata):
+        if module.linger == "save" and any(f.function == "save_checkpoint"
+                                           for f in inspect.stack()):
+            _linger("save")
+"""
+
+
+def _lingering(tmp_path, phase: str, command: str):
+    """``command`` on a 2-rank pipeline whose model lingers in ``phase``; returns the process
+    once the phase has begun (a file the model writes, or the first training step)."""
+    (tmp_path / "lingering_model.py").write_text(LINGER)
+    pipe = {**PIPE, "model": {"target": "lingering_model:Lingering",
+                              "args": {**PIPE["model"]["args"], "linger": phase}},
+            "train": {"steps": 100000, "log_every": 1}}
+    if phase == "save":
+        pipe["pipeline"] = {**PIPE["pipeline"], "pp_schedule": "1f1b"}
+        pipe["checkpoint"] = {"dir": "ckpt", "every": 2}
+    key, value = TAG.split("=")
+    env = {**os.environ, key: value, "TMPDIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    (tmp_path / "pipe.yaml").write_text(yaml.safe_dump(pipe))
+    process = subprocess.Popen([sys.executable, "-m", "pp_core", command, "pipe.yaml"],
+                               cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    if phase == "training":
+        for line in process.stdout:  # auto measured, profiled and chose; the ranks train
+            if line.split()[:1] == ["step"]:
+                return process
+        pytest.fail(f"no training step: {process.communicate()[1][-2000:]}")
+    if phase == "measuring":
+        _wait_for_helpers(process)
+        time.sleep(1.0)  # inside the measurement
+        return process
+    deadline = time.monotonic() + 120
+    while not (tmp_path / f"lingering-{phase}").exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail(f"the {phase} phase never began: {process.communicate()[1][-2000:]}")
+        time.sleep(0.05)
+    return process
+
+
+@pytest.mark.parametrize("command, phase", [
+    ("run", "profile"), ("run", "training"), ("run", "save"), ("plan", "measuring"),
+    ("plan", "profile")])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_in_any_phase_ends_everything_at_once_with_its_exit_code(tmp_path, command,
+                                                                          phase, sig):
+    process = _lingering(tmp_path, phase, command)
+    if sig == signal.SIGINT:
+        os.killpg(process.pid, sig)  # Ctrl-C: the terminal signals the whole foreground group
+    else:
+        os.kill(process.pid, sig)  # `kill PID`: pp-core itself must stop what it started
+    sent = time.monotonic()
+    _, err = _finish(process, 30)
+    assert time.monotonic() - sent < 10, err[-2000:]
+    assert process.returncode == 128 + sig, err[-2000:]
+    assert f"interrupted by {sig.name}" in err and "Traceback" not in err, err[-2000:]
+    time.sleep(0.5)
+    assert _tagged() == [], "processes outlived pp-core"
+    if phase == "save":  # a save cut short leaves no checkpoint that looks complete
+        assert not list((tmp_path / "ckpt").glob("step_*/.metadata")) or \
+            (tmp_path / "ckpt" / "latest").exists()

@@ -8,6 +8,7 @@ import os
 import sys
 
 from pp_core import __version__
+from pp_core.app.interrupts import Interrupted, exit_code, signals_raise
 from pp_core.app.logs import configure_logging
 from pp_core.errors import PPCoreError
 
@@ -64,7 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         configure_logging()
-        return int(args.func(args) or 0)
+        with signals_raise():  # SIGTERM ends a command as Ctrl-C does, its cleanup run
+            return int(args.func(args) or 0)
+    except (KeyboardInterrupt, Interrupted) as exc:  # not one line of traceback for a Ctrl-C
+        sigval, code = exit_code(exc)
+        print(f"\npp-core: interrupted by {sigval.name}", file=sys.stderr)
+        return code  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
     except PPCoreError as exc:
         print(f"pp-core: error: {exc}", file=sys.stderr)
         return 1

@@ -19,14 +19,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import socket
 import tempfile
-import threading
 from typing import Any, Callable
 
 from pp_core.app.logs import configure_logging
 from pp_core.app.decide import decide
+from pp_core.app.interrupts import interrupt_once, signals_raise
 from pp_core.app.layout import RankLayout
 from pp_core.app.rendezvous import prepare_endpoint, started_by_torchrun
 from pp_core.app.spec import Spec
@@ -48,6 +47,7 @@ def rank_main(spec_values: dict, entrypoint: Callable | None = None,
     """What every rank runs: rebuild the :class:`Spec` from :meth:`Spec.to_dict` and train (or
     call ``entrypoint(spec)``)."""
     configure_logging(f"pp-core rank {os.environ.get('RANK', '0')}")
+    interrupt_once()
     # the launcher reports a failed step once, as the run's error (not once per rank)
     logging.getLogger("pp_core.runtime.failures").setLevel(logging.CRITICAL)
     spec = Spec.from_dict(spec_values, source)
@@ -202,24 +202,9 @@ def _signals_raise():
     handler (SIGINT too, which the agent replaces and never restores) is put back afterwards."""
     from torch.distributed.elastic.multiprocessing import SignalException  # lazy: torch
 
-    def raise_signal(signum, frame):
-        sigval = signal.Signals(signum)
-        raise SignalException(f"pp-core got {sigval.name}", sigval=sigval)
-
-    if threading.current_thread() is not threading.main_thread():
+    with signals_raise(lambda sigval: SignalException(f"pp-core got {sigval.name}",
+                                                      sigval=sigval)):
         yield
-        return
-    signals = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
-               if hasattr(signal, name)]
-    saved = {sig: signal.getsignal(sig) for sig in signals}
-    for sig in signals:
-        if sig != signal.SIGINT:  # Ctrl-C stays a KeyboardInterrupt until the agent takes over
-            signal.signal(sig, raise_signal)
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 def _failure_message(exc) -> str:

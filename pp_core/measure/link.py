@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -206,8 +207,15 @@ def _round_trips(numel: int, leader: bool, peer: int, group, device, count: int)
 def _run_helpers(mp, args) -> None:
     """Run the two measuring processes; whatever ends the wait (Ctrl-C, SIGTERM, a helper that
     died) ends both helpers too, within a couple of seconds: none outlives the caller."""
-    context = mp.start_processes(_worker, args=args, nprocs=2, join=False, daemon=True,
-                                 start_method="spawn")
+    # started with SIGINT blocked (a blocked signal stays blocked across exec; here it waits, and
+    # arrives once unblocked): a Ctrl-C in the terminal reaches the helpers too, and one still
+    # importing torch printed its traceback; the caller's KeyboardInterrupt ends them below
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        context = mp.start_processes(_worker, args=args, nprocs=2, join=False, daemon=True,
+                                     start_method="spawn")
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         while not context.join(timeout=0.2):
             pass

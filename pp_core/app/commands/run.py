@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from pathlib import Path
 
+from pp_core.app.interrupts import Interrupted, exit_code
 from pp_core.config import is_auto
 from pp_core.errors import ConfigError
 
@@ -110,10 +110,10 @@ def run_command(args) -> int:
     try:
         launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True),
                memory_cap=cap)
-    except (KeyboardInterrupt, SignalException) as exc:
-        reason = getattr(exc, "sigval", None) or signal.SIGINT
+    except (KeyboardInterrupt, SignalException, Interrupted) as exc:
+        reason, code = exit_code(exc)
         print(f"\npp-core: interrupted by {reason.name}; the ranks were stopped", file=sys.stderr)
-        return 128 + int(reason)  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
+        return code  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
     return 0
 
 
