@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
 import statistics
 import tempfile
 import time
@@ -207,14 +208,19 @@ def _round_trips(numel: int, leader: bool, peer: int, group, device, count: int)
 def _run_helpers(mp, args) -> None:
     """Run the two measuring processes; whatever ends the wait (Ctrl-C, SIGTERM, a helper that
     died) ends both helpers too, within a couple of seconds: none outlives the caller."""
-    # started with SIGINT blocked (a blocked signal stays blocked across exec; here it waits, and
-    # arrives once unblocked): a Ctrl-C in the terminal reaches the helpers too, and one still
-    # importing torch printed its traceback; the caller's KeyboardInterrupt ends them below
+    # started ignoring SIGINT (an ignored signal stays ignored across exec, and Python then
+    # installs no KeyboardInterrupt handler): a Ctrl-C in the terminal reaches the helpers too,
+    # and one importing torch printed its traceback; the caller's KeyboardInterrupt ends them
+    # below. This process blocks SIGINT meanwhile, so a Ctrl-C in that instant arrives after.
+    main = threading.current_thread() is threading.main_thread()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         context = mp.start_processes(_worker, args=args, nprocs=2, join=False, daemon=True,
                                      start_method="spawn")
     finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         while not context.join(timeout=0.2):
