@@ -11,17 +11,16 @@ import functools
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Callable, Iterable
 
 import pluggy
 
 from pp_core import hookspecs
-from pp_core.callables import LazyCallable
 from pp_core.errors import PluginError, did_you_mean
 from pp_core.model_initializers import ModelInitializers
 from pp_core.plugin_faults import DISABLE_ENV, BrokenPlugin, describe_error, plugin_call
+from pp_core.registry import Registry, RegistryEntry  # noqa: F401 (re-exported)
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -164,67 +163,6 @@ def check_pending(pm: pluggy.PluginManager) -> None:
     for name, plugin in pm.list_name_plugin():
         _check_hook_names(pm, name, plugin)
     pm.check_pending()
-
-
-@dataclass
-class RegistryEntry:
-    name: str
-    value: Any
-    plugin: str
-    aliases: tuple[str, ...] = ()
-
-
-@dataclass
-class Registry:
-    """Named things registered by plugins (schedules, splitters, models, datasets)."""
-
-    kind: str
-    entries: dict[str, RegistryEntry] = field(default_factory=dict)
-    _lookup: dict[str, RegistryEntry] = field(default_factory=dict)
-
-    def add(self, name: str, value: Any, plugin: str, aliases: Iterable[str] = ()) -> None:
-        if not isinstance(name, str) or not name:
-            raise PluginError(f"plugin {plugin!r} registered a {self.kind} with name {name!r}; "
-                              f"names must be non-empty strings")
-        entry = RegistryEntry(name, value, plugin, tuple(aliases))
-        for key in (name, *entry.aliases):
-            other = self._lookup.get(key.lower())
-            if other is not None:
-                raise PluginError(
-                    f"{self.kind} {key!r} is registered twice: by plugin {other.plugin!r} "
-                    f"(as {other.name!r}) and by plugin {plugin!r} (as {name!r}); uninstall one, "
-                    f"or skip one with {DISABLE_ENV}=<plugin name>"
-                )
-        for key in (name, *entry.aliases):
-            self._lookup[key.lower()] = entry
-        self.entries[name] = entry
-
-    def __contains__(self, name: str) -> bool:
-        return isinstance(name, str) and name.lower() in self._lookup
-
-    def __iter__(self):
-        return iter(self.entries.values())
-
-    def names(self) -> list[str]:
-        return list(self.entries)
-
-    def entry(self, name: str) -> RegistryEntry:
-        found = self._lookup.get(str(name).lower())
-        if found is not None:
-            return found
-        installed = ", ".join(f"{e.name} (from {e.plugin})" for e in self.entries.values())
-        hint = did_you_mean(str(name).lower(), self._lookup,
-                            show=lambda key: repr(self._lookup[key].name), after=" ")
-        raise PluginError(
-            f"unknown {self.kind} {name!r}; {hint}installed {self.kind}s: {installed or 'none'}; "
-            f"run 'pp-core plugins' to see every plugin"
-        )
-
-    def get(self, name: str) -> Any:
-        """What ``name`` was registered as; a factory registered by name
-        (:class:`~pp_core.callables.LazyCallable`) is imported now and given as itself."""
-        value = self.entry(name).value
-        return value.__wrapped__ if isinstance(value, LazyCallable) else value
 
 
 class Plugins:
