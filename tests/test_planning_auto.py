@@ -214,12 +214,13 @@ def test_sharded_profile_holds_each_units_shard():
     bytes, the norms all of theirs; the times include the stage's collectives."""
     from torch import nn
 
-    from pp_core.app.decide import plan_spec
+    from pp_core.app.layout import RankLayout
+    from pp_core.app.measured import plan_sharded
 
     spec = parse_spec(apply_overrides(BASE, ["distributed.tp_size=2"]), "tp.yaml")
-    plan = plan_spec(spec, measure_link=False)
+    plan = plan_sharded(spec, RankLayout.of(spec), microbatch_sizes=[1], repeats=1)
     model = GPT(**MODEL)
-    units = next(iter(plan.profiles.values())).units
+    units = plan.profiles[1].units
     assert [u.fqns for u in units][-1] == ("norm", "output")
     for unit in units:
         modules = [m for fqn in unit.fqns for m in model.get_submodule(fqn).modules()]
