@@ -186,14 +186,45 @@ def test_cpu_ranks_sharing_the_cores_are_planned_as_sharing_them():
     assert given.predicted_step_s >= work / 1.5 * 0.999
 
 
-@pytest.mark.parametrize("command", ["plan", "validate"])
-def test_auto_and_plan_refuse_tensor_parallelism_they_cannot_model(tmp_path, capsys, command):
-    """The planner profiles one unsharded process: at tp_size > 1 its figures would be wrong,
-    so ``pp-core plan`` and ``pp_schedule: auto`` refuse before profiling, saying what works."""
+def _whole_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def test_plan_at_tp_2_profiles_a_sharded_stage(tmp_path, capsys):
+    """``pp-core plan`` at tp_size 2 profiles each unit sharded over two processes: the
+    parameters the ranking charges a rank are its shard, about half the whole model's (norms
+    stay whole); the text names the tp degree; ``pp_schedule: auto`` at tp 2 validates."""
     import yaml
 
     path = tmp_path / "tp.yaml"
     path.write_text(yaml.safe_dump(apply_overrides(BASE, ["distributed.tp_size=2"])))
-    assert cli.main([command, str(path)]) == 1
-    err = capsys.readouterr().err
-    assert "cannot model tensor parallelism yet" in err and "tp_size=1" in err, err
+    assert cli.main(["plan", str(path), "--json", "--no-link"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    whole = _whole_bytes(GPT(**MODEL))
+    held = {sum(rank["params"] for rank in candidate["memory_per_rank"])
+            for candidate in data["ranking"]["kept"]
+            if candidate["stages_per_rank"] == 1}  # each unit on one rank: the sum is all
+    assert len(held) == 1 and 0.5 * whole < held.pop() < 0.55 * whole, (held, whole)
+    assert cli.main(["validate", str(path)]) == 0
+    capsys.readouterr()
+
+
+def test_sharded_profile_holds_each_units_shard():
+    """Per unit, at tp 2: each Linear and Embedding (all sharded by the GPT plan) holds half its
+    bytes, the norms all of theirs; the times include the stage's collectives."""
+    from torch import nn
+
+    from pp_core.app.layout import RankLayout
+    from pp_core.app.measured import plan_sharded
+
+    spec = parse_spec(apply_overrides(BASE, ["distributed.tp_size=2"]), "tp.yaml")
+    plan = plan_sharded(spec, RankLayout.of(spec), microbatch_sizes=[1], repeats=1)
+    model = GPT(**MODEL)
+    units = plan.profiles[1].units
+    assert [u.fqns for u in units][-1] == ("norm", "output")
+    for unit in units:
+        modules = [m for fqn in unit.fqns for m in model.get_submodule(fqn).modules()]
+        sharded = sum(_whole_bytes(m) for m in modules if isinstance(m, (nn.Linear, nn.Embedding)))
+        norms = sum(_whole_bytes(m) for m in modules if isinstance(m, nn.LayerNorm))
+        assert sharded and unit.param_bytes == sharded // 2 + norms, unit.fqns
+        assert unit.forward_s > 0 and unit.backward_s > 0

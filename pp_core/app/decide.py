@@ -84,18 +84,28 @@ def plan_spec(spec: Spec, layout: RankLayout | None = None, memory_cap=None, plu
               measure_link: bool = True, say: Say | None = None):
     """Profile the spec's model as a rank runs it and choose: a
     :class:`pp_core.measure.plan_auto.AutoPlan`."""
-    from pp_core.app.measured import as_a_rank, model_and_batch  # lazy: torch, only when measuring
+    from pp_core.app.measured import (  # lazy: torch, only when measuring
+        as_a_rank, model_and_batch, plan_sharded)
     from pp_core.measure.link import measure_local_link
     from pp_core.measure.plan_auto import plan_auto
 
     layout = RankLayout.of(spec) if layout is None else layout
-    pp_size = spec.distributed.pp_size
-    model, inputs, target, device = model_and_batch(spec, layout, plugins)
+    pp_size, tp = spec.distributed.pp_size, spec.distributed.tp_size
     link = None
     if measure_link and pp_size > 1:
         if say is not None:
             say("auto: measuring the link between two local ranks")
         link = measure_local_link(layout.backend, layout.device)
+    if tp > 1:  # a stage is tp processes: profiled by as many, collectives and all
+        if plugins is not None:
+            raise ConfigError("plan_spec: plugins= cannot reach the processes that profile a "
+                              "tensor-parallel stage (distributed.tp_size > 1); install the "
+                              "plugins (entry points) instead")
+        if say is not None:
+            say(f"auto: profiling the model sharded {tp} ways by {tp} local processes")
+        return plan_sharded(spec, layout, memory_cap=memory_cap, link=link,
+                            processors=layout.processors if layout.device == "cpu" else None)
+    model, inputs, target, device = model_and_batch(spec, layout, plugins)
     if say is not None:
         say(f"auto: profiling {type(model).__name__} on {device}")
     with as_a_rank(layout, device):

@@ -11,17 +11,25 @@ reusable by anything that measures or plans from a YAML file.
 from __future__ import annotations
 
 import contextlib
+import os
+import pickle
+import tempfile
+from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from pp_core.app.factories import build_dataset, build_model
 from pp_core.app.layout import RankLayout
 from pp_core.app.spec import Spec
 from pp_core.losses import resolve_loss
+from pp_core.measure.helpers import HELPER_TIMEOUT_S, run_helpers
+from pp_core.measure.plan_auto import plan_auto
 from pp_core.measure.profile import profile_model
+from pp_core.parallel.tensor_parallel import apply_tensor_parallel
 
-__all__ = ["model_and_batch", "as_a_rank", "profile_spec"]
+__all__ = ["model_and_batch", "as_a_rank", "profile_spec", "plan_sharded"]
 
 
 def model_and_batch(spec: Spec, layout: RankLayout, plugins=None):
@@ -58,3 +66,56 @@ def profile_spec(spec: Spec, microbatch_sizes: Optional[Sequence[int]] = None, p
     with as_a_rank(layout, device):
         return profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device,
                              repeats=repeats, config=config, plugins=plugins)
+
+
+def plan_sharded(spec: Spec, layout: RankLayout, **plan_args):
+    """The :class:`~pp_core.measure.plan_auto.AutoPlan` of ``spec`` with its stages sharded
+    ``distributed.tp_size`` ways, profiled by that many local processes together (module
+    docstring); ``plan_args`` go to :func:`~pp_core.measure.plan_auto.plan_auto` (no
+    ``plugins``: the helpers load the installed ones)."""
+    tp = spec.distributed.tp_size
+    with tempfile.TemporaryDirectory(prefix="pp-core-tp-") as tmp:
+        out = os.path.join(tmp, "plan")
+        run_helpers(_sharded_worker, (spec.to_dict(), layout, os.path.join(tmp, "store"), out,
+                                      plan_args), tp,
+                    died=f"a process profiling the {tp}-way tensor-parallel stage ended before "
+                         f"it finished ({{}}); nothing was planned",
+                    failed=f"profiling the {tp}-way tensor-parallel stage failed")
+        with open(out, "rb") as fh:
+            return pickle.load(fh)
+
+
+def _sharded_worker(rank: int, values: dict, layout: RankLayout, store_path: str,
+                    out_path: str, plan_args: dict) -> None:
+    """One tp rank of :func:`plan_sharded`: build, shard, profile and plan; the first writes
+    the plan."""
+    spec = Spec.from_dict(values)
+    tp = spec.distributed.tp_size
+    cuda = layout.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    # bounded waits: a helper whose peer or parent is gone ends by itself
+    dist.init_process_group(layout.backend, store=dist.FileStore(store_path, tp), rank=rank,
+                            world_size=tp, timeout=timedelta(seconds=HELPER_TIMEOUT_S))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh  # lazy: seconds, tp only
+
+        mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
+        model = build_model(spec).to(device)
+        batch = [next(iter(build_dataset(spec))) if rank == 0 else None]
+        dist.broadcast_object_list(batch, src=0)  # every tp rank takes the same input
+        inputs, target = batch[0]
+        sequence_parallel = spec.distributed.sequence_parallel
+
+        def shard(parts):
+            apply_tensor_parallel(parts, mesh, sequence_parallel=sequence_parallel)
+
+        with as_a_rank(layout, device):
+            plan = plan_auto(model, spec.pipeline, inputs, target, spec.distributed.pp_size,
+                             device=device, shard_parts=shard, **plan_args)
+        if rank == 0:
+            with open(out_path, "wb") as fh:
+                pickle.dump(plan, fh)
+    finally:
+        dist.destroy_process_group()

@@ -234,11 +234,6 @@ def _check_combinations(values: dict, problems: list[str],
     if dist["sequence_parallel"] and dist["tp_size"] == 1:
         problems.append("distributed.sequence_parallel: shards activations over the tp ranks, "
                         "found tp_size = 1; set distributed.tp_size > 1 or drop sequence_parallel")
-    if values["pipeline"]["pp_schedule"] == "auto" and dist["tp_size"] > 1:
-        problems.append(f"pipeline.pp_schedule: auto profiles the model unsharded on one process "
-                        f"and cannot model tensor parallelism yet, found distributed.tp_size = "
-                        f"{dist['tp_size']}; name a schedule ('pp-core plan FILE --set "
-                        f"distributed.tp_size=1' ranks them without tensor parallelism)")
     if dist["nnodes"] > 1 and dist["master_port"] is None and dist["rdzv_endpoint"] is None:
         problems.append("distributed.master_port: expected a port every node can reach when "
                         "nnodes > 1 (or set distributed.rdzv_endpoint: host:port), found none")

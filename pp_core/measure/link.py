@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
-import threading
 import statistics
 import tempfile
 import time
@@ -30,9 +28,9 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from pp_core.errors import ConfigError, PipelineError
+from pp_core.errors import ConfigError
+from pp_core.measure.helpers import HELPER_TIMEOUT_S, run_helpers
 from pp_core.measure.overhead import measure_action_overhead
 from pp_core.planning.costs import Link
 
@@ -106,10 +104,6 @@ def measure_p2p_busy(group=None, sizes=BUSY_SIZES, *, device=None, count: int = 
     return send_small, recv_small, rate
 
 
-HELPER_TIMEOUT_S = 120
-"""The longest a measuring helper waits for its peer (the measurement takes seconds)."""
-
-
 def _worker(rank: int, store_path: str, backend: str, device_type: str, out_path: str) -> None:
     torch.set_num_threads(1)
     if device_type == "cuda":
@@ -135,7 +129,10 @@ def measure_local_link(backend: str = "gloo", device_type: str = "cpu") -> Link:
         return Link()
     with tempfile.TemporaryDirectory(prefix="pp-core-link-") as tmp:
         out = os.path.join(tmp, "link")
-        _run_helpers(mp, (os.path.join(tmp, "store"), backend, device_type, out))
+        run_helpers(_worker, (os.path.join(tmp, "store"), backend, device_type, out), 2,
+                    died="a link-measuring helper process ended before it finished ({}); the "
+                         "link was not measured (skip measuring with 'pp-core plan --no-link')",
+                    failed="measuring the link between two local processes failed")
         with open(out, encoding="utf-8") as fh:
             return Link.of(fh.read().split())
 
@@ -203,45 +200,3 @@ def _round_trips(numel: int, leader: bool, peer: int, group, device, count: int)
         if trip:
             times.append(time.perf_counter() - start)
     return times
-
-
-def _run_helpers(mp, args) -> None:
-    """Run the two measuring processes; whatever ends the wait (Ctrl-C, SIGTERM, a helper that
-    died) ends both helpers too, within a couple of seconds: none outlives the caller."""
-    # started ignoring SIGINT (an ignored signal stays ignored across exec, and Python then
-    # installs no KeyboardInterrupt handler): a Ctrl-C in the terminal reaches the helpers too,
-    # and one importing torch printed its traceback; the caller's KeyboardInterrupt ends them
-    # below. This process blocks SIGINT meanwhile, so a Ctrl-C in that instant arrives after.
-    main = threading.current_thread() is threading.main_thread()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    try:
-        context = mp.start_processes(_worker, args=args, nprocs=2, join=False, daemon=True,
-                                     start_method="spawn")
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    try:
-        while not context.join(timeout=0.2):
-            pass
-    except mp.ProcessExitedException as exc:
-        raise PipelineError(f"a link-measuring helper process ended before it finished ({exc}); "
-                            f"the link was not measured (skip measuring with 'pp-core plan "
-                            f"--no-link')") from None
-    except mp.ProcessRaisedException as exc:
-        raise PipelineError(f"measuring the link between two local processes failed: "
-                            f"{str(exc).strip().splitlines()[-1][:300]}") from None
-    finally:
-        _stop(context.processes)
-
-
-def _stop(processes) -> None:
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    for process in processes:
-        process.join(1.0)
-        if process.is_alive():
-            process.kill()
-            process.join(1.0)

@@ -89,7 +89,8 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
               device="cpu", memory_cap: int | str | None = None, plugins=None, group=None,
               microbatch_sizes: Sequence[int] | None = None,
               link: Link | Sequence[float] | None = None, schedules=None,
-              repeats: int = 5, processors: float | str | None = "auto") -> AutoPlan:
+              repeats: int = 5, processors: float | str | None = "auto",
+              shard_parts=None) -> AutoPlan:
     """Profile ``model`` on ``device``, choose the fastest plan that fits, return it.
 
     :param inputs, target: one step's batch (``pp_batch_size`` samples), real tensors.
@@ -108,6 +109,9 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
         (:func:`pp_core.devices.shared_processors`); ``"auto"``: on the CPU, this machine's
         cores over this process's threads, for ``LOCAL_WORLD_SIZE`` ranks here (default: the
         ``pp_size`` ranks); ``None``: every rank has its own.
+    :param shard_parts: how a rank shards its parts (tensor parallelism), applied to the
+        profiled units (:func:`pp_core.measure.profile.profile_model`): every process of its
+        tp mesh must call this together, and each returns the plan for its own shard.
     """
     if not isinstance(config, PipelineConfig):
         raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
@@ -125,7 +129,7 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
     if group is None or _group_rank(group) == 0:
         started = time.perf_counter()
         profiles = _profiles(model, config, inputs, target, pp_size, device, microbatch_sizes,
-                             link, plugins, repeats)
+                             link, plugins, repeats, shard_parts)
         shared = _processors(processors, device, pp_size)
         profiles = {size: dataclasses.replace(p, processors=shared)
                     for size, p in profiles.items()}
@@ -139,7 +143,8 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
     return AutoPlan(concrete_config(config, ranking.chosen), ranking, profile_s, link, profiles)
 
 
-def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugins, repeats):
+def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugins, repeats,
+              shard_parts):
     if config.loss_fn is None:
         raise ConfigError("plan_auto times the loss with the last unit: set config.loss_fn")
     sizes = list(sizes) if sizes is not None else \
@@ -147,7 +152,7 @@ def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugi
     parts_like = dataclasses.replace(config, pp_schedule="1f1b")  # dtype, patches: as run
     return profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device,
                          repeats=repeats, config=parts_like, plugins=plugins,
-                         p2p=link if link is not None else Link())
+                         p2p=link if link is not None else Link(), shard_parts=shard_parts)
 
 
 def _processors(processors, device, pp_size: int) -> float:

@@ -30,7 +30,7 @@ from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError
 from pp_core.measure.held_for_weight import HeldForWeight
 from pp_core.measure.link import sync
-from pp_core.measure.transient import Allocations
+from pp_core.measure.transient import Allocations, local_tensor
 from pp_core.planning.balance import stage_fqns
 from pp_core.planning.costs import Link, ModelProfile, UnitCost
 from pp_core.planning.parts import build_model_parts
@@ -61,7 +61,8 @@ def _clock(name: str, device: torch.device) -> Callable[[], float]:
 
 
 def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes this process holds of ``tensors`` (a DTensor: its local shard)."""
+    return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
 
 
 class _Saved:
@@ -74,7 +75,7 @@ class _Saved:
 
     def pack(self, tensor):
         try:
-            storage = tensor.untyped_storage()
+            storage = local_tensor(tensor).untyped_storage()
             key = storage.data_ptr()
             if key and key not in self.exclude and key not in self.seen:
                 self.seen.add(key)
@@ -102,7 +103,7 @@ class _Saved:
 class _UnitRunner:
     """One part per unit and the runtime's stage call for each; runs one microbatch at a time."""
 
-    def __init__(self, model, units, config, plugins, splitter, device):
+    def __init__(self, model, units, config, plugins, splitter, device, shard_parts=None):
         name, chosen = unit_splitter(model, plugins, splitter)
         self.shared = shared_modules(model, {fqn for unit in units for fqn in unit})
         config = _config_for(config, stage_fqns(units, [1] * len(units)))
@@ -110,8 +111,10 @@ class _UnitRunner:
         self.dtype = config.torch_dtype if config is not None else None
         n = len(units)
         plan = SplitPlan(n, stages, name, n, 1, splitter_object=chosen)
-        parts = build_model_parts(model, plan, range(n), config)
-        self.stages = [Stage(i, part.to(device), (0,) * n, 0) for i, part in enumerate(parts)]
+        parts = [part.to(device) for part in build_model_parts(model, plan, range(n), config)]
+        if shard_parts is not None:  # tensor parallelism: as a rank, right after the split
+            shard_parts(parts)
+        self.stages = [Stage(i, part, (0,) * n, 0) for i, part in enumerate(parts)]
         self.params = [list({id(p): p for p in part.parameters()}.values()) for part in parts]
         self.initializers = collect_pipeline_runtime_initializers(parts)
         self.device = device
@@ -231,6 +234,7 @@ def profile_model(
     splitter=None,
     p2p: Link | Sequence[float] = Link(),
     clock: str = "auto",
+    shard_parts: Callable[[list], Any] | None = None,
 ) -> dict[int, ModelProfile]:
     """Measure ``model`` unit by unit; ``{microbatch_size: ModelProfile}``.
 
@@ -246,6 +250,11 @@ def profile_model(
         order: ``(latency_s, bytes_per_s)`` (:func:`measure_p2p`), optionally followed by the
         busy times of :func:`pp_core.measure.link.measure_p2p_busy`; default a free link.
     :param clock: ``"auto"``, ``"wall"`` or ``"cpu"`` (:data:`CLOCKS`).
+    :param shard_parts: called with the unit parts (one per unit, on ``device``) right after
+        they are built, as a rank shards its parts: e.g. ``lambda parts:
+        apply_tensor_parallel(parts, tp_mesh)``. Every process of ``tp_mesh`` must then profile
+        the same model and batch together (the collectives are in the times); bytes are what
+        this process holds (a DTensor's local shard).
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"profile: repeats={repeats!r} must be a positive int")
@@ -258,13 +267,13 @@ def profile_model(
     device = torch.device(device)
     timer = _clock(clock, device)
     units = model_units(model, plugins, splitter)
-    runner = _UnitRunner(model, units, config, plugins, splitter, device)
+    runner = _UnitRunner(model, units, config, plugins, splitter, device, shard_parts)
     runner.clock = timer
     params = [p for group in runner.params for p in group]
     kept = {id(p): p.grad for p in params}
     for p in params:  # or backward would add into the caller's gradient tensors
         p.grad = None
-    exclude = {p.untyped_storage().data_ptr() for p in params}
+    exclude = {local_tensor(p).untyped_storage().data_ptr() for p in params}
     rng_devices = [device] if device.type == "cuda" else []
     result = {}
     try:

@@ -18,22 +18,38 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import weakref
+
+import torch
 
 from pp_core._torch_compat import TorchDispatchMode
 from pp_core.runtime.microbatch import iter_tensors
 
-__all__ = ["Allocations", "storages"]
+__all__ = ["Allocations", "storages", "local_tensor"]
+
+
+def local_tensor(tensor):
+    """What this process holds of ``tensor``: a DTensor's local shard (tensor parallelism),
+    any other tensor itself. (No DTensor exists unless its module was imported.)"""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is not None and isinstance(tensor, module.DTensor):
+        with torch.no_grad():  # the local tensor itself, no autograd node
+            return tensor.to_local()
+    return tensor
 
 
 def storages(values):
-    """The plain storages of the tensors in ``values`` (nested containers walked)."""
+    """The plain storages of the tensors in ``values`` (nested containers walked; a DTensor's
+    local shard)."""
     out = []
     for value in iter_tensors(values):
         try:
-            out.append(value.untyped_storage())
-        except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested)
-            pass
+            storage = local_tensor(value).untyped_storage()
+            storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested, a
+            continue  # wrapper such as a collective's result: its tensor inside is seen)
+        out.append(storage)
     return out
 
 

@@ -60,23 +60,18 @@ def plan_command(args) -> int:
     from pp_core.planning.sizes import parse_size
     from pp_core.app.preflight import preflight
     from pp_core.app.spec import load_spec
-    from pp_core.errors import ConfigError
 
     cap = None if args.memory_cap is None else parse_size(args.memory_cap)
     spec = load_spec(args.pipeline, args.overrides)
-    if spec.distributed.tp_size > 1:
-        raise ConfigError(f"{spec.source}: distributed.tp_size: {spec.distributed.tp_size}: "
-                          f"pp-core plan profiles the model unsharded on one process and cannot "
-                          f"model tensor parallelism yet; rank the plans without it: pp-core plan "
-                          f"{args.pipeline} --set distributed.tp_size=1 "
-                          f"--set distributed.sequence_parallel=false")
     spec = as_auto(spec)
     preflight(spec, run_checks=False)  # names, arguments, batch sizes: fail before profiling
     plan = plan_spec(spec, memory_cap=cap, measure_link=not args.no_link)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
-    print(f"{spec.source}: pp {spec.distributed.pp_size}, pp_batch_size "
+    tp = spec.distributed.tp_size
+    print(f"{spec.source}: pp {spec.distributed.pp_size}" + (f", tp {tp}" if tp > 1 else "") +
+          f", pp_batch_size "
           f"{spec.pipeline.pp_batch_size}; profiled in {plan.profile_s:.1f} s" +
           ("" if plan.link is None else f", link {plan.link.latency_s * 1e6:.0f} us + "
                                         f"{plan.link.bytes_per_s / 1e9:.2f} GB/s") +
