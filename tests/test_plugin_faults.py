@@ -131,7 +131,8 @@ def installed(dists, monkeypatch):
 
 
 def _run(dists, *argv, cwd=None):
-    env = {**os.environ, "PYTHONPATH": str(dists) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",  # cpu ranks on a GPU machine too
+           "PYTHONPATH": str(dists) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([PP_CORE, *argv], capture_output=True, text=True, env=env, timeout=120,
                           cwd=cwd)
 

@@ -7,6 +7,7 @@ relative): the same training, whatever the tp layout. Real processes, real files
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,9 @@ def run(tmp_path: Path, name: str, *overrides: str) -> dict[int, float]:
                f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", "output.progress=off",
                "--set", "output.summary=false", "--set", f"output.metrics={metrics}",
                *[arg for item in overrides for arg in ("--set", item)]]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # 4 cpu ranks on a GPU machine too
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return {row["step"]: row["loss"] for row in map(json.loads, metrics.read_text().splitlines())
             if "loss" in row}
