@@ -21,20 +21,10 @@ import torch.distributed as dist
 from pp_core import PipelineConfig, build_pipeline
 from pp_core.losses import resolve_loss
 from tests._runtime_cases import batch, gpt, reference
+from tests._tp_cases import pp_tp_mesh
 
 GLOBAL_BATCH = 8
-_MESH: dict = {}
-
-
-def mesh_3d():
-    """The (pp, dp_shard, tp) mesh of the 8 ranks, made once per process group."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    key = id(dist.group.WORLD)
-    if key not in _MESH:
-        _MESH.clear()
-        _MESH[key] = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
-    return _MESH[key]
+FSDP_TP = ((2, 2, 2), ("pp", "dp_shard", "tp"))  # the 8 ranks' mesh: pp2 x dp_shard2 x tp2
 
 
 def strided_whole(locals_: dict, chunks: int) -> torch.Tensor:
@@ -62,7 +52,7 @@ def fsdp_tp_case(schedule: str, microbatch_size: int = 2) -> dict:
     ``full_tensor()``), the parameters it covers and the placements its gradients have."""
     from pp_core.parallel import apply_data_parallel, apply_tensor_parallel
 
-    mesh = mesh_3d()
+    mesh = pp_tp_mesh(*FSDP_TP)
     model = gpt(4)
     ref_model = copy.deepcopy(model)
     local = GLOBAL_BATCH // 2
@@ -115,7 +105,7 @@ def _fresh(layout: str):
 
     from pp_core.parallel import apply_data_parallel, apply_tensor_parallel
 
-    mesh = mesh_3d() if layout == "fsdp_tp" else init_device_mesh(
+    mesh = pp_tp_mesh(*FSDP_TP) if layout == "fsdp_tp" else init_device_mesh(
         "cpu", (2, 2, 2), mesh_dim_names=("copy", "pp", "tp"))
     config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=GLOBAL_BATCH // 2,
                             pp_microbatch_size=2, loss_fn="cross_entropy",

@@ -19,10 +19,11 @@ _MESH: dict = {}
 
 
 def pp_tp_mesh(shape=(2, 2), names=("pp", "tp")):
-    """The (pp, tp) mesh of the ranks (pp outermost, tp innermost), made once per group."""
+    """The (pp, tp) mesh of the ranks (pp outermost, tp innermost; or ``shape`` named
+    ``names``), made once per group."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    key = (id(dist.group.WORLD), shape)
+    key = (id(dist.group.WORLD), shape, names)
     if key not in _MESH:
         _MESH.clear()
         _MESH[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)

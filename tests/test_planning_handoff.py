@@ -108,7 +108,6 @@ def test_a_link_fills_the_profile_fields_its_figures_name():
     # latency and bandwidth alone: the rest unmeasured, as a profile without them
     short = Link.of((1e-5, 1e9)).profile_fields()
     assert ModelProfile(2, profile().units, **short) == profile()
-    assert Link.from_dict(link.to_dict()) == link
     assert list(link.to_dict()) == ["latency_s", "bytes_per_s", "send_busy_s", "recv_busy_s",
                                     "busy_bytes_per_s", "action_overhead_s"]
     with pytest.raises(ValueError, match="the first two at least; got 1"):

@@ -104,14 +104,14 @@ def plan_spec(spec: Spec, layout: RankLayout | None = None, memory_cap=None, plu
         if say is not None:
             say(f"auto: profiling the model sharded {tp} ways by {tp} local processes")
         return plan_sharded(spec, layout, memory_cap=memory_cap, link=link,
-                            processors=layout.processors if layout.device == "cpu" else None)
+                            processors=layout.processors)
     model, inputs, target, device = model_and_batch(spec, layout, plugins)
     if say is not None:
         say(f"auto: profiling {type(model).__name__} on {device}")
     with as_a_rank(layout, device):
         return plan_auto(model, spec.pipeline, inputs, target, pp_size,
                          device=device, memory_cap=memory_cap, plugins=plugins, link=link,
-                         processors=layout.processors if device.type == "cpu" else None)
+                         processors=layout.processors)  # None off the CPU
 
 
 def as_auto(spec: Spec) -> Spec:

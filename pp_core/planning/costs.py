@@ -53,11 +53,6 @@ class Link:
         """Plain JSON-able data, keyed by field name."""
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict) -> "Link":
-        """The inverse of :meth:`to_dict` (missing fields: not measured)."""
-        return cls(**data)
-
 
 @dataclass(frozen=True)
 class UnitCost:
