@@ -62,8 +62,7 @@ def plan_command(args) -> int:
     from pp_core.app.spec import load_spec
 
     cap = None if args.memory_cap is None else parse_size(args.memory_cap)
-    spec = load_spec(args.pipeline, args.overrides)
-    spec = as_auto(spec)
+    spec = as_auto(load_spec(args.pipeline, args.overrides))
     preflight(spec, run_checks=False)  # names, arguments, batch sizes: fail before profiling
     plan = plan_spec(spec, memory_cap=cap, measure_link=not args.no_link)
     if args.json:
