@@ -90,7 +90,8 @@ def plan_spec(spec: Spec, layout: RankLayout | None = None, memory_cap=None, plu
     from pp_core.measure.plan_auto import plan_auto
 
     layout = RankLayout.of(spec) if layout is None else layout
-    pp_size, tp = spec.distributed.pp_size, spec.distributed.tp_size
+    dims = spec.dims
+    pp_size, tp = dims.pp, dims.tp
     link = None
     if measure_link and pp_size > 1:
         if say is not None:

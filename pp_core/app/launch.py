@@ -1,6 +1,7 @@
 """Start the ranks of a pipeline through torch's own launcher (the API behind ``torchrun``).
 
-``pp-core run`` on one machine starts ``pp_size * dp_size`` processes with
+``pp-core run`` on one machine starts ``spec.dims.world_size`` processes (``pp_size *
+dp_replicate * dp_shard * tp_size``: :class:`~pp_core.parallel.dims.ParallelDims`) with
 :func:`torch.distributed.launcher.api.elastic_launch` (the torchelastic agent, c10d rendezvous),
 listening on loopback (``127.0.0.1``) with a free port unless the YAML names an address. On
 several machines every node runs the same command with ``distributed.nnodes`` and a reachable
@@ -96,14 +97,12 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
     layout = RankLayout.of(spec)
     if started_by_torchrun():
         spec = decide(spec, layout)  # refuses what only a launching process can measure
-        world = int(os.environ["WORLD_SIZE"])
-        if world != spec.world_size:
-            raise ConfigError(
-                f"torchrun started {world} ranks, but distributed.pp_size * dp_size * tp_size = "
-                f"{spec.distributed.pp_size} * {spec.distributed.dp_size} * "
-                f"{spec.distributed.tp_size} = "
-                f"{spec.world_size}; pass --nnodes/--nproc-per-node that multiply to "
-                f"{spec.world_size}")
+        dims = spec.dims
+        mismatch = dims.world_size_problem(int(os.environ["WORLD_SIZE"]),
+                                           "torchrun started {} ranks")
+        if mismatch:
+            raise ConfigError(f"{mismatch}; pass --nnodes/--nproc-per-node that multiply to "
+                              f"{dims.world_size}")
         return {int(os.environ.get("LOCAL_RANK", 0)): rank_main(spec.to_dict(), entrypoint,
                                                                spec.source)}
     dist = spec.distributed
@@ -112,10 +111,8 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
         endpoint = prepare_endpoint(dist)
         if announce is not None:
             node = f", node of {dist.nnodes}" if dist.nnodes > 1 else ""
-            tp = f" x tp {dist.tp_size}" if dist.tp_size > 1 else ""
-            announce(f"starting {layout.local_ranks} rank(s) on this machine (pp "
-                     f"{dist.pp_size} x dp {dist.dp_size}{tp}{node}) on {layout.device} "
-                     f"({layout.reason})")
+            announce(f"starting {layout.local_ranks} rank(s) on this machine "
+                     f"({spec.dims.describe()}{node}) on {layout.device} ({layout.reason})")
         with _launch_temp_dir() as logs:
             return _elastic_launch(spec, entrypoint, layout.local_ranks, endpoint, logs)
 

@@ -9,7 +9,6 @@ numbers and never read the YAML spec.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,15 +28,9 @@ __all__ = ["RankLayout", "local_ranks"]
 
 
 def local_ranks(distributed: "DistributedSpec", environ=None) -> int:
-    """How many ranks run on this machine: torchrun's ``LOCAL_WORLD_SIZE`` inside a launched
-    job, else ``nproc_per_node`` (default: every rank of the job over ``nnodes``)."""
-    env = os.environ if environ is None else environ
-    if "LOCAL_WORLD_SIZE" in env:
-        return int(env["LOCAL_WORLD_SIZE"])
-    if distributed.nproc_per_node:
-        return distributed.nproc_per_node
-    return (distributed.pp_size * distributed.dp_size * distributed.tp_size
-            // distributed.nnodes)
+    """How many ranks run on this machine (:meth:`ParallelDims.local_ranks
+    <pp_core.parallel.dims.ParallelDims.local_ranks>` of the section's degrees)."""
+    return distributed.dims.local_ranks(distributed.nnodes, distributed.nproc_per_node, environ)
 
 
 @dataclass(frozen=True)

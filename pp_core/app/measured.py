@@ -27,6 +27,7 @@ from pp_core.losses import resolve_loss
 from pp_core.measure.helpers import HELPER_TIMEOUT_S, run_helpers
 from pp_core.measure.plan_auto import plan_auto
 from pp_core.measure.profile import profile_model
+from pp_core.parallel.dims import ParallelDims
 from pp_core.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["model_and_batch", "as_a_rank", "profile_spec", "plan_sharded"]
@@ -73,7 +74,7 @@ def plan_sharded(spec: Spec, layout: RankLayout, **plan_args):
     ``distributed.tp_size`` ways, profiled by that many local processes together (module
     docstring); ``plan_args`` go to :func:`~pp_core.measure.plan_auto.plan_auto` (no
     ``plugins``: the helpers load the installed ones)."""
-    tp = spec.distributed.tp_size
+    tp = spec.dims.tp
     with tempfile.TemporaryDirectory(prefix="pp-core-tp-") as tmp:
         out = os.path.join(tmp, "plan")
         run_helpers(_sharded_worker, (spec.to_dict(), layout, os.path.join(tmp, "store"), out,
@@ -90,7 +91,8 @@ def _sharded_worker(rank: int, values: dict, layout: RankLayout, store_path: str
     """One tp rank of :func:`plan_sharded`: build, shard, profile and plan; the first writes
     the plan."""
     spec = Spec.from_dict(values)
-    tp = spec.distributed.tp_size
+    dims = ParallelDims(tp=spec.dims.tp, sequence_parallel=spec.dims.sequence_parallel)
+    tp = dims.tp  # the helpers are one stage's tp ranks: pp = dp = 1
     cuda = layout.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
@@ -99,14 +101,12 @@ def _sharded_worker(rank: int, values: dict, layout: RankLayout, store_path: str
     dist.init_process_group(layout.backend, store=dist.FileStore(store_path, tp), rank=rank,
                             world_size=tp, timeout=timedelta(seconds=HELPER_TIMEOUT_S))
     try:
-        from torch.distributed.device_mesh import init_device_mesh  # lazy: seconds, tp only
-
-        mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
+        mesh = dims.build(device.type).tp
         model = build_model(spec).to(device)
         batch = [next(iter(build_dataset(spec))) if rank == 0 else None]
         dist.broadcast_object_list(batch, src=0)  # every tp rank takes the same input
         inputs, target = batch[0]
-        sequence_parallel = spec.distributed.sequence_parallel
+        sequence_parallel = dims.sequence_parallel
 
         def shard(parts):
             apply_tensor_parallel(parts, mesh, sequence_parallel=sequence_parallel)

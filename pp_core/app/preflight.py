@@ -141,7 +141,7 @@ def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
 def _check_expert_parallel(spec: Spec, model, plugins, problems: list[str]) -> None:
     """``distributed.ep_size`` > 1 needs the model's expert-parallel plan, and every planned
     module's ``num_experts`` divisible by it."""
-    ep = spec.distributed.ep_size
+    ep = spec.dims.ep
     if ep == 1:
         return
     from pp_core.parallel.expert import planned_modules  # lazy: torch, only with expert parallelism
@@ -164,7 +164,7 @@ def _check_expert_parallel(spec: Spec, model, plugins, problems: list[str]) -> N
 def _check_tensor_parallel(spec: Spec, model, plugins, problems: list[str], notes) -> None:
     """``distributed.tp_size > 1``: a plugin must have a plan for the model, and the plan's
     sharded dimensions and the model's head counts must divide by tp_size."""
-    tp, sequence_parallel = spec.distributed.tp_size, spec.distributed.sequence_parallel
+    tp, sequence_parallel = spec.dims.tp, spec.dims.sequence_parallel
     if tp <= 1:
         return
     from pp_core.parallel.tensor_parallel import (  # lazy: torch, only with tensor parallelism

@@ -169,8 +169,8 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
                         f"{tuple(first.shape)}); every dimension must be at least 1 (e.g. "
                         f"data.args.seq_len)")
         return
-    tp = spec.distributed.tp_size
-    if spec.distributed.sequence_parallel and first.dim() >= 2 and first.shape[1] % tp:
+    tp = spec.dims.seq_len_divisor
+    if tp > 1 and first.dim() >= 2 and first.shape[1] % tp:
         problems.append(f"distributed.sequence_parallel: shards the sequence over the "
                         f"tp_size={tp} ranks, but the dataset yields sequences of "
                         f"{first.shape[1]}; make the length a multiple of {tp} (e.g. "
@@ -387,11 +387,11 @@ def check_local_ranks(spec: Spec, problems: list[str]) -> None:
     where the launcher's world size decides)."""
     if started_by_torchrun():
         return
-    local = spec.world_size // spec.distributed.nnodes
+    dims, nnodes = spec.dims, spec.distributed.nnodes
+    local = dims.world_size // nnodes
     bound = LOCAL_RANKS_PER_CPU * (os.cpu_count() or 1)
     if local > bound:
-        dist = spec.distributed
-        problems.append(f"distributed.dp_size: pp_size * dp_size / nnodes = {dist.pp_size} * "
-                        f"{dist.dp_size} / {dist.nnodes} = {local:,} processes on this "
+        problems.append(f"distributed.{dims.largest_key()}: {dims.formula()} / nnodes = "
+                        f"{dims.figures()} / {nnodes} = {local:,} processes on this "
                         f"machine, more than it can run ({LOCAL_RANKS_PER_CPU} per CPU core, "
                         f"{bound}); use smaller sizes, or more machines (distributed.nnodes)")

@@ -314,7 +314,7 @@ class RunRecorder:
             "source": spec.source, "model": model, "data": spec.data.name,
             "num_params": self.num_params, "schedule": schedule.name if schedule else
             spec.pipeline.pp_schedule, "pp_size": self.ctx.pp_size, "dp_size": self.ctx.dp_size,
-            "tp_size": getattr(self.ctx, "tp_size", 1), "mesh": describe_mesh(self.ctx.mesh),
+            "tp_size": spec.dims.tp, "mesh": describe_mesh(self.ctx.mesh),
             "num_stages": schedule.num_stages if schedule else None,
             "num_microbatches": spec.pipeline.num_microbatches,
             "first_step": start_step + 1, "last_step": self.steps[-1] if self.steps else start_step,

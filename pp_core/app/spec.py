@@ -33,6 +33,7 @@ from pp_core.app.spec_sections import (SECTIONS, CheckpointSpec, DataSpec, Distr
 from pp_core.app.spec_yaml import YamlProblem, load_yaml_text, read_yaml
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, closest, did_you_mean, quoted
+from pp_core.parallel.dims import ParallelDims
 
 __all__ = ["Key", "SCHEMA", "REQUIRED_SECTIONS", "Spec", "SpecError", "load_spec",
            "parse_spec", "apply_overrides", "parse_override", "describe_value"]
@@ -88,13 +89,17 @@ class Spec:
         return cls(**sections, source=source, plan=values.get("plan"))
 
     @property
+    def dims(self) -> ParallelDims:
+        """The run's parallel layout (:class:`~pp_core.parallel.dims.ParallelDims`)."""
+        return self.distributed.dims
+
+    @property
     def world_size(self) -> int:
-        dist = self.distributed
-        return dist.pp_size * dist.dp_size * dist.tp_size
+        return self.dims.world_size
 
     @property
     def global_batch_size(self) -> int:
-        return self.pipeline.pp_batch_size * self.distributed.dp_size
+        return self.pipeline.pp_batch_size * self.dims.dp
 
 
 # ----------------------------------------------------------------------------- --set
@@ -221,19 +226,12 @@ def _check_combinations(values: dict, problems: list[str],
                 problems.append(f"checkpoint.{name}: needs checkpoint.dir, found "
                                 f"checkpoint.dir unset; add checkpoint.dir: <path>")
     _fold_dp_size(dist, problems)
-    _check_ep_size(dist, ckpt, problems)
-    world = dist["pp_size"] * dist["dp_size"] * dist["tp_size"]
-    product = "pp_size * dp_size" + (" * tp_size" if dist["tp_size"] > 1 else "")
-    nproc = dist["nproc_per_node"]
-    if nproc is None and world % dist["nnodes"]:
-        problems.append(f"distributed.nnodes: {product} = {world} ranks cannot "
-                        f"be shared evenly by nnodes={dist['nnodes']}; use an nnodes that divides {world}")
-    elif nproc is not None and nproc * dist["nnodes"] != world:
-        problems.append(f"distributed.nproc_per_node: expected nnodes * nproc_per_node = "
-                        f"{product} = {world}, found {dist['nnodes']} * {nproc}")
-    if dist["sequence_parallel"] and dist["tp_size"] == 1:
-        problems.append("distributed.sequence_parallel: shards activations over the tp ranks, "
-                        "found tp_size = 1; set distributed.tp_size > 1 or drop sequence_parallel")
+    dims = ParallelDims.of(dist)
+    problems.extend(dims.problems(dist["nnodes"], dist["nproc_per_node"]))
+    if dims.ep > 1 and ckpt["dir"] is not None:
+        problems.append("checkpoint.dir: checkpoints of expert-parallel runs (distributed.ep_size"
+                        f" = {dims.ep}) are not supported yet; drop checkpoint.dir or set "
+                        f"ep_size: 1")
     if dist["nnodes"] > 1 and dist["master_port"] is None and dist["rdzv_endpoint"] is None:
         problems.append("distributed.master_port: expected a port every node can reach when "
                         "nnodes > 1 (or set distributed.rdzv_endpoint: host:port), found none")
@@ -252,18 +250,6 @@ def _check_combinations(values: dict, problems: list[str],
         config = _check_pipeline(values["pipeline"], problems)
     _check_optimizer(values["train"]["optimizer"], problems)
     return config
-
-
-def _check_ep_size(dist: dict, ckpt: dict, problems: list[str]) -> None:
-    """``ep_size`` draws its ranks from the dp ranks (num_experts is checked with the model)."""
-    ep, dp = dist["ep_size"], dist["dp_size"]
-    if dp % ep:
-        problems.append(f"distributed.ep_size: expected a divisor of the data-parallel size "
-                        f"dp_replicate * dp_shard = {dp}, found {ep}; expert-parallel ranks "
-                        f"are drawn from the dp ranks")
-    if ep > 1 and ckpt["dir"] is not None:
-        problems.append("checkpoint.dir: checkpoints of expert-parallel runs (distributed.ep_size"
-                        f" = {ep}) are not supported yet; drop checkpoint.dir or set ep_size: 1")
 
 
 def _fold_dp_size(dist: dict, problems: list[str]) -> None:

@@ -279,7 +279,7 @@ SCHEMA: dict[str, list[Key]] = {
             "auto: cuda when every rank on the machine gets a GPU of its own, else cpu"),
         Key("nnodes", _int(1), 1, "machines taking part; each runs the same command"),
         Key("nproc_per_node", _optional(_int(1)), None, "ranks per machine; default "
-            "pp_size * dp_replicate * dp_shard / nnodes"),
+            "pp_size * dp_replicate * dp_shard * tp_size / nnodes"),
         Key("node_rank", _optional(_int(0)), None, "this machine's index (static rendezvous)"),
         Key("master_addr", _address, "127.0.0.1", "address of the rendezvous host; loopback unless "
             "you name another"),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pp_core.config import PipelineConfig
+from pp_core.parallel.dims import ParallelDims
 
 __all__ = ["ModelSpec", "DataSpec", "DistributedSpec", "TrainSpec", "CheckpointSpec",
            "OutputSpec", "SECTIONS"]
@@ -59,6 +60,12 @@ class DistributedSpec:
     rdzv_endpoint: str | None = None
     rdzv_id: str = "pp-core"
     timeout_s: int = 300
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The parallel degrees of this section, as one value (the world size, the divisors,
+        the meshes: :class:`~pp_core.parallel.dims.ParallelDims`)."""
+        return ParallelDims.of(self)
 
 
 @dataclass(frozen=True)

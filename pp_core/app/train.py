@@ -1,7 +1,8 @@
 """The training loop every rank of ``pp-core run`` executes.
 
 One rank's life: join the process group, lay the ranks out as one device mesh
-``(pp, dp_replicate, dp_shard, tp)`` (:func:`pp_core.parallel.mesh.build_device_mesh`),
+``(pp, dp_replicate, dp_shard, tp)`` with the expert-parallel groups drawn from its dp ranks
+(:meth:`pp_core.parallel.dims.ParallelDims.build`),
 build the whole model with the run's seed (so every rank starts from the same weights, whatever
 the layout), cut out this rank's stages with :func:`pp_core.build_pipeline` over the mesh's pp
 group, shard them over the tp dimension (:func:`pp_core.parallel.apply_tensor_parallel`), hand the parts to torch's data parallelism (FSDP2 / HSDP / ``replicate``, through
@@ -43,10 +44,9 @@ from pp_core.errors import PipelineError
 from pp_core.losses import pop_aux_losses
 from pp_core.parallel import (apply_activation_checkpointing, apply_compile, apply_data_parallel,
                               apply_tensor_parallel)
-from pp_core.parallel.expert import (apply_expert_parallel, expert_parallel_groups,
-                                     expert_parameters, sync_expert_gradients)
+from pp_core.parallel.expert import (apply_expert_parallel, expert_parameters,
+                                     sync_expert_gradients)
 from pp_core.parallel.gradients import clip_grad_norm, finish_gradients, tied_copies
-from pp_core.parallel.mesh import build_device_mesh
 from pp_core.runtime.microbatch import kwargs_chunk_dims, num_tokens
 
 __all__ = ["train", "lr_factor", "RankContext"]
@@ -67,13 +67,14 @@ def lr_factor(step: int, train: TrainSpec) -> float:
 
 
 class RankContext:
-    """Process group, mesh and device of this rank (``dp_rank``, ``pp_rank``, groups)."""
+    """Process group, meshes and device of this rank: ``dims`` (the spec's
+    :class:`~pp_core.parallel.dims.ParallelDims`) and what its ``build`` made (``meshes``), read
+    as ``pp_rank``, ``dp_rank``, ``pp_group``, ``tp_mesh``, ``expert_groups``, ..."""
 
     def __init__(self, spec: Spec):
         layout = RankLayout.of(spec)
-        device_type = layout.device
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if device_type == "cuda":
+        if layout.device == "cuda":
             torch.cuda.set_device(local_rank)
             self.device = torch.device("cuda", local_rank)
         else:
@@ -83,36 +84,22 @@ class RankContext:
             dist.init_process_group(layout.backend,
                                     timeout=timedelta(seconds=spec.distributed.timeout_s))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        given = spec.distributed
-        pp, dp, replicate, shard = given.pp_size, given.dp_size, given.dp_replicate, given.dp_shard
-        tp = given.tp_size
-        if self.world_size != pp * dp * tp:
-            raise PipelineError(f"{self.world_size} ranks joined, but pp_size * dp_replicate * "
-                                f"dp_shard * tp_size = {pp} * {replicate} * {shard} * {tp} = "
-                                f"{pp * dp * tp}")
-        # pp outermost, tp innermost (as torchtitan): a tp group's ranks are neighbours
-        self.mesh = build_device_mesh({"pp_size": pp, "dp_replicate": replicate,
-                                       "dp_shard": shard, "tp_size": tp}, device_type)
-        self.tp_mesh, self.tp_size = self.mesh["tp"], tp
-        self.pp_mesh, self.dp_mesh = self.mesh["pp"], self.mesh["dp_replicate", "dp_shard"]
-        self.pp_group = self.pp_mesh.get_group()
-        self.pp_rank = self.pp_mesh.get_local_rank()
-        self.dp_rank = (self.mesh["dp_replicate"].get_local_rank() * shard
-                        + self.mesh["dp_shard"].get_local_rank())
-        self.pp_size, self.dp_size = pp, dp
-        # expert parallelism: ep groups drawn from the dp ranks (pp_core.parallel.expert)
-        ep = spec.distributed.ep_size
-        self.expert_groups = expert_parallel_groups(self.mesh.mesh.reshape(pp, dp, -1), ep) \
-            if ep > 1 else None
-        self.ep_group = self.expert_groups.ep_group if self.expert_groups else None
+        self.dims = dims = spec.dims
+        mismatch = dims.world_size_problem(self.world_size)
+        if mismatch:
+            raise PipelineError(mismatch)
+        self.meshes = meshes = dims.build(layout.device)  # every mesh and group, in one place
+        self.mesh, self.pp_mesh, self.dp_mesh, self.tp_mesh = (meshes.mesh, meshes.pp,
+                                                               meshes.dp, meshes.tp)
+        self.pp_group, self.pp_rank, self.dp_rank = (self.pp_mesh.get_group(), meshes.pp_rank,
+                                                     meshes.dp_rank)
+        self.pp_size, self.dp_size, self.tp_size = dims.pp, dims.dp, dims.tp
+        self.expert_groups, self.ep_group = meshes.experts, meshes.ep_group
 
     def data_parallel_mesh(self):
-        """The sub-mesh torch's dp engines run on: ``dp_shard`` (FSDP2), ``dp_replicate``
-        (replicas only) or both (HSDP)."""
-        replicate, shard = self.mesh["dp_replicate"].size(), self.mesh["dp_shard"].size()
-        if replicate > 1 and shard > 1:
-            return self.dp_mesh
-        return self.mesh["dp_shard" if shard > 1 else "dp_replicate"]
+        """The sub-mesh torch's dp engines run on (:meth:`Meshes.data_parallel_mesh
+        <pp_core.parallel.dims.Meshes.data_parallel_mesh>`)."""
+        return self.meshes.data_parallel_mesh()
 
 
 def _build(spec: Spec, ctx: RankContext):

@@ -5,7 +5,7 @@ pipeline rank's dp group: the dp ranks ``0..dp_size-1`` (``dp_rank = replicate_i
 shard_index``) are cut into contiguous blocks of ``ep_size``; each block is an ep group, and the
 ranks at the same position of every block (they hold the same experts) form the expert-dp group,
 ``dp_size / ep_size`` ranks that average the experts' gradients.
-:func:`expert_parallel_groups` is the one place that lays this out.
+:class:`pp_core.parallel.dims.ParallelDims` is the one place that lays this out.
 
 * :func:`apply_expert_parallel` shards the experts of each model part, in place, by the model's
   plan (the ``pp_expert_parallel_plan`` hook; ``{module pattern: style}``). Apply it after
@@ -21,15 +21,15 @@ ranks at the same position of every block (they hold the same experts) form the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pp_core.errors import ConfigError
+from pp_core.parallel.dims import ExpertGroups, build_expert_groups
 from pp_core.plugin_manager import plugins_or_default
 
 __all__ = ["ExpertGroups", "expert_parallel_groups", "apply_expert_parallel",
@@ -37,51 +37,16 @@ __all__ = ["ExpertGroups", "expert_parallel_groups", "apply_expert_parallel",
            "planned_modules"]
 
 
-@dataclass
-class ExpertGroups:
-    """This rank's expert-parallel layout: ``ep_group`` (the ranks its experts' tokens travel
-    between), ``expert_dp_group`` (the ranks holding the same experts; ``None`` when
-    ``ep_size == dp_size``), ``ep_rank``, ``ep_size``, ``dp_size``."""
-
-    ep_group: Any
-    expert_dp_group: Any
-    ep_rank: int
-    ep_size: int
-    dp_size: int
-
-
 def expert_parallel_groups(rank_grid: torch.Tensor, ep_size: int) -> ExpertGroups:
     """Build every ep and expert-dp group (every rank must call this, in the same order) and
-    return this rank's.
+    return this rank's: :func:`pp_core.parallel.dims.build_expert_groups`, which
+    :meth:`ParallelDims.build <pp_core.parallel.dims.ParallelDims.build>` calls at ``ep > 1``.
 
-    :param rank_grid: the global ranks laid out ``[pp, dp, ...]``: a DeviceMesh's ``mesh``
-        tensor reshaped so the data-parallel dims are flattened into dim 1 (e.g.
-        ``mesh.mesh.reshape(pp, dp_replicate * dp_shard, -1)``); trailing dims (tensor
-        parallel) get groups of their own.
+    :param rank_grid: the global ranks laid out ``[pp, dp, ...]`` (e.g.
+        ``mesh.mesh.reshape(pp, dp_replicate * dp_shard, -1)``).
     :param ep_size: ranks per ep group; must divide the dp size.
     """
-    grid = rank_grid.reshape(rank_grid.shape[0], rank_grid.shape[1], -1)
-    pp, dp, rest = grid.shape
-    if ep_size < 1 or dp % ep_size:
-        raise ConfigError(f"distributed.ep_size={ep_size} must divide the data-parallel size "
-                          f"dp_replicate * dp_shard = {dp}; expert-parallel ranks are drawn "
-                          f"from the dp ranks")
-    me = dist.get_rank()
-    found = {}
-    for p in range(pp):
-        for t in range(rest):
-            ranks = grid[p, :, t].tolist()
-            for block in range(dp // ep_size):
-                members = ranks[block * ep_size:(block + 1) * ep_size]
-                group = dist.new_group(members) if ep_size > 1 else None
-                if me in members:
-                    found["ep"], found["ep_rank"] = group, members.index(me)
-            for position in range(ep_size):
-                members = ranks[position::ep_size]
-                group = dist.new_group(members) if len(members) > 1 else None
-                if me in members:
-                    found["dp"] = group
-    return ExpertGroups(found["ep"], found["dp"], found["ep_rank"], ep_size, dp)
+    return build_expert_groups(rank_grid, ep_size)
 
 
 def _plan_of(part: nn.Module, plugins) -> Optional[dict]:

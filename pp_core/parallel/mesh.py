@@ -1,28 +1,24 @@
-"""The one device mesh of a run, built from the YAML ``distributed`` section.
+"""The run's device mesh from a ``distributed`` mapping: kept for the code that imports it.
 
-Dimensions ``("pp", "dp_replicate", "dp_shard", "tp")``: pp outermost, tp innermost (its
-per-layer collectives stay between neighbouring ranks, on one node; only activations cross
-nodes), as torchtitan lays them out. Sub-meshes: ``mesh["pp"]`` for the pipeline's peers (they
-share the dp and tp coordinates: tp rank r of stage s talks only to tp rank r of stage s+-1),
-``mesh["dp_replicate", "dp_shard"]`` for torch's data parallelism, ``mesh["tp"]`` for
-``apply_tensor_parallel``. Add a dimension here (and only here) to lay out a new parallelism.
+:class:`pp_core.parallel.dims.ParallelDims` lays the ranks out (``ParallelDims.of(section).
+build(device_type)`` makes the mesh and every group); :func:`build_device_mesh` and
+:func:`mesh_shape` are its two answers for a plain ``{"pp_size": 2, "tp_size": 2}`` mapping.
+Dimensions ``("pp", "dp_replicate", "dp_shard", "tp")``: pp outermost, tp innermost.
 """
 
 from __future__ import annotations
 
-__all__ = ["MESH_DIMS", "mesh_shape", "build_device_mesh"]
+from pp_core.parallel.dims import MESH_DIMS, ParallelDims
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+__all__ = ["MESH_DIMS", "mesh_shape", "build_device_mesh"]
 
 
 def mesh_shape(distributed: dict) -> tuple[int, ...]:
     """The sizes of :data:`MESH_DIMS` from a ``distributed`` section (missing keys: 1)."""
-    return tuple(int(distributed.get(key, 1)) for key in
-                 ("pp_size", "dp_replicate", "dp_shard", "tp_size"))
+    return ParallelDims.of(distributed).mesh_shape
 
 
 def build_device_mesh(distributed: dict, device_type: str):
-    """``init_device_mesh`` over every rank of the job, dimensions :data:`MESH_DIMS`."""
-    from torch.distributed.device_mesh import init_device_mesh  # lazy: torch.distributed
-
-    return init_device_mesh(device_type, mesh_shape(distributed), mesh_dim_names=MESH_DIMS)
+    """The device mesh over every rank of the job (:meth:`ParallelDims.build
+    <pp_core.parallel.dims.ParallelDims.build>`), dimensions :data:`MESH_DIMS`."""
+    return ParallelDims.of(distributed).build(device_type).mesh

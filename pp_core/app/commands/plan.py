@@ -68,8 +68,8 @@ def plan_command(args) -> int:
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
-    tp = spec.distributed.tp_size
-    print(f"{spec.source}: pp {spec.distributed.pp_size}" + (f", tp {tp}" if tp > 1 else "") +
+    dims = spec.dims
+    print(f"{spec.source}: pp {dims.pp}" + (f", tp {dims.tp}" if dims.tp > 1 else "") +
           f", pp_batch_size "
           f"{spec.pipeline.pp_batch_size}; profiled in {plan.profile_s:.1f} s" +
           ("" if plan.link is None else f", link {plan.link.latency_s * 1e6:.0f} us + "

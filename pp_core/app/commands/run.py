@@ -2,7 +2,8 @@
 
 ``run`` checks the whole file first (unknown keys, types, combinations, plugin names, the split
 and the schedule), so a mistake is reported before any process starts; then it starts
-``pp_size * dp_size`` ranks through torch's launcher, or runs as one rank under ``torchrun``.
+``spec.dims.world_size`` ranks (``pp_size * dp_replicate * dp_shard * tp_size``) through torch's
+launcher, or runs as one rank under ``torchrun``.
 
 Every command module is imported to build the parser, so each command imports what it runs
 inside its function: ``pp-core schedule ...`` and ``--help`` never pay for the spec machinery or
@@ -131,8 +132,7 @@ def validate_command(args) -> int:
     print(f"{spec.source}: ok")
     print(f"  model {spec.model.name or spec.model.target}, data {spec.data.name}, "
           f"loss {pipeline.loss_fn}")
-    print(f"  {spec.world_size} ranks: pp {dist.pp_size} x dp {dist.dp_size}"
-          f"{' x tp ' + str(dist.tp_size) if dist.tp_size > 1 else ''}; global batch "
+    print(f"  {spec.world_size} ranks: {spec.dims.describe()}; global batch "
           f"{spec.global_batch_size} = {pipeline.pp_batch_size} per pipeline x "
           f"{dist.dp_size}, {spec.pipeline.num_microbatches} microbatches of "
           f"{pipeline.pp_microbatch_size}")
