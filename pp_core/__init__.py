@@ -47,9 +47,11 @@ __all__ = [
 def build_pipeline(model, config, pp_group=None, device="cpu", **options):
     """Split ``model`` into this rank's stages and return a :class:`pp_core.runtime.Pipeline`.
 
-    ``options`` (``plugins=``, ``timeout=``) are those of
-    :func:`pp_core.runtime.pipeline.build_pipeline`. Imported lazily so that ``import pp_core``
-    stays light (no torch.distributed).
+    ``options`` are those of :func:`pp_core.runtime.pipeline.build_pipeline`: ``plugins=``,
+    ``timeout=``, ``splitter=`` (a name or a splitter object), ``dp_group=`` (the dp ranks a
+    token-normalised loss counts over) and ``expert_groups=`` (``step`` then averages the expert
+    gradients over their ranks). Imported lazily so that ``import pp_core`` stays light (no
+    torch.distributed).
     """
     from pp_core.runtime.pipeline import build_pipeline as _build  # lazy: torch
 

@@ -126,17 +126,19 @@ def pp_expert_parallel_plan(model: "nn.Module") -> Optional[dict[str, Any]]:
     """Return the expert-parallel plan of ``model`` (a whole model or one model part), or ``None``.
 
     :param model: the model, or one of this rank's model parts (same class and FQNs).
-    :returns: ``{module pattern: style}``: ``fnmatch`` patterns of module FQNs relative to
-        ``model`` (e.g. ``"layers.*.moe"``), each mapped to an object with
+    :returns: ``{module pattern: style}``: patterns of module FQNs relative to ``model``, matched
+        as a tensor-parallel plan's are (``*`` matches one name: ``"layers.*.moe"``), each mapped
+        to an object with
         ``apply(module, ep_group) -> None`` that shards that module's experts over the
         expert-parallel process group in place (it keeps this rank's experts, marks their
         parameters ``pp_expert_parallel = True`` and dispatches tokens with all-to-all); or
         ``None`` to pass.
 
     Calling: first non-``None`` result wins (a model package answers for its own models);
-    ``pp_core.parallel.apply_expert_parallel`` asks it for each model part. Built-in:
-    ``pp_core_builtins.models`` returns ``model.expert_parallel_plan()`` when the model defines
-    it (``moe_gpt``).
+    ``pp_core.parallel.apply_expert_parallel`` asks it for each model part (a part without a plan
+    is left alone; no plan for any part is refused). Built-in: the core plugin returns
+    ``model.expert_parallel_plan()`` when the model defines it (``moe_gpt``), after every other
+    plugin; ``pp_core_builtins.transformers`` answers for Hugging Face MoE decoders.
     """
 
 

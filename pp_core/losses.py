@@ -25,7 +25,7 @@ from pp_core.callables import resolve_callable
 from pp_core.errors import ConfigError, did_you_mean
 
 __all__ = ["cross_entropy", "mse", "l1", "BUILTIN_LOSSES", "get_loss", "resolve_loss",
-           "aux_loss_scale", "set_aux_loss_scale", "pop_aux_losses", "IGNORE_INDEX",
+           "pop_aux_losses", "IGNORE_INDEX",
            "count_valid_tokens", "counts_tokens", "token_counter"]
 
 IGNORE_INDEX = -100
@@ -119,18 +119,8 @@ def resolve_loss(value) -> Callable:
 
 
 # ----------------------------------------------------------------------------- auxiliary losses
-# A model layer's auxiliary loss (an MoE load-balancing loss) must reach the parameters with the
-# gradient it would get if it were added to the last stage's loss - but that loss lives on another
-# rank. Such a layer injects the gradient in its own backward (pp_core_builtins' moe_gpt does) and
-# multiplies it by the factor the schedule applies to the last stage's loss: 1, or
-# 1 / num_microbatches when ``scale_grads_in_schedule``. The executor sets it for each step.
-_aux_loss_scale = [1.0]
-
-
-def aux_loss_scale() -> float:
-    """The factor the running pipeline step applies to each microbatch loss's gradient (1.0
-    outside a pipeline step: the loss is then used as is)."""
-    return _aux_loss_scale[0]
+# A layer's auxiliary loss (an MoE load-balancing loss) reaches its parameters through the
+# layer's own backward, at the scale the running step gives it: pp_core.parallel.expert.aux_loss.
 
 
 def pop_aux_losses(model_parts) -> list:
@@ -147,9 +137,3 @@ def pop_aux_losses(model_parts) -> list:
                 found += values
                 module.pp_aux_losses = []
     return found
-
-
-def set_aux_loss_scale(scale: float) -> float:
-    """Set :func:`aux_loss_scale`; returns the previous value (to restore it)."""
-    previous, _aux_loss_scale[0] = _aux_loss_scale[0], float(scale)
-    return previous

@@ -1,9 +1,11 @@
-"""The core's own plugin: a module that owns process-local resources names them itself.
+"""The core's own plugin: a model that knows itself says so itself.
 
 Registered in every plugin manager (:data:`pp_core.plugin_manager.CORE_PLUGIN_NAME`), so a
-model that lists its runtime initializers needs no plugin of its own: pp-core's
+model needs no plugin of its own for what it can answer: its runtime initializers (pp-core's
 ``pipeline_runtime_initializers()`` and NeMo AutoModel's ``get_pipeline_runtime_initializers()``
-are both asked (:mod:`pp_core.runtime.initializers` collects the answers).
+are both asked; :mod:`pp_core.runtime.initializers` collects the answers) and its expert-parallel
+plan (``expert_parallel_plan()``, asked after every other plugin: a plugin may still answer for
+a model it knows better).
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ class ModelInitializers:
                 f"answer differently ({_listed(answers[0])} vs {_listed(answers[1])}); define "
                 f"one of the two, or make the second return the first's list")
         return answers[0] or None
+
+    @hookspecs.hookimpl(trylast=True)
+    def pp_expert_parallel_plan(self, model):
+        if not _defines(model, "expert_parallel_plan"):
+            return None
+        return plugin_call(lambda: code_origin(model), "expert_parallel_plan()",
+                           model.expert_parallel_plan)
 
 
 def _defines(module, name: str) -> bool:

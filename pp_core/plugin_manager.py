@@ -301,13 +301,31 @@ class Plugins:
                              impl.plugin_name)
 
     def tensor_parallel_plan(self, model, sequence_parallel: bool):
-        """The first plugin's ``pp_tensor_parallel_plan`` for ``model``, or ``None``."""
-        try:
-            return self.pm.hook.pp_tensor_parallel_plan(model=model,
-                                                        sequence_parallel=sequence_parallel)
-        except Exception as exc:
-            raise PluginError(f"a plugin raised in pp_tensor_parallel_plan for "
-                              f"{type(model).__name__}: {type(exc).__name__}: {exc}") from exc
+        """The first plugin's ``pp_tensor_parallel_plan`` for ``model``, or ``None``; a plugin
+        that raises is named (:meth:`first_answer`)."""
+        return self.first_answer("pp_tensor_parallel_plan", model=model,
+                                 sequence_parallel=sequence_parallel)
+
+    def expert_parallel_plan(self, model):
+        """The first plugin's ``pp_expert_parallel_plan`` for ``model``, or ``None``; a plugin
+        that raises is named (:meth:`first_answer`)."""
+        return self.first_answer("pp_expert_parallel_plan", model=model)
+
+    def first_answer(self, hook_name: str, **kwargs):
+        """A ``firstresult`` hook called as pluggy calls it (the last registered plugin first,
+        ``tryfirst``/``trylast`` honoured), one implementation at a time, so that one which
+        raises is blamed by name (:func:`~pp_core.plugin_faults.plugin_call`); ``None`` when
+        every plugin passes. ``model`` in ``kwargs`` is named by its class."""
+        shown = ", ".join(f"{k}={type(v).__name__}" if k == "model" else f"{k}={v!r}"
+                          for k, v in kwargs.items())
+        for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls()):
+            if impl.wrapper or impl.hookwrapper:
+                continue
+            result = plugin_call(self.describe(impl.plugin_name), f"{hook_name}({shown})",
+                                 impl.function, *(kwargs[name] for name in impl.argnames))
+            if result is not None:
+                return result
+        return None
 
     def recv_buffer_allocator(self, config, program, rank, device):
         return self.pm.hook.pp_make_recv_buffer_allocator(

@@ -14,12 +14,12 @@ import torch.distributed as dist
 import torch.nn.functional as functional
 
 from pp_core import PipelineConfig, build_pipeline
-from pp_core.losses import set_aux_loss_scale
 from pp_core.parallel import apply_data_parallel
-from pp_core.parallel.expert import (apply_expert_parallel, expert_parallel_groups,
-                                     expert_parameters, sync_expert_gradients)
+from pp_core.parallel.expert import (aux_loss_modules, apply_expert_parallel,
+                                     expert_parallel_groups, expert_parameters, reset_workspaces,
+                                     scale_aux_losses)
+from pp_core.parallel.expert.dispatch import _WORKSPACES
 from pp_core.parallel.gradients import clip_grad_norm, finish_gradients
-from pp_core_builtins.models.moe_dispatch import _WORKSPACES, reset_workspaces
 from pp_core_builtins.models.moe_gpt import MoE, MoEGPT, pop_aux_losses
 from tests._fsdp_cases import mesh_2x2
 
@@ -65,14 +65,15 @@ def reference(model, inputs, target, num_microbatches: int, max_norm):
     model.zero_grad(set_to_none=True)
     total = 0.0
     scale = 1.0 / num_microbatches
-    previous = set_aux_loss_scale(scale)
+    layers = aux_loss_modules([model])
+    scale_aux_losses(layers, scale)  # what a pipeline step hands its layers
     try:
         for x, t in zip(inputs.chunk(num_microbatches), target.chunk(num_microbatches)):
             loss = functional.cross_entropy(model(x).reshape(-1, VOCAB), t.reshape(-1))
             (loss * scale).backward()
             total += loss.item() * scale
     finally:
-        set_aux_loss_scale(previous)
+        scale_aux_losses(layers, 1.0)
     aux = sum(a.item() for a in pop_aux_losses([model])) * scale
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf")))
     return total, aux, norm, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -128,7 +129,8 @@ def moe_case(schedule: str, pool: bool = False, ep: int = 2, engine: str = "repl
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local, pp_microbatch_size=micro,
                             loss_fn="cross_entropy", scale_grads_in_schedule=True,
                             pp_recv_buffer_pool=pool, pp_seq_len=SEQ if pool else None)
-    pipe = build_pipeline(model, config, pp_group=pp_mesh)
+    # expert_groups: the step averages the expert gradients over their ranks
+    pipe = build_pipeline(model, config, pp_group=pp_mesh, expert_groups=groups)
     if ep > 1:
         apply_expert_parallel(pipe.model_parts, groups.ep_group)
     if ac != "none":  # the YAML's order: experts sharded, then AC, then the dp engine
@@ -147,7 +149,6 @@ def moe_case(schedule: str, pool: bool = False, ep: int = 2, engine: str = "repl
         mine = slice(dp_rank * local, (dp_rank + 1) * local)
         with AllToAllByAction(pipe) as all_to_alls:
             loss = pipe.step(inputs[mine], target=target[mine])
-        sync_expert_gradients(params, groups)
         finish_gradients(params, 1)
         norm = clip_grad_norm(params, max_norm, pp_mesh.get_group(), ep_group=groups.ep_group)
         aux = torch.tensor([sum(a.item() for a in pop_aux_losses(pipe.model_parts))],
@@ -203,14 +204,14 @@ def hf_moe_case(schedule: str, model_type: str = "qwen3_moe") -> dict:
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local, pp_microbatch_size=1,
                             loss_fn=causal_lm_loss, scale_grads_in_schedule=True)
     # dp_group: the token-exact loss counts the valid tokens over the dp ranks (docs/data.md)
-    pipe = build_pipeline(model, config, pp_group=pp_mesh, dp_group=dp_mesh)
+    pipe = build_pipeline(model, config, pp_group=pp_mesh, dp_group=dp_mesh,
+                          expert_groups=groups)
     sharded = apply_expert_parallel(pipe.model_parts, groups.ep_group)
     apply_data_parallel(pipe, dp_mesh, shard=False, ignored_params=expert_parameters(pipe))
     params = [p for part in pipe.model_parts for p in part.parameters()]
     inputs, target = hf_batch(dp_size * local, seed=1)
     mine = slice(dp_rank * local, (dp_rank + 1) * local)
     loss = pipe.step({k: v[mine] for k, v in inputs.items()}, target=target[mine])
-    sync_expert_gradients(params, groups)
     finish_gradients(params, 1)
     n = dp_size * local
     ref_loss, ref_grads = reference_step(ref_model, inputs, target, n)

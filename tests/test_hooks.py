@@ -195,15 +195,15 @@ def test_hook_pp_expert_parallel_plan():
 
     plugin = _plugin_from_doc("pp_expert_parallel_plan(model)")
     plugins = plugins_with(plugin)
-    assert plugins.pm.hook.pp_expert_parallel_plan(model=nn.Linear(2, 2)) is None
+    assert plugins.expert_parallel_plan(nn.Linear(2, 2)) is None
     MyMoEModel = type("MyMoEModel", (nn.Module,), {})
-    plan = plugins.pm.hook.pp_expert_parallel_plan(model=MyMoEModel())
+    plan = plugins.expert_parallel_plan(MyMoEModel())
     assert list(plan) == ["layers.*.moe"]
     model = MoEGPT(vocab_size=16, dim=8, num_layers=2, num_heads=2, max_seq_len=4,
                    num_experts=4, top_k=1)
     from pp_core.plugin_manager import plugins_or_default
 
-    plan = plugins_or_default(None).pm.hook.pp_expert_parallel_plan(model=model)
+    plan = plugins_or_default(None).expert_parallel_plan(model)
     found = planned_modules(model, plan)
     assert [fqn for fqn, _, _ in found] == ["layers.0.moe", "layers.1.moe"]
     assert all(isinstance(style, ShardExperts) for _, _, style in found)

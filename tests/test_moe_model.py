@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pp_core.runtime import collect_pipeline_runtime_initializers
-from pp_core_builtins.models.moe_dispatch import reset_workspaces, workspace_for
+from pp_core.parallel.expert import reset_workspaces, workspace_for
 from pp_core_builtins.models.moe_gpt import MoE, MoEGPT
 
 

@@ -23,7 +23,7 @@ from typing import Callable
 from pp_core.app.factories import build_model
 from pp_core.app.layout import RankLayout
 from pp_core.app.rendezvous import started_by_torchrun
-from pp_core.app.spec import Spec
+from pp_core.app.spec import Spec, auto_expert_parallel_refusal
 from pp_core.config import is_auto
 from pp_core.errors import ConfigError
 from pp_core.planning.plan import plan_pipeline
@@ -91,6 +91,8 @@ def plan_spec(spec: Spec, layout: RankLayout | None = None, memory_cap=None, plu
 
     layout = RankLayout.of(spec) if layout is None else layout
     dims = spec.dims
+    if dims.ep > 1:  # the spec refuses it too; 'pp-core plan' makes any file auto
+        raise ConfigError(auto_expert_parallel_refusal(dims.ep))
     pp_size, tp = dims.pp, dims.tp
     link = None
     if measure_link and pp_size > 1:

@@ -140,25 +140,19 @@ def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
 
 def _check_expert_parallel(spec: Spec, model, plugins, problems: list[str]) -> None:
     """``distributed.ep_size`` > 1 needs the model's expert-parallel plan, and every planned
-    module's ``num_experts`` divisible by it."""
+    module's ``num_experts`` divisible by it (:func:`~pp_core.parallel.expert.check_expert_parallel`)."""
     ep = spec.dims.ep
     if ep == 1:
         return
-    from pp_core.parallel.expert import planned_modules  # lazy: torch, only with expert parallelism
+    from pp_core.parallel.expert import (  # lazy: torch, only with expert parallelism
+        check_expert_parallel, expert_parallel_plan)
 
-    plan = plugins.pm.hook.pp_expert_parallel_plan(model=model)
-    found = planned_modules(model, plan) if plan is not None else []
-    if not found:
-        problems.append(f"distributed.ep_size: {ep} needs a model with experts and an "
-                        f"expert-parallel plan (pp_expert_parallel_plan), found none for "
-                        f"{type(model).__name__}; use e.g. model.name: moe_gpt, or ep_size: 1")
+    try:
+        plan = expert_parallel_plan(model, plugins)
+    except PPCoreError as exc:  # a plugin raised: named by the facade
+        problems.append(f"distributed.ep_size: {exc}")
         return
-    for fqn, module, _ in found:
-        experts = getattr(module, "num_experts", None)
-        if experts is not None and experts % ep:
-            problems.append(f"distributed.ep_size: {ep} does not divide num_experts={experts} "
-                            f"of {fqn}; choose an ep_size that divides model.args.num_experts")
-            return
+    problems.extend(check_expert_parallel(model, plan, ep))
 
 
 def _check_tensor_parallel(spec: Spec, model, plugins, problems: list[str], notes) -> None:

@@ -31,7 +31,7 @@ from pp_core.app.spec_schema import REQUIRED_SECTIONS, SCHEMA, Key, Mismatch, de
 from pp_core.app.spec_sections import (SECTIONS, CheckpointSpec, DataSpec, DistributedSpec,
                                        ModelSpec, OutputSpec, TrainSpec)
 from pp_core.app.spec_yaml import YamlProblem, load_yaml_text, read_yaml
-from pp_core.config import PipelineConfig
+from pp_core.config import PipelineConfig, is_auto
 from pp_core.errors import ConfigError, closest, did_you_mean, quoted
 from pp_core.parallel.dims import ParallelDims
 
@@ -228,6 +228,8 @@ def _check_combinations(values: dict, problems: list[str],
     _fold_dp_size(dist, problems)
     dims = ParallelDims.of(dist)
     problems.extend(dims.problems(dist["nnodes"], dist["nproc_per_node"]))
+    if dims.ep > 1 and is_auto(values["pipeline"].get("pp_schedule")):
+        problems.append(auto_expert_parallel_refusal(dims.ep))
     if dims.ep > 1 and ckpt["dir"] is not None:
         problems.append("checkpoint.dir: checkpoints of expert-parallel runs (distributed.ep_size"
                         f" = {dims.ep}) are not supported yet; drop checkpoint.dir or set "
@@ -250,6 +252,14 @@ def _check_combinations(values: dict, problems: list[str],
         config = _check_pipeline(values["pipeline"], problems)
     _check_optimizer(values["train"]["optimizer"], problems)
     return config
+
+
+def auto_expert_parallel_refusal(ep: int) -> str:
+    """Why ``pp_schedule: auto`` does not plan an expert-parallel run (the one message)."""
+    return (f"pipeline.pp_schedule: auto profiles each stage with all of its experts on one "
+            f"rank, so it cannot plan distributed.ep_size: {ep} (each rank holding 1/{ep} of "
+            f"the experts and routing tokens by all-to-all); name a schedule (e.g. 1f1b), or "
+            f"plan at ep_size: 1 with 'pp-core plan' and run what it chose at ep_size: {ep}")
 
 
 def _fold_dp_size(dist: dict, problems: list[str]) -> None:

@@ -44,8 +44,7 @@ from pp_core.errors import PipelineError
 from pp_core.losses import pop_aux_losses
 from pp_core.parallel import (apply_activation_checkpointing, apply_compile, apply_data_parallel,
                               apply_tensor_parallel)
-from pp_core.parallel.expert import (apply_expert_parallel, expert_parameters,
-                                     sync_expert_gradients)
+from pp_core.parallel.expert import apply_expert_parallel, expert_parameters
 from pp_core.parallel.gradients import clip_grad_norm, finish_gradients, tied_copies
 from pp_core.runtime.microbatch import kwargs_chunk_dims, num_tokens
 
@@ -118,7 +117,8 @@ def _build(spec: Spec, ctx: RankContext):
     # dp_group: a token-normalised loss counts the step's valid tokens over the dp ranks
     pipe = build_pipeline(model, spec.pipeline, pp_group=ctx.pp_mesh, device=ctx.device,
                           timeout=timeout, splitter=splitter,
-                          dp_group=ctx.dp_mesh if ctx.dp_size > 1 else None)
+                          dp_group=ctx.dp_mesh if ctx.dp_size > 1 else None,
+                          expert_groups=ctx.expert_groups)  # step averages expert gradients
     del model
     # tensor parallel right after the split, before AC, compile and FSDP2 (torchtitan's order)
     apply_tensor_parallel(pipe.model_parts, ctx.tp_mesh,
@@ -253,8 +253,6 @@ def train(spec: Spec) -> dict[str, Any]:
             param.grad = None
         t0 = time.perf_counter()
         loss = recorder.timed_step(pipe, local_inputs, local_target)
-        if ctx.expert_groups is not None:
-            sync_expert_gradients(params, ctx.expert_groups)
         finish_gradients(params, 1 if config.scale_grads_in_schedule else config.num_microbatches)
         grad_norm = clip_grad_norm(params, train_cfg.grad_clip, ctx.pp_group, counted_once,
                                    ep_group=ctx.ep_group)

@@ -9,20 +9,23 @@ see the same names. Apply it right after the split and before activation checkpo
 and FSDP2 (torchtitan's order: TP, AC, compile, then FSDP2 on the ``dp_shard`` sub-mesh).
 
 A *plan* is a ``parallelize_module`` plan: ``{module path: ParallelStyle}``, paths relative to
-the model (``layers.*.qkv``; ``*`` matches one name). Entries whose module a part does not hold
-(the embedding on a later stage) are skipped, so one plan serves every part. Plans come from
-plugins: the hook ``pp_tensor_parallel_plan(model, sequence_parallel)`` (docs/plugins.md); the
-built-in plugins answer for the demo GPT and the supported Hugging Face decoders.
+the model (``layers.*.qkv``; ``*`` matches one name: the one matcher of TP and EP plans,
+:mod:`pp_core.parallel.plans`). Entries whose module a part does not hold (the embedding on a
+later stage) are skipped, so one plan serves every part. Plans come from plugins, through the
+plugin facade: the hook ``pp_tensor_parallel_plan(model, sequence_parallel)`` (docs/plugins.md);
+the built-in plugins answer for the demo GPT and the supported Hugging Face decoders. The rule
+for parts is EP's: a part no plugin has a plan for is left alone, no plan for any part is
+refused.
 """
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Any, Optional
 
 from torch import nn
 
 from pp_core.errors import ConfigError
+from pp_core.parallel.plans import matching_modules, plans_of_parts
 
 __all__ = ["apply_tensor_parallel", "tensor_parallel_plan", "check_tensor_parallel",
            "plan_modules", "reduce_partial_gradients", "NO_PLAN_HELP"]
@@ -49,17 +52,9 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False,
     return dict(plan)
 
 
-def plan_modules(model: nn.Module, plan: dict) -> list[tuple[str, nn.Module, Any]]:
-    """``[(fqn, module, style)]`` for every module of ``model`` a plan entry matches."""
-    found = []
-    for pattern, style in plan.items():
-        parts = pattern.split(".")
-        for name, module in model.named_modules():
-            names = name.split(".") if name else []
-            if len(names) == len(parts) and all(fnmatch.fnmatchcase(n, p)
-                                                for n, p in zip(names, parts)):
-                found.append((name, module, style))
-    return found
+plan_modules = matching_modules
+"""``[(fqn, module, style)]`` for every module of ``model`` a plan entry matches
+(:func:`pp_core.parallel.plans.matching_modules`)."""
 
 
 def apply_tensor_parallel(model_parts: list[nn.Module], tp_mesh, plan: Optional[dict] = None,
@@ -69,7 +64,8 @@ def apply_tensor_parallel(model_parts: list[nn.Module], tp_mesh, plan: Optional[
     :param model_parts: this rank's parts (``pipe.model_parts``), after the split.
     :param tp_mesh: a 1-D ``DeviceMesh`` (``mesh["tp"]``); of size 1 nothing happens.
     :param plan: a ``parallelize_module`` plan for every part; ``None``: each part's plan from
-        the ``pp_tensor_parallel_plan`` hook.
+        the ``pp_tensor_parallel_plan`` hook (a part it passes on is left alone; no plan for any
+        part is a :class:`ConfigError` saying how to provide one).
     :param sequence_parallel: passed to the hook (a given ``plan`` already chose).
     """
     from torch.distributed.tensor.parallel import parallelize_module  # lazy: torch.distributed
@@ -79,10 +75,17 @@ def apply_tensor_parallel(model_parts: list[nn.Module], tp_mesh, plan: Optional[
     if tp_mesh.ndim != 1:
         raise ConfigError(f"apply_tensor_parallel: expected a 1-D tp mesh (mesh['tp']), found "
                           f"{tp_mesh.ndim} dimensions")
+    from pp_core.plugin_manager import plugins_or_default  # lazy: loads the entry points
+
+    facade = plugins_or_default(plugins) if plan is None else None
+    planned = plans_of_parts(model_parts, plan,
+                             lambda part: facade.tensor_parallel_plan(part, sequence_parallel))
+    if not planned:
+        names = sorted({type(p).__name__ for p in model_parts})
+        raise ConfigError(f"distributed.tp_size: no plugin provides a tensor-parallel plan for "
+                          f"the model {', '.join(names)}; {NO_PLAN_HELP}")
     count = 0
-    for part in model_parts:
-        part_plan = dict(plan) if plan is not None else tensor_parallel_plan(
-            part, sequence_parallel, plugins)
+    for part, part_plan in planned:
         problems = check_tensor_parallel(part, part_plan, tp_mesh.size())
         if problems:
             raise ConfigError("; ".join(problems))

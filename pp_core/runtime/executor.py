@@ -29,7 +29,7 @@ import torch
 
 from pp_core._torch_compat import profiler_enabled
 from pp_core.errors import PipelineError
-from pp_core.losses import set_aux_loss_scale
+from pp_core.parallel.expert.aux_loss import aux_loss_modules, scale_aux_losses
 from pp_core.runtime import transfers
 from pp_core.runtime.backward import backward_full, backward_input, backward_weight
 from pp_core.runtime.comm import Incoming, Mailbox, P2P
@@ -97,6 +97,7 @@ class Executor:
         self.consume = getattr(allocator, "consume", None)
         self.data_parallel = DataParallelDriver()  # torch DP engines of the stages (dp_sync)
         self.state: Optional[StepState] = None
+        self._aux_modules: Optional[list] = None  # layers with auxiliary losses, found once
 
     @property
     def current(self):
@@ -115,15 +116,18 @@ class Executor:
         # follow the program's lifetimes (docs/runtime.md, The executor)
         self.state = state = StepState(
             self.num_microbatches, mb_inputs, mb_targets, mb_kwargs, token_count, token_factor,
-            early_receives=not mailbox.ordered and not self.track_release)
+            early_receives=not mailbox.ordered and not self.track_release,
+            aux_loss_scale=self.scale)
         context.shapes.sent.new_step()
         context.shapes.received.history.new_step()
         handlers = _HANDLERS
         if state.early_receives:
             transfers.prepost_forward(context, state)
         self.data_parallel.begin_step()
-        # layers that inject an auxiliary loss's gradient scale it as the last stage's loss
-        outside_scale = set_aux_loss_scale(self.scale)
+        if self.train:  # layers injecting an auxiliary loss's gradient scale it as the loss
+            if self._aux_modules is None:
+                self._aux_modules = aux_loss_modules(s.module for s in self.stages.values())
+            scale_aux_losses(self._aux_modules, state.aux_loss_scale)
         release_at = self.release_at
         observers, profiled = self.observers, profiler_enabled()  # once per step: cheap
         plain = not observers and not profiled
@@ -141,7 +145,6 @@ class Executor:
                 state.pending_release += [(issued, index) for index in release_at[position]]
                 self._release(state, blocking=False)
         state.current = None
-        set_aux_loss_scale(outside_scale)
         waiting(observers, None, mailbox.wait_sends)
         self._release(state, blocking=True)
         reset = getattr(self.allocator, "reset", None)
@@ -171,7 +174,6 @@ class Executor:
             self.state = None
         self.mailbox.clear()
         self.data_parallel.abort()
-        set_aux_loss_scale(1.0)
         reset = getattr(self.allocator, "reset", None)
         if reset is not None:
             try:

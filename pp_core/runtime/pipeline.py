@@ -37,6 +37,7 @@ from torch import nn
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PPCoreError
 from pp_core.losses import counts_tokens, resolve_loss
+from pp_core.parallel.expert import sync_expert_gradients
 from pp_core.parallel.tensor_parallel import reduce_partial_gradients
 from pp_core.parallel.tied import align_tied_copies, grad_baseline, sync_tied_gradients_of
 from pp_core.planning.parts import build_model_parts
@@ -76,7 +77,7 @@ class Pipeline:
     def __init__(self, model_parts: Sequence[nn.Module], stage_indices: Sequence[int],
                  schedule: Schedule, config: PipelineConfig, pp_group=None, device="cpu", *,
                  program: Optional[Program] = None, plugins=None, timeout=None,
-                 initializers=None, plan=None, dp_group=None):
+                 initializers=None, plan=None, dp_group=None, expert_groups=None):
         group, rank, num_ranks = resolve_group(pp_group)
         if schedule.num_ranks != num_ranks:
             raise ConfigError(f"the schedule has {schedule.num_ranks} ranks but the process group "
@@ -123,6 +124,9 @@ class Pipeline:
         self.counts_tokens = self.loss_fn is not None and counts_tokens(self.loss_fn)
         """Whether the loss is token-normalised over the step (:mod:`~.token_loss`)."""
         self.dp_group, self.dp_size = resolve_dp_group(dp_group)
+        self.expert_groups = expert_groups
+        """This rank's :class:`~pp_core.parallel.dims.ExpertGroups` (``None``: no expert
+        parallelism): ``step`` averages the experts' gradients over them."""
         if initializers is None:
             initializers = collect_pipeline_runtime_initializers(self.model_parts, plugins)
         self.initializers = list(initializers)
@@ -195,6 +199,9 @@ class Pipeline:
                                   stage_kwargs=stage_kwargs)
             if self._has_dtensors:  # tensor parallel: partial sums of replicated params, once
                 reduce_partial_gradients(p for part in self.model_parts for p in part.parameters())
+            if self.expert_groups is not None:  # expert parallel: over their expert-dp ranks
+                params = {id(p): p for part in self.model_parts for p in part.parameters()}
+                sync_expert_gradients(params.values(), self.expert_groups)
             if baseline:  # their gradients summed over the ranks holding them
                 sync_tied_gradients_of(self.model_parts, self.schedule.stage_ranks, self.rank,
                                        self.group, baseline)
@@ -324,7 +331,8 @@ class Pipeline:
 
 
 def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, device="cpu", *,
-                   plugins=None, timeout=None, splitter=None, dp_group=None) -> Pipeline:
+                   plugins=None, timeout=None, splitter=None, dp_group=None,
+                   expert_groups=None) -> Pipeline:
     """Split ``model`` over the ranks of ``pp_group`` and return this rank's :class:`Pipeline`.
 
     :param pp_group: a ProcessGroup or a 1-D DeviceMesh; ``None`` = the default group (or a
@@ -335,6 +343,11 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
     :param splitter: a splitter name or object (``BalancedSplitter(profile)``); None: automatic.
     :param dp_group: the data-parallel ranks of this rank (ProcessGroup or DeviceMesh), over
         which a token-normalised loss counts the step's valid tokens; None: no dp.
+    :param expert_groups: with expert parallelism, this rank's
+        :class:`~pp_core.parallel.dims.ExpertGroups` (``ParallelDims.build(...).experts``):
+        ``step`` then averages the experts' gradients over the ranks holding the same experts,
+        beside TP's partial-gradient reduction; apply the experts' plan with
+        :func:`pp_core.parallel.apply_expert_parallel` after building. None: no ep.
     """
     if not isinstance(config, PipelineConfig):
         raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
@@ -365,7 +378,7 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
         check_materialised(part, "a model part of this rank")
     pipe = Pipeline(parts, plan.stage_indices, plan.schedule, config, group, device,
                     program=plan.program, plugins=plugins, timeout=timeout, plan=plan,
-                    dp_group=dp_group)
+                    dp_group=dp_group, expert_groups=expert_groups)
     if num_ranks > 1 and plan.split.tied_parameters:  # every copy starts as the lowest stage's
         align_tied_copies(pipe.model_parts, plan.schedule.stage_ranks, rank, group)
     return pipe

@@ -32,6 +32,7 @@ class StepState:
     token_count: Any = None            # a token-normalised loss: the step's valid-token count
     token_factor: float = 1.0          # ... and M * D (pp_core.runtime.token_loss)
     early_receives: bool = False       # receives posted before their RECV (tag-matching backends)
+    aux_loss_scale: float = 1.0        # what an auxiliary loss's gradient is scaled by (as the loss)
     inputs: dict = field(default_factory=dict)      # key -> stage inputs needing grad
     outputs: dict = field(default_factory=dict)     # key -> outputs needing grad (scaled loss last)
     to_send: dict = field(default_factory=dict)     # key -> outputs for SEND_F / local hand-off

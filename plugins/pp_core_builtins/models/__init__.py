@@ -49,13 +49,6 @@ def pp_register_datasets(register):
 
 
 @hookimpl
-def pp_expert_parallel_plan(model):
-    """A model that knows how its experts shard says so itself (``moe_gpt`` does)."""
-    method = getattr(type(model), "expert_parallel_plan", None)
-    return None if method is None else model.expert_parallel_plan()
-
-
-@hookimpl
 def pp_tensor_parallel_plan(model, sequence_parallel):
     """The demo GPT's plan (``gpt`` and ``uneven_gpt``: ``tp_plan.py``)."""
     if type(model).__name__ != "GPT":  # cheap: torch and the model module load only for a GPT

@@ -12,13 +12,16 @@ Losses. Each MoE layer adds ``aux_loss_coef`` times the load-balancing loss
 ``p_e``: mean router probability of ``e``; Switch / Megatron) and ``z_loss_coef`` times the
 router z-loss ``mean(logsumexp(logits)^2)``, computed on the microbatch the layer sees (this
 rank's tokens), to the loss *as if added to the last stage's microbatch loss*: the gradient is
-injected in the layer's own backward, scaled as the schedule scales the loss
-(:func:`pp_core.losses.aux_loss_scale`), wherever the layer's stage sits. The values are kept
-for the metrics (``pp_aux_losses``; :func:`pp_core.losses.pop_aux_losses`).
+injected in the layer's own backward, scaled as the running step scales the loss (the layer's
+``pp_aux_loss_scale``, handed over by the executor: :mod:`pp_core.parallel.expert.aux_loss`),
+wherever the layer's stage sits. The values are kept for the metrics (``pp_aux_losses``;
+:func:`pp_core.losses.pop_aux_losses`).
 
 Expert parallelism: :meth:`MoE.shard_experts` keeps this ep rank's ``num_experts / ep_size``
-experts; tokens travel to them and back with ``all_to_all_single`` (:mod:`.moe_dispatch`). The
-model's :meth:`MoEGPT.expert_parallel_plan` is what ``pp_expert_parallel_plan`` returns for it.
+experts; tokens travel to them and back with ``all_to_all_single`` - all of it the library's
+(:mod:`pp_core.parallel.expert`); this module holds only the model and its plan. The model's
+:meth:`MoEGPT.expert_parallel_plan` is what the core plugin answers ``pp_expert_parallel_plan``
+with.
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ import torch.nn.functional as functional
 from torch import nn
 
 from pp_core.losses import pop_aux_losses
+from pp_core.parallel.expert import (DispatchWorkspaceInitializer, dispatch_to_experts,
+                                     group_name, inject_aux_loss, shard_stacked_experts,
+                                     workspace_for)
 from pp_core_builtins.models.gpt import GPT, Block
-from pp_core_builtins.models.moe_dispatch import (
-    WORKSPACE_NAME, DispatchWorkspaceInitializer, dispatch_to_experts, group_name,
-    inject_aux_loss, workspace_for)
 
-__all__ = ["MoE", "MoEBlock", "MoEGPT", "GroupedExperts", "ShardExperts", "pop_aux_losses"]
+__all__ = ["MoE", "MoEBlock", "MoEGPT", "GroupedExperts", "ShardExperts", "pop_aux_losses",
+           "WORKSPACE_NAME"]
+
+WORKSPACE_NAME = "pp_core_builtins.moe.dispatch_workspace"  # the key of moe_gpt's workspaces
 
 
 class GroupedExperts(nn.Module):
@@ -73,6 +79,7 @@ class MoE(nn.Module):
                                     nn.Linear(hidden, dim, bias=False)) if shared_expert else None
         self.ep_group, self.ep_size, self.ep_rank = None, 1, 0
         self.pp_aux_losses: list[torch.Tensor] = []  # detached, one per training forward
+        self.pp_aux_loss_scale = 1.0  # the running step's (pp_core.parallel.expert.aux_loss)
 
     # ------------------------------------------------------------------ expert parallelism
     @property
@@ -81,20 +88,10 @@ class MoE(nn.Module):
 
     def shard_experts(self, ep_group) -> None:
         """Keep this ep rank's contiguous ``num_experts / ep_size`` experts (in place)."""
-        import torch.distributed as dist  # lazy: only expert parallelism needs a process group
-
-        size, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-        if self.num_experts % size:
-            raise ValueError(f"num_experts={self.num_experts} is not divisible by ep_size={size}")
         if self.ep_size != 1:
             raise ValueError("this MoE layer's experts are sharded already")
-        local = self.num_experts // size
-        keep = slice(rank * local, (rank + 1) * local)
-        for name in ("w1", "w2"):
-            old = getattr(self.experts, name)
-            new = nn.Parameter(old.detach()[keep].clone(), requires_grad=old.requires_grad)
-            new.pp_expert_parallel = True  # not replicated over the ep group (norms, dp sync)
-            setattr(self.experts, name, new)
+        _, rank, size = shard_stacked_experts(self.experts, ("w1", "w2"), self.num_experts,
+                                              ep_group)
         self.ep_group, self.ep_size, self.ep_rank = ep_group, size, rank
 
     # ------------------------------------------------------------------ the initializer
@@ -131,7 +128,7 @@ class MoE(nn.Module):
             aux = self._aux_loss(logits, probs, counts, tokens)
             if not _in_backward():  # an activation-checkpoint recompute is not a new forward
                 self.pp_aux_losses.append(aux.detach())
-            out = inject_aux_loss(out, aux)
+            out = inject_aux_loss(out, aux, self.pp_aux_loss_scale)
         return out.reshape(shape)
 
     def _aux_loss(self, logits, probs, counts, tokens: int) -> torch.Tensor:

@@ -5,8 +5,8 @@ transformers 5 keeps each sparse block's experts in one module holding stacked w
 as ``experts(hidden_states, top_k_index, top_k_weights)`` after the block's router. The plan
 (:func:`expert_parallel_plan`, answered through ``pp_expert_parallel_plan``) names every such
 module; :class:`ShardHFExperts` keeps this ep rank's experts and replaces the module's forward
-with the dispatch of ``moe_gpt`` (:func:`pp_core_builtins.models.moe_dispatch.dispatch_to_experts`:
-dropless, all-to-all there and back). The router, and HF's own aux loss (computed by the
+with the library's dispatch (:func:`pp_core.parallel.expert.dispatch_to_experts`: dropless,
+all-to-all there and back), as ``moe_gpt`` does; this module holds only the plan and its style. The router, and HF's own aux loss (computed by the
 ``...ForCausalLM`` head from every layer's router logits, which a pipeline does not carry: keep
 ``output_router_logits`` off), are untouched.
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from pp_core_builtins.models.moe_dispatch import dispatch_to_experts, group_name, workspace_for
+from pp_core.parallel.expert import (dispatch_to_experts, group_name, shard_stacked_experts,
+                                     workspace_for)
 
 __all__ = ["expert_parallel_plan", "ShardHFExperts", "is_hf_experts"]
 
@@ -44,17 +44,9 @@ class ShardHFExperts:
     """Keep this ep rank's experts of one transformers experts module; dispatch by all-to-all."""
 
     def apply(self, module: nn.Module, ep_group) -> None:
-        size, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
         total = module.num_experts
-        if total % size:
-            raise ValueError(f"num_experts={total} is not divisible by ep_size={size}")
-        local = total // size
-        keep = slice(rank * local, (rank + 1) * local)
-        for name in ("gate_up_proj", "down_proj"):
-            old = getattr(module, name)
-            new = nn.Parameter(old.detach()[keep].clone(), requires_grad=old.requires_grad)
-            new.pp_expert_parallel = True
-            setattr(module, name, new)
+        local, _, size = shard_stacked_experts(module, ("gate_up_proj", "down_proj"), total,
+                                               ep_group)
         signature = (module.gate_up_proj.shape[-1],
                      str(module.gate_up_proj.dtype).removeprefix("torch."), 1, local, size)
         key = (WORKSPACE, group_name(ep_group))
