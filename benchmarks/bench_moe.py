@@ -37,28 +37,26 @@ RECORD = "pp_core.moe.all_to_all"
 def rank_run(ep: int, schedule: str, steps: int, warmup: int) -> dict:
     """One rank of pp 2 x dp 2: steps of moe_gpt with ep ``ep``; its figures."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from pp_core import PipelineConfig, build_pipeline
     from pp_core.parallel import apply_data_parallel
-    from pp_core.parallel.expert import (apply_expert_parallel, expert_parallel_groups,
-                                         expert_parameters, is_expert_parameter,
-                                         sync_expert_gradients)
+    from pp_core.parallel.dims import ParallelDims
+    from pp_core.parallel.expert import (apply_expert_parallel, expert_parameters,
+                                         is_expert_parameter)
     from pp_core.parallel.gradients import clip_grad_norm
     from pp_core_builtins.models.moe_gpt import MoEGPT
 
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
-    groups = expert_parallel_groups(mesh.mesh.reshape(2, 2, -1), ep)
+    meshes = ParallelDims(pp=2, dp_shard=2, ep=ep).build("cpu")  # the mesh and the ep groups
     torch.manual_seed(0)
     model = MoEGPT(**MODEL)
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=LOCAL_BATCH,
                             pp_microbatch_size=MICROBATCH, loss_fn="cross_entropy",
                             scale_grads_in_schedule=True)
-    pipe = build_pipeline(model, config, pp_group=mesh["pp"])
+    pipe = build_pipeline(model, config, pp_group=meshes.pp, expert_groups=meshes.experts)
     if ep > 1:
-        apply_expert_parallel(pipe.model_parts, groups.ep_group)
-    apply_data_parallel(pipe, mesh["dp_shard"], shard=False,
+        apply_expert_parallel(pipe.model_parts, meshes.ep_group)
+    apply_data_parallel(pipe, meshes.data_parallel_mesh(), shard=False,
                         ignored_params=expert_parameters(pipe))
     params = [p for part in pipe.model_parts for p in part.parameters()]
     experts = [p for part in pipe.model_parts for n, p in part.named_parameters()
@@ -72,10 +70,8 @@ def rank_run(ep: int, schedule: str, steps: int, warmup: int) -> dict:
         for param in params:
             param.grad = None
         start = time.perf_counter()
-        pipe.step(tokens[:, :-1], target=tokens[:, 1:])
-        sync_expert_gradients(params, groups)
-        clip_grad_norm(params, 1.0, mesh["pp"].get_group(),
-                       ep_group=groups.ep_group if ep > 1 else None)
+        pipe.step(tokens[:, :-1], target=tokens[:, 1:])  # expert gradients averaged inside
+        clip_grad_norm(params, 1.0, meshes.pp.get_group(), ep_group=meshes.ep_group)
         return time.perf_counter() - start
 
     for _ in range(warmup):

@@ -140,3 +140,28 @@ def test_spec_loading_imports_no_torch():
     code = ("import sys; import pp_core.app.spec, pp_core.parallel.dims; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+AUTO_EP = ("pipeline.pp_schedule: auto profiles each stage with all of its experts on one rank, "
+           "so it cannot plan distributed.ep_size: 2 (each rank holding 1/2 of the experts and "
+           "routing tokens by all-to-all); name a schedule (e.g. 1f1b), or plan at ep_size: 1 "
+           "with 'pp-core plan' and run what it chose at ep_size: 2")
+
+
+def test_auto_at_ep_above_one_is_refused_plainly():
+    """The spec (validate, run) and plan_spec (``pp-core plan`` makes any file auto) say it with
+    one message, before anything is profiled."""
+    from pp_core.app.decide import plan_spec
+    from pp_core.app.spec import SpecError, parse_spec
+    from pp_core.errors import ConfigError
+
+    values = {"model": {"name": "moe_gpt"}, "data": {"name": "synthetic"},
+              "pipeline": {"pp_schedule": "auto", "pp_batch_size": 4},
+              "distributed": {"pp_size": 2, "dp_replicate": 2, "ep_size": 2}}
+    with pytest.raises(SpecError) as error:
+        parse_spec(values, "moe.yaml")
+    assert str(error.value) == f"moe.yaml: {AUTO_EP}"
+    values["pipeline"]["pp_schedule"] = "1f1b"
+    with pytest.raises(ConfigError) as error:
+        plan_spec(parse_spec(values, "moe.yaml"))
+    assert str(error.value) == AUTO_EP

@@ -125,3 +125,67 @@ def test_a_plan_hook_that_raises_is_blamed_by_name(call, hook):
     assert str(error.value) == (
         f"plugin '_RaisingPlans' (in-process): {hook}; this is a defect of the plugin: fix it, "
         f"name another, or skip the plugin with PP_CORE_DISABLE_PLUGINS=<plugin name>")
+
+
+def test_one_matcher_one_meaning_of_star_for_tp_and_ep():
+    from pp_core.parallel.expert import planned_modules
+    from pp_core.parallel.plans import matching_modules
+    from pp_core.parallel.tensor_parallel import plan_modules
+
+    assert plan_modules is matching_modules and planned_modules is matching_modules
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": nn.Module(), "1": nn.Module()})
+    model.layers["0"].moe = nn.Linear(2, 2)
+    model.layers["1"].block = nn.Module()
+    model.layers["1"].block.moe = nn.Linear(2, 2)  # two names below layers.1: * is one name
+    found = matching_modules(model, {"layers.*.moe": "first", "layers.0.*": "second"})
+    assert [(fqn, style) for fqn, _, style in found] == [("layers.0.moe", "first")]
+
+
+class _Recorder:
+    def __init__(self):
+        self.applied = []
+
+    def apply(self, module, ep_group):
+        self.applied.append((type(module).__name__, ep_group))
+
+
+def test_one_rule_for_parts_a_part_without_a_plan_is_left_alone_none_at_all_is_refused():
+    from pp_core.errors import ConfigError
+    from pp_core.parallel.expert import apply_expert_parallel
+    from pp_core.parallel.plans import plans_of_parts
+
+    style = _Recorder()
+
+    class Planned(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = nn.Linear(2, 2)
+
+    class Plans:
+        @hookimpl
+        def pp_expert_parallel_plan(self, model):
+            return {"moe": style} if isinstance(model, Planned) else None
+
+    parts = [Planned(), nn.Sequential(nn.Linear(2, 2))]
+    plugins = plugins_with(Plans())
+    assert apply_expert_parallel(parts, None, plugins=plugins) == 1
+    assert style.applied == [("Linear", None)]
+    assert [type(p).__name__ for p, _ in plans_of_parts(parts, None, lambda p: None)] == []
+    with pytest.raises(ConfigError) as error:
+        apply_expert_parallel(parts[1:], None, plugins=plugins)
+    assert str(error.value) == (
+        "no expert-parallel plan for Sequential: no plugin's pp_expert_parallel_plan answered "
+        "for it; use a model with MoE layers and a plan (e.g. moe_gpt; a plugin's "
+        "pp_expert_parallel_plan or the model's expert_parallel_plan(), docs/plugins.md), or "
+        "set distributed.ep_size: 1")
+
+
+def test_the_core_plugin_answers_a_models_own_expert_parallel_plan():
+    """Without any other plugin (the demo plugin no longer asks for it)."""
+
+    class Knows(nn.Module):
+        def expert_parallel_plan(self):
+            return {"moe": "mine"}
+
+    assert plugins_with().expert_parallel_plan(Knows()) == {"moe": "mine"}

@@ -119,7 +119,7 @@ def _check_batch(spec: Spec, problems: list[str]) -> None:
             problems.append(
                 f"data.{section}.batch_size: expected pipeline.pp_batch_size * "
                 f"distributed.dp_size = {spec.pipeline.pp_batch_size} * "
-                f"{spec.distributed.dp_size} = {spec.global_batch_size} (each step's global "
+                f"{spec.dims.dp} = {spec.global_batch_size} (each step's global "
                 f"batch), found {size}; leave it out and pp-core fills it in")
 
 

@@ -129,7 +129,7 @@ def _build(spec: Spec, ctx: RankContext):
     dp_units = 0
     if ctx.dp_size > 1:  # last, after AC and compile, as torchtitan does
         dp_units = apply_data_parallel(pipe.model_parts, ctx.data_parallel_mesh(),
-                                       shard=spec.distributed.dp_shard > 1,
+                                       shard=ctx.dims.dp_shard > 1,
                                        mixed_precision=spec.distributed.mixed_precision,
                                        ignored_params=expert_parameters(pipe.model_parts))
     options = dict(spec.train.optimizer)
