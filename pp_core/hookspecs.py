@@ -157,8 +157,10 @@ def pp_tensor_parallel_plan(model: "nn.Module", sequence_parallel: bool) -> Opti
 
     Calling: first non-``None`` result wins (the last registered plugin is asked first). Used
     by ``pp_core.parallel.apply_tensor_parallel`` and ``distributed.tp_size > 1``; a model no
-    plugin has a plan for is refused by ``pp-core validate``. Built-ins:
-    ``pp_core_builtins.models`` (``gpt``, ``uneven_gpt``), ``pp_core_builtins.transformers``.
+    plugin has a plan for is refused by ``pp-core validate``. Built-ins: the core plugin returns
+    ``model.tensor_parallel_plan(sequence_parallel)`` when the model defines it (after every
+    other plugin), ``pp_core_builtins.models`` (``gpt``, ``uneven_gpt``),
+    ``pp_core_builtins.transformers``.
     """
 
 

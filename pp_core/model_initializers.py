@@ -3,9 +3,9 @@
 Registered in every plugin manager (:data:`pp_core.plugin_manager.CORE_PLUGIN_NAME`), so a
 model needs no plugin of its own for what it can answer: its runtime initializers (pp-core's
 ``pipeline_runtime_initializers()`` and NeMo AutoModel's ``get_pipeline_runtime_initializers()``
-are both asked; :mod:`pp_core.runtime.initializers` collects the answers) and its expert-parallel
-plan (``expert_parallel_plan()``, asked after every other plugin: a plugin may still answer for
-a model it knows better).
+are both asked; :mod:`pp_core.runtime.initializers` collects the answers) and its parallel plans
+(``tensor_parallel_plan(sequence_parallel)``, ``expert_parallel_plan()``; asked after every
+other plugin: a plugin may still answer for a model it knows better).
 """
 
 from __future__ import annotations
@@ -42,6 +42,13 @@ class ModelInitializers:
                 f"answer differently ({_listed(answers[0])} vs {_listed(answers[1])}); define "
                 f"one of the two, or make the second return the first's list")
         return answers[0] or None
+
+    @hookspecs.hookimpl(trylast=True)
+    def pp_tensor_parallel_plan(self, model, sequence_parallel):
+        if not _defines(model, "tensor_parallel_plan"):
+            return None
+        return plugin_call(lambda: code_origin(model), "tensor_parallel_plan(sequence_parallel)",
+                           model.tensor_parallel_plan, sequence_parallel)
 
     @hookspecs.hookimpl(trylast=True)
     def pp_expert_parallel_plan(self, model):

@@ -189,3 +189,14 @@ def test_the_core_plugin_answers_a_models_own_expert_parallel_plan():
             return {"moe": "mine"}
 
     assert plugins_with().expert_parallel_plan(Knows()) == {"moe": "mine"}
+
+
+def test_the_core_plugin_answers_a_models_own_tensor_parallel_plan():
+    class Knows(nn.Module):
+        def tensor_parallel_plan(self, sequence_parallel):
+            return {"up": "colwise", "norm": "sequence"} if sequence_parallel else {"up": "colwise"}
+
+    assert plugins_with().tensor_parallel_plan(Knows(), True) == {"up": "colwise",
+                                                                  "norm": "sequence"}
+    assert plugins_with().tensor_parallel_plan(Knows(), False) == {"up": "colwise"}
+    assert plugins_with().tensor_parallel_plan(nn.Linear(2, 2), False) is None
