@@ -32,6 +32,7 @@ from pp_core import build_pipeline
 from pp_core.app.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from pp_core.app.checkpoint_identity import identity_files
 from pp_core.app.data_metrics import batch_figures
+from pp_core.app.export_hf import export_files
 from pp_core.app.factories import build_dataset, build_model, dp_slice
 from pp_core.app.health import apply_update, weights_finite
 from pp_core.app.layout import RankLayout
@@ -293,7 +294,7 @@ def train(spec: Spec) -> dict[str, Any]:
                                     f"checkpoint was not saved, so {directory!r} keeps its last "
                                     f"good one")
             path = save_checkpoint(directory, step, pipe.model_parts, optimizers,
-                                   extra_files=identity_files(spec))
+                                   extra_files={**identity_files(spec), **export_files(spec)})
             say(f"checkpoint saved: {path}")
     progress.close()
     result = recorder.finish(start_step, time.perf_counter() - started, dp_units)
