@@ -261,9 +261,6 @@ def _check_ep_size(dist: dict, ckpt: dict, problems: list[str]) -> None:
         problems.append(f"distributed.ep_size: expected a divisor of the data-parallel size "
                         f"dp_replicate * dp_shard = {dp}, found {ep}; expert-parallel ranks "
                         f"are drawn from the dp ranks")
-    if ep > 1 and ckpt["dir"] is not None:
-        problems.append("checkpoint.dir: checkpoints of expert-parallel runs (distributed.ep_size"
-                        f" = {ep}) are not supported yet; drop checkpoint.dir or set ep_size: 1")
 
 
 def _fold_dp_size(dist: dict, problems: list[str]) -> None:

@@ -33,6 +33,7 @@ from pp_core.app.checkpoint import load_checkpoint, resume_checkpoint, save_chec
 from pp_core.app.checkpoint_identity import identity_files
 from pp_core.app.data_metrics import batch_figures
 from pp_core.app.export_hf import export_files
+from pp_core.app.export_run import export_due, export_from_run
 from pp_core.app.factories import build_dataset, build_model, dp_slice
 from pp_core.app.health import apply_update, weights_finite
 from pp_core.app.layout import RankLayout
@@ -296,6 +297,8 @@ def train(spec: Spec) -> dict[str, Any]:
             path = save_checkpoint(directory, step, pipe.model_parts, optimizers,
                                    extra_files={**identity_files(spec), **export_files(spec)})
             say(f"checkpoint saved: {path}")
+        if (export_dir := export_due(spec, step)) is not None:
+            say(f"exported: {export_from_run(spec, pipe.model_parts, export_dir)}")
     progress.close()
     result = recorder.finish(start_step, time.perf_counter() - started, dp_units)
     dist.barrier()
