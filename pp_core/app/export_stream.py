@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ __all__ = ["Layout", "plan_layout", "write_from_checkpoint", "write_from_ranks",
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-DEFAULT_BATCH_BYTES = 256 * 2**20
+DEFAULT_BATCH_BYTES = 64 * 2**20
 """The most bytes :func:`write_from_checkpoint` reads from a checkpoint at once (a larger tensor
 is read alone)."""
 
@@ -128,6 +129,7 @@ def write_from_checkpoint(checkpoint, output, layout: Layout, stored: dict,
 
     output = Path(output)
     scratch = _scratch(output)
+    _clear_old_weights(output)
     sharded = scratch / "sharded"
     sharded.mkdir(parents=True)
     try:
@@ -169,6 +171,8 @@ def write_from_ranks(parts_state: dict, output, layout: Layout, process_group=No
     scratch = output / f".pp-core-export-{token[0]}"
     sharded = scratch / "sharded"
     sharded.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        _clear_old_weights(output)
     dist.barrier(group=process_group)
     state = {name: value.to(layout.dtypes[name]) for name, value in parts_state.items()
              if name in layout.index_of}
@@ -185,6 +189,17 @@ def write_from_ranks(parts_state: dict, output, layout: Layout, process_group=No
 def _scratch(output: Path) -> Path:
     output.mkdir(parents=True, exist_ok=True)
     return output / f".pp-core-export-{uuid.uuid4().hex[:12]}"
+
+
+_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+
+def _clear_old_weights(output: Path) -> None:
+    """Drop the weight files and index of an earlier export into ``output`` (as
+    ``save_pretrained`` does), so no stale shard outlives the new layout."""
+    for path in output.iterdir() if output.is_dir() else ():
+        if _WEIGHT_FILE.fullmatch(path.name) or path.name == INDEX_FILE:
+            path.unlink()
 
 
 def _consolidate(sharded: Path, output: Path, layout: Layout, process_group=None,
