@@ -180,3 +180,34 @@ def test_an_exported_directory_starts_training_at_another_layout(tp_tied):
         optimizer.step()
         expected.append(float(loss.detach()))
     assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_qwen3_moe_checkpoint_exports_as_save_pretrained_lays_it_out(tmp_path):
+    """transformers 5 keeps MoE experts stacked in the model and ``save_pretrained`` writes them
+    per expert (``experts.<i>.gate_proj.weight``): the export writes the same names, in the same
+    shards (one checkpoint of the unsplit model, no run), and loads back to the same logits."""
+    if not hasattr(transformers.modeling_utils, "revert_weight_conversion"):
+        pytest.skip("transformers 4 saves MoE experts as the model holds them")
+    from pp_core.app.checkpoint import save_checkpoint
+
+    config = transformers.AutoConfig.for_model(
+        "qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48,
+        moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, head_dim=8,
+        max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "reference", max_shard_size="30KB")
+    step = save_checkpoint(tmp_path / "ckpt", 1, [model], [None])
+    (step / "pp_core_export.json").write_text(json.dumps(
+        {"model": {"name": "hf_causal_lm", "args": {"config": str(tmp_path / "reference")}}}))
+    out = tmp_path / "export"
+    assert cli.main(["export", str(step), "--format", "hf", "--max-shard-size", "30KB", "-o",
+                     str(out)]) == 0
+    index, reference = (json.loads((d / "model.safetensors.index.json").read_text())
+                        for d in (out, tmp_path / "reference"))
+    assert index == reference
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in index["weight_map"]
+    ids = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(_logits(out, ids), model(ids).logits, rtol=0, atol=1e-6)

@@ -107,6 +107,9 @@ class HFTarget:
     dtypes: dict[str, torch.dtype]
     source: Path | None
     total_parameters: int
+    saved: dict[str, tuple] | None = None
+    convert: Any = None
+    groups: dict[str, tuple] | None = None
 
 
 def _tied_targets(model) -> set[str]:
@@ -154,8 +157,29 @@ def hf_target(model_section: dict) -> HFTarget | None:
             drop.update(n for n in names if n != keep[0])
     state = model.state_dict()
     names = [n for n in state if n not in drop]
-    return HFTarget(config, model, names, {n: tuple(state[n].shape) for n in names},
-                    {n: state[n].dtype for n in names}, source, model.num_parameters())
+    target = HFTarget(config, model, names, {n: tuple(state[n].shape) for n in names},
+                      {n: state[n].dtype for n in names}, source, model.num_parameters())
+    _add_conversion(target, {n: state[n] for n in names})
+    return target
+
+
+def _add_conversion(target: HFTarget, state: dict) -> None:
+    """Where ``save_pretrained`` renames or splits weights on the way out (transformers 5's
+    ``revert_weight_conversion``: stacked MoE experts become ``experts.<i>.gate_proj.weight``,
+    ...), the names it writes (run on the meta model) and the conversion to apply per batch."""
+    try:
+        from transformers.modeling_utils import revert_weight_conversion  # lazy: transformers 5
+    except ImportError:
+        return
+    reverted = revert_weight_conversion(target.model, dict(state))
+    if list(reverted) == list(state):
+        return
+    target.saved = {n: (tuple(v.shape), v.dtype) for n, v in reverted.items()}
+    target.groups = {}  # save_pretrained shards the views of one stacked tensor together
+    for name, value in state.items():
+        for out in revert_weight_conversion(target.model, {name: value}):
+            target.groups[out] = (name, value.numel())
+    target.convert = lambda batch: revert_weight_conversion(target.model, batch)
 
 
 def write_hf_files(output: Path, target: HFTarget, dtype: torch.dtype,
@@ -191,10 +215,13 @@ def write_hf_files(output: Path, target: HFTarget, dtype: torch.dtype,
 
 
 def directory_from_state_keys(checkpoint, output, names: list[tuple[str, str]], dtype=None,
-                              max_shard_size=None, total_parameters: int = 0, metadata=None):
+                              max_shard_size=None, total_parameters: int = 0, metadata=None,
+                              converted: HFTarget | None = None):
     """Write the weights of a directory from a DCP checkpoint: ``names`` lists
     ``(output name, checkpoint key)`` in file order (keys as DCP stores them,
-    ``model.<fqn>``); returns the :class:`~pp_core.app.export_stream.Layout` written."""
+    ``model.<fqn>``); returns the :class:`~pp_core.app.export_stream.Layout` written.
+    ``converted``: an :class:`HFTarget` whose ``convert`` renames the tensors read from
+    ``names``' keys into its ``saved`` names (the file's)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # lazy: DCP
 
     from pp_core.app.checkpoint import _check_dir
@@ -211,9 +238,18 @@ def directory_from_state_keys(checkpoint, output, names: list[tuple[str, str]], 
                             f"model (model.args)?")
     entries = [(name, key, tuple(stored[key].size), stored[key].properties.dtype)
                for name, key in names]
-    layout = plan_layout(entries, dtype, max_shard_size or default_max_shard_size(),
-                         total_parameters)
-    write_from_checkpoint(checkpoint, output, layout, stored)
+    size = max_shard_size or default_max_shard_size()
+    if converted is None:
+        layout = plan_layout(entries, dtype, size, total_parameters)
+        write_from_checkpoint(checkpoint, output, layout, stored)
+        return layout
+    trained = _training_dtype(plan_layout(entries, None, size))
+    layout = plan_layout([(n, "", shape, trained if d.is_floating_point else d)
+                          for n, (shape, d) in converted.saved.items()],
+                         dtype, size, total_parameters, converted.groups)
+    write_from_checkpoint(
+        checkpoint, output, layout, stored, source_keys=[key for _, key in names],
+        convert=lambda state: converted.convert({k[len("model."):]: v for k, v in state.items()}))
     return layout
 
 
@@ -244,7 +280,8 @@ def export_directory(checkpoint, output, format: str = "hf", dtype=None,
                                 f"--format safetensors -o DIR (the directory form) instead")
         layout = directory_from_state_keys(checkpoint, output,
                                            [(n, f"model.{n}") for n in target.names], dtype,
-                                           max_shard_size, target.total_parameters, metadata)
+                                           max_shard_size, target.total_parameters, metadata,
+                                           converted=target if target.convert else None)
         write_hf_files(output, target, dtype or _training_dtype(layout), record.get("data"))
         return output
     names = [(k[len("model."):], k) for k in metadata.state_dict_metadata

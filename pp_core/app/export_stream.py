@@ -75,9 +75,12 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
 
 
 def plan_layout(entries: list[tuple[str, str, tuple, torch.dtype]], dtype: torch.dtype | None,
-                max_shard_size, total_parameters: int = 0) -> Layout:
+                max_shard_size, total_parameters: int = 0, groups: dict | None = None) -> Layout:
     """The files of ``entries`` (``(output name, source key, shape, stored dtype)``, in order),
-    split as ``save_pretrained`` splits a state dict at ``max_shard_size`` (bytes or ``"5GB"``)."""
+    split as ``save_pretrained`` splits a state dict at ``max_shard_size`` (bytes or ``"5GB"``).
+
+    ``groups``: ``{output name: (storage key, elements)}`` for outputs that are views of one
+    tensor (``save_pretrained`` keeps such views in one file and counts the storage once)."""
     from huggingface_hub import split_state_dict_into_shards_factory  # lazy: an export only
 
     layout = Layout({}, {}, {}, dtype, 1, 0, total_parameters)
@@ -86,9 +89,18 @@ def plan_layout(entries: list[tuple[str, str, tuple, torch.dtype]], dtype: torch
         layout.sources[name], layout.shapes[name] = source, tuple(shape)
         layout.dtypes[name] = layout.out_dtype(name, stored)
         sizes[name] = _nbytes(shape, layout.dtypes[name])
+    groups = groups or {}
+
+    def storage_size(item):
+        name = item[0]
+        if name in groups:
+            return groups[name][1] * torch.empty((), dtype=layout.dtypes[name]).element_size()
+        return sizes[name]
+
     split = split_state_dict_into_shards_factory(
-        sizes, get_storage_size=lambda size: size, filename_pattern="model{suffix}.safetensors",
-        max_shard_size=max_shard_size)
+        {name: (name,) for name in sizes}, get_storage_size=storage_size,
+        get_storage_id=lambda item: groups[item[0]][0] if item[0] in groups else None,
+        filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
     files = list(split.filename_to_tensors)
     layout.num_files = len(files)
     for number, file in enumerate(files, start=1):
@@ -106,23 +118,30 @@ def _writer(path: Path, names, save_distributed: bool, mapping: dict[str, int] |
                                     fqn_to_index_mapping=mapping or dict.fromkeys(names, 1))
 
 
-def _batches(layout: Layout, budget: int):
+def _batches(keys: list[str], stored: dict, budget: int):
+    """Checkpoint keys in order, in runs of at most ``budget`` bytes (a larger one alone)."""
     batch, size = [], 0
-    for name in layout.sources:
-        nbytes = _nbytes(layout.shapes[name], layout.dtypes[name])
+    for key in keys:
+        nbytes = _nbytes(stored[key].size, stored[key].properties.dtype)
         if batch and size + nbytes > budget:
             yield batch
             batch, size = [], 0
-        batch.append(name)
+        batch.append(key)
         size += nbytes
     if batch:
         yield batch
 
 
 def write_from_checkpoint(checkpoint, output, layout: Layout, stored: dict,
-                          budget: int = DEFAULT_BATCH_BYTES) -> list[Path]:
+                          budget: int = DEFAULT_BATCH_BYTES, convert=None,
+                          source_keys: list[str] | None = None) -> list[Path]:
     """Write ``layout``'s safetensors files into ``output`` from the DCP checkpoint at
-    ``checkpoint`` (``stored``: ``{source key: TensorStorageMetadata}``); returns the files."""
+    ``checkpoint`` (``stored``: ``{source key: TensorStorageMetadata}``); returns the files.
+
+    ``convert``: ``{source key: tensor} -> {output name: tensor}`` applied to each batch read
+    (e.g. transformers' own ``revert_weight_conversion``) over ``source_keys``; without it each
+    output name takes its ``layout.sources`` key.
+    """
     import torch.distributed.checkpoint as dcp  # lazy: DCP, seconds
 
     from pp_core.app.checkpoint import SafeLoadPlanner, SafeReader, _single_process_quiet
@@ -132,16 +151,25 @@ def write_from_checkpoint(checkpoint, output, layout: Layout, stored: dict,
     _clear_old_weights(output)
     sharded = scratch / "sharded"
     sharded.mkdir(parents=True)
+    named: dict[str, list[str]] = {}
+    for name, key in layout.sources.items():
+        named.setdefault(key, []).append(name)
+    keys = source_keys if convert is not None else list(named)
     try:
-        for number, names in enumerate(_batches(layout, budget)):
-            state = {layout.sources[n]: torch.empty(stored[layout.sources[n]].size,
-                                                     dtype=stored[layout.sources[n]].properties.dtype)
-                     for n in names}
+        for number, batch in enumerate(_batches(keys, stored, budget)):
+            state = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype)
+                     for k in batch}
             with _single_process_quiet():
                 dcp.load(state, storage_reader=SafeReader(str(checkpoint)),
                          planner=SafeLoadPlanner(), no_dist=True)
-            out = {n: state.pop(layout.sources[n]).to(layout.dtypes[n]).contiguous()
-                   for n in names}
+            found = convert(state) if convert is not None else \
+                {n: state[k] for k in batch for n in named[k]}
+            unknown = sorted(set(found) - set(layout.index_of))
+            if unknown:
+                raise PipelineError(f"the export wrote tensor(s) its plan lacks "
+                                    f"({', '.join(unknown[:3])}); this is a pp-core bug")
+            out = {n: v.to(layout.dtypes[n]).contiguous() for n, v in found.items()}
+            del state, found
             where = scratch / f"batch-{number}"
             with _single_process_quiet():
                 dcp.save(out, storage_writer=_writer(where, out, True), no_dist=True)
