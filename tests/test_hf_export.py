@@ -211,3 +211,20 @@ def test_a_qwen3_moe_checkpoint_exports_as_save_pretrained_lays_it_out(tmp_path)
     ids = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(_logits(out, ids), model(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_export_refusals_name_the_fix(tmp_path, capsys):
+    from pp_core.app.checkpoint import save_checkpoint
+    from tests._runtime_cases import gpt
+
+    step = save_checkpoint(tmp_path / "ckpt", 1, [gpt(2)], [None])
+    (step / "pp_core_export.json").write_text(json.dumps({"model": {"name": "gpt", "args": {}}}))
+    assert cli.main(["export", str(step), "--format", "hf", "-o", str(tmp_path / "hf")]) == 1
+    assert "not a Hugging Face model" in capsys.readouterr().err
+    assert cli.main(["export", str(step), "--format", "pt", "-o", str(tmp_path / "dir")]) == 1
+    assert "--format pt writes a .pt file" in capsys.readouterr().err
+    assert cli.main(["export", str(step), "--dtype", "int8", "-o", str(tmp_path / "d")]) == 1
+    assert "--dtype 'int8': expected a floating dtype" in capsys.readouterr().err
+    assert cli.main(["export", str(step), "--format", "safetensors", "--dtype", "float16",
+                     "-o", str(tmp_path / "flat")]) == 0
+    assert "name: gpt" in (tmp_path / "flat" / "pp_core_model.yaml").read_text()

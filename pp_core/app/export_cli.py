@@ -53,9 +53,6 @@ def export_command(source: Path, args) -> int:
 
         print(f"wrote {export_checkpoint(source, output)} from {source}")
         return 0
-    if fmt == "pt":
-        raise ConfigError(f"--format pt writes one .pt file, -o names {str(output)!r}; give "
-                          f"-o model.pt, or --format safetensors for a directory")
     from pp_core.app.export_hf import export_directory  # lazy: DCP, transformers
 
     started = time.perf_counter()
