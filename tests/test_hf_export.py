@@ -228,3 +228,17 @@ def test_export_refusals_name_the_fix(tmp_path, capsys):
     assert cli.main(["export", str(step), "--format", "safetensors", "--dtype", "float16",
                      "-o", str(tmp_path / "flat")]) == 0
     assert "name: gpt" in (tmp_path / "flat" / "pp_core_model.yaml").read_text()
+
+
+def test_checkpoint_export_hf_is_checked_with_the_spec():
+    from pp_core.app.spec import SpecError, parse_spec
+
+    base = {"model": {"name": "gpt", "args": {}}, "data": {"name": "synthetic"}}
+    spec = parse_spec({**base, "checkpoint": {"export_hf": {"dir": "runs/hf", "every": 5}}})
+    assert spec.checkpoint.export_hf == {"dir": "runs/hf", "every": 5}
+    assert parse_spec({**base, "checkpoint": {"export_hf": "runs/hf"}}).checkpoint.export_hf \
+        == {"dir": "runs/hf", "every": None}
+    for value, message in (({"dir": "runs/hf", "every": 0}, "with N a positive int"),
+                           ("runs/a", "is checkpoint.dir too")):
+        with pytest.raises(SpecError, match=message):
+            parse_spec({**base, "checkpoint": {"dir": "runs/a", "export_hf": value}})

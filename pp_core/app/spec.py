@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
@@ -220,6 +221,11 @@ def _check_combinations(values: dict, problems: list[str],
             if value:
                 problems.append(f"checkpoint.{name}: needs checkpoint.dir, found "
                                 f"checkpoint.dir unset; add checkpoint.dir: <path>")
+    export = ckpt.get("export_hf")
+    if export and ckpt["dir"] and os.path.abspath(export["dir"]) == os.path.abspath(ckpt["dir"]):
+        problems.append(f"checkpoint.export_hf: {export['dir']!r} is checkpoint.dir too (both "
+                        f"write step_NNNNNNNN there); export into another directory, e.g. "
+                        f"{os.path.join(export['dir'], 'hf')!r}")
     _fold_dp_size(dist, problems)
     _check_ep_size(dist, ckpt, problems)
     world = dist["pp_size"] * dist["dp_size"] * dist["tp_size"]
