@@ -52,7 +52,7 @@ class Layout:
     sources: dict[str, str]
     index_of: dict[str, int]
     shapes: dict[str, tuple]
-    dtype: torch.dtype | dict
+    dtype: torch.dtype | None
     num_files: int
     total_size: int
     total_parameters: int = 0
@@ -81,8 +81,6 @@ def plan_layout(entries: list[tuple[str, str, tuple, torch.dtype]], dtype: torch
 
     ``groups``: ``{output name: (storage key, elements)}`` for outputs that are views of one
     tensor (``save_pretrained`` keeps such views in one file and counts the storage once)."""
-    from huggingface_hub import split_state_dict_into_shards_factory  # lazy: an export only
-
     layout = Layout({}, {}, {}, dtype, 1, 0, total_parameters)
     sizes = {}
     for name, source, shape, stored in entries:
@@ -97,22 +95,55 @@ def plan_layout(entries: list[tuple[str, str, tuple, torch.dtype]], dtype: torch
             return groups[name][1] * torch.empty((), dtype=layout.dtypes[name]).element_size()
         return sizes[name]
 
-    split = split_state_dict_into_shards_factory(
-        {name: (name,) for name in sizes}, get_storage_size=storage_size,
-        get_storage_id=lambda item: groups[item[0]][0] if item[0] in groups else None,
-        filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
-    files = list(split.filename_to_tensors)
-    layout.num_files = len(files)
-    for number, file in enumerate(files, start=1):
-        for name in split.filename_to_tensors[file]:
+    try:
+        from huggingface_hub import split_state_dict_into_shards_factory  # lazy: an export only
+    except ImportError:  # no transformers installed: the same greedy rule, without groups
+        shards = _greedy(sizes, max_shard_size)
+    else:
+        split = split_state_dict_into_shards_factory(
+            {name: (name,) for name in sizes}, get_storage_size=storage_size,
+            get_storage_id=lambda item: groups[item[0]][0] if item[0] in groups else None,
+            filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
+        shards = list(split.filename_to_tensors.values())
+    layout.num_files = len(shards)
+    for number, names in enumerate(shards, start=1):
+        for name in names:
             layout.index_of[name] = number
     layout.sources = {name: layout.sources[name] for name in layout.index_of}
     layout.total_size = sum(sizes.values())
     return layout
 
 
+def _greedy(sizes: dict[str, int], max_shard_size) -> list[list[str]]:
+    """huggingface_hub's split in order: a tensor over the limit alone, else a new shard when
+    the next tensor would tip the current one over it."""
+    if isinstance(max_shard_size, str):
+        from pp_core.planning.sizes import parse_size  # lazy: only without huggingface_hub
+
+        max_shard_size = parse_size(max_shard_size, what="--max-shard-size")
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, size in sizes.items():
+        if size > max_shard_size:
+            shards.append([name])
+            continue
+        if current and used + size > max_shard_size:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    return shards + [current] if current or not shards else shards
+
+
 def _writer(path: Path, names, save_distributed: bool, mapping: dict[str, int] | None = None):
     from torch.distributed.checkpoint import HuggingFaceStorageWriter  # lazy: DCP, seconds
+
+    try:
+        import safetensors  # noqa: F401  # lazy: DCP's HF writer writes through it
+    except ImportError:
+        raise PipelineError("a directory export writes safetensors files: pip install "
+                            "safetensors (or 'pp-core[transformers]')") from None
 
     return HuggingFaceStorageWriter(str(path), save_distributed=save_distributed,
                                     fqn_to_index_mapping=mapping or dict.fromkeys(names, 1))
