@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["engine_run_backward", "ACCUMULATE_GRAD", "process_group_store", "set_state_dict_item",
-           "dcp_metadata_path", "tcp_stores_listening_on_their_host", "nn_init_skipped",
+           "dcp_metadata_path", "consolidate_hf_safetensors", "tcp_stores_listening_on_their_host", "nn_init_skipped",
            "donated_buffers_on", "donated_buffers_off", "disable_donated_buffers",
            "fsdp_reduce_and_reshard", "fsdp_reset", "ddp_arm_reducer", "fsdp_replicate",
            "profiler_enabled", "TorchDispatchMode", "flatten_mesh"]
@@ -74,6 +74,22 @@ def dcp_metadata_path(reader, rank: Optional[int]):
     ``_get_metadata_path``; checked on 2.13, 2.14), which the safe reader of
     :mod:`pp_core.app.checkpoint` opens itself so it can unpickle with an allow-list."""
     return reader._get_metadata_path(rank)
+
+
+def consolidate_hf_safetensors(input_dir: str, output_dir: str, index_of: dict,
+                               process_group=None, distributed: bool = False) -> None:
+    """torch's consolidation of DCP-sharded safetensors files into whole tensors, one output
+    file per index of ``index_of`` (``model-0000i-of-0000N.safetensors`` and torch's index):
+    ``consolidate_safetensors_files`` (or its ``..._on_every_rank`` form, each rank a share of
+    the files), public names in the private module ``_consolidate_hf_safetensors`` that
+    ``HuggingFaceStorageWriter`` itself calls. Checked on 2.13."""
+    from torch.distributed.checkpoint import _consolidate_hf_safetensors as hf  # lazy: DCP
+
+    if distributed:
+        hf.consolidate_safetensors_files_on_every_rank(input_dir, output_dir, index_of,
+                                                       process_group=process_group)
+    else:
+        hf.consolidate_safetensors_files(input_dir, output_dir, index_of)
 
 
 # ---------------------------------------------------------------------------- launcher (launch.py)

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pp_core._torch_compat import dcp_metadata_path, set_state_dict_item
+from pp_core.app.expert_state import expert_dtensors, expert_locals
 from pp_core.errors import PipelineError
 from pp_core.parallel.dtensor_state import restride, unstride
 
@@ -243,6 +244,7 @@ def _state(parts: Iterable[nn.Module], optimizers: Iterable, step: int) -> dict:
         model.update(get_model_state_dict(part))
         if optimizer is not None:
             optim.update(get_optimizer_state_dict(part, optimizer, options=_options()))
+    expert_dtensors(parts, model, optim)  # ep shards: whole experts in the file, any ep loads
     state = {"model": model, "optim": optim, "trainer": {"step": torch.tensor(step)}}
     return state, unstride(state)  # DCP writes no strided shard (the fused qkv): whole ones
 
@@ -325,6 +327,7 @@ def load_checkpoint(path, parts, optimizers, process_group=None) -> int:
             f"cannot load checkpoint {str(path)!r} into this pipeline: {type(cause).__name__}: "
             f"{str(cause)[:300]}; was it written for this model (model.args)?") from None
     restride(state, strided)
+    expert_locals(state)
     for part, optimizer in zip(parts, optimizers):
         names = set(part.state_dict().keys())
         set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in names})

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
@@ -225,15 +226,16 @@ def _check_combinations(values: dict, problems: list[str],
             if value:
                 problems.append(f"checkpoint.{name}: needs checkpoint.dir, found "
                                 f"checkpoint.dir unset; add checkpoint.dir: <path>")
+    export = ckpt.get("export_hf")
+    if export and ckpt["dir"] and os.path.abspath(export["dir"]) == os.path.abspath(ckpt["dir"]):
+        problems.append(f"checkpoint.export_hf: {export['dir']!r} is checkpoint.dir too (both "
+                        f"write step_NNNNNNNN there); export into another directory, e.g. "
+                        f"{os.path.join(export['dir'], 'hf')!r}")
     _fold_dp_size(dist, problems)
     dims = ParallelDims.of(dist)
     problems.extend(dims.problems(dist["nnodes"], dist["nproc_per_node"]))
     if dims.ep > 1 and is_auto(values["pipeline"].get("pp_schedule")):
         problems.append(auto_expert_parallel_refusal(dims.ep))
-    if dims.ep > 1 and ckpt["dir"] is not None:
-        problems.append("checkpoint.dir: checkpoints of expert-parallel runs (distributed.ep_size"
-                        f" = {dims.ep}) are not supported yet; drop checkpoint.dir or set "
-                        f"ep_size: 1")
     if dist["nnodes"] > 1 and dist["master_port"] is None and dist["rdzv_endpoint"] is None:
         problems.append("distributed.master_port: expected a port every node can reach when "
                         "nnodes > 1 (or set distributed.rdzv_endpoint: host:port), found none")

@@ -121,6 +121,19 @@ def _resume(value):
     raise Mismatch("true, false, or the path of a checkpoint directory")
 
 
+def _export_hf(value):
+    if value is None or value is False:
+        return None
+    if isinstance(value, str) and value:
+        return {"dir": value, "every": None}
+    if isinstance(value, dict) and isinstance(value.get("dir"), str) and value["dir"] \
+            and set(value) <= {"dir", "every"}:
+        every = value.get("every")
+        if every is None or (isinstance(every, int) and not isinstance(every, bool) and every > 0):
+            return {"dir": value["dir"], "every": every}
+    raise Mismatch("a directory, or {dir: DIR, every: N} with N a positive int")
+
+
 def _address(value):
     problem = address_problem(_str(value))
     if problem is not None:
@@ -317,6 +330,8 @@ SCHEMA: dict[str, list[Key]] = {
         Key("every", _optional(_int(1)), None, "steps between checkpoints"),
         Key("save_final", _bool, True, "also save after the last step (when dir is set)"),
         Key("resume", _resume, False, "true: latest checkpoint in dir; or a checkpoint path"),
+        Key("export_hf", _export_hf, None, "DIR or {dir: DIR, every: N}: the ranks write a "
+            "save_pretrained directory at the end (every N steps: DIR/step_NNNNNNNN)"),
     ],
     "output": [
         Key("metrics", _optional(_str), None, "JSON-lines metrics file"),

@@ -91,6 +91,7 @@ class CheckpointSpec:
     every: int | None = None
     save_final: bool = True
     resume: bool | str = False
+    export_hf: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from pp_core import build_pipeline
 from pp_core.app.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from pp_core.app.checkpoint_identity import identity_files
 from pp_core.app.data_metrics import batch_figures
+from pp_core.app.export_hf import export_files
+from pp_core.app.export_run import export_due, export_from_run
 from pp_core.app.factories import build_dataset, build_model, dp_slice
 from pp_core.app.health import apply_update, weights_finite
 from pp_core.app.layout import RankLayout
@@ -278,8 +280,10 @@ def train(spec: Spec) -> dict[str, Any]:
                                     f"checkpoint was not saved, so {directory!r} keeps its last "
                                     f"good one")
             path = save_checkpoint(directory, step, pipe.model_parts, optimizers,
-                                   extra_files=identity_files(spec))
+                                   extra_files={**identity_files(spec), **export_files(spec)})
             say(f"checkpoint saved: {path}")
+        if (export_dir := export_due(spec, step)) is not None:
+            say(f"exported: {export_from_run(spec, pipe.model_parts, export_dir)}")
     progress.close()
     result = recorder.finish(start_step, time.perf_counter() - started, dp_units)
     dist.barrier()

@@ -79,8 +79,20 @@ def register(subparsers) -> None:
                     "installed.")
     export.add_argument("checkpoint", metavar="CKPT",
                         help="a step_NNNNNNNN directory, or a checkpoint.dir (its latest step)")
-    export.add_argument("-o", "--output", required=True, metavar="FILE",
-                        help="model.pt or model.safetensors")
+    export.add_argument("-o", "--output", required=True, metavar="FILE|DIR",
+                        help="model.pt or model.safetensors; a directory with --format hf (or "
+                             "--format safetensors and no suffix)")
+    export.add_argument("--format", choices=("hf", "pt", "safetensors"), default=None,
+                        help="hf: a save_pretrained directory (config, shards, index, "
+                             "tokenizer); pt|safetensors: one state_dict file, or with a "
+                             "directory -o the weights, index and YAML model section "
+                             "(default: from -o's suffix)")
+    export.add_argument("--max-shard-size", metavar="SIZE", default=None,
+                        help="largest weight file of a directory export (default: "
+                             "save_pretrained's)")
+    export.add_argument("--dtype", default=None,
+                        help="cast floating weights of a directory export (default: the "
+                             "training dtype)")
     export.set_defaults(func=export_command)
 
 
@@ -186,6 +198,10 @@ def export_command(args) -> int:
         latest = latest_checkpoint(source)
         if latest is not None:
             source = latest
+    if getattr(args, "format", None) is not None or args.dtype or args.max_shard_size:
+        from pp_core.app.export_cli import export_command as export_as  # lazy: DCP, seconds
+
+        return export_as(source, args)
     output = export_checkpoint(source, args.output)
     print(f"wrote {output} from {source}")
     return 0
