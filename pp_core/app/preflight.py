@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from pp_core.app.factories import dataset_factory, model_factory
 from pp_core.app.layout import RankLayout
+from pp_core.app.preflight_calls import check_module_calls
 from pp_core.app.preflight_build import (
     build_meta_model, check_build, check_local_ranks, check_outputs, stage_initializers,
 )
@@ -106,7 +107,9 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
     if build:
         model = _plan_and_schedule(spec, plugins, model_fn, result, problems)
         if run_checks and not problems:
-            check_build(spec, model, data_fn, problems, result.notes, plugins)
+            batch = check_build(spec, model, data_fn, problems, result.notes, plugins)
+            if not problems:
+                check_module_calls(spec, model, result.plan, batch, problems)
     if problems:
         raise SpecError(problems, spec.source)
     return result

@@ -76,9 +76,11 @@ def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]
 
 
 def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str],
-                plugins=None) -> None:
-    """The datasets, one batch, the optimizer and the resume path, as a rank would build them."""
+                plugins=None):
+    """The datasets, one batch, the optimizer and the resume path, as a rank would build them;
+    returns the training data's first batch (``None`` without one)."""
     check_memory(spec, model, problems)
+    batch = None
     if data_fn is not None:
         batch = _check_dataset(spec, data_fn, False, problems, model, plugins)
         if spec.train.eval_every:
@@ -95,6 +97,7 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
         from pp_core.app.checkpoint_identity import check_resume_identity  # lazy: DCP, seconds
 
         check_resume_identity(spec, model, problems, notes)
+    return batch
 
 
 def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str], model=None,
