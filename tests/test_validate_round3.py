@@ -55,13 +55,63 @@ def _with(section: str, **values) -> dict:
     return {**BASE, section: {**BASE.get(section, {}), **values}}
 
 
+def _data(name="tokenized_text", train=None, **args) -> dict:
+    """BASE on ``name`` with ``args`` (a tokenized corpus: files made in the test's directory)."""
+    if name == "tokenized_text":
+        args = {"files": ["corpus.jsonl"], "tokenizer": "gap.json", "seq_len": 8,
+                "cache_dir": "cache", **args}
+    found = {**BASE, "data": {"name": name, "args": args}}
+    return {**found, "train": train} if train else found
+
+
+def _moe(**args) -> dict:
+    return _with("model", name="moe_gpt", args={**ARGS, "num_experts": 4, **args})
+
+
+def _sp(**values) -> dict:
+    return {**BASE, "distributed": {"pp_size": 1, "tp_size": 2, "sequence_parallel": True},
+            **values}
+
+
+def _corpus(tmp_path) -> None:
+    """A JSONL corpus whose 40th document holds id 300 (the gapped tokenizer's 'zz'), a corpus
+    with a UTF-8 BOM, and bad ones: a number, a list, an object as text; a line not JSON."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "zz": 300},
+                                           unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "gap.json"))
+    lines = ['{"text": "a b a b a b a b a b a b"}'] * 60
+    lines[40] = '{"text": "a b zz a b a b a b a b"}'
+    (tmp_path / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    plain = "\n".join(['{"text": "a b a b a b a b a b a b"}'] * 60) + "\n"
+    (tmp_path / "bom.jsonl").write_bytes("\ufeff".encode() + plain.encode())
+    for name, value in (("number", "12"), ("list", '["a", "b"]'), ("object", '{"a": 1}'),
+                        ("broken", '"a b')):
+        bad = plain.splitlines()
+        bad[2] = '{"text": %s}' % value
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(bad) + "\n")
+
+
 def _validate(tmp_path, capsys, monkeypatch, values) -> tuple[int, str]:
     (tmp_path / "models_mod.py").write_text(MODELS)
+    _corpus(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "pipe.yaml").write_text(yaml.safe_dump(values))
     code = cli.main(["validate", str(tmp_path / "pipe.yaml")])
     out = capsys.readouterr()
     return code, out.err
+
+
+def _guard(key: str, what: str, why: str) -> str:
+    """The plugin guard's message for a factory that refused the file's arguments."""
+    kind = "model factory" if key == "model.args" else what
+    return (f"{key}: {'the model factory' if key == 'model.args' else kind} refused these "
+            f"arguments ({why}); fix {key}, or {what} from plugin 'pp_core_builtins.models' "
+            f"(pp-core 0.1.0) if the arguments are right (skip a broken plugin with "
+            f"PP_CORE_DISABLE_PLUGINS=<plugin name>)")
 
 
 TWICE = [["tok_embeddings", "pos_embeddings", "layers.0", "layers.1"],
@@ -72,6 +122,46 @@ REFUSED = [
      "pipeline.module_fqns_per_model_part: module 'layers.1' runs 2 time(s) per microbatch in "
      "the split but 1 in the unsplit model (stages 0, 1 each run it), so the pipeline would "
      "compute another function; list 'layers.1' in one stage only (it is in stages 0, 1)"),
+    # class: validate sees what the ranks will see
+    (_sp(data={**BASE["data"], "eval_args": {"seq_len": 7}}, train={"eval_every": 1}),
+     "distributed.sequence_parallel: shards the sequence over the tp_size=2 ranks, but the "
+     "dataset yields sequences of 7 with data.eval_args; make the length a multiple of 2 "
+     "(data.eval_args.seq_len) or set sequence_parallel: false"),
+    (_data(), "data.args: the corpus holds token id 300, but the model's vocabulary has 64 ids "
+              "(0..63); a batch holding it would fail in the embedding; set "
+              "model.args.vocab_size to at least 301, or use the tokenizer the model was made "
+              "for"),
+    (_data(pack="false", files=["bom.jsonl"]),
+     _guard("data.args", "dataset 'tokenized_text'", "TypeError: tokenized_text: pack='false' "
+            "must be true or false (a string: write false without quotes?)")),
+    (_data(shuffle="no", files=["bom.jsonl"]),
+     _guard("data.args", "dataset 'tokenized_text'", "TypeError: tokenized_text: shuffle='no' "
+            "must be true or false (a string: write no without quotes?)")),
+    (_data(seq_len=True, files=["bom.jsonl"]),
+     _guard("data.args", "dataset 'tokenized_text'", "TypeError: tokenized_text: seq_len=True "
+            "must be an int")),
+    (_data("synthetic", seq_len=8, vocab_size="64"),
+     _guard("data.args", "dataset 'synthetic'", "TypeError: synthetic: vocab_size='64' must be "
+            "an int (a string: write 64 without quotes?)")),
+    (_moe(aux_loss_coef="0.01"),
+     _guard("model.args", "model 'moe_gpt'", "TypeError: moe_gpt: aux_loss_coef='0.01' must be "
+            "a number (a string: write 0.01 without quotes?)")),
+    (_moe(shared_expert="no"),
+     _guard("model.args", "model 'moe_gpt'", "TypeError: moe_gpt: shared_expert='no' must be "
+            "true or false (a string: write no without quotes?)")),
+    (_moe(moe_hidden=0),
+     _guard("model.args", "model 'moe_gpt'", "ValueError: moe_gpt: moe_hidden=0 must be at "
+            "least 1 (the experts' hidden width), or left out for mlp_ratio * dim")),
+    *[(_data(files=[f"{name}.jsonl"]),
+       _guard("data.args", "dataset 'tokenized_text'", f"ValueError: tokenized_text: "
+              f"'{name}.jsonl' line 3: 'text' is {kind}, expected a string (it would train on "
+              f"its Python repr); fix the file or data.args.text_field"))
+      for name, kind in (("number", "int 12"), ("list", 'list ["a", "b"]'),
+                         ("object", 'dict {"a": 1}'))],
+    (_data(files=["broken.jsonl"]),
+     _guard("data.args", "dataset 'tokenized_text'", "ValueError: tokenized_text: "
+            "'broken.jsonl' line 3 is not JSON (Unterminated string starting at column 10); "
+            "fix that line of data.args.files")),
 ]
 
 
@@ -86,6 +176,7 @@ TIED_FQNS = [["embed", "rotary", "layers.0"], ["layers.1", "rotary", "head"]]
 ACCEPTED = [
     {**BASE, "model": {"target": "models_mod:Tied"},
      "pipeline": {**BASE["pipeline"], "module_fqns_per_model_part": TIED_FQNS}},
+    _data(files=["bom.jsonl"]),  # a UTF-8 BOM, as CSV readers take it
 ]
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pp_core.app.factories import EVALUATION_NOTE, call_factory, dataset_args, dp_slice
 from pp_core.app.output_paths import collisions, path_problems, run_paths
+from pp_core.app.preflight_data import check_sequence_shards, check_vocab
 from pp_core.app.preflight_fit import check_fit, check_memory
 from pp_core.app.rendezvous import started_by_torchrun
 from pp_core.app.returns import initializer_problem, loss_problem, output_problem
@@ -82,11 +83,14 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
     check_memory(spec, model, problems)
     batch = None
     if data_fn is not None:
+        before = len(problems)
         batch = _check_dataset(spec, data_fn, False, problems, model, plugins)
-        if spec.train.eval_every:
-            evaluated = _check_dataset(spec, data_fn, True, problems, plugins=plugins)
+        if spec.train.eval_every:  # (its vocabulary once: eval data usually shares the tokenizer)
+            evaluated = _check_dataset(spec, data_fn, True, problems,
+                                       model if len(problems) == before else None, plugins)
             if evaluated is not None:
                 check_fit(model, evaluated, "data.eval_args", problems)
+                check_sequence_shards(spec, evaluated, "data.eval_args", problems)
         if batch is not None:
             check_fit(model, batch, "data.args", problems)
             _check_batch(spec, model, batch, problems, notes, plugins)
@@ -108,7 +112,7 @@ def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str], m
     try:  # the call a rank makes (the plugin's factory through the plugin guard)
         data = call_factory("dataset", spec, data_fn, dataset_args(spec, data_fn, evaluation),
                             plugins, evaluation)
-        _check_vocab(spec, data, model, problems)
+        check_vocab(data, model, key, problems)
         batch = next(iter(data))
     except StopIteration:
         problems.append(f"{key}: the dataset yields no batch{why}")
@@ -126,24 +130,6 @@ def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str], m
                         f"{type(batch).__name__}, expected (inputs, target) pairs")
         return None
     return batch
-
-
-def _check_vocab(spec: Spec, data, model, problems: list[str]) -> None:
-    """A dataset that says its ``vocab_size`` (a tokenizer's) against the model's input
-    embedding: ids past the embedding would fail deep inside the first stage."""
-    import torch  # lazy: torch, only with a model in hand
-
-    vocab = getattr(data, "vocab_size", None)
-    if not isinstance(vocab, int) or model is None:
-        return
-    get = getattr(model, "get_input_embeddings", None)
-    embedding = get() if callable(get) else None
-    if not isinstance(embedding, torch.nn.Embedding):
-        embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
-    if embedding is not None and embedding.num_embeddings < vocab:
-        problems.append(f"data.args.tokenizer: the tokenizer's vocabulary has {vocab} tokens but "
-                        f"the model's embedding only {embedding.num_embeddings}; set the model's "
-                        f"vocab_size (model.args) to at least {vocab}, or use a smaller tokenizer")
 
 
 def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str],
@@ -172,12 +158,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
                         f"{tuple(first.shape)}); every dimension must be at least 1 (e.g. "
                         f"data.args.seq_len)")
         return
-    tp = spec.distributed.tp_size
-    if spec.distributed.sequence_parallel and first.dim() >= 2 and first.shape[1] % tp:
-        problems.append(f"distributed.sequence_parallel: shards the sequence over the "
-                        f"tp_size={tp} ranks, but the dataset yields sequences of "
-                        f"{first.shape[1]}; make the length a multiple of {tp} (e.g. "
-                        f"data.args.seq_len) or set sequence_parallel: false")
+    check_sequence_shards(spec, batch, "data.args", problems)
     seq_len = spec.pipeline.pp_seq_len
     if seq_len is not None and (first.dim() < 2 or first.shape[1] != seq_len):
         found = f"sequence length {first.shape[1]}" if first.dim() >= 2 else \

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as functional
 from torch import nn
 
+from pp_core_builtins.models.arg_types import check_arg_types
+
 __all__ = ["GPT", "Block", "uneven_gpt", "document_mask"]
 
 
@@ -89,6 +91,7 @@ class GPT(nn.Module):
                  mlp_ratios: Optional[Sequence[int]] = None):
         """``mlp_ratios``: one MLP width factor per block instead of ``mlp_ratio`` for all
         (blocks of different cost, to exercise a split by measured time)."""
+        check_arg_types("gpt", GPT.__init__, locals())
         super().__init__()
         ratios = [mlp_ratio] * num_layers if mlp_ratios is None else list(mlp_ratios)
         if len(ratios) != num_layers:
