@@ -19,8 +19,80 @@ BASE = {
     "distributed": {"pp_size": 2},
 }
 MODELS = '''
+import threading
+
 import torch
 from torch import nn
+
+
+class Init:
+    def __init__(self, mode="ok", key="workspace", signature=1):
+        self.mode, self.resource_key, self.signature = mode, key, signature
+
+    def prepare(self, num_tokens, device):
+        if self.mode == "block":
+            threading.Event().wait(60)
+        if self.mode == "exit":
+            raise SystemExit(3)
+
+
+class BadHash:
+    def __hash__(self):
+        raise ValueError("no hash today")
+
+    def __repr__(self):
+        return "BadHash()"
+
+
+class NoKey:
+    def prepare(self, num_tokens, device):
+        pass
+
+
+class WithInit(nn.Module):
+    \"\"\"Two layers, each asking for a runtime resource; ``mode`` picks what goes wrong.\"\"\"
+    def __init__(self, mode="ok"):
+        super().__init__()
+        self.mode = mode
+        self.embed = nn.Embedding(64, 16)
+        self.layers = nn.ModuleList([Layer(mode, i) for i in range(2)])
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, x):
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h) if self.head is not None else h
+
+    def pipeline_runtime_initializers(self):
+        mode = self.mode
+        if mode == "dict":
+            return {"workspace": Init()}
+        if mode == "int":
+            return 3
+        if mode == "nokey":
+            return [NoKey()]
+        if mode == "hash":
+            return [Init(key=BadHash())]
+        if mode == "raises":
+            raise RuntimeError("no workspace for you")
+        if mode == "generator":
+            return self._generate()
+        return [Init(mode)] if mode in ("block", "exit") else None
+
+    def _generate(self):
+        yield Init()
+        raise KeyError("the second one")
+
+
+class Layer(nn.Linear):
+    \"\"\"``per_layer``: each layer's resource has its own signature (a conflict on one rank).\"\"\"
+    def __init__(self, mode, index):
+        super().__init__(16, 16)
+        self.mode, self.index = mode, index
+
+    def pipeline_runtime_initializers(self):
+        return [Init(key="per_layer", signature=self.index)] if self.mode == "per_layer" else None
 
 
 class Rotary(nn.Module):
@@ -66,6 +138,11 @@ def _data(name="tokenized_text", train=None, **args) -> dict:
 
 def _moe(**args) -> dict:
     return _with("model", name="moe_gpt", args={**ARGS, "num_experts": 4, **args})
+
+
+def _init(mode: str, **pipeline) -> dict:
+    return {**BASE, "model": {"target": "models_mod:WithInit", "args": {"mode": mode}},
+            "pipeline": {**BASE["pipeline"], **pipeline}}
 
 
 def _sp(**values) -> dict:
@@ -158,6 +235,35 @@ REFUSED = [
               f"its Python repr); fix the file or data.args.text_field"))
       for name, kind in (("number", "int 12"), ("list", 'list ["a", "b"]'),
                          ("object", 'dict {"a": 1}'))],
+    # class: runtime initializers and what hooks return, one line blaming the provider
+    (_init("exit"), "model: the runtime initializer models_mod.Init (resource_key 'workspace') "
+                    "raised in prepare() (SystemExit: 3); the model or plugin that provides it "
+                    "is at fault, not data.args or model.args"),
+    *[(_init(mode), f"model: class 'WithInit' of module 'models_mod': "
+                    f"pipeline_runtime_initializers() returned {found}; return a list of runtime "
+                    f"initializers (objects with resource_key, signature and prepare(num_tokens, "
+                    f"device)), or None for none")
+      for mode, found in (("dict", "a dict (keys ['workspace']), not a list of its values"),
+                          ("int", "int 3"),
+                          ("nokey", "a NoKey without resource_key, signature in its list"))],
+    (_init("raises"), "model: class 'WithInit' of module 'models_mod': "
+                      "pipeline_runtime_initializers() raised RuntimeError: no workspace for you; "
+                      "this is a defect of the plugin: fix it, name another, or skip the plugin "
+                      "with PP_CORE_DISABLE_PLUGINS=<plugin name>"),
+    (_init("generator"), "model: class 'WithInit' of module 'models_mod': "
+                         "pipeline_runtime_initializers() raised KeyError: 'the second one' while "
+                         "its result was read; this is a defect of that code: fix it"),
+    (_init("hash"), "model: runtime initializer Init from plugin 'pp_core.model_initializers' for "
+                    "module '<root>' of model part 0 (WithInit) has an unhashable resource_key "
+                    "BadHash() (ValueError: no hash today); make resource_key a tuple, string, "
+                    "number or frozen dataclass"),
+    (_init("per_layer", pp_schedule="v_schedule", module_fqns_per_model_part=[
+        ["embed"], ["layers.0"], ["layers.1"], ["head"]]),
+     "model: the runtime initializers of rank 1, which runs stages 1, 2 in one process, "
+     "disagree: runtime resource 'per_layer' is requested with two different signatures: 0 by module "
+     "'layers.0' of model part 0 (Layer) and 1 by module 'layers.1' of model part 1 (Layer); "
+     "every module sharing a resource_key must expect the same configuration, so give the "
+     "resources different keys or make their configurations equal"),
     (_data(files=["broken.jsonl"]),
      _guard("data.args", "dataset 'tokenized_text'", "ValueError: tokenized_text: "
             "'broken.jsonl' line 3 is not JSON (Unterminated string starting at column 10); "
@@ -177,6 +283,8 @@ ACCEPTED = [
     {**BASE, "model": {"target": "models_mod:Tied"},
      "pipeline": {**BASE["pipeline"], "module_fqns_per_model_part": TIED_FQNS}},
     _data(files=["bom.jsonl"]),  # a UTF-8 BOM, as CSV readers take it
+    # one key, two signatures, on two ranks: two processes, two resources
+    _init("per_layer", module_fqns_per_model_part=[["embed", "layers.0"], ["layers.1", "head"]]),
 ]
 
 
@@ -184,3 +292,27 @@ ACCEPTED = [
 def test_validate_accepts(tmp_path, capsys, monkeypatch, values):
     code, err = _validate(tmp_path, capsys, monkeypatch, values)
     assert code == 0, err
+
+
+def test_a_prepare_that_blocks_ends_validate_with_a_message(tmp_path):
+    """A real ``pp-core validate`` process: an initializer whose prepare() blocks is reported
+    after $PP_CORE_PREPARE_TIMEOUT seconds (it used to hang validate and run)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "models_mod.py").write_text(MODELS)
+    (tmp_path / "pipe.yaml").write_text(yaml.safe_dump(_init("block")))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pp_core", "validate", "pipe.yaml"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PP_CORE_PREPARE_TIMEOUT": "2",
+                               "PYTHONPATH": str(tmp_path)})
+    assert time.monotonic() - started < 60
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        "pp-core: error: pipe.yaml: model: the runtime initializer models_mod.Init (resource_key "
+        "'workspace') did not return from prepare(num_tokens=8, device=meta) within 2 s "
+        "($PP_CORE_PREPARE_TIMEOUT); the executor calls it before every microbatch, so the run "
+        "would hang there: the model or plugin that provides it must not block\n"), done.stderr

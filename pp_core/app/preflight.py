@@ -20,8 +20,9 @@ from pp_core.app.factories import dataset_factory, model_factory
 from pp_core.app.layout import RankLayout
 from pp_core.app.preflight_calls import check_module_calls
 from pp_core.app.preflight_build import (
-    build_meta_model, check_build, check_local_ranks, check_outputs, stage_initializers,
+    build_meta_model, check_build, check_local_ranks, check_outputs,
 )
+from pp_core.app.preflight_initializers import stage_initializers
 from pp_core.app.spec import Spec, SpecError
 from pp_core.config import is_auto
 from pp_core.errors import PPCoreError, did_you_mean
@@ -229,5 +230,6 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
             problems.append(f"pipeline: cannot split the model: {exc}")
         return model
     result.plan, result.schedule = planned.split, planned.schedule
-    result.initializers = stage_initializers(model, planned.split, config, plugins, problems)
+    result.initializers = stage_initializers(model, planned.split, planned.schedule, config,
+                                             plugins, problems)
     return model

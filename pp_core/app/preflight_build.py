@@ -20,17 +20,16 @@ from pp_core.app.factories import EVALUATION_NOTE, call_factory, dataset_args, d
 from pp_core.app.output_paths import collisions, path_problems, run_paths
 from pp_core.app.preflight_data import check_sequence_shards, check_vocab
 from pp_core.app.preflight_fit import check_fit, check_memory
+from pp_core.app.preflight_initializers import initializers_to_prepare
 from pp_core.app.rendezvous import started_by_torchrun
 from pp_core.app.returns import initializer_problem, loss_problem, output_problem
 from pp_core.app.spec import Spec
 from pp_core.errors import PluginError, PPCoreError, quoted, shorten
 from pp_core.losses import resolve_loss
 from pp_core.plugin_manager import plugins_or_default
-from pp_core.runtime.initializers import (collect_pipeline_runtime_initializers,
-                                          summarize_runtime_initializers)
 
 __all__ = ["build_meta_model", "check_build", "check_outputs", "check_local_ranks",
-           "stage_initializers", "LOCAL_RANKS_PER_CPU"]
+           "LOCAL_RANKS_PER_CPU"]
 
 LOCAL_RANKS_PER_CPU = 8  # beyond this many processes per core a local launch cannot work
 
@@ -171,7 +170,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     from pp_core.runtime.microbatch import num_tokens  # lazy: torch, only with a model in hand
 
     meta = [_to_meta(v) for v in micro]
-    initializers = _runtime_initializers(model, plugins, problems)
+    initializers = initializers_to_prepare(model, plugins_or_default(plugins), problems)
     if initializers is None:
         return
     for initializer in initializers:  # as the executor does before each microbatch
@@ -204,43 +203,6 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
         else:
             problems.append(f"data.args: a microbatch of this data fails in the model or the "
                             f"loss ({_why(exc)}); make data.args and model.args agree")
-
-
-def _runtime_initializers(model, plugins, problems: list[str]):
-    """The model's runtime initializers as the executor collects them, or None (a problem)."""
-    try:
-        return collect_pipeline_runtime_initializers([model], plugins)
-    except (RuntimeError, TypeError) as exc:
-        problems.append(f"model.args: the model's runtime initializers disagree ({_why(exc)}); "
-                        f"give every module that shares a resource_key the same signature")
-        return None
-    except PluginError as exc:  # a pp_runtime_initializers hook (or the model's method) raised
-        problems.append(f"model: {exc}")
-        return None
-
-
-def stage_initializers(model, split, config, plugins, problems: list[str]):
-    """Per stage, the runtime initializers its part collects on the meta model (``pp-core
-    validate`` prints them): ``[(resource_key, signature, modules)]``, or ``None``."""
-    from pp_core.planning.parts import build_model_parts  # lazy: torch, only with a model in hand
-
-    if model is None or split is None:
-        return None
-    found = []
-    for stage in range(split.num_stages):
-        try:
-            (part,) = build_model_parts(model, split, [stage], config)
-            found.append(summarize_runtime_initializers([part], plugins))
-        except (RuntimeError, TypeError) as exc:
-            problems.append(f"model.args: stage {stage}'s runtime initializers disagree "
-                            f"({_why(exc)}); give every module that shares a resource_key the "
-                            f"same signature")
-            return None
-        except Exception as exc:  # noqa: BLE001 - a part the meta device cannot build
-            if not _meta_limit(exc) and not isinstance(exc, PPCoreError):
-                raise
-            return None
-    return found
 
 
 def _to_meta(value):
