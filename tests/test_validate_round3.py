@@ -85,6 +85,24 @@ class WithInit(nn.Module):
         raise KeyError("the second one")
 
 
+class PlanModel(nn.Module):
+    """A model the test plugin ppt_plans answers for, as ``mode`` says."""
+    def __init__(self, mode="ok"):
+        super().__init__()
+        self.plan_mode = mode
+        self.embed = nn.Embedding(64, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, x):
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers:
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.head(h) if self.head is not None else h
+
+
 class Layer(nn.Linear):
     \"\"\"``per_layer``: each layer's resource has its own signature (a conflict on one rank).\"\"\"
     def __init__(self, mode, index):
@@ -174,12 +192,71 @@ def _corpus(tmp_path) -> None:
 def _validate(tmp_path, capsys, monkeypatch, values) -> tuple[int, str]:
     (tmp_path / "models_mod.py").write_text(MODELS)
     _corpus(tmp_path)
+    _plugin_dist(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "pipe.yaml").write_text(yaml.safe_dump(values))
     code = cli.main(["validate", str(tmp_path / "pipe.yaml")])
     out = capsys.readouterr()
     return code, out.err
+
+
+PLANS = """
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from pp_core import hookimpl
+
+
+class Shard:
+    def apply(self, module, ep_group):
+        pass
+
+
+TP = {"list": lambda: ["layers.*"], "int": lambda: 3,
+      "intkeys": lambda: {0: ColwiseParallel()}, "string": lambda: {"layers.*": "colwise"},
+      "norm": lambda: {"norm": ColwiseParallel()}, "empty": lambda: {},
+      "nothing": lambda: {"blocks.*": ColwiseParallel()},
+      "head": lambda: {"head": ColwiseParallel()},
+      "ok": lambda: {"layers.*": ColwiseParallel(), "head": ColwiseParallel(),
+                     "embed": RowwiseParallel()}}
+
+
+@hookimpl
+def pp_tensor_parallel_plan(model, sequence_parallel):
+    mode = getattr(model, "plan_mode", None)
+    if mode == "raises":
+        raise RuntimeError("no plan today")
+    return TP[mode]() if mode in TP else None
+
+
+@hookimpl
+def pp_expert_parallel_plan(model):
+    mode = getattr(model, "plan_mode", None)
+    if mode == "ep_raises":
+        raise RuntimeError("no experts today")
+    if mode == "ep_list":
+        return [Shard()]
+    if mode == "ep_string":
+        return {"layers.*": "shard"}
+    return None
+"""
+
+
+def _plugin_dist(root) -> None:
+    """A real distribution of a plugin (dist-info with its entry point) on sys.path."""
+    (root / "ppt_plans.py").write_text(PLANS)
+    info = root / "pp_plans-1.2.3.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pp-plans\nVersion: 1.2.3\n")
+    (info / "entry_points.txt").write_text("[pp_core]\nppt_plans = ppt_plans\n")
+
+
+def _plan(mode: str, tp: int = 2, **distributed) -> dict:
+    return {**BASE, "model": {"target": "models_mod:PlanModel", "args": {"mode": mode}},
+            "distributed": {"pp_size": 2, "tp_size": tp, **distributed}}
+
+
+PROVIDER = "plugin 'ppt_plans' (pp-plans 1.2.3)"
 
 
 def _guard(key: str, what: str, why: str) -> str:
@@ -264,6 +341,43 @@ REFUSED = [
      "'layers.0' of model part 0 (Layer) and 1 by module 'layers.1' of model part 1 (Layer); "
      "every module sharing a resource_key must expect the same configuration, so give the "
      "resources different keys or make their configurations equal"),
+    # class: plans that must do something (a real plugin distribution gives them)
+    (_plan("list"), f"distributed.tp_size: {PROVIDER} returned list ['layers.*'] from "
+                    f"pp_tensor_parallel_plan, expected a dict {{module pattern: style}}; return "
+                    f"e.g. {{'layers.*.attn': ...}}"),
+    (_plan("int"), f"distributed.tp_size: {PROVIDER} returned int 3 from pp_tensor_parallel_plan, "
+                   f"expected a dict {{module pattern: style}}; return e.g. "
+                   f"{{'layers.*.attn': ...}}"),
+    (_plan("intkeys"), f"distributed.tp_size: {PROVIDER}'s pp_tensor_parallel_plan plan has the "
+                       f"key 0 (int), expected a module path such as 'layers.*.mlp'"),
+    (_plan("raises"), f"distributed.tp_size: {PROVIDER} raised in pp_tensor_parallel_plan "
+                      f"(RuntimeError: no plan today); fix the plugin, or skip it with "
+                      f"PP_CORE_DISABLE_PLUGINS=<plugin name>"),
+    (_plan("string"), f"distributed.tp_size: {PROVIDER}'s pp_tensor_parallel_plan plan maps "
+                      f"'layers.*' to 'colwise' (a string names no style), expected a torch "
+                      f"ParallelStyle (ColwiseParallel(), RowwiseParallel(), SequenceParallel(), "
+                      f"...)"),
+    (_plan("norm"), f"distributed.tp_size: {PROVIDER}'s plan shards 'norm' (LayerNorm) with "
+                    f"ColwiseParallel, which torch applies only to nn.Linear and nn.Embedding; use "
+                    f"SequenceParallel() for a norm, or leave it out of the plan (replicated)"),
+    *[(_plan(mode), f"distributed.tp_size: the tensor-parallel plan of {PROVIDER} matches no "
+                    f"module of stage(s) 0 (1,296 parameters), 1 (1,392 parameters): their tp "
+                    f"ranks would each compute the whole stage, the same work twice; make the "
+                    f"plan's module paths match the model's (e.g. 'layers.*.attn.q'), or set "
+                    f"distributed.tp_size: 1") for mode in ("empty", "nothing")],
+    (_plan("head"), f"distributed.tp_size: the tensor-parallel plan of {PROVIDER} matches no "
+                    f"module of stage(s) 0 (1,296 parameters): their tp ranks would each compute "
+                    f"the whole stage, the same work twice; make the plan's module paths match "
+                    f"the model's (e.g. 'layers.*.attn.q'), or set distributed.tp_size: 1"),
+    (_plan("ep_raises", tp=1, dp_size=2, ep_size=2),
+     f"distributed.ep_size: {PROVIDER} raised in pp_expert_parallel_plan (RuntimeError: no "
+     f"experts today); fix the plugin, or skip it with PP_CORE_DISABLE_PLUGINS=<plugin name>"),
+    (_plan("ep_list", tp=1, dp_size=2, ep_size=2),
+     f"distributed.ep_size: {PROVIDER} returned list [<ppt_plans.Shard object at 0x"),
+    (_plan("ep_string", tp=1, dp_size=2, ep_size=2),
+     f"distributed.ep_size: {PROVIDER}'s pp_expert_parallel_plan plan maps 'layers.*' to 'shard' "
+     f"(a string names no style), expected an expert-parallel style (an object with "
+     f"apply(module, ep_group))"),
     (_data(files=["broken.jsonl"]),
      _guard("data.args", "dataset 'tokenized_text'", "ValueError: tokenized_text: "
             "'broken.jsonl' line 3 is not JSON (Unterminated string starting at column 10); "
@@ -275,6 +389,10 @@ REFUSED = [
 def test_validate_refuses(tmp_path, capsys, monkeypatch, values, expected):
     code, err = _validate(tmp_path, capsys, monkeypatch, values)
     assert code == 1, err
+    if expected.endswith("object at 0x"):  # an address follows
+        assert err.startswith(f"pp-core: error: {tmp_path / 'pipe.yaml'}: {expected}"), err
+        assert err.count("\n") == 1, err
+        return
     assert err == f"pp-core: error: {tmp_path / 'pipe.yaml'}: {expected}\n", err
 
 
@@ -283,6 +401,7 @@ ACCEPTED = [
     {**BASE, "model": {"target": "models_mod:Tied"},
      "pipeline": {**BASE["pipeline"], "module_fqns_per_model_part": TIED_FQNS}},
     _data(files=["bom.jsonl"]),  # a UTF-8 BOM, as CSV readers take it
+    _plan("ok"),
     # one key, two signatures, on two ranks: two processes, two resources
     _init("per_layer", module_fqns_per_model_part=[["embed", "layers.0"], ["layers.1", "head"]]),
 ]

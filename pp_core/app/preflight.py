@@ -149,8 +149,19 @@ def _check_expert_parallel(spec: Spec, model, plugins, problems: list[str]) -> N
     if ep == 1:
         return
     from pp_core.parallel.expert import planned_modules  # lazy: torch, only with expert parallelism
+    from pp_core.parallel.plan_checks import call_plan_hook, plan_problems, plan_provider
 
-    plan = plugins.pm.hook.pp_expert_parallel_plan(model=model)
+    hook = "pp_expert_parallel_plan"
+    try:
+        plan = call_plan_hook(plugins, hook, model=model)
+    except PPCoreError as exc:
+        problems.append(str(exc))
+        return
+    wrong = [] if plan is None else \
+        plan_problems(plan, hook, lambda: plan_provider(plugins, hook, model=model))
+    if wrong:
+        problems.extend(wrong)
+        return
     found = planned_modules(model, plan) if plan is not None else []
     if not found:
         problems.append(f"distributed.ep_size: {ep} needs a model with experts and an "
@@ -172,14 +183,21 @@ def _check_tensor_parallel(spec: Spec, model, plugins, problems: list[str], note
     if tp <= 1:
         return
     from pp_core.parallel.tensor_parallel import (  # lazy: torch, only with tensor parallelism
-        check_tensor_parallel, plan_modules, tensor_parallel_plan)
+        NO_PLAN_HELP, check_tensor_parallel, plan_modules)
+    from pp_core.parallel.plan_checks import call_plan_hook, plan_problems, plan_provider
 
+    hook, asked = "pp_tensor_parallel_plan", {"model": model, "sequence_parallel": sequence_parallel}
     try:
-        plan = tensor_parallel_plan(model, sequence_parallel, plugins)
+        plan = call_plan_hook(plugins, hook, **asked)
     except PPCoreError as exc:
         problems.append(str(exc))
         return
-    found = check_tensor_parallel(model, plan, tp)
+    if plan is None:
+        problems.append(f"distributed.tp_size: no plugin provides a tensor-parallel plan for the "
+                        f"model {type(model).__name__}; {NO_PLAN_HELP}")
+        return
+    found = plan_problems(plan, hook, lambda: plan_provider(plugins, hook, **asked), model) or \
+        check_tensor_parallel(model, dict(plan), tp)
     problems.extend(found)
     if not found:
         notes.append(f"distributed.tp_size: {len(plan_modules(model, plan))} modules sharded "
@@ -230,6 +248,32 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
             problems.append(f"pipeline: cannot split the model: {exc}")
         return model
     result.plan, result.schedule = planned.split, planned.schedule
+    if spec.distributed.tp_size > 1 and not problems:
+        _check_stage_plans(spec, model, planned.split, plugins, problems)
     result.initializers = stage_initializers(model, planned.split, planned.schedule, config,
                                              plugins, problems)
     return model
+
+
+def _check_stage_plans(spec, model, split, plugins, problems: list[str]) -> None:
+    """Every stage that holds parameters gets some of them sharded by its tp plan (the plan
+    the runtime asks for each part)."""
+    from pp_core.parallel.plan_checks import (  # lazy: torch, only with tensor parallelism
+        call_plan_hook, unmatched_parts, plan_provider)
+    from pp_core.planning.parts import build_model_parts
+
+    hook, sequence_parallel = "pp_tensor_parallel_plan", spec.distributed.sequence_parallel
+
+    def plan_of(part):
+        try:
+            return call_plan_hook(plugins, hook, model=part, sequence_parallel=sequence_parallel)
+        except PPCoreError:
+            return None
+
+    try:
+        parts = [(stage, build_model_parts(model, split, [stage], spec.pipeline)[0])
+                 for stage in range(split.num_stages)]
+    except Exception:  # noqa: BLE001 - a part the meta device cannot build: nothing to check
+        return
+    problems.extend(unmatched_parts(parts, plan_of, lambda: plan_provider(
+        plugins, hook, model=model, sequence_parallel=sequence_parallel)))
