@@ -290,6 +290,8 @@ def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
             kept = "appended to (checkpoint.resume is set)" if name == "metrics" and resume \
                 else "replaced"
             notes.append(f"{key}: {quoted(path)} exists and will be {kept}")
+    if spec.output.tensorboard:  # a directory TensorBoard writes its event files into
+        _check_path("output.tensorboard", Path(spec.output.tensorboard), True, problems)
 
 
 def _check_path(key: str, path: Path, is_dir: bool, problems: list[str]) -> bool:

@@ -124,8 +124,9 @@ class GPT(nn.Module):
             if x.shape[1] > self.max_seq_len:
                 raise ValueError(f"sequence length {x.shape[1]} exceeds max_seq_len="
                                  f"{self.max_seq_len}; raise model.args.max_seq_len")
-            positions = torch.arange(x.shape[1], device=x.device) if position_ids is None \
-                else position_ids
+            # [B, S] always (packed rows bring their own): one layout for the tp plan's shard
+            positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1) \
+                if position_ids is None else position_ids
             x = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
                 x = x + self.pos_embeddings(positions)
