@@ -6,6 +6,8 @@ message a user sees and that no traceback is printed."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import yaml
 
@@ -191,6 +193,7 @@ def _corpus(tmp_path) -> None:
 
 def _validate(tmp_path, capsys, monkeypatch, values) -> tuple[int, str]:
     (tmp_path / "models_mod.py").write_text(MODELS)
+    (tmp_path / "a_file").write_text("not a directory")
     _corpus(tmp_path)
     _plugin_dist(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -341,6 +344,9 @@ REFUSED = [
      "'layers.0' of model part 0 (Layer) and 1 by module 'layers.1' of model part 1 (Layer); "
      "every module sharing a resource_key must expect the same configuration, so give the "
      "resources different keys or make their configurations equal"),
+    # fixes: output.tensorboard is a directory validate checks
+    ({**BASE, "output": {"tensorboard": "a_file"}},
+     "output.tensorboard: 'a_file' is a file, expected a directory; choose another path"),
     # class: plans that must do something (a real plugin distribution gives them)
     (_plan("list"), f"distributed.tp_size: {PROVIDER} returned list ['layers.*'] from "
                     f"pp_tensor_parallel_plan, expected a dict {{module pattern: style}}; return "
@@ -409,6 +415,8 @@ ACCEPTED = [
 
 @pytest.mark.parametrize("values", ACCEPTED, ids=range(len(ACCEPTED)))
 def test_validate_accepts(tmp_path, capsys, monkeypatch, values):
+    if values["model"].get("name") == "hf_causal_lm":
+        pytest.importorskip("transformers")
     code, err = _validate(tmp_path, capsys, monkeypatch, values)
     assert code == 0, err
 
@@ -435,3 +443,14 @@ def test_a_prepare_that_blocks_ends_validate_with_a_message(tmp_path):
         "'workspace') did not return from prepare(num_tokens=8, device=meta) within 2 s "
         "($PP_CORE_PREPARE_TIMEOUT); the executor calls it before every microbatch, so the run "
         "would hang there: the model or plugin that provides it must not block\n"), done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_validate_refuses_an_unwritable_tensorboard_directory(tmp_path, capsys, monkeypatch):
+    (tmp_path / "locked").mkdir(mode=0o555)
+    code, err = _validate(tmp_path, capsys, monkeypatch,
+                          {**BASE, "output": {"tensorboard": "locked/tb"}})
+    assert code == 1
+    assert err == (f"pp-core: error: {tmp_path / 'pipe.yaml'}: output.tensorboard: cannot create "
+                   f"'locked/tb': no permission to write in '{tmp_path / 'locked'}'; choose a "
+                   f"writable place\n"), err

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pp_core.app.factories import EVALUATION_NOTE, call_factory, dataset_args, dp_slice
 from pp_core.app.output_paths import collisions, path_problems, run_paths
-from pp_core.app.preflight_data import check_sequence_shards, check_vocab
+from pp_core.app.preflight_data import check_sequence_shards, check_vocab, meta_friendly
 from pp_core.app.preflight_fit import check_fit, check_memory
 from pp_core.app.preflight_initializers import initializers_to_prepare
 from pp_core.app.rendezvous import started_by_torchrun
@@ -182,7 +182,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
                 problems.append(problem)
             return
     try:
-        with torch.no_grad():
+        with torch.no_grad(), meta_friendly(model):
             output = model(*meta[0]) if isinstance(meta[0], tuple) else \
                 model(**meta[0]) if isinstance(meta[0], dict) else model(meta[0])
         if isinstance(output, torch.Tensor):  # (a patched model's output is the split's)

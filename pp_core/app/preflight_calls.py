@@ -70,8 +70,10 @@ def module_call_counts(model, split, config, microbatch):
     from pp_core.planning.parts import build_model_parts
     from pp_core.runtime.stage import as_outputs
 
+    from pp_core.app.preflight_data import meta_friendly
+
     try:
-        with torch.no_grad():
+        with torch.no_grad(), meta_friendly(model):
             unsplit = _count_calls(model, lambda _n: True,
                                    lambda: _call(model, microbatch, True))
             per_stage = []

@@ -7,11 +7,15 @@
 - ``distributed.sequence_parallel`` shards every sequence over the ``tp_size`` ranks: the
   training batch's and the evaluation batch's lengths must both divide by ``tp_size`` (an odd
   ``data.eval_args.seq_len`` aborted a rank inside gloo at the first evaluation).
+- :func:`meta_friendly`: the meta forward runs kernels whose meta form takes what the ranks'
+  devices take (a float32 Mixtral's experts).
 """
 
 from __future__ import annotations
 
-__all__ = ["check_vocab", "check_sequence_shards"]
+import contextlib
+
+__all__ = ["check_vocab", "check_sequence_shards", "meta_friendly"]
 
 
 def _embedding_rows(model) -> int | None:
@@ -55,3 +59,25 @@ def check_sequence_shards(spec, batch, key: str, problems: list[str]) -> None:
                         f"with {key}; "
                         f"make the length a multiple of {tp} ({key}.seq_len) or set "
                         f"sequence_parallel: false")
+
+
+@contextlib.contextmanager
+def meta_friendly(model):
+    """Run ``model`` on the meta device with kernels whose meta form accepts what the ranks'
+    devices accept: Hugging Face MoE experts default to ``grouped_mm``, whose meta kernel wants
+    BF16 (a CUDA limit) while the CPU kernel takes float32, so a float32 Mixtral was refused with
+    a message blaming ``data.args``. Within this block the experts run their ``eager`` loop
+    (the same shapes); the model's own setting is restored afterwards."""
+    changed = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_experts_implementation", None) not in (None, "eager") and \
+                all(config is not seen for seen, _ in changed):
+            changed.append((config, config._experts_implementation))
+    try:
+        for config, _ in changed:
+            config._experts_implementation = "eager"
+        yield
+    finally:
+        for config, value in changed:
+            config._experts_implementation = value
