@@ -311,7 +311,7 @@ REFUSED = [
             "least 1 (the experts' hidden width), or left out for mlp_ratio * dim")),
     *[(_data(files=[f"{name}.jsonl"]),
        _guard("data.args", "dataset 'tokenized_text'", f"ValueError: tokenized_text: "
-              f"'{name}.jsonl' line 3: 'text' is {kind}, expected a string (it would train on "
+              f"'<DIR>/{name}.jsonl' line 3: 'text' is {kind}, expected a string (it would train on "
               f"its Python repr); fix the file or data.args.text_field"))
       for name, kind in (("number", "int 12"), ("list", 'list ["a", "b"]'),
                          ("object", 'dict {"a": 1}'))],
@@ -347,6 +347,14 @@ REFUSED = [
     # fixes: output.tensorboard is a directory validate checks
     ({**BASE, "output": {"tensorboard": "a_file"}},
      "output.tensorboard: 'a_file' is a file, expected a directory; choose another path"),
+    # smaller: dtypes, compile options
+    (_with("model", dtype="float8_e4m3fn"),
+     "model.dtype: expected a floating-point dtype name: float32, bfloat16, float16 or float64 "
+     "(float8 is a storage format the model cannot compute in), found 'float8_e4m3fn' (str)"),
+    (_with("train", compile={"enabled": True, "options": {"trace.enabeld": True}}),
+     "train.compile: expected torch.compile options (options: unknown inductor option "
+     "'trace.enabeld'; did you mean 'trace.enabled'? (torch._inductor.list_options() has them "
+     "all)), found {'enabled': True, 'options': {'trace.enabeld': True}} (dict)"),
     # class: plans that must do something (a real plugin distribution gives them)
     (_plan("list"), f"distributed.tp_size: {PROVIDER} returned list ['layers.*'] from "
                     f"pp_tensor_parallel_plan, expected a dict {{module pattern: style}}; return "
@@ -386,7 +394,7 @@ REFUSED = [
      f"apply(module, ep_group))"),
     (_data(files=["broken.jsonl"]),
      _guard("data.args", "dataset 'tokenized_text'", "ValueError: tokenized_text: "
-            "'broken.jsonl' line 3 is not JSON (Unterminated string starting at column 10); "
+            "'<DIR>/broken.jsonl' line 3 is not JSON (Unterminated string starting at column 10); "
             "fix that line of data.args.files")),
 ]
 
@@ -395,6 +403,7 @@ REFUSED = [
 def test_validate_refuses(tmp_path, capsys, monkeypatch, values, expected):
     code, err = _validate(tmp_path, capsys, monkeypatch, values)
     assert code == 1, err
+    expected = expected.replace("<DIR>", str(tmp_path))  # corpus paths: under the file's directory
     if expected.endswith("object at 0x"):  # an address follows
         assert err.startswith(f"pp-core: error: {tmp_path / 'pipe.yaml'}: {expected}"), err
         assert err.count("\n") == 1, err
@@ -454,3 +463,16 @@ def test_validate_refuses_an_unwritable_tensorboard_directory(tmp_path, capsys, 
     assert err == (f"pp-core: error: {tmp_path / 'pipe.yaml'}: output.tensorboard: cannot create "
                    f"'locked/tb': no permission to write in '{tmp_path / 'locked'}'; choose a "
                    f"writable place\n"), err
+
+
+def test_relative_corpus_paths_are_relative_to_the_pipeline_file(tmp_path, capsys, monkeypatch):
+    """``files: [../corpus.jsonl]`` in ``conf/pipe.yaml`` reads ``corpus.jsonl`` beside ``conf``,
+    whatever the working directory (it was read from the working directory)."""
+    _corpus(tmp_path)
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    values = _data(files=["../bom.jsonl"], tokenizer="../gap.json", cache_dir=str(tmp_path / "c"))
+    (tmp_path / "conf" / "pipe.yaml").write_text(yaml.safe_dump(values))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    code = cli.main(["validate", str(tmp_path / "conf" / "pipe.yaml")])
+    assert code == 0, capsys.readouterr().err

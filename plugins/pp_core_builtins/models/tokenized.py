@@ -174,3 +174,6 @@ def tokenized_text(files, tokenizer: str = "bytes", seq_len: int = 64, pack: boo
                    **kwargs) -> TokenizedText:
     """Dataset ``tokenized_text`` (args in docs/yaml.md)."""
     return TokenizedText(files, tokenizer, seq_len, pack, **kwargs)
+
+
+tokenized_text.pp_path_args = ("files", "eval_files")  # relative to the pipeline file (pp-core run)
