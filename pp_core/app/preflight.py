@@ -186,7 +186,8 @@ def _check_tensor_parallel(spec: Spec, model, plugins, problems: list[str], note
         NO_PLAN_HELP, check_tensor_parallel, plan_modules)
     from pp_core.parallel.plan_checks import call_plan_hook, plan_problems, plan_provider
 
-    hook, asked = "pp_tensor_parallel_plan", {"model": model, "sequence_parallel": sequence_parallel}
+    hook = "pp_tensor_parallel_plan"
+    asked = {"model": model, "sequence_parallel": sequence_parallel}
     try:
         plan = call_plan_hook(plugins, hook, **asked)
     except PPCoreError as exc:
