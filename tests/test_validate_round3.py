@@ -7,6 +7,7 @@ message a user sees and that no traceback is printed."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import yaml
@@ -192,6 +193,8 @@ def _corpus(tmp_path) -> None:
 
 
 def _validate(tmp_path, capsys, monkeypatch, values) -> tuple[int, str]:
+    for name in ("models_mod", "ppt_plans"):  # this test's copies, not an earlier test's
+        sys.modules.pop(name, None)
     (tmp_path / "models_mod.py").write_text(MODELS)
     (tmp_path / "a_file").write_text("not a directory")
     _corpus(tmp_path)
@@ -433,9 +436,7 @@ def test_validate_accepts(tmp_path, capsys, monkeypatch, values):
 def test_a_prepare_that_blocks_ends_validate_with_a_message(tmp_path):
     """A real ``pp-core validate`` process: an initializer whose prepare() blocks is reported
     after $PP_CORE_PREPARE_TIMEOUT seconds (it used to hang validate and run)."""
-    import os
     import subprocess
-    import sys
     import time
 
     (tmp_path / "models_mod.py").write_text(MODELS)
