@@ -422,6 +422,15 @@ ACCEPTED = [
     _plan("ok"),
     # one key, two signatures, on two ranks: two processes, two resources
     _init("per_layer", module_fqns_per_model_part=[["embed", "layers.0"], ["layers.1", "head"]]),
+    {**BASE, "output": {"tensorboard": "runs/tb/"}},  # a directory, spelled as one
+    # mixed precision spelled as model.dtype is
+    _with("distributed", pp_size=2, dp_shard=2,
+          mixed_precision={"param_dtype": "bf16", "reduce_dtype": "torch.float32"}),
+    # Mixtral in float32: the meta forward's experts run eager (grouped_mm's meta kernel is BF16)
+    {**BASE, "model": {"name": "hf_causal_lm", "args": {"config": {
+        "model_type": "mixtral", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 16}}}},
 ]
 
 
