@@ -486,3 +486,28 @@ def test_relative_corpus_paths_are_relative_to_the_pipeline_file(tmp_path, capsy
     monkeypatch.chdir(tmp_path / "elsewhere")
     code = cli.main(["validate", str(tmp_path / "conf" / "pipe.yaml")])
     assert code == 0, capsys.readouterr().err
+
+
+def test_the_library_collector_names_the_provider_of_a_wrong_answer():
+    """``collect_pipeline_runtime_initializers`` (what every rank calls) gives one error naming
+    the model's class for a dict, items without a key, a raising generator, and the documented
+    ``TypeError`` for a key whose ``__hash__`` raises ``ValueError`` (raw tracebacks before)."""
+    import torch
+
+    from pp_core.errors import PluginError
+    from pp_core.runtime import collect_pipeline_runtime_initializers
+
+    namespace: dict = {}
+    exec(compile(MODELS, "models_mod", "exec"), namespace)  # noqa: S102 - the test's own source
+    with torch.device("meta"):
+        model = namespace["WithInit"]
+        for mode, expected in (("dict", "returned a dict (keys ['workspace'])"),
+                               ("nokey", "returned a NoKey without resource_key, signature"),
+                               ("generator", "raised KeyError: 'the second one' while its "
+                                             "result was read")):
+            with pytest.raises(PluginError) as caught:
+                collect_pipeline_runtime_initializers([model(mode)])
+            assert "class 'WithInit'" in str(caught.value) and expected in str(caught.value)
+        with pytest.raises(TypeError, match=r"unhashable resource_key BadHash\(\) \(ValueError: "
+                                            r"no hash today\)"):
+            collect_pipeline_runtime_initializers([model("hash")])

@@ -10,6 +10,7 @@ one message naming the argument, the value and the type the annotation asks for.
 from __future__ import annotations
 
 import collections.abc
+import os
 import types
 import typing
 
@@ -29,8 +30,10 @@ def _matches(value, hint) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint in (str, type(None)):
-        return isinstance(value, hint)
+    if hint is str:  # (a path from Python may be a pathlib.Path)
+        return isinstance(value, (str, os.PathLike))
+    if hint is type(None):
+        return value is None
     if origin in (collections.abc.Sequence, list, tuple):
         args = typing.get_args(hint)
         return isinstance(value, (list, tuple)) and \
