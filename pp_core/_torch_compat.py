@@ -300,6 +300,16 @@ def compile_backends() -> list[str]:
     return sorted(torch._dynamo.list_backends(exclude_tags=()))
 
 
+def inductor_options() -> set[str]:
+    """Every option name ``torch.compile(options=...)`` passes to inductor, as
+    ``torch._inductor.list_options`` gives them (parallel/compile_options.py; no public list;
+    checked on 2.13.0); an empty set where it is missing (nothing is then refused)."""
+    import torch._inductor  # lazy: seconds to import, only when options are given
+
+    lister = getattr(torch._inductor, "list_options", None)
+    return set(lister()) if callable(lister) else set()
+
+
 # ------------------------------------------------------------------ the profiler (runtime/observers.py)
 
 def profiler_enabled() -> bool:

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PipelineRuntimeInitializer"]
+from pp_core.errors import PluginError
+
+__all__ = ["PipelineRuntimeInitializer", "checked_initializers"]
 
 
 @runtime_checkable
@@ -36,3 +38,33 @@ class PipelineRuntimeInitializer(Protocol):
         device)`` works unchanged.
         """
         ...
+
+
+def checked_initializers(result, origin, what: str) -> list:
+    """``result`` of a ``pp_runtime_initializers`` hook or a model's own method as a list of
+    initializers, or a :class:`~pp_core.errors.PluginError` naming ``origin`` (a string, or a
+    function that says it) and ``what`` was called: a list or tuple (or another iterable, read
+    here) of objects with ``resource_key``, ``signature`` and a callable ``prepare``."""
+    def fault(found: str) -> PluginError:
+        who = origin() if callable(origin) else origin
+        return PluginError(f"{who}: {what} returned {found}; return a list of runtime "
+                           f"initializers (objects with resource_key, signature and "
+                           f"prepare(num_tokens, device)), or None for none")
+
+    if isinstance(result, dict):
+        raise fault(f"a dict (keys {list(result)[:4]!r}), not a list of its values")
+    if isinstance(result, (str, bytes)) or not hasattr(result, "__iter__"):
+        raise fault(f"{type(result).__name__} {repr(result)[:60]}")
+    try:
+        items = list(result)
+    except Exception as exc:  # noqa: BLE001 - a generator of the provider's that raised
+        who = origin() if callable(origin) else origin
+        raise PluginError(f"{who}: {what} raised {type(exc).__name__}: {str(exc)[:200]} while "
+                          f"its result was read; this is a defect of that code: fix it") from exc
+    for item in items:
+        missing = [name for name in ("resource_key", "signature") if not hasattr(item, name)]
+        if not callable(getattr(item, "prepare", None)):
+            missing.append("prepare()")
+        if missing:
+            raise fault(f"a {type(item).__name__} without {', '.join(missing)} in its list")
+    return items

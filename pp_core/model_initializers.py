@@ -14,6 +14,7 @@ import inspect
 
 from pp_core import hookspecs
 from pp_core.errors import PluginError
+from pp_core.initializer import checked_initializers
 from pp_core.plugin_faults import code_origin, plugin_call
 
 __all__ = ["ModelInitializers"]
@@ -32,9 +33,7 @@ class ModelInitializers:
                  if _defines(module, name)]
         if not found:
             return None
-        answers = [plugin_call(lambda: code_origin(module), f"{name}()", getattr(module, name))
-                   for name in found]
-        answers = [list(a) if a is not None else [] for a in answers]
+        answers = [self._ask(module, name) for name in found]
         if len(answers) == 2 and _identity(answers[0]) != _identity(answers[1]):
             raise PluginError(
                 f"{type(module).__qualname__} defines both pipeline_runtime_initializers() "
@@ -42,6 +41,18 @@ class ModelInitializers:
                 f"answer differently ({_listed(answers[0])} vs {_listed(answers[1])}); define "
                 f"one of the two, or make the second return the first's list")
         return answers[0] or None
+
+    @staticmethod
+    def _ask(module, name: str) -> list:
+        """``module.<name>()`` as a list; what it raises or returns wrong (a dict, an int, items
+        without ``resource_key``; a generator that raises) is blamed on the module's class."""
+        def origin():
+            return code_origin(module)
+
+        def ask():
+            answer = getattr(module, name)()
+            return [] if answer is None else checked_initializers(answer, origin, f"{name}()")
+        return plugin_call(origin, f"{name}()", ask)
 
     @hookspecs.hookimpl(trylast=True)
     def pp_tensor_parallel_plan(self, model, sequence_parallel):

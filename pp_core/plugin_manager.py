@@ -18,6 +18,7 @@ import pluggy
 
 from pp_core import hookspecs
 from pp_core.errors import PluginError, did_you_mean
+from pp_core.initializer import checked_initializers
 from pp_core.model_initializers import ModelInitializers
 from pp_core.plugin_faults import DISABLE_ENV, BrokenPlugin, describe_error, plugin_call
 from pp_core.registry import Registry, RegistryEntry  # noqa: F401 (re-exported)
@@ -248,7 +249,10 @@ class Plugins:
                                  f"pp_runtime_initializers(module={type(module).__name__})",
                                  impl.function, module=module)
             if result is not None:
-                found.extend((impl.plugin_name, item) for item in result)
+                items = checked_initializers(result, lambda: self.describe(impl.plugin_name),
+                                             f"pp_runtime_initializers(module="
+                                             f"{type(module).__name__})")
+                found.extend((impl.plugin_name, item) for item in items)
         return found
 
     def run_step(self, pipeline, training: bool, step: Callable[[], Any]) -> Any:

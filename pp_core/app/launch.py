@@ -224,16 +224,30 @@ def _failure_message(exc) -> str:
     also = f"; {others} other rank(s) failed too" if others > 0 else \
         "; the other ranks were stopped"
     text = f"rank {rank} failed: {message}{also}"
-    if trace and not _own_error(message):  # pp-core's own messages say all; a traceback is noise
+    if trace and not _own_error(message, trace):  # pp-core's own messages say all; no traceback
         text += "\n" + trace.rstrip()
     return text
 
 
-def _own_error(message: str) -> bool:
-    """Whether a rank's recorded ``"Type: text"`` is one of pp-core's error types."""
+def _own_error(message: str, trace: str = "") -> bool:
+    """Whether a rank's recorded ``"Type: text"`` is one of pp-core's error types: one this
+    process has loaded, or - named in the traceback's last line (``pp_core.app.health.
+    NonFiniteStep: ...``) - one from a module only the ranks import (the NaN stop's)."""
     def names(cls):
         yield cls.__name__
         for sub in cls.__subclasses__():
             yield from names(sub)
 
-    return message.split(":", 1)[0] in set(names(PPCoreError))
+    if message.split(":", 1)[0] in set(names(PPCoreError)):
+        return True
+    lines = trace.rstrip().splitlines()
+    module, _, name = (lines[-1].split(":", 1)[0] if lines else "").rpartition(".")
+    if not module.startswith("pp_core.") or name != message.split(":", 1)[0]:
+        return False
+    import importlib  # lazy: only for a rank's error from a module this process never loaded
+
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except Exception:  # noqa: BLE001 - a module that cannot load here: show the traceback
+        return False
+    return isinstance(found, type) and issubclass(found, PPCoreError)

@@ -108,6 +108,10 @@ def collisions(uses: Iterable[PathUse]) -> list[str]:
     return found
 
 
+OUTPUT_DIRECTORIES = ("tensorboard",)
+"""``output`` keys that name a directory (TensorBoard writes its event files into one)."""
+
+
 def path_problems(uses: Iterable[PathUse]) -> list[str]:
     """A NUL byte in any path; a written file named as a directory (a trailing separator)."""
     found = []
@@ -156,7 +160,7 @@ def run_paths(spec) -> list[PathUse]:
                             managed=CHECKPOINT_MANAGED))
     for name, value in vars(spec.output).items():
         if name not in NOT_PATHS and isinstance(value, str) and value:
-            uses.append(PathUse(f"output.{name}", value, True))
+            uses.append(PathUse(f"output.{name}", value, True, tree=name in OUTPUT_DIRECTORIES))
     return uses
 
 

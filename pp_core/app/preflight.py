@@ -18,9 +18,11 @@ from typing import Any, Callable
 
 from pp_core.app.factories import dataset_factory, model_factory
 from pp_core.app.layout import RankLayout
+from pp_core.app.preflight_calls import check_module_calls
 from pp_core.app.preflight_build import (
-    build_meta_model, check_build, check_local_ranks, check_outputs, stage_initializers,
+    build_meta_model, check_build, check_local_ranks, check_outputs,
 )
+from pp_core.app.preflight_initializers import stage_initializers
 from pp_core.app.spec import Spec, SpecError
 from pp_core.config import is_auto
 from pp_core.errors import PPCoreError, did_you_mean
@@ -106,7 +108,9 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
     if build:
         model = _plan_and_schedule(spec, plugins, model_fn, result, problems)
         if run_checks and not problems:
-            check_build(spec, model, data_fn, problems, result.notes, plugins)
+            batch = check_build(spec, model, data_fn, problems, result.notes, plugins)
+            if not problems:
+                check_module_calls(spec, model, result.plan, batch, problems)
     if problems:
         raise SpecError(problems, spec.source)
     return result
@@ -144,13 +148,19 @@ def _check_expert_parallel(spec: Spec, model, plugins, problems: list[str]) -> N
     ep = spec.dims.ep
     if ep == 1:
         return
-    from pp_core.parallel.expert import (  # lazy: torch, only with expert parallelism
-        check_expert_parallel, expert_parallel_plan)
+    from pp_core.parallel.expert import check_expert_parallel  # lazy: torch, only with EP
+    from pp_core.parallel.plan_checks import call_plan_hook, plan_problems, plan_provider
 
+    hook = "pp_expert_parallel_plan"
     try:
-        plan = expert_parallel_plan(model, plugins)
+        plan = call_plan_hook(plugins, hook, model=model)
     except PPCoreError as exc:  # a plugin raised: named by the facade
-        problems.append(f"distributed.ep_size: {exc}")
+        problems.append(str(exc))
+        return
+    wrong = [] if plan is None else \
+        plan_problems(plan, hook, lambda: plan_provider(plugins, hook, model=model))
+    if wrong:
+        problems.extend(wrong)
         return
     problems.extend(check_expert_parallel(model, plan, ep))
 
@@ -162,14 +172,22 @@ def _check_tensor_parallel(spec: Spec, model, plugins, problems: list[str], note
     if tp <= 1:
         return
     from pp_core.parallel.tensor_parallel import (  # lazy: torch, only with tensor parallelism
-        check_tensor_parallel, plan_modules, tensor_parallel_plan)
+        NO_PLAN_HELP, check_tensor_parallel, plan_modules)
+    from pp_core.parallel.plan_checks import call_plan_hook, plan_problems, plan_provider
 
+    hook = "pp_tensor_parallel_plan"
+    asked = {"model": model, "sequence_parallel": sequence_parallel}
     try:
-        plan = tensor_parallel_plan(model, sequence_parallel, plugins)
+        plan = call_plan_hook(plugins, hook, **asked)
     except PPCoreError as exc:
         problems.append(str(exc))
         return
-    found = check_tensor_parallel(model, plan, tp)
+    if plan is None:
+        problems.append(f"distributed.tp_size: no plugin provides a tensor-parallel plan for the "
+                        f"model {type(model).__name__}; {NO_PLAN_HELP}")
+        return
+    found = plan_problems(plan, hook, lambda: plan_provider(plugins, hook, **asked), model) or \
+        check_tensor_parallel(model, dict(plan), tp)
     problems.extend(found)
     if not found:
         notes.append(f"distributed.tp_size: {len(plan_modules(model, plan))} modules sharded "
@@ -220,5 +238,32 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
             problems.append(f"pipeline: cannot split the model: {exc}")
         return model
     result.plan, result.schedule = planned.split, planned.schedule
-    result.initializers = stage_initializers(model, planned.split, config, plugins, problems)
+    if spec.dims.tp > 1 and not problems:
+        _check_stage_plans(spec, model, planned.split, plugins, problems)
+    result.initializers = stage_initializers(model, planned.split, planned.schedule, config,
+                                             plugins, problems)
     return model
+
+
+def _check_stage_plans(spec, model, split, plugins, problems: list[str]) -> None:
+    """Every stage that holds parameters gets some of them sharded by its tp plan (the plan
+    the runtime asks for each part)."""
+    from pp_core.parallel.plan_checks import (  # lazy: torch, only with tensor parallelism
+        call_plan_hook, unmatched_parts, plan_provider)
+    from pp_core.planning.parts import build_model_parts
+
+    hook, sequence_parallel = "pp_tensor_parallel_plan", spec.dims.sequence_parallel
+
+    def plan_of(part):
+        try:
+            return call_plan_hook(plugins, hook, model=part, sequence_parallel=sequence_parallel)
+        except PPCoreError:
+            return None
+
+    try:
+        parts = [(stage, build_model_parts(model, split, [stage], spec.pipeline)[0])
+                 for stage in range(split.num_stages)]
+    except Exception:  # noqa: BLE001 - a part the meta device cannot build: nothing to check
+        return
+    problems.extend(unmatched_parts(parts, plan_of, lambda: plan_provider(
+        plugins, hook, model=model, sequence_parallel=sequence_parallel)))

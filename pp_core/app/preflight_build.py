@@ -18,18 +18,18 @@ from pathlib import Path
 
 from pp_core.app.factories import EVALUATION_NOTE, call_factory, dataset_args, dp_slice
 from pp_core.app.output_paths import collisions, path_problems, run_paths
+from pp_core.app.preflight_data import check_sequence_shards, check_vocab, meta_friendly
 from pp_core.app.preflight_fit import check_fit, check_memory
+from pp_core.app.preflight_initializers import initializers_to_prepare
 from pp_core.app.rendezvous import started_by_torchrun
 from pp_core.app.returns import initializer_problem, loss_problem, output_problem
 from pp_core.app.spec import Spec
 from pp_core.errors import PluginError, PPCoreError, quoted, shorten
 from pp_core.losses import resolve_loss
 from pp_core.plugin_manager import plugins_or_default
-from pp_core.runtime.initializers import (collect_pipeline_runtime_initializers,
-                                          summarize_runtime_initializers)
 
 __all__ = ["build_meta_model", "check_build", "check_outputs", "check_local_ranks",
-           "stage_initializers", "LOCAL_RANKS_PER_CPU"]
+           "LOCAL_RANKS_PER_CPU"]
 
 LOCAL_RANKS_PER_CPU = 8  # beyond this many processes per core a local launch cannot work
 
@@ -76,15 +76,20 @@ def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]
 
 
 def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str],
-                plugins=None) -> None:
-    """The datasets, one batch, the optimizer and the resume path, as a rank would build them."""
+                plugins=None):
+    """The datasets, one batch, the optimizer and the resume path, as a rank would build them;
+    returns the training data's first batch (``None`` without one)."""
     check_memory(spec, model, problems)
+    batch = None
     if data_fn is not None:
+        before = len(problems)
         batch = _check_dataset(spec, data_fn, False, problems, model, plugins)
-        if spec.train.eval_every:
-            evaluated = _check_dataset(spec, data_fn, True, problems, plugins=plugins)
+        if spec.train.eval_every:  # (its vocabulary once: eval data usually shares the tokenizer)
+            evaluated = _check_dataset(spec, data_fn, True, problems,
+                                       model if len(problems) == before else None, plugins)
             if evaluated is not None:
                 check_fit(model, evaluated, "data.eval_args", problems)
+                check_sequence_shards(spec, evaluated, "data.eval_args", problems)
         if batch is not None:
             check_fit(model, batch, "data.args", problems)
             _check_batch(spec, model, batch, problems, notes, plugins)
@@ -95,6 +100,7 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
         from pp_core.app.checkpoint_identity import check_resume_identity  # lazy: DCP, seconds
 
         check_resume_identity(spec, model, problems, notes)
+    return batch
 
 
 def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str], model=None,
@@ -105,7 +111,7 @@ def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str], m
     try:  # the call a rank makes (the plugin's factory through the plugin guard)
         data = call_factory("dataset", spec, data_fn, dataset_args(spec, data_fn, evaluation),
                             plugins, evaluation)
-        _check_vocab(spec, data, model, problems)
+        check_vocab(data, model, key, problems)
         batch = next(iter(data))
     except StopIteration:
         problems.append(f"{key}: the dataset yields no batch{why}")
@@ -123,24 +129,6 @@ def _check_dataset(spec: Spec, data_fn, evaluation: bool, problems: list[str], m
                         f"{type(batch).__name__}, expected (inputs, target) pairs")
         return None
     return batch
-
-
-def _check_vocab(spec: Spec, data, model, problems: list[str]) -> None:
-    """A dataset that says its ``vocab_size`` (a tokenizer's) against the model's input
-    embedding: ids past the embedding would fail deep inside the first stage."""
-    import torch  # lazy: torch, only with a model in hand
-
-    vocab = getattr(data, "vocab_size", None)
-    if not isinstance(vocab, int) or model is None:
-        return
-    get = getattr(model, "get_input_embeddings", None)
-    embedding = get() if callable(get) else None
-    if not isinstance(embedding, torch.nn.Embedding):
-        embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
-    if embedding is not None and embedding.num_embeddings < vocab:
-        problems.append(f"data.args.tokenizer: the tokenizer's vocabulary has {vocab} tokens but "
-                        f"the model's embedding only {embedding.num_embeddings}; set the model's "
-                        f"vocab_size (model.args) to at least {vocab}, or use a smaller tokenizer")
 
 
 def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str],
@@ -169,12 +157,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
                         f"{tuple(first.shape)}); every dimension must be at least 1 (e.g. "
                         f"data.args.seq_len)")
         return
-    tp = spec.dims.seq_len_divisor
-    if tp > 1 and first.dim() >= 2 and first.shape[1] % tp:
-        problems.append(f"distributed.sequence_parallel: shards the sequence over the "
-                        f"tp_size={tp} ranks, but the dataset yields sequences of "
-                        f"{first.shape[1]}; make the length a multiple of {tp} (e.g. "
-                        f"data.args.seq_len) or set sequence_parallel: false")
+    check_sequence_shards(spec, batch, "data.args", problems)
     seq_len = spec.pipeline.pp_seq_len
     if seq_len is not None and (first.dim() < 2 or first.shape[1] != seq_len):
         found = f"sequence length {first.shape[1]}" if first.dim() >= 2 else \
@@ -187,7 +170,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     from pp_core.runtime.microbatch import num_tokens  # lazy: torch, only with a model in hand
 
     meta = [_to_meta(v) for v in micro]
-    initializers = _runtime_initializers(model, plugins, problems)
+    initializers = initializers_to_prepare(model, plugins_or_default(plugins), problems)
     if initializers is None:
         return
     for initializer in initializers:  # as the executor does before each microbatch
@@ -199,7 +182,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
                 problems.append(problem)
             return
     try:
-        with torch.no_grad():
+        with torch.no_grad(), meta_friendly(model):
             output = model(*meta[0]) if isinstance(meta[0], tuple) else \
                 model(**meta[0]) if isinstance(meta[0], dict) else model(meta[0])
         if isinstance(output, torch.Tensor):  # (a patched model's output is the split's)
@@ -220,43 +203,6 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
         else:
             problems.append(f"data.args: a microbatch of this data fails in the model or the "
                             f"loss ({_why(exc)}); make data.args and model.args agree")
-
-
-def _runtime_initializers(model, plugins, problems: list[str]):
-    """The model's runtime initializers as the executor collects them, or None (a problem)."""
-    try:
-        return collect_pipeline_runtime_initializers([model], plugins)
-    except (RuntimeError, TypeError) as exc:
-        problems.append(f"model.args: the model's runtime initializers disagree ({_why(exc)}); "
-                        f"give every module that shares a resource_key the same signature")
-        return None
-    except PluginError as exc:  # a pp_runtime_initializers hook (or the model's method) raised
-        problems.append(f"model: {exc}")
-        return None
-
-
-def stage_initializers(model, split, config, plugins, problems: list[str]):
-    """Per stage, the runtime initializers its part collects on the meta model (``pp-core
-    validate`` prints them): ``[(resource_key, signature, modules)]``, or ``None``."""
-    from pp_core.planning.parts import build_model_parts  # lazy: torch, only with a model in hand
-
-    if model is None or split is None:
-        return None
-    found = []
-    for stage in range(split.num_stages):
-        try:
-            (part,) = build_model_parts(model, split, [stage], config)
-            found.append(summarize_runtime_initializers([part], plugins))
-        except (RuntimeError, TypeError) as exc:
-            problems.append(f"model.args: stage {stage}'s runtime initializers disagree "
-                            f"({_why(exc)}); give every module that shares a resource_key the "
-                            f"same signature")
-            return None
-        except Exception as exc:  # noqa: BLE001 - a part the meta device cannot build
-            if not _meta_limit(exc) and not isinstance(exc, PPCoreError):
-                raise
-            return None
-    return found
 
 
 def _to_meta(value):
@@ -344,6 +290,8 @@ def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
             kept = "appended to (checkpoint.resume is set)" if name == "metrics" and resume \
                 else "replaced"
             notes.append(f"{key}: {quoted(path)} exists and will be {kept}")
+    if spec.output.tensorboard:  # a directory TensorBoard writes its event files into
+        _check_path("output.tensorboard", Path(spec.output.tensorboard), True, problems)
 
 
 def _check_path(key: str, path: Path, is_dir: bool, problems: list[str]) -> bool:

@@ -8,6 +8,7 @@ returns a tensor, or a tuple/list whose first item is one (what stages send); a 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 __all__ = ["loss_problem", "output_problem", "initializer_problem"]
@@ -53,20 +54,56 @@ def output_problem(output: Any) -> str | None:
             f"is one); return the logits tensor from forward()")
 
 
+PREPARE_TIMEOUT_ENV = "PP_CORE_PREPARE_TIMEOUT"
+PREPARE_TIMEOUT_S = 60.0
+
+
+def _prepare_limit() -> float:
+    try:
+        value = float(os.environ.get(PREPARE_TIMEOUT_ENV, PREPARE_TIMEOUT_S))
+    except ValueError:
+        return PREPARE_TIMEOUT_S
+    return value if value > 0 else PREPARE_TIMEOUT_S
+
+
 def initializer_problem(initializer, tokens: int) -> str | None:
     """Why a runtime initializer's ``prepare`` fails on the meta device, blaming its provider
-    (a ``"note: "`` when meta itself is the limit), or ``None``."""
+    (a ``"note: "`` when meta itself is the limit), or ``None``.
+
+    ``prepare`` runs in a thread for at most ``$PP_CORE_PREPARE_TIMEOUT`` seconds (60): one that
+    blocks is reported, not waited for (validate used to hang), and any ``BaseException`` it
+    raises (``SystemExit(3)`` ended validate with exit 3 and no word) is reported like the others.
+    """
+    import threading  # lazy: only with an initializer in hand
+
     import torch  # lazy: see _kind
 
-    try:
-        initializer.prepare(num_tokens=tokens, device=torch.device("meta"))
-    except Exception as exc:  # noqa: BLE001 - the provider's code
-        why = f"{type(exc).__name__}: {str(exc)[:200]}"
-        if isinstance(exc, NotImplementedError) or "meta" in str(exc).lower():
-            return f"note: one microbatch was not run on the meta device ({why})"
-        owner = type(initializer)
-        return (f"model: the runtime initializer {owner.__module__}.{owner.__qualname__} "
-                f"(resource_key {getattr(initializer, 'resource_key', '?')!r}) raised in "
-                f"prepare() ({why}); the model or plugin that provides it is at fault, not "
-                f"data.args or model.args")
-    return None
+    owner = type(initializer)
+    blame = (f"model: the runtime initializer {owner.__module__}.{owner.__qualname__} "
+             f"(resource_key {getattr(initializer, 'resource_key', '?')!r})")
+    raised: list[BaseException] = []
+
+    def run():
+        try:
+            initializer.prepare(num_tokens=tokens, device=torch.device("meta"))
+        except BaseException as exc:  # noqa: BLE001 - the provider's code, SystemExit included
+            raised.append(exc)
+
+    limit = _prepare_limit()
+    thread = threading.Thread(target=run, name="pp-core validate: prepare()", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        return (f"{blame} did not return from prepare(num_tokens={tokens}, device=meta) within "
+                f"{limit:g} s (${PREPARE_TIMEOUT_ENV}); the executor calls it before every "
+                f"microbatch, so the run would hang there: the model or plugin that provides it "
+                f"must not block")
+    if not raised:
+        return None
+    exc = raised[0]
+    why = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if isinstance(exc, NotImplementedError) or \
+            (isinstance(exc, Exception) and "meta" in str(exc).lower()):
+        return f"note: one microbatch was not run on the meta device ({why})"
+    return (f"{blame} raised in prepare() ({why}); the model or plugin that provides it is at "
+            f"fault, not data.args or model.args")

@@ -215,6 +215,8 @@ def _param_dtype(value):
         raise Mismatch(expected) from None
     if not dtype.is_floating_point:
         raise Mismatch(expected)
+    if dtype.itemsize < 2:  # as pipeline.dtype: a storage format, no arithmetic on CPU or in Adam
+        raise Mismatch(f"{expected} (float8 is a storage format the model cannot compute in)")
     return str(dtype).removeprefix("torch.")
 
 

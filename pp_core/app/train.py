@@ -124,7 +124,7 @@ def _build(spec: Spec, ctx: RankContext):
     del model
     # tensor parallel right after the split, before AC, compile and FSDP2 (torchtitan's order)
     apply_tensor_parallel(pipe.model_parts, ctx.tp_mesh,
-                          sequence_parallel=spec.distributed.sequence_parallel)
+                          sequence_parallel=spec.dims.sequence_parallel)
     if ctx.expert_groups is not None:  # experts sharded before AC, compile and dp wrap them
         apply_expert_parallel(pipe.model_parts, ctx.ep_group)
     apply_parallelisms(pipe.model_parts, checkpointing, spec.train.compile)

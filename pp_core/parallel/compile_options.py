@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pp_core.errors import did_you_mean
+
 __all__ = ["COMPILE_MODES", "compile_problem"]
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -36,6 +38,15 @@ def compile_problem(options: dict[str, Any]) -> str | None:
     if extra is not None and (not isinstance(extra, dict) or
                               not all(isinstance(k, str) for k in extra)):
         return f"options: expected a mapping of inductor option names, found {extra!r}"[:200]
+    if extra:  # torch ignores nothing here: an unknown name fails the first compiled block
+        from pp_core._torch_compat import inductor_options  # lazy: torch, only with options
+
+        known = inductor_options()
+        unknown = sorted(name for name in extra if known and name not in known)
+        if unknown:
+            hint = did_you_mean(unknown[0], sorted(known), cutoff=0.6, show=repr, after="")
+            return (f"options: unknown inductor option {unknown[0]!r}"
+                    f"{'; ' + hint if hint else ''} (torch._inductor.list_options() has them all)")
     if backend is not None and not callable(backend):
         if not isinstance(backend, str) or not backend:
             return f"backend: expected a backend name, found {backend!r}"

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from pp_core._torch_compat import fsdp_replicate
+from pp_core.config import resolve_dtype
 from pp_core.errors import ConfigError
 from pp_core.parallel.blocks import find_blocks
 
@@ -48,7 +49,10 @@ def mixed_precision_policy(options: Optional[dict]):
         name = options.get(key)
         if name is None:
             continue
-        dtype = getattr(torch, str(name), None)
+        try:  # the spellings model.dtype and pipeline.dtype take (bf16, torch.bfloat16, ...)
+            dtype = resolve_dtype(name)
+        except ConfigError:
+            dtype = None
         if not isinstance(dtype, torch.dtype) or dtype not in MIXED_PRECISION_DTYPES:
             raise ConfigError(f"distributed.mixed_precision.{key}: {name!r} is not a floating "
                               f"point dtype; use float32, bfloat16 or float16")

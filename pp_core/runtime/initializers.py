@@ -24,12 +24,20 @@ __all__ = ["PipelineRuntimeInitializer", "collect_pipeline_runtime_initializers"
 def _check_hashable(value, what: str, initializer, where: str, plugin: str) -> None:
     try:
         hash(value)
-    except TypeError as exc:
+    except Exception as exc:  # noqa: BLE001 - a __hash__ of the provider's that raises anything
         raise TypeError(
             f"runtime initializer {type(initializer).__qualname__} from plugin {plugin!r} for "
-            f"module {where} has an unhashable {what} {value!r} ({exc}); make {what} a tuple, "
-            f"string, number or frozen dataclass"
+            f"module {where} has an unhashable {what} {_shown(value)} "
+            f"({type(exc).__name__}: {exc}); make {what} a tuple, string, number or frozen "
+            f"dataclass"
         ) from None
+
+
+def _shown(value) -> str:
+    try:
+        return repr(value)[:80]
+    except Exception:  # noqa: BLE001 - a __repr__ that raises too
+        return f"<{type(value).__qualname__}>"
 
 
 def collect_pipeline_runtime_initializers(

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from pp_core_builtins.models.arg_types import check_arg_types
+
 __all__ = ["BatchStream", "SyntheticLM", "SyntheticRegression", "TextBytes", "synthetic",
            "text_bytes", "DATA_DIR", "DEFAULT_TEXT"]
 
@@ -57,6 +59,7 @@ class SyntheticLM(BatchStream):
 
     def __init__(self, batch_size: int = 8, seq_len: int = 32, vocab_size: int = 256,
                  seed: int = 0, num_batches: int | None = None, successors: int = 4):
+        check_arg_types("synthetic", SyntheticLM.__init__, locals())
         super().__init__(batch_size, seed, num_batches)
         self.seq_len, self.vocab_size = seq_len, vocab_size
         table_generator = torch.Generator().manual_seed(seed)
@@ -78,6 +81,7 @@ class SyntheticRegression(BatchStream):
 
     def __init__(self, batch_size: int = 8, in_dim: int = 16, out_dim: int = 16,
                  seq_len: int | None = None, seed: int = 0, num_batches: int | None = None):
+        check_arg_types("synthetic", SyntheticRegression.__init__, locals())
         super().__init__(batch_size, seed, num_batches)
         self.shape = (batch_size, in_dim) if seq_len is None else (batch_size, seq_len, in_dim)
         self.mixing = torch.randn(in_dim, out_dim, generator=torch.Generator().manual_seed(seed))
@@ -97,6 +101,7 @@ class TextBytes(BatchStream):
     def __init__(self, path: str | None = None, batch_size: int = 8, seq_len: int = 64,
                  seed: int = 0, split: str = "train", val_fraction: float = 0.1,
                  num_batches: int | None = None):
+        check_arg_types("text_bytes", TextBytes.__init__, locals())
         super().__init__(batch_size, seed, num_batches)
         file = Path(path) if path else DEFAULT_TEXT
         if not file.is_file():

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as functional
 from torch import nn
 
+from pp_core_builtins.models.arg_types import check_arg_types
+
 __all__ = ["GPT", "Block", "uneven_gpt", "document_mask"]
 
 
@@ -89,6 +91,7 @@ class GPT(nn.Module):
                  mlp_ratios: Optional[Sequence[int]] = None):
         """``mlp_ratios``: one MLP width factor per block instead of ``mlp_ratio`` for all
         (blocks of different cost, to exercise a split by measured time)."""
+        check_arg_types("gpt", GPT.__init__, locals())
         super().__init__()
         ratios = [mlp_ratio] * num_layers if mlp_ratios is None else list(mlp_ratios)
         if len(ratios) != num_layers:
@@ -121,8 +124,9 @@ class GPT(nn.Module):
             if x.shape[1] > self.max_seq_len:
                 raise ValueError(f"sequence length {x.shape[1]} exceeds max_seq_len="
                                  f"{self.max_seq_len}; raise model.args.max_seq_len")
-            positions = torch.arange(x.shape[1], device=x.device) if position_ids is None \
-                else position_ids
+            # [B, S] always (packed rows bring their own): one layout for the tp plan's shard
+            positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1) \
+                if position_ids is None else position_ids
             x = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
                 x = x + self.pos_embeddings(positions)

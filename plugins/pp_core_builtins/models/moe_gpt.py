@@ -36,6 +36,7 @@ from pp_core.losses import pop_aux_losses
 from pp_core.parallel.expert import (DispatchWorkspaceInitializer, dispatch_to_experts,
                                      group_name, inject_aux_loss, shard_stacked_experts,
                                      workspace_for)
+from pp_core_builtins.models.arg_types import check_arg_types
 from pp_core_builtins.models.gpt import GPT, Block
 
 __all__ = ["MoE", "MoEBlock", "MoEGPT", "GroupedExperts", "ShardExperts", "pop_aux_losses",
@@ -165,6 +166,10 @@ class MoEGPT(GPT):
                  num_experts: int = 8, top_k: int = 2, moe_hidden: int | None = None,
                  shared_expert: bool = False, aux_loss_coef: float = 0.01,
                  z_loss_coef: float = 0.0, normalize_top_k: bool = True):
+        check_arg_types("moe_gpt", MoEGPT.__init__, locals())
+        if moe_hidden is not None and moe_hidden < 1:
+            raise ValueError(f"moe_gpt: moe_hidden={moe_hidden} must be at least 1 (the experts' "
+                             f"hidden width), or left out for mlp_ratio * dim")
         nn.Module.__init__(self)
         hidden = moe_hidden or mlp_ratio * dim
         self.max_seq_len = max_seq_len

@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pp_core_builtins.models.arg_types import check_arg_types
 from pp_core_builtins.models.datasets import BatchStream
 from pp_core_builtins.models.tokenizing import load_tokenizer, open_cache
 
@@ -69,6 +70,7 @@ class TokenizedText(BatchStream):
                  text_field: str = "text", doc_separator: Optional[str] = "\n\n",
                  hf_split: str = "train", bos="auto", eos="auto", pad_id: Optional[int] = None,
                  cache_dir: Optional[str] = None, num_batches: Optional[int] = None):
+        check_arg_types("tokenized_text", TokenizedText.__init__, locals())
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"tokenized_text: seq_len={seq_len!r} must be a positive int")
         if split not in ("train", "eval"):
@@ -107,6 +109,9 @@ class TokenizedText(BatchStream):
         if self.rows_per_epoch < 1:
             raise ValueError(f"tokenized_text: the {split} split has {self.total_tokens} tokens, "
                              f"fewer than seq_len + 1 = {seq_len + 1}; lower seq_len or add text")
+        self.max_token_id = int(self.cache.meta.get("max_token_id", -1))
+        """The corpus's largest token id (from the cache's metadata): validate checks it against
+        the model's vocabulary, not only batch 0's ids."""
         self._epoch: Optional[tuple[int, np.ndarray, np.ndarray]] = None
 
     # ------------------------------------------------------------------ order
@@ -169,3 +174,6 @@ def tokenized_text(files, tokenizer: str = "bytes", seq_len: int = 64, pack: boo
                    **kwargs) -> TokenizedText:
     """Dataset ``tokenized_text`` (args in docs/yaml.md)."""
     return TokenizedText(files, tokenizer, seq_len, pack, **kwargs)
+
+
+tokenized_text.pp_path_args = ("files", "eval_files")  # relative to the pipeline file (pp-core run)

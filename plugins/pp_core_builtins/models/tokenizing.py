@@ -75,6 +75,25 @@ def _column(table_columns, text_field: str, where: str):
                        f"{', '.join(map(repr, table_columns)) or 'none'}); set data.args.text_field")
 
 
+def _jsonl_text(line: str, text_field: str, where: str) -> str:
+    """The ``text_field`` string of one JSONL line (``where``: its file and line)."""
+    try:
+        record = json.loads(line.rstrip("\r\n"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"tokenized_text: {where} is not JSON "
+                         f"({exc.msg.removesuffix(' at')} at column {exc.colno}); fix that line "
+                         f"of data.args.files") from None
+    if not isinstance(record, dict) or text_field not in record:
+        _column(list(record) if isinstance(record, dict) else [], text_field, where)
+    text = record[text_field]
+    if not isinstance(text, str) and text is not None:
+        raise ValueError(f"tokenized_text: {where}: {text_field!r} is "
+                         f"{type(text).__name__} {str(json.dumps(text))[:40]}, expected a string "
+                         f"(it would train on its Python repr); fix the file or "
+                         f"data.args.text_field")
+    return text or ""
+
+
 def read_documents(path: Path, text_field: str, doc_separator: Optional[str],
                    hf_split: str) -> Iterator[str]:
     """The documents of one file or saved dataset, in order (empty ones skipped)."""
@@ -97,16 +116,12 @@ def read_documents(path: Path, text_field: str, doc_separator: Optional[str],
         parts = [text] if doc_separator is None else text.split(doc_separator)
         yield from (part.strip() for part in parts if part.strip())
     elif path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:  # a UTF-8 BOM, as CSV readers take
             for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if not isinstance(record, dict) or text_field not in record:
-                    keys = list(record) if isinstance(record, dict) else []
-                    _column(keys, text_field, f"{str(path)!r} line {number}")
-                if record[text_field]:
-                    yield str(record[text_field])
+                if line.strip():
+                    text = _jsonl_text(line, text_field, f"{str(path)!r} line {number}")
+                    if text:
+                        yield text
     elif path.suffix == ".parquet":
         try:
             import pyarrow.parquet as parquet  # lazy: pyarrow is an optional extra

@@ -66,9 +66,8 @@ def gpt_plan(model, sequence_parallel: bool) -> Optional[dict]:
     between = Shard(1) if sequence_parallel else Replicate()  # layout between the blocks
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-        # positions are [S] (no batch dim): their shard is along dim 0
-        "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=(
-            Shard(0) if sequence_parallel else Replicate())),
+        # positions are [B, S] (the model expands its own; packed rows bring theirs)
+        "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
         "layers.*.qkv": fused(3, input_layouts=between),
         "layers.*.proj": RowwiseParallel(output_layouts=between),
         "layers.*.ffn.0": ColwiseParallel(input_layouts=between),

@@ -1,0 +1,83 @@
+"""What the ranks will read, checked as the ranks will read it: training *and* evaluation data.
+
+- The dataset's vocabulary against the model's input embedding: a dataset that says its
+  tokenizer's ``vocab_size``, and one that says its largest token id over the whole corpus
+  (``max_token_id``: ``tokenized_text`` reads it off its cache's metadata), so an id past the
+  embedding is refused before the step that would first meet it, not only when batch 0 holds it.
+- ``distributed.sequence_parallel`` shards every sequence over the ``tp_size`` ranks: the
+  training batch's and the evaluation batch's lengths must both divide by ``tp_size`` (an odd
+  ``data.eval_args.seq_len`` aborted a rank inside gloo at the first evaluation).
+- :func:`meta_friendly`: the meta forward runs kernels whose meta form takes what the ranks'
+  devices take (a float32 Mixtral's experts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+__all__ = ["check_vocab", "check_sequence_shards", "meta_friendly"]
+
+
+def _embedding_rows(model) -> int | None:
+    from pp_core.app.preflight_fit import _input_embedding  # lazy: torch, with a model in hand
+
+    embedding = _input_embedding(model) if model is not None else None
+    return None if embedding is None else int(embedding.num_embeddings)
+
+
+def check_vocab(data, model, key: str, problems: list[str]) -> None:
+    """``data``'s ``vocab_size`` and ``max_token_id`` (when it says them) against the model's
+    input embedding; ``key`` is ``data.args`` or ``data.eval_args``."""
+    rows = _embedding_rows(model)
+    if rows is None:
+        return
+    vocab = getattr(data, "vocab_size", None)
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and rows < vocab:
+        problems.append(f"{key}.tokenizer: the tokenizer's vocabulary has {vocab} tokens but "
+                        f"the model's embedding only {rows}; set the model's vocab_size "
+                        f"(model.args) to at least {vocab}, or use a smaller tokenizer")
+        return
+    highest = getattr(data, "max_token_id", None)
+    if isinstance(highest, int) and not isinstance(highest, bool) and highest >= rows:
+        problems.append(f"{key}: the corpus holds token id {highest}, but the model's "
+                        f"vocabulary has {rows} ids (0..{rows - 1}); a batch holding it would "
+                        f"fail in the embedding; set model.args.vocab_size to at least "
+                        f"{highest + 1}, or use the tokenizer the model was made for")
+
+
+def check_sequence_shards(spec, batch, key: str, problems: list[str]) -> None:
+    """With sequence parallelism, the batch's sequence length must divide by ``tp_size``."""
+    from pp_core.runtime.microbatch import first_tensor  # lazy: torch, with a batch in hand
+
+    tp = spec.dims.seq_len_divisor
+    if tp <= 1 or batch is None:
+        return
+    first = first_tensor(batch[0])
+    if first is not None and first.dim() >= 2 and first.shape[1] % tp:
+        problems.append(f"distributed.sequence_parallel: shards the sequence over the "
+                        f"tp_size={tp} ranks, but the dataset yields sequences of {first.shape[1]} "
+                        f"with {key}; "
+                        f"make the length a multiple of {tp} ({key}.seq_len) or set "
+                        f"sequence_parallel: false")
+
+
+@contextlib.contextmanager
+def meta_friendly(model):
+    """Run ``model`` on the meta device with kernels whose meta form accepts what the ranks'
+    devices accept: Hugging Face MoE experts default to ``grouped_mm``, whose meta kernel wants
+    BF16 (a CUDA limit) while the CPU kernel takes float32, so a float32 Mixtral was refused with
+    a message blaming ``data.args``. Within this block the experts run their ``eager`` loop
+    (the same shapes); the model's own setting is restored afterwards."""
+    changed = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_experts_implementation", None) not in (None, "eager") and \
+                all(config is not seen for seen, _ in changed):
+            changed.append((config, config._experts_implementation))
+    try:
+        for config, _ in changed:
+            config._experts_implementation = "eager"
+        yield
+    finally:
+        for config, value in changed:
+            config._experts_implementation = value
