@@ -320,16 +320,32 @@ class Plugins:
         ``tryfirst``/``trylast`` honoured), one implementation at a time, so that one which
         raises is blamed by name (:func:`~pp_core.plugin_faults.plugin_call`); ``None`` when
         every plugin passes. ``model`` in ``kwargs`` is named by its class."""
+        return self._first(hook_name, kwargs)[0]
+
+    def first_answerer(self, hook_name: str, **kwargs) -> str:
+        """``plugin 'p' (pp-p 1.0)``: the plugin whose answer :meth:`first_answer` returns (or
+        that raised); ``"no plugin"`` when every plugin passes."""
+        try:
+            plugin = self._first(hook_name, kwargs)[1]
+        except PPCoreError as exc:
+            plugin = getattr(exc, "pp_plugin_name", None)
+        return "no plugin" if plugin is None else self.describe(plugin)
+
+    def _first(self, hook_name: str, kwargs: dict):
         shown = ", ".join(f"{k}={type(v).__name__}" if k == "model" else f"{k}={v!r}"
                           for k, v in kwargs.items())
         for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls()):
             if impl.wrapper or impl.hookwrapper:
                 continue
-            result = plugin_call(self.describe(impl.plugin_name), f"{hook_name}({shown})",
-                                 impl.function, *(kwargs[name] for name in impl.argnames))
+            try:
+                result = plugin_call(self.describe(impl.plugin_name), f"{hook_name}({shown})",
+                                     impl.function, *(kwargs[name] for name in impl.argnames))
+            except PPCoreError as exc:
+                exc.pp_plugin_name = impl.plugin_name
+                raise
             if result is not None:
-                return result
-        return None
+                return result, impl.plugin_name
+        return None, None
 
     def recv_buffer_allocator(self, config, program, rank, device):
         return self.pm.hook.pp_make_recv_buffer_allocator(

@@ -367,8 +367,9 @@ REFUSED = [
                    f"{{'layers.*.attn': ...}}"),
     (_plan("intkeys"), f"distributed.tp_size: {PROVIDER}'s pp_tensor_parallel_plan plan has the "
                        f"key 0 (int), expected a module path such as 'layers.*.mlp'"),
-    (_plan("raises"), f"distributed.tp_size: {PROVIDER} raised in pp_tensor_parallel_plan "
-                      f"(RuntimeError: no plan today); fix the plugin, or skip it with "
+    (_plan("raises"), f"distributed.tp_size: {PROVIDER}: pp_tensor_parallel_plan(model=PlanModel, "
+                      f"sequence_parallel=False) raised RuntimeError: no plan today; this is a "
+                      f"defect of the plugin: fix it, name another, or skip the plugin with "
                       f"PP_CORE_DISABLE_PLUGINS=<plugin name>"),
     (_plan("string"), f"distributed.tp_size: {PROVIDER}'s pp_tensor_parallel_plan plan maps "
                       f"'layers.*' to 'colwise' (a string names no style), expected a torch "
@@ -387,8 +388,9 @@ REFUSED = [
                     f"the whole stage, the same work twice; make the plan's module paths match "
                     f"the model's (e.g. 'layers.*.attn.q'), or set distributed.tp_size: 1"),
     (_plan("ep_raises", tp=1, dp_size=2, ep_size=2),
-     f"distributed.ep_size: {PROVIDER} raised in pp_expert_parallel_plan (RuntimeError: no "
-     f"experts today); fix the plugin, or skip it with PP_CORE_DISABLE_PLUGINS=<plugin name>"),
+     f"distributed.ep_size: {PROVIDER}: pp_expert_parallel_plan(model=PlanModel) raised "
+     f"RuntimeError: no experts today; this is a defect of the plugin: fix it, name another, "
+     f"or skip the plugin with PP_CORE_DISABLE_PLUGINS=<plugin name>"),
     (_plan("ep_list", tp=1, dp_size=2, ep_size=2),
      f"distributed.ep_size: {PROVIDER} returned list [<ppt_plans.Shard object at 0x"),
     (_plan("ep_string", tp=1, dp_size=2, ep_size=2),

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from pp_core.errors import PluginError, PPCoreError, shorten
+from pp_core.errors import PluginError
 
 __all__ = ["plan_provider", "call_plan_hook", "plan_problems", "unmatched_parts"]
 
@@ -25,27 +25,16 @@ _HOOK_KEY = {"pp_tensor_parallel_plan": "distributed.tp_size",
 def plan_provider(plugins, hook: str, **kwargs) -> str:
     """``plugin 'p' (pp-p 1.0)``: the plugin whose ``hook`` implementation answers ``kwargs``
     first (a non-``None`` result, or an exception), as pluggy's first-result call would."""
-    for impl in reversed(getattr(plugins.pm.hook, hook).get_hookimpls()):
-        try:
-            if impl.function(**kwargs) is not None:
-                return plugins.describe(impl.plugin_name)
-        except Exception:  # noqa: BLE001 - this is the one that raised
-            return plugins.describe(impl.plugin_name)
-    return "no plugin"
+    return plugins.first_answerer(hook, **kwargs)
 
 
 def call_plan_hook(plugins, hook: str, **kwargs) -> Any:
-    """The first result of ``hook``; an exception is a :class:`PluginError` naming its plugin."""
+    """The first result of ``hook`` through the facade; a plugin that raised is named (the
+    facade's :class:`PluginError`) after the YAML key the plan serves."""
     try:
         return plugins.first_answer(hook, **kwargs)
-    except PPCoreError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the plugin's code
-        cause = exc.__cause__ if isinstance(exc, PluginError) and exc.__cause__ else exc
-        raise PluginError(
-            f"{_HOOK_KEY.get(hook, 'distributed')}: {plan_provider(plugins, hook, **kwargs)} "
-            f"raised in {hook} ({type(cause).__name__}: {shorten(str(cause))}); fix the plugin, "
-            f"or skip it with PP_CORE_DISABLE_PLUGINS=<plugin name>") from exc
+    except PluginError as exc:
+        raise PluginError(f"{_HOOK_KEY.get(hook, 'distributed')}: {exc}") from exc
 
 
 def _is_tp_style(style) -> bool:
