@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 import pluggy
 
 from pp_core import hookspecs
-from pp_core.errors import PluginError, did_you_mean
+from pp_core.errors import PluginError, PPCoreError, did_you_mean
 from pp_core.initializer import checked_initializers
 from pp_core.model_initializers import ModelInitializers
 from pp_core.plugin_faults import DISABLE_ENV, BrokenPlugin, describe_error, plugin_call

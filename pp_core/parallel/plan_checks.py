@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from pp_core.errors import PluginError
+from pp_core.errors import PluginError, shorten
 
 __all__ = ["plan_provider", "call_plan_hook", "plan_problems", "unmatched_parts"]
 
