@@ -317,6 +317,8 @@ SCHEMA: dict[str, list[Key]] = {
         Key("every", _optional(_int(1)), None, "steps between checkpoints"),
         Key("save_final", _bool, True, "also save after the last step (when dir is set)"),
         Key("resume", _resume, False, "true: latest checkpoint in dir; or a checkpoint path"),
+        Key("verify", _bool, True, "check every file's recorded checksum when a checkpoint is "
+            "resumed, loaded or exported (false skips it)"),
     ],
     "output": [
         Key("metrics", _optional(_str), None, "JSON-lines metrics file"),

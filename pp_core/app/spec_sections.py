@@ -84,6 +84,7 @@ class CheckpointSpec:
     every: int | None = None
     save_final: bool = True
     resume: bool | str = False
+    verify: bool = True
 
 
 @dataclass(frozen=True)
