@@ -80,6 +80,9 @@ def register(subparsers) -> None:
                         help="a step_NNNNNNNN directory, or a checkpoint.dir (its latest step)")
     export.add_argument("-o", "--output", required=True, metavar="FILE",
                         help="model.pt or model.safetensors")
+    export.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip checking the checkpoint's files against the checksums "
+                             "recorded when it was saved (checkpoint.verify: false)")
     export.set_defaults(func=export_command)
 
 
@@ -107,9 +110,15 @@ def run_command(args) -> int:
             print(f"pp-core: note: {note}", flush=True)
     from torch.distributed.elastic.multiprocessing import SignalException  # lazy: torch
 
+    from pp_core.app.run_lock import run_locks  # lazy: only when a run starts
+
     try:
-        launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True),
-               memory_cap=cap)
+        taken: list[str] = []
+        with run_locks(spec, taken):  # one writer per checkpoint.dir and output
+            for note in taken:
+                print(f"pp-core: note: {note}", flush=True)
+            launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True),
+                   memory_cap=cap)
     except (KeyboardInterrupt, SignalException, Interrupted) as exc:
         reason, code = exit_code(exc)
         print(f"\npp-core: interrupted by {reason.name}; the ranks were stopped", file=sys.stderr)
@@ -148,7 +157,9 @@ def validate_command(args) -> int:
     if found.initializers is not None:
         print("  " + _initializers(found.initializers).replace("\n", "\n  "))
     print(f"  {_parallelisms(spec)}")
-    for note in found.notes:
+    from pp_core.app.run_lock import holders  # lazy: only when `pp-core validate` runs
+
+    for note in found.notes + holders(spec):
         print(f"  note: {note}")
     return 0
 
@@ -180,12 +191,14 @@ def _parallelisms(spec) -> str:
 
 def export_command(args) -> int:
     from pp_core.app.checkpoint import export_checkpoint, latest_checkpoint  # lazy: DCP, seconds
+    from pp_core.app.output_paths import refuse_export_collisions
 
     source = Path(args.checkpoint)
     if not (source / ".metadata").is_file():
         latest = latest_checkpoint(source)
         if latest is not None:
             source = latest
-    output = export_checkpoint(source, args.output)
+    refuse_export_collisions(args.checkpoint, str(source), args.output)
+    output = export_checkpoint(source, args.output, verify=args.verify)
     print(f"wrote {output} from {source}")
     return 0
