@@ -104,7 +104,7 @@ def _digest_of(file: Path) -> str:
 def _corrupt(path: Path, why: str) -> PipelineError:
     return PipelineError(f"checkpoint {str(path)!r} is incomplete or corrupt: {why}; resume or "
                          f"export from another step_NNNNNNNN directory, or delete this one "
-                         f"(checkpoint.verify: false skips this check)")
+                         f"(checkpoint.verify: false, or export --no-verify, skips this check)")
 
 
 def _manifest(path: Path) -> dict | None:
@@ -133,9 +133,14 @@ def _promised(path: Path) -> bool:
         return False
 
 
-def _stamp(path: Path) -> str:
-    real = os.path.realpath(path)
-    return f"{real}={hashlib.sha256((path / CHECKSUMS_FILE).read_bytes()).hexdigest()[:16]}"
+def _stamp(path: Path, names) -> str:
+    """The checkpoint as last verified: its list and every file's size and modification time."""
+    digest = hashlib.sha256((path / CHECKSUMS_FILE).read_bytes())
+    for name in names:
+        with contextlib.suppress(OSError):
+            info = (path / name).stat()
+            digest.update(f"{name}:{info.st_size}:{info.st_mtime_ns}".encode())
+    return f"{os.path.realpath(path)}={digest.hexdigest()[:24]}"
 
 
 def verify_checkpoint(path: str | os.PathLike, verify: bool = True) -> None:
@@ -150,7 +155,7 @@ def verify_checkpoint(path: str | os.PathLike, verify: bool = True) -> None:
             raise _corrupt(path, f"its {CHECKSUMS_FILE} is missing (its pp_core_run.json says "
                                  f"one was written)")
         return  # an older pp-core's checkpoint: nothing recorded to check against
-    stamp = _stamp(path)
+    stamp = _stamp(path, sorted(manifest["files"]))
     if stamp in os.environ.get(_VERIFIED_ENV, "").split(os.pathsep):
         verify = False  # this command checked it already; sizes only
     for name, recorded in sorted(manifest["files"].items()):
