@@ -47,6 +47,10 @@ with model.args, and a 'module:attr' loss_fn runs on one microbatch. Only
 validate pipeline files you trust.
 """
 
+VALIDATING_ENV = "PP_CORE_VALIDATING"
+"""Set while ``validate`` builds what a rank builds: a plugin's cache (``tokenized_text``'s token
+cache) is read, never written (docs/yaml.md)."""
+
 SET_HELP = ("override a key, e.g. --set train.steps=10 --set pipeline.pp_schedule=gpipe "
             "(the value is parsed as YAML; repeatable)")
 
@@ -130,7 +134,11 @@ def validate_command(args) -> int:
     from pp_core.app.rendezvous import resolve  # lazy: only when `pp-core validate` runs
     from pp_core.app.spec import SpecError
 
-    spec, found = _checked(args)
+    os.environ[VALIDATING_ENV] = "1"  # plugins write no cache while they are checked
+    try:
+        spec, found = _checked(args)
+    finally:
+        os.environ.pop(VALIDATING_ENV, None)
     if spec.distributed.nnodes == 1:  # then the rendezvous host is this machine
         try:
             resolve(spec.distributed)
