@@ -138,3 +138,23 @@ def test_an_export_onto_a_full_disk_leaves_no_partial_file_and_the_old_one(tmp_p
                                f"choose another place\n")
         assert sorted(p.name for p in full.iterdir()) == [".filler", "model.pt"]
         assert (full / "model.pt").read_bytes() == b"an earlier export"
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # no traceback
+def test_tensorboard_on_a_full_disk_stops_with_one_warning_not_an_error(tmp_path, caplog):
+    import logging
+
+    pytest.importorskip("tensorboard")
+    from pp_core.app.data_metrics import TensorBoardSink
+
+    with small_disk(tmp_path / "full", 256 << 10) as full:
+        sink = TensorBoardSink(str(full / "tb"))
+        fill(full)
+        with caplog.at_level(logging.WARNING):
+            for step in range(1, 200):  # enough figures to need a page the disk has not
+                sink.pp_report_metrics(step, {"loss": 1.0 / step, "lr": 0.01, "tag": "x" * 64})
+            sink.close()
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [f"output.tensorboard: cannot write '{full}/tb': no space left on the "
+                      f"device; TensorBoard gets no more figures this run; training goes on; "
+                      f"free some space or choose another place"], warned

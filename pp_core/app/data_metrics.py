@@ -43,6 +43,23 @@ def batch_figures(inputs, target) -> dict[str, Any]:
             "docs": docs}
 
 
+def _quiet_writer_thread() -> None:
+    """TensorBoard's writer thread re-raises a failed write (its traceback printed by
+    ``threading.excepthook``) and the next flush raises it again: leave the telling to the sink."""
+    import threading  # lazy: only with output.tensorboard
+
+    previous = threading.excepthook
+    if getattr(previous, "pp_core_tensorboard", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and disk_error(args.exc_value):
+            return
+        previous(args)
+    hook.pp_core_tensorboard = True
+    threading.excepthook = hook
+
+
 class TensorBoardSink:
     """Writes every logged figure to ``directory`` as TensorBoard scalars."""
 
@@ -55,6 +72,7 @@ class TensorBoardSink:
                 f"pip install 'pp-core[tensorboard]' (or pip install tensorboard), or remove "
                 f"output.tensorboard") from None
         self.directory, self.writer = directory, None
+        _quiet_writer_thread()
         self._guarded(lambda: setattr(self, "writer", SummaryWriter(log_dir=directory)))
 
     def _guarded(self, call) -> None:
