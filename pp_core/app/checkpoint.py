@@ -20,7 +20,10 @@ points the ``latest`` file at it (written to a temporary file, then ``os.replace
 removes the old one. A process killed at any instant leaves the previous checkpoint of that step
 intact and ``latest`` naming a complete checkpoint; leftovers (``*.tmp-*``, ``*.old-*``) are never
 taken for a checkpoint. A checkpoint that is incomplete or corrupt all the same (copied in part,
-truncated) is refused with one message naming its directory.
+truncated, a byte changed: every file's sha256, recorded while it was written, is checked at
+resume, load and export - :mod:`pp_core.app.checkpoint_checksums`) is refused with one message
+naming its directory. A save the disk refuses (full, read-only) is removed on every rank and
+named in one line; the previous checkpoint stays.
 
 Safe by default: a checkpoint from elsewhere is data. DCP's reader unpickles its ``.metadata``
 file and ``torch.load``\\ s non-tensor items with ``weights_only=False``; here the metadata goes
