@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pp_core.app.checkpoint_checksums import (CHECKSUMS_FILE, hashing_writer, manifest_text,
-                                              verify_checkpoint)
+from pp_core.app.checkpoint_checksums import (CHECKSUMS_FILE, files_missed, hashing_writer,
+                                              manifest_text, verify_checkpoint)
 from pp_core.app.checkpoint_reader import SafeLoadPlanner, SafeReader
 from pp_core.errors import PipelineError
 from pp_core.write_failures import disk_error, remove_partial, write_failure
@@ -229,6 +229,7 @@ def _finish_save(staging: Path, path: Path, token: str, ranks, extra_files) -> s
     try:
         if not errnos:
             digests = {name: d for found, _ in ranks for name, d in found.items()}
+            digests.update(files_missed(staging, digests))  # a torch writing past the hook
             for name, text in {**(extra_files or {}), CHECKSUMS_FILE: manifest_text(
                     digests, extra_files)}.items():  # e.g. what it was written for
                 (staging / name).write_text(text, encoding="utf-8")

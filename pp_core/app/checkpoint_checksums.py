@@ -25,7 +25,8 @@ from pathlib import Path
 
 from pp_core.errors import PipelineError
 
-__all__ = ["CHECKSUMS_FILE", "ALGORITHM", "hashing_writer", "manifest_text", "verify_checkpoint"]
+__all__ = ["CHECKSUMS_FILE", "ALGORITHM", "hashing_writer", "files_missed", "manifest_text",
+           "verify_checkpoint"]
 
 CHECKSUMS_FILE = "pp_core_checksums.json"
 ALGORITHM = "sha256"
@@ -81,6 +82,14 @@ def hashing_writer(path: str | os.PathLike):
     writer.fs = HashingFileSystem()
     writer.digests = digests
     return writer
+
+
+def files_missed(directory: Path, digests: dict[str, dict]) -> dict[str, dict]:
+    """Digests of the files in ``directory`` the writers did not hash (a torch release that
+    opens a file past ``create_stream``): read once, so the list still covers every file."""
+    return {file.name: {"size": file.stat().st_size, ALGORITHM: _digest_of(file)}
+            for file in sorted(Path(directory).iterdir())
+            if file.is_file() and file.name not in digests}
 
 
 def manifest_text(digests: dict[str, dict], extra_files: dict[str, str] | None = None) -> str:
