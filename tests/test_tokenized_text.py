@@ -70,12 +70,12 @@ def test_the_cache_is_built_once_and_keyed_by_contents(tmp_path, tokenizer_dir, 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("first document here\n\nsecond one, a bit longer than the first\n\nthird")
     make(tmp_path, tokenizer_dir, files=[str(corpus)], seq_len=4)
-    import pp_core_builtins.models.tokenizing as tokenizing
+    import pp_core_builtins.models.token_cache as token_cache
 
     def refuse(*args, **kwargs):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(tokenizing, "_build", refuse)
+    monkeypatch.setattr(token_cache, "_build", refuse)
     again = make(tmp_path, tokenizer_dir, files=[str(corpus)], seq_len=4)
     assert again.cache.num_docs == 3
     corpus.write_text("changed text\n\nnew document")

@@ -79,6 +79,7 @@ def test_resume_refuses_another_model_or_optimizer_before_the_ranks_start(tmp_pa
         err = capsys.readouterr().err
         assert expected in err, err
     (saved / "pp_core_run.json").unlink()  # an older checkpoint: DCP's metadata still tells
+    (saved / "pp_core_checksums.json").unlink()  # (nor did an older pp-core record checksums)
     for change, expected in [
         ({"model": {"name": "gpt", "args": {**ARGS, "num_layers": 2}}},
          "parameter(s) this model lacks (layers.2."),

@@ -20,7 +20,10 @@ points the ``latest`` file at it (written to a temporary file, then ``os.replace
 removes the old one. A process killed at any instant leaves the previous checkpoint of that step
 intact and ``latest`` naming a complete checkpoint; leftovers (``*.tmp-*``, ``*.old-*``) are never
 taken for a checkpoint. A checkpoint that is incomplete or corrupt all the same (copied in part,
-truncated) is refused with one message naming its directory.
+truncated, a byte changed: every file's sha256, recorded while it was written, is checked at
+resume, load and export - :mod:`pp_core.app.checkpoint_checksums`) is refused with one message
+naming its directory. A save the disk refuses (full, read-only) is removed on every rank and
+named in one line; the previous checkpoint stays.
 
 Safe by default: a checkpoint from elsewhere is data. DCP's reader unpickles its ``.metadata``
 file and ``torch.load``\\ s non-tensor items with ``weights_only=False``; here the metadata goes
@@ -31,8 +34,6 @@ non-tensor items load with ``weights_only=True``.
 from __future__ import annotations
 
 import contextlib
-import enum
-import io
 import os
 import pickle
 import re
@@ -48,7 +49,11 @@ from torch import nn
 
 from pp_core._torch_compat import dcp_metadata_path, set_state_dict_item
 from pp_core.app.expert_state import expert_dtensors, expert_locals
+from pp_core.app.checkpoint_checksums import (CHECKSUMS_FILE, files_missed, hashing_writer,
+                                              manifest_text, verify_checkpoint)
+from pp_core.app.checkpoint_reader import SafeLoadPlanner, SafeReader
 from pp_core.errors import PipelineError
+from pp_core.write_failures import disk_error, remove_partial, write_failure
 from pp_core.parallel.dtensor_state import restride, unstride
 
 __all__ = ["checkpoint_path", "latest_checkpoint", "resume_checkpoint", "save_checkpoint",
@@ -93,94 +98,25 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return max(found, key=lambda p: p.name) if found else None
 
 
-def resume_checkpoint(directory, resume) -> Path | None:
+def resume_checkpoint(directory, resume, verify: bool = True) -> Path | None:
     """The checkpoint ``checkpoint.resume`` names (``True``: the latest in ``directory``) after
-    checking that it is complete, or None to start fresh (``True`` and nothing saved yet)."""
+    checking that it is complete (and, with ``verify``, its checksums), or None to start fresh
+    (``True`` and nothing saved yet)."""
     if not resume:
         return None
     path = (latest_checkpoint(directory) if directory else None) if resume is True \
         else Path(resume)
     if path is not None:
-        _check_dir(path)
+        _check_dir(path, verify)
     return path
 
 
-# ----------------------------------------------------------------------------- safe reading
+# ----------------------------------------------------------------------------- checking
 
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                    "torch.distributed.checkpoint.planner")
-_ALLOWED = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-            ("pathlib", "Path"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-            ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-            ("builtins", "slice")}
-
-
-def _enum_member(cls, name: str):
-    """``getattr(cls, name)`` for an enum member only: how Python 3.11.0 to 3.11.x (Debian 12's
-    3.11.2 among them) pickle enum members, such as those in DCP's metadata."""
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
-        return cls[name]
-    raise PipelineError(f"checkpoint metadata calls getattr({cls!r}, {name!r}); pp-core only "
-                        f"admits it for a member of one of DCP's enums, so it refuses this file")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP metadata classes, torch dtypes/sizes/layouts and plain containers, nothing else."""
-
-    def find_class(self, module: str, name: str):
-        if module in ("builtins", "__builtin__") and name == "getattr":
-            return _enum_member  # its arguments went through find_class too
-        allowed = (module, name) in _ALLOWED or (
-            module in _ALLOWED_MODULES and isinstance(
-                getattr(__import__(module, fromlist=[name]), name, None), type))
-        if module == "torch" and isinstance(getattr(torch, name, None),
-                                             (torch.dtype, torch.layout, torch.memory_format)):
-            allowed = True
-        if not allowed:
-            raise PipelineError(
-                f"checkpoint metadata refers to {module}.{name}; pp-core loads checkpoints "
-                f"without unpickling arbitrary objects, so it refuses this file (only DCP's own "
-                f"metadata classes and torch dtypes are allowed)")
-        return super().find_class(module, name)
-
-
-def _reader_classes():
-    from torch.distributed.checkpoint import FileSystemReader  # lazy: DCP, seconds
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(FileSystemReader):
-        """A FileSystemReader whose metadata is read by :class:`_MetadataUnpickler`."""
-
-        def read_metadata(self, *args, **kwargs):
-            path = dcp_metadata_path(self, kwargs.get("rank"))
-            with self.fs.create_stream(path, "rb") as stream:
-                metadata = _MetadataUnpickler(stream).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    class SafeLoadPlanner(DefaultLoadPlanner):
-        """Loads non-tensor items (optimizer hyper-parameters, ints) with ``weights_only=True``."""
-
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            loaded = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_state_dict_item(self.original_state_dict,
-                                    self.mappings[read_item.dest_index.fqn], loaded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
-
-    return SafeReader, SafeLoadPlanner
-
-
-SafeReader, SafeLoadPlanner = _reader_classes()
-
-
-def _check_dir(path: Path):
+def _check_dir(path: Path, verify: bool = False):
     """The metadata of the checkpoint at ``path``, after checking that every file it names is
-    there in full; otherwise one :class:`PipelineError` naming the directory."""
+    there in full and every file's recorded size (and, with ``verify``, checksum) matches;
+    otherwise one :class:`PipelineError` naming the directory."""
     if not path.exists():
         raise PipelineError(f"checkpoint {str(path)!r} does not exist; pass a step_NNNNNNNN "
                             f"directory written by pp-core run, or the checkpoint.dir holding it")
@@ -188,6 +124,7 @@ def _check_dir(path: Path):
         raise PipelineError(f"{str(path)!r} is not a complete checkpoint (no .metadata file: a "
                             f"save that was interrupted, or not a checkpoint); pass a "
                             f"step_NNNNNNNN directory written by pp-core run")
+    verify_checkpoint(path, verify)  # every file as written (pp_core_checksums.json)
     try:
         metadata = SafeReader(str(path)).read_metadata()
     except PipelineError:
@@ -264,18 +201,57 @@ def save_checkpoint(directory, step: int, parts, optimizers, process_group=None,
     if distributed:  # one staging directory for all ranks, named by rank 0
         dist.broadcast_object_list(token, group=process_group, group_src=0)
     staging = path.with_name(f"{path.name}.tmp-{token[0]}")
-    with _single_process_quiet():
-        dcp.save(_state(parts, optimizers, step)[0], checkpoint_id=str(staging),
-                 process_group=process_group)
-    if distributed:
-        dist.barrier(group=process_group)  # every rank's shards are on disk
+    writer, failed = hashing_writer(staging), None
+    try:
+        with _single_process_quiet():
+            dcp.save(_state(parts, optimizers, step)[0], checkpoint_id=str(staging),
+                     storage_writer=writer, process_group=process_group)
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException is one; re-raised below
+        failed = exc
+    mine = (writer.digests, None if failed is None else getattr(disk_error(failed), "errno", 0))
+    ranks = [mine]
+    if distributed:  # every rank's shards are on disk (or some rank failed): rank 0 learns both
+        ranks = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(ranks, mine, group=process_group)
+    error = [None]
     if not distributed or dist.get_rank(process_group) == 0:
-        for name, text in (extra_files or {}).items():  # e.g. what it was written for
-            (staging / name).write_text(text, encoding="utf-8")
-        _publish(staging, path, token[0])
-    if distributed:
-        dist.barrier(group=process_group)  # nobody reads or saves again before it is in place
+        error[0] = _finish_save(staging, path, token[0], ranks, extra_files)
+    if distributed:  # nobody reads or saves again before it is in place
+        dist.broadcast_object_list(error, group=process_group, group_src=0)
+    if failed is not None and not mine[1]:
+        raise failed  # not the disk: a fault of its own, with its traceback
+    if error[0] is not None:
+        raise PipelineError(error[0]) from None
     return path
+
+
+def _finish_save(staging: Path, path: Path, token: str, ranks, extra_files) -> str | None:
+    """On rank 0: the checksums and extra files written and the checkpoint published; or, when
+    a rank failed or the disk refuses, ``staging`` removed and the one line every rank raises."""
+    errnos = [code for _, code in ranks if code is not None]
+    try:
+        if not errnos:
+            digests = {name: d for found, _ in ranks for name, d in found.items()}
+            digests.update(files_missed(staging, digests))  # a torch writing past the hook
+            for name, text in {**(extra_files or {}), CHECKSUMS_FILE: manifest_text(
+                    digests, extra_files)}.items():  # e.g. what it was written for
+                (staging / name).write_text(text, encoding="utf-8")
+            _publish(staging, path, token)
+            return None
+    except OSError as exc:
+        if disk_error(exc) is None:
+            remove_partial(staging, path.parent / f".{LATEST}.tmp-{token}")
+            raise
+        errnos = [exc.errno]
+    remove_partial(staging, path.parent / f".{LATEST}.tmp-{token}")
+    latest = latest_checkpoint(path.parent)
+    kept = f"the last good checkpoint {str(latest)!r} is intact" if latest else \
+        "there is no earlier checkpoint"
+    code = next((c for c in errnos if c), None)
+    if code is None:
+        return f"checkpoint {str(path)!r} was not saved: a rank failed while writing it; {kept}"
+    return write_failure("checkpoint.dir", path, OSError(code, os.strerror(code)),
+                         f"the partial save was removed and {kept}")
 
 
 def _publish(staging: Path, path: Path, token: str) -> None:
@@ -298,10 +274,11 @@ def _publish(staging: Path, path: Path, token: str) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-def load_checkpoint(path, parts, optimizers, process_group=None) -> int:
+def load_checkpoint(path, parts, optimizers, process_group=None, verify: bool = True) -> int:
     """Load the keys this rank's parts and optimizers hold; returns the checkpoint's step.
 
-    Works whatever pipeline layout wrote the checkpoint: the keys are parameter names.
+    Works whatever pipeline layout wrote the checkpoint: the keys are parameter names. With
+    ``verify``, every file is checked against its recorded checksum first.
     """
     import torch.distributed.checkpoint as dcp  # lazy: DCP, only when a checkpoint is read
     from torch.distributed.checkpoint.api import CheckpointException
@@ -311,7 +288,7 @@ def load_checkpoint(path, parts, optimizers, process_group=None) -> int:
     )
 
     path = Path(path)
-    _check_dir(path)
+    _check_dir(path, verify)
     state, strided = _state(parts, optimizers, 0)
     try:
         with _single_process_quiet():
@@ -350,14 +327,15 @@ def _is_damage(cause: BaseException) -> bool:
         for text in ("PytorchStreamReader", "unexpected EOF", "invalid load key"))
 
 
-def read_model_state_dict(path) -> dict[str, torch.Tensor]:
-    """Every ``model.*`` tensor of a checkpoint, under its original name, on the CPU (no PG)."""
+def read_model_state_dict(path, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every ``model.*`` tensor of a checkpoint, under its original name, on the CPU (no PG);
+    ``verify``: its files checked against their recorded checksums first."""
     import torch.distributed.checkpoint as dcp  # lazy: DCP, only when a checkpoint is exported
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(path)
-    metadata = _check_dir(path)
+    metadata = _check_dir(path, verify)
     state = {}
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
@@ -374,27 +352,37 @@ def read_model_state_dict(path) -> dict[str, torch.Tensor]:
     return {key[len("model."):]: value for key, value in state.items()}
 
 
-def load_into_model(path, model: nn.Module, strict: bool = True):
+def load_into_model(path, model: nn.Module, strict: bool = True, verify: bool = True):
     """Load a checkpoint's weights into an unsplit model (any pipeline layout wrote it)."""
-    return model.load_state_dict(read_model_state_dict(path), strict=strict)
+    return model.load_state_dict(read_model_state_dict(path, verify), strict=strict)
 
 
-def export_checkpoint(path, output) -> Path:
-    """Write a checkpoint's weights as one ``state_dict`` file: ``.safetensors`` or torch ``.pt``."""
+def export_checkpoint(path, output, verify: bool = True) -> Path:
+    """Write a checkpoint's weights as one ``state_dict`` file: ``.safetensors`` or torch ``.pt``
+    (written beside and renamed into place: a failed export leaves no partial file)."""
     output = Path(output)
-    state = read_model_state_dict(path)
+    state = read_model_state_dict(path, verify)
     if output.suffix == ".safetensors":
         try:
             from safetensors.torch import save_file  # lazy: safetensors, only for an export
         except ImportError:
             raise PipelineError("writing .safetensors needs the safetensors package; "
                                 "pip install safetensors, or export to a .pt file") from None
+    staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         if output.suffix == ".safetensors":
-            save_file({k: v.contiguous() for k, v in state.items()}, str(output))
+            save_file({k: v.contiguous() for k, v in state.items()}, str(staging))
         else:
-            torch.save(state, output)
-    except OSError as exc:
-        raise PipelineError(f"cannot write {str(output)!r}: {exc.strerror or exc}") from None
+            with open(staging, "wb") as handle:  # a Python file: a full disk is an OSError
+                torch.save(state, handle)
+        os.replace(staging, output)
+    except Exception as exc:  # torch's and safetensors' writers wrap the OSError
+        remove_partial(staging)
+        cause = disk_error(exc) or (exc if isinstance(exc, OSError) else None)
+        if cause is None:
+            raise
+        raise PipelineError(write_failure("-o", output, cause, "nothing was written")
+                            if disk_error(exc) else f"cannot write {str(output)!r}: "
+                            f"{cause.strerror or cause}") from None
     return output

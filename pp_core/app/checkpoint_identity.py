@@ -1,7 +1,10 @@
 """What a checkpoint was written for, and the refusal of a resume into something else.
 
 Each checkpoint ``pp-core run`` saves holds ``pp_core_run.json`` beside DCP's files: the model
-(``model.name`` or ``model.target``, ``model.args``), the optimizer and the pipeline layout.
+(``model.name`` or ``model.target``, ``model.args``), the optimizer and the pipeline layout
+(every degree: ``pp_size``, ``dp_replicate``, ``dp_shard``, ``tp_size``, ``ep_size``). A file
+that is there but malformed (truncated, not JSON, the wrong shape) is refused naming it, never
+skipped.
 :func:`check_resume_identity` compares a resume's checkpoint with the pipeline file before any
 rank starts, by two means that do not depend on each other:
 
@@ -26,6 +29,8 @@ from pp_core.errors import PPCoreError, shorten
 __all__ = ["IDENTITY_FILE", "run_identity", "identity_files", "check_resume_identity"]
 
 IDENTITY_FILE = "pp_core_run.json"
+DEGREES = ("pp_size", "dp_replicate", "dp_shard", "tp_size", "ep_size")
+"""Every degree of the layout, as ``distributed`` names them; the identity records each."""
 
 
 def run_identity(spec, fqns_per_stage=None) -> dict[str, Any]:
@@ -35,9 +40,9 @@ def run_identity(spec, fqns_per_stage=None) -> dict[str, Any]:
         "model": {"name": spec.model.name, "target": spec.model.target,
                   "args": spec.model.args},
         "optimizer": spec.train.optimizer.get("name", "AdamW"),
-        "layout": {"pp_size": dist.pp_size, "dp_replicate": dist.dp_replicate,
-                   "dp_shard": dist.dp_shard, "pp_schedule": spec.pipeline.pp_schedule,
-                   "fqns_per_stage": fqns_per_stage},
+        "checksums": "pp_core_checksums.json",  # written beside it: a missing one is refused
+        "layout": {**{degree: getattr(dist, degree) for degree in DEGREES},
+                   "pp_schedule": spec.pipeline.pp_schedule, "fqns_per_stage": fqns_per_stage},
     }
 
 
@@ -48,11 +53,40 @@ def identity_files(spec, fqns_per_stage=None) -> dict[str, str]:
 
 
 def _recorded(path: Path) -> dict | None:
-    try:
-        value = json.loads((path / IDENTITY_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    """The recorded identity; ``None`` without the file (an older pp-core); a malformed one
+    (truncated, not JSON, the wrong shape) is a :class:`PPCoreError` naming it."""
+    file = path / IDENTITY_FILE
+    if not file.exists():
         return None
-    return value if isinstance(value, dict) else None
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+        why = _shape_problem(value)
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        why = f"{type(exc).__name__}: {shorten(str(exc), 120)}"
+    if why is not None:
+        raise PPCoreError(
+            f"checkpoint.resume: {str(file)!r} is malformed ({why}); it records what the "
+            f"checkpoint was written for, so it is not resumed without it: restore the file "
+            f"(another step_NNNNNNNN directory has one), or delete it to resume without the "
+            f"identity check")
+    return value
+
+
+def _shape_problem(value) -> str | None:
+    """What is wrong with a parsed identity's shape, or ``None``."""
+    if not isinstance(value, dict):
+        return f"a JSON object expected, found {type(value).__name__}"
+    model, layout = value.get("model"), value.get("layout", {})
+    if not isinstance(model, dict) or not isinstance(model.get("args", {}), (dict, type(None))):
+        return "'model' is not an object with 'name', 'target' and 'args'"
+    if not all(isinstance(model.get(k), (str, type(None))) for k in ("name", "target")):
+        return "'model.name' / 'model.target' are not strings"
+    if not isinstance(value.get("optimizer"), (str, type(None))):
+        return "'optimizer' is not a string"
+    if not isinstance(layout, dict) or not all(
+            isinstance(layout[k], int) for k in DEGREES if k in layout):
+        return "'layout' is not an object of integer degrees"
+    return None
 
 
 def _compare_recorded(spec, path: Path, recorded: dict, problems: list[str],
@@ -78,7 +112,7 @@ def _compare_recorded(spec, path: Path, recorded: dict, problems: list[str],
                         f"found {mine['optimizer']!r}; its optimizer state cannot be loaded into "
                         f"another optimizer: use {recorded['optimizer']!r}")
     layout = recorded.get("layout") or {}
-    changed = [k for k in ("pp_size", "dp_replicate", "dp_shard", "pp_schedule")
+    changed = [k for k in (*DEGREES, "pp_schedule")
                if k in layout and layout[k] != mine["layout"][k]]
     if changed:
         notes.append("checkpoint.resume: written with " + ", ".join(
@@ -141,13 +175,18 @@ def check_resume_identity(spec, model, problems: list[str], notes: list[str]) ->
     """Refuse a resume into another model or optimizer (see the module docstring)."""
     from pp_core.app.checkpoint import _check_dir, resume_checkpoint  # lazy: torch's DCP, seconds
     try:
-        path = resume_checkpoint(spec.checkpoint.dir, spec.checkpoint.resume)
+        path = resume_checkpoint(spec.checkpoint.dir, spec.checkpoint.resume,
+                                 spec.checkpoint.verify)
     except PPCoreError:
         return  # _check_resume reports it
     if path is None:
         return
     before = len(problems)
-    recorded = _recorded(path)
+    try:
+        recorded = _recorded(path)
+    except PPCoreError as exc:
+        problems.append(str(exc))
+        return
     if recorded is not None:
         _compare_recorded(spec, path, recorded, problems, notes)
     if len(problems) == before:

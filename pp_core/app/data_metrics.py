@@ -14,6 +14,7 @@ TensorBoard's own ``SummaryWriter``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from pp_core.errors import ConfigError
 from pp_core.hookspecs import hookimpl
 from pp_core.runtime.microbatch import first_tensor
+from pp_core.write_failures import disk_error, write_failure
 
 __all__ = ["batch_figures", "TensorBoardSink"]
 
@@ -41,6 +43,23 @@ def batch_figures(inputs, target) -> dict[str, Any]:
             "docs": docs}
 
 
+def _quiet_writer_thread() -> None:
+    """TensorBoard's writer thread re-raises a failed write (its traceback printed by
+    ``threading.excepthook``) and the next flush raises it again: leave the telling to the sink."""
+    import threading  # lazy: only with output.tensorboard
+
+    previous = threading.excepthook
+    if getattr(previous, "pp_core_tensorboard", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and disk_error(args.exc_value):
+            return
+        previous(args)
+    hook.pp_core_tensorboard = True
+    threading.excepthook = hook
+
+
 class TensorBoardSink:
     """Writes every logged figure to ``directory`` as TensorBoard scalars."""
 
@@ -52,15 +71,36 @@ class TensorBoardSink:
                 f"output.tensorboard={directory!r} needs the tensorboard package: "
                 f"pip install 'pp-core[tensorboard]' (or pip install tensorboard), or remove "
                 f"output.tensorboard") from None
-        self.writer = SummaryWriter(log_dir=directory)
+        self.directory, self.writer = directory, None
+        _quiet_writer_thread()
+        self._guarded(lambda: setattr(self, "writer", SummaryWriter(log_dir=directory)))
+
+    def _guarded(self, call) -> None:
+        """``call()``; a full or read-only disk ends TensorBoard (one warning), not the run."""
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is the disk
+            if disk_error(exc) is None:
+                raise
+            self.writer = None
+            logging.getLogger(__name__).warning("%s", write_failure(
+                "output.tensorboard", self.directory, disk_error(exc),
+                "TensorBoard gets no more figures this run; training goes on"))
 
     @hookimpl
     def pp_report_metrics(self, step, metrics):
+        if self.writer is None:
+            return
         section = "eval" if any(key.startswith("eval") for key in metrics) else "train"
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "time":
-                self.writer.add_scalar(f"{section}/{key}", value, step)
-        self.writer.flush()
+
+        def write():
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                        and key != "time":
+                    self.writer.add_scalar(f"{section}/{key}", value, step)
+            self.writer.flush()
+        self._guarded(write)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self._guarded(self.writer.close)

@@ -51,10 +51,12 @@ def export_command(source: Path, args) -> int:
                               f"with --format hf / --format safetensors -o DIR")
         from pp_core.app.checkpoint import export_checkpoint  # lazy: DCP, seconds
 
-        print(f"wrote {export_checkpoint(source, output)} from {source}")
+        print(f"wrote {export_checkpoint(source, output, verify=args.verify)} from {source}")
         return 0
+    from pp_core.app.checkpoint_checksums import verify_checkpoint  # lazy: with a directory
     from pp_core.app.export_hf import export_directory  # lazy: DCP, transformers
 
+    verify_checkpoint(source, args.verify)
     started = time.perf_counter()
     export_directory(source, output, fmt or "safetensors", _dtype(args.dtype),
                      _size(args.max_shard_size))

@@ -16,6 +16,7 @@ schedule commands (``--csv X -o X``). No torch here: the schedule commands impor
 from __future__ import annotations
 
 import fnmatch
+import glob
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,8 @@ from typing import Any, Iterable
 
 from pp_core.errors import PPCoreError
 
-__all__ = ["PathUse", "run_paths", "collisions", "path_problems", "refuse_collisions"]
+__all__ = ["PathUse", "run_paths", "collisions", "path_problems", "refuse_collisions",
+           "refuse_export_collisions"]
 
 CHECKPOINT_MANAGED = ("step_*", "latest", ".latest.tmp-*")
 """Entries of ``checkpoint.dir`` a save creates, moves aside or replaces."""
@@ -36,13 +38,16 @@ NOT_PATHS = {"progress", "summary"}
 class PathUse:
     """One path a command touches: ``key`` names it as the user wrote it (``output.metrics``,
     ``the pipeline file``); ``tree``: a directory whose contents belong to it (a checkpoint);
-    ``managed``: for a written tree, the entry patterns it replaces (others are left alone)."""
+    ``managed``: for a tree, the entry patterns a save replaces or a read takes (others are left
+    alone); ``pattern``: ``path`` is a glob (read), and whatever it matches, or lies inside a
+    match, is read."""
 
     key: str
     path: str
     writes: bool
     tree: bool = False
     managed: tuple[str, ...] = ()
+    pattern: bool = False
 
 
 def _real(path: str) -> str:
@@ -66,8 +71,40 @@ def _inside(path: str, tree: str) -> str | None:
     return rel.split(os.sep)[0]
 
 
+def _parts(path: str) -> list[str]:
+    return [p for p in os.path.normpath(os.path.abspath(os.path.expanduser(path))).split(os.sep)
+            if p]
+
+
+def _glob_match(pattern: list[str], path: list[str]) -> bool:
+    """Whether ``path`` (components) matches the glob ``pattern`` (components; ``**`` spans any
+    number of them, as ``glob(recursive=True)`` reads it)."""
+    if not pattern:
+        return not path
+    if pattern[0] == "**":
+        return any(_glob_match(pattern[1:], path[i:]) for i in range(len(path) + 1))
+    return bool(path) and fnmatch.fnmatchcase(path[0], pattern[0]) and \
+        _glob_match(pattern[1:], path[1:])
+
+
+def _glob_covers(pattern: str, path: str) -> bool:
+    """Whether the glob ``pattern`` matches ``path`` or a directory holding it (a matched
+    directory is read whole)."""
+    wanted = _parts(pattern)
+    for target in {tuple(_parts(path)), tuple(_parts(_real(path)))}:
+        if any(_glob_match(wanted, list(target[:end])) for end in range(1, len(target) + 1)):
+            return True
+    return False
+
+
 def _clash(a: PathUse, b: PathUse) -> str | None:
     """Why ``a`` and ``b`` cannot both be used as given (``a`` writes), or ``None``."""
+    if b.pattern and not b.writes:
+        if _glob_covers(b.path, a.path):
+            return (f"{a.key} {a.path!r} matches {b.key} {b.path!r}, which this command reads: "
+                    f"the next run would read it as input; write {a.key} somewhere the pattern "
+                    f"does not reach")
+        return None
     if _same(a.path, b.path):
         if b.writes:
             return (f"{a.key} and {b.key} name the same path {a.path!r}: one would overwrite "
@@ -80,22 +117,22 @@ def _clash(a: PathUse, b: PathUse) -> str | None:
         entry = _inside(inner.path, outer.path)
         if entry is None:
             continue
-        if outer.writes and outer.managed and \
-                not any(fnmatch.fnmatchcase(entry, p) for p in outer.managed):
-            continue  # a place in the checkpoint directory that saves leave alone
+        if outer.managed and not any(fnmatch.fnmatchcase(entry, p) for p in outer.managed):
+            continue  # a place in the checkpoint directory that saves (and reads) leave alone
         if outer.writes:
             return (f"{inner.key} {inner.path!r} lies at {entry!r} inside {outer.key} "
                     f"{outer.path!r}, which a checkpoint save replaces or moves aside; put "
                     f"{inner.key} outside it (or elsewhere than {', '.join(outer.managed)})")
         if inner.writes:
-            return (f"{inner.key} {inner.path!r} lies inside {outer.key} {outer.path!r}, which "
-                    f"this command reads: writing there changes its input; choose another place")
+            return (f"{inner.key} {inner.path!r} lies at {entry!r} inside {outer.key} "
+                    f"{outer.path!r}, which this command reads: writing there changes its "
+                    f"input; choose another place")
     return None
 
 
 def collisions(uses: Iterable[PathUse]) -> list[str]:
     """One line per pair of paths that overwrite or change one another (a write involved)."""
-    uses = [u for u in uses if u.path and "\0" not in u.path]
+    uses = [u for u in uses if u.path and "\0" not in u.path and not (u.pattern and u.writes)]
     found = []
     for i, a in enumerate(uses):
         for b in uses[i + 1:]:
@@ -149,9 +186,7 @@ def run_paths(spec) -> list[PathUse]:
         uses.append(PathUse("pipeline.pp_schedule_csv", csv, False))
     for section, sub in (("data", "args"), ("data", "eval_args"), ("model", "args")):
         for name, value in (getattr(getattr(spec, section), sub)).items():
-            for text in _strings(value):  # an argument that names an existing file is read
-                if "\0" not in text and os.path.isfile(text):
-                    uses.append(PathUse(f"{section}.{sub}.{name}", text, False))
+            uses += _argument_reads(f"{section}.{sub}.{name}", value)
     resume = spec.checkpoint.resume
     if isinstance(resume, str):
         uses.append(PathUse("checkpoint.resume", resume, False, tree=True))
@@ -164,6 +199,25 @@ def run_paths(spec) -> list[PathUse]:
     return uses
 
 
+def _argument_reads(key: str, value: Any) -> list[PathUse]:
+    """What an argument reads: an existing file; an existing directory (all it holds: a corpus, a
+    tokenizer); a glob (whatever it matches). A ``*cache_dir`` argument is written, not read."""
+    if key.endswith("cache_dir"):
+        return []
+    uses = []
+    for text in _strings(value):
+        if "\0" in text or not text:
+            continue
+        path = os.path.expanduser(text)
+        if os.path.isfile(path):
+            uses.append(PathUse(key, text, False))
+        elif os.path.isdir(path):
+            uses.append(PathUse(key, text, False, tree=True))
+        elif glob.has_magic(path):
+            uses.append(PathUse(key, text, False, pattern=True))
+    return uses
+
+
 def refuse_collisions(reads: dict[str, str | None], writes: dict[str, str | None]) -> None:
     """Raise :class:`~pp_core.errors.PPCoreError` when a command's outputs would overwrite its
     inputs or each other (``{flag: path}``; ``None`` and ``-`` for stdout are skipped)."""
@@ -172,3 +226,15 @@ def refuse_collisions(reads: dict[str, str | None], writes: dict[str, str | None
     problems = path_problems(uses) + collisions(uses)
     if problems:
         raise PPCoreError("; ".join(problems))
+
+
+def refuse_export_collisions(argument: str, source: str, output: str) -> None:
+    """``pp-core export CKPT -o FILE``: refuse an ``-o`` that lands on or inside the checkpoint it
+    reads (``source``, the step directory), or on what a checkpoint.dir given as ``argument``
+    points through (``latest``, its ``step_*`` directories)."""
+    uses = [PathUse("CKPT", source, False, tree=True), PathUse("-o", output, True)]
+    if not _same(argument, source):
+        uses.append(PathUse("CKPT", argument, False, tree=True, managed=CHECKPOINT_MANAGED))
+    problems = path_problems(uses) + collisions(uses)
+    if problems:
+        raise PPCoreError(problems[0])

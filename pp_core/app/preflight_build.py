@@ -255,7 +255,7 @@ def _check_resume(spec: Spec, problems: list[str]) -> None:
         problems.append(f"checkpoint.resume: {quoted(resume)} {what}{hint}")
         return
     try:
-        resume_checkpoint(spec.checkpoint.dir, resume)
+        resume_checkpoint(spec.checkpoint.dir, resume, spec.checkpoint.verify)
     except PPCoreError as exc:
         problems.append(f"checkpoint.resume: {exc}")
 

@@ -10,17 +10,15 @@ for the same schedule with the per-action costs this run measured.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pp_core.app.output_files import MetricsFile, write_output
 from pp_core.app.progress import format_summary
 from pp_core.runtime.observers import ActionObserver
 from pp_core.schedule.labels import KINDS, WAIT, category
@@ -152,18 +150,8 @@ class RunRecorder:
         ``start_step``: the lines of later steps (a resumed run is about to write them again)
         are dropped, so every step appears once; a fresh run starts an empty file."""
         path = self.spec.output.metrics
-        if not path or self.rank != 0:
-            return
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if start_step and path.is_file():
-            kept = _metrics_lines_up_to(path, start_step)
-            staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            staging.write_text("".join(kept), encoding="utf-8")
-            os.replace(staging, path)
-            self.metrics = open(path, "a", encoding="utf-8")
-        else:
-            self.metrics = open(path, "w", encoding="utf-8")
+        if path and self.rank == 0:
+            self.metrics = MetricsFile(path, start_step)
 
     # ------------------------------------------------------------------ per step
 
@@ -248,8 +236,7 @@ class RunRecorder:
         if self.rank != 0:
             return
         if self.metrics:
-            self.metrics.write(json.dumps({"step": step, **values}) + "\n")
-            self.metrics.flush()
+            self.metrics.write({"step": step, **values})
         self.plugins.report_metrics(step, values)
 
     # ------------------------------------------------------------------ end of run
@@ -305,10 +292,10 @@ class RunRecorder:
             figures["bubble_simulated"] = None if simulated is None else \
                 simulated[figures["pp_rank"]]
         if out.trace:
-            write_json(run_trace(ranks), out.trace)
+            write_output("output.trace", out.trace, lambda to: write_json(run_trace(ranks), to))
         if out.schedule_image and schedule is not None:
-            Path(out.schedule_image).parent.mkdir(parents=True, exist_ok=True)
-            Path(out.schedule_image).write_text(render_svg(simulate(schedule)))
+            write_output("output.schedule_image", out.schedule_image,
+                         lambda to: to.write_text(render_svg(simulate(schedule))))
         model = spec.model.name or spec.model.target
         summary = {
             "source": spec.source, "model": model, "data": spec.data.name,
@@ -363,17 +350,3 @@ class RunRecorder:
         makespan = result.makespan or 1.0
         return [idle / makespan for idle in result.idle], note
 
-
-def _metrics_lines_up_to(path: Path, step: int) -> list[str]:
-    """The lines of a metrics file for steps ``<= step`` (a torn last line is dropped too)."""
-    kept = []
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int) \
-                    and record["step"] <= step and line.endswith("\n"):
-                kept.append(line)
-    return kept

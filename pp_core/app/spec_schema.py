@@ -334,6 +334,8 @@ SCHEMA: dict[str, list[Key]] = {
         Key("resume", _resume, False, "true: latest checkpoint in dir; or a checkpoint path"),
         Key("export_hf", _export_hf, None, "DIR or {dir: DIR, every: N}: the ranks write a "
             "save_pretrained directory at the end (every N steps: DIR/step_NNNNNNNN)"),
+        Key("verify", _bool, True, "check every file's recorded checksum when a checkpoint is "
+            "resumed, loaded or exported (false skips it)"),
     ],
     "output": [
         Key("metrics", _optional(_str), None, "JSON-lines metrics file"),

@@ -92,6 +92,7 @@ class CheckpointSpec:
     save_final: bool = True
     resume: bool | str = False
     export_hf: dict | None = None
+    verify: bool = True
 
 
 @dataclass(frozen=True)

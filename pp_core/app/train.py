@@ -200,12 +200,13 @@ def _resume_step(spec: Spec, pipe, optimizers, ctx: RankContext, say) -> int:
     resume = spec.checkpoint.resume
     if not resume:
         return 0
-    path = resume_checkpoint(spec.checkpoint.dir, resume)
+    verify = spec.checkpoint.verify  # free when this command's preflight verified it already
+    path = resume_checkpoint(spec.checkpoint.dir, resume, verify)
     if path is None:
         say(f"checkpoint.resume: no checkpoint in {spec.checkpoint.dir!r} yet; starting at "
             f"step 0")
         return 0
-    step = load_checkpoint(path, pipe.model_parts, optimizers)
+    step = load_checkpoint(path, pipe.model_parts, optimizers, verify=verify)
     say(f"resumed from {path} (step {step})")
     return step
 

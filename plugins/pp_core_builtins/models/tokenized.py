@@ -33,7 +33,8 @@ import torch
 
 from pp_core_builtins.models.arg_types import check_arg_types
 from pp_core_builtins.models.datasets import BatchStream
-from pp_core_builtins.models.tokenizing import load_tokenizer, open_cache
+from pp_core_builtins.models.token_cache import open_cache
+from pp_core_builtins.models.tokenizing import load_tokenizer
 
 __all__ = ["TokenizedText", "tokenized_text", "default_cache_dir"]
 

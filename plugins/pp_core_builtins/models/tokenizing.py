@@ -11,13 +11,7 @@ Tokenizers are local only - nothing is downloaded: ``bytes`` (one token per UTF-
 ``tokenizer_config.json`` names BOS/EOS), or any other directory ``transformers``'
 ``AutoTokenizer`` loads with ``local_files_only=True``.
 
-The cache: the corpus tokenized once into ``<cache_dir>/<key>/`` - ``tokens.bin`` (uint32 token
-ids of every document back to back, read through ``numpy.memmap``), ``offsets.npy`` (document
-``d`` is ``tokens[offsets[d]:offsets[d + 1]]``) and ``meta.json``. The key hashes the files'
-contents, how they are read and the tokenizer (its file contents, BOS/EOS), so changing any of
-them tokenizes again and an unchanged corpus opens at once. Ranks that start together take a file
-lock: one tokenizes, the others wait and open its result; the directory appears by an atomic
-rename, so a killed run never leaves half a cache.
+The cache of token ids is :mod:`pp_core_builtins.models.token_cache`.
 """
 
 from __future__ import annotations
@@ -26,16 +20,12 @@ import glob
 import hashlib
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
-import numpy as np
 
-__all__ = ["expand_files", "read_documents", "load_tokenizer", "ByteTokenizer", "TokenCache",
-           "open_cache", "CACHE_VERSION"]
+__all__ = ["expand_files", "read_documents", "load_tokenizer", "ByteTokenizer"]
 
-CACHE_VERSION = 1
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>")
 BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|bos|>")
@@ -210,93 +200,3 @@ def load_tokenizer(tokenizer: str):
             f"local tokenizer.json or tokenizer directory (nothing is downloaded); save one with "
             f"tokenizer.save_pretrained(DIR) and give DIR")
     return HFTokenizer(path)
-
-
-class TokenCache:
-    """A tokenized corpus on disk: ``tokens`` (a uint32 memmap) and document ``offsets``."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.meta = json.loads((directory / "meta.json").read_text())
-        self.offsets = np.load(directory / "offsets.npy")
-        count = int(self.offsets[-1])
-        self.tokens = np.memmap(directory / "tokens.bin", dtype=np.uint32, mode="r",
-                                shape=(max(count, 1),))
-        self.num_docs = len(self.offsets) - 1
-
-    def document(self, index: int) -> np.ndarray:
-        return self.tokens[self.offsets[index]:self.offsets[index + 1]]
-
-
-def _cache_key(files: list[Path], reading: dict, tokenizer, bos: Optional[int],
-               eos: Optional[int]) -> str:
-    digest = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "reading": reading,
-                                        "tokenizer": tokenizer.identity, "bos": bos,
-                                        "eos": eos}, sort_keys=True).encode())
-    for file in files:
-        targets = sorted(p for p in file.rglob("*") if p.is_file()) if file.is_dir() else [file]
-        for target in targets:
-            digest.update(target.name.encode() + b"\0")
-            with open(target, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 22), b""):
-                    digest.update(block)
-    return digest.hexdigest()[:24]
-
-
-def _progress(total: int, label: str):
-    try:
-        from tqdm import tqdm  # lazy: tqdm is an optional extra
-    except ImportError:  # no bar, the result is the same
-        return None
-    return tqdm(total=total, desc=label, unit="doc", file=sys.stderr, disable=None,
-                leave=False)
-
-
-def _build(directory: Path, files: list[Path], reading: dict, tokenizer, bos, eos) -> None:
-    texts = [text for file in files for text in
-             read_documents(file, reading["text_field"], reading["doc_separator"],
-                            reading["hf_split"])]
-    if not texts:
-        raise ValueError(f"tokenized_text: the corpus ({', '.join(map(str, files))}) holds no "
-                         f"text; check data.args.files and data.args.text_field")
-    staging = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
-    staging.mkdir(parents=True, exist_ok=True)
-    offsets, count, max_id = [0], 0, -1
-    bar = _progress(len(texts), f"tokenizing {len(texts)} documents")
-    with open(staging / "tokens.bin", "wb") as out:
-        for start in range(0, len(texts), 1024):
-            for ids in tokenizer.encode_batch(texts[start:start + 1024]):
-                ids = ([bos] if bos is not None else []) + list(ids) + \
-                    ([eos] if eos is not None else [])
-                array = np.asarray(ids, dtype=np.uint32)
-                out.write(array.tobytes())
-                count += len(array)
-                offsets.append(count)
-                if len(array):
-                    max_id = max(max_id, int(array.max()))
-            if bar is not None:
-                bar.update(min(1024, len(texts) - start))
-    if bar is not None:
-        bar.close()
-    np.save(staging / "offsets.npy", np.asarray(offsets, dtype=np.int64))
-    (staging / "meta.json").write_text(json.dumps({
-        "files": [str(f) for f in files], "num_docs": len(texts), "num_tokens": count,
-        "max_token_id": max_id, "vocab_size": tokenizer.vocab_size, "bos": bos, "eos": eos,
-        **reading}, indent=1))
-    os.replace(staging, directory)
-
-
-def open_cache(files, tokenizer, cache_dir, reading: dict, bos, eos) -> TokenCache:
-    """The cache of ``files`` tokenized by ``tokenizer``: opened, or built once (locked)."""
-    paths = expand_files(files)
-    root = Path(os.path.expanduser(str(cache_dir)))
-    root.mkdir(parents=True, exist_ok=True)
-    directory = root / _cache_key(paths, reading, tokenizer, bos, eos)
-    if not directory.is_dir():
-        import fcntl  # lazy: POSIX only, and only when a cache is built
-
-        with open(root / f"{directory.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not directory.is_dir():  # another rank may have built it meanwhile
-                _build(directory, paths, reading, tokenizer, bos, eos)
-    return TokenCache(directory)

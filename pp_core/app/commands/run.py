@@ -48,6 +48,10 @@ with model.args, and a 'module:attr' loss_fn runs on one microbatch. Only
 validate pipeline files you trust.
 """
 
+VALIDATING_ENV = "PP_CORE_VALIDATING"
+"""Set while ``validate`` builds what a rank builds: a plugin's cache (``tokenized_text``'s token
+cache) is read, never written (docs/yaml.md)."""
+
 SET_HELP = ("override a key, e.g. --set train.steps=10 --set pipeline.pp_schedule=gpipe "
             "(the value is parsed as YAML; repeatable)")
 
@@ -93,6 +97,9 @@ def register(subparsers) -> None:
     export.add_argument("--dtype", default=None,
                         help="cast floating weights of a directory export (default: the "
                              "training dtype)")
+    export.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip checking the checkpoint's files against the checksums "
+                             "recorded when it was saved (checkpoint.verify: false)")
     export.set_defaults(func=export_command)
 
 
@@ -120,9 +127,15 @@ def run_command(args) -> int:
             print(f"pp-core: note: {note}", flush=True)
     from torch.distributed.elastic.multiprocessing import SignalException  # lazy: torch
 
+    from pp_core.app.run_lock import run_locks  # lazy: only when a run starts
+
     try:
-        launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True),
-               memory_cap=cap)
+        taken: list[str] = []
+        with run_locks(spec, taken):  # one writer per checkpoint.dir and output
+            for note in taken:
+                print(f"pp-core: note: {note}", flush=True)
+            launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True),
+                   memory_cap=cap)
     except (KeyboardInterrupt, SignalException, Interrupted) as exc:
         reason, code = exit_code(exc)
         print(f"\npp-core: interrupted by {reason.name}; the ranks were stopped", file=sys.stderr)
@@ -134,7 +147,11 @@ def validate_command(args) -> int:
     from pp_core.app.rendezvous import resolve  # lazy: only when `pp-core validate` runs
     from pp_core.app.spec import SpecError
 
-    spec, found = _checked(args)
+    os.environ[VALIDATING_ENV] = "1"  # plugins write no cache while they are checked
+    try:
+        spec, found = _checked(args)
+    finally:
+        os.environ.pop(VALIDATING_ENV, None)
     if spec.distributed.nnodes == 1:  # then the rendezvous host is this machine
         try:
             resolve(spec.distributed)
@@ -160,7 +177,9 @@ def validate_command(args) -> int:
     if found.initializers is not None:
         print("  " + _initializers(found.initializers).replace("\n", "\n  "))
     print(f"  {_parallelisms(spec)}")
-    for note in found.notes:
+    from pp_core.app.run_lock import holders  # lazy: only when `pp-core validate` runs
+
+    for note in found.notes + holders(spec):
         print(f"  note: {note}")
     return 0
 
@@ -192,16 +211,18 @@ def _parallelisms(spec) -> str:
 
 def export_command(args) -> int:
     from pp_core.app.checkpoint import export_checkpoint, latest_checkpoint  # lazy: DCP, seconds
+    from pp_core.app.output_paths import refuse_export_collisions
 
     source = Path(args.checkpoint)
     if not (source / ".metadata").is_file():
         latest = latest_checkpoint(source)
         if latest is not None:
             source = latest
+    refuse_export_collisions(args.checkpoint, str(source), args.output)
     if getattr(args, "format", None) is not None or args.dtype or args.max_shard_size:
         from pp_core.app.export_cli import export_command as export_as  # lazy: DCP, seconds
 
         return export_as(source, args)
-    output = export_checkpoint(source, args.output)
+    output = export_checkpoint(source, args.output, verify=args.verify)
     print(f"wrote {output} from {source}")
     return 0
