@@ -59,17 +59,19 @@ def freeze_layers(model, layers) -> None:
             param.requires_grad_(False)
 
 
-def lora_gpt(layers: int = 4, target_modules=("qkv", "proj"), layers_to_transform=None):
-    """The tiny GPT with PEFT LoRA adapters (random B, so every adapter gradient is non-zero),
-    unwrapped to the module PEFT changed in place: the FQNs the splitter sees are the model's."""
-    from peft import LoraConfig, get_peft_model
+def lora_gpt(layers: int = 4, target_modules=None, layers_to_transform=None):
+    """The tiny GPT with LoRA adapters as ``model.lora`` builds them (random B, so every adapter
+    gradient is non-zero): the module PEFT changed in place, with the model's own FQNs."""
+    from pp_core.app.adapters import apply_adapters
 
+    settings = {"r": 4, "alpha": 8, "init_lora_weights": False}
+    if target_modules is not None:
+        settings["target_modules"] = list(target_modules)
+    if layers_to_transform is not None:
+        settings.update(layers_to_transform=list(layers_to_transform), layers_pattern="layers")
     model = gpt(layers)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(target_modules),
-                        init_lora_weights=False, layers_to_transform=layers_to_transform,
-                        layers_pattern="layers" if layers_to_transform else None)
     torch.manual_seed(1)
-    return get_peft_model(model, config).base_model.model
+    return apply_adapters(model, settings, None)
 
 
 def frozen_case(schedule, num_microbatches, kind="mlp", frozen=(), buffer_pool=False, steps=2,
