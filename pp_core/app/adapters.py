@@ -17,7 +17,8 @@ every rank), to the whole model before it is split:
   ``ffn.2``).
 * ``model.freeze: [patterns]`` freezes (``requires_grad_(False)``) every parameter whose FQN - as
   above, after LoRA - matches one of the ``fnmatch`` patterns, or lies under a module that does
-  (``layers.0`` freezes the whole block, ``embed*`` every embedding).
+  (``layers.0`` freezes the whole block, ``"*_embeddings"`` every embedding: YAML wants a
+  pattern that starts with ``*`` quoted).
 
 The pipeline then skips what frozen stages need not do (:mod:`pp_core.schedule.frozen`).
 """
@@ -103,7 +104,7 @@ def freeze_parameters(model, patterns) -> list[str]:
                                 before="; ")
             raise ConfigError(f"model.freeze: {pattern!r} matches no parameter of "
                               f"{type(model).__name__}{hint}; patterns are fnmatch patterns of "
-                              f"parameter or module names (e.g. 'layers.0', 'embed*')")
+                              f"parameter or module names (e.g. 'layers.0', 'tok_*'; quote one that starts with *)")
         frozen += hit
     wanted = set(frozen)
     for name, param in model.named_parameters():

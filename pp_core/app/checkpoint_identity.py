@@ -33,7 +33,8 @@ def run_identity(spec, fqns_per_stage=None) -> dict[str, Any]:
     dist = spec.distributed
     return {
         "model": {"name": spec.model.name, "target": spec.model.target,
-                  "args": spec.model.args},
+                  "args": spec.model.args, "lora": spec.model.lora,  # the PEFT export reads it
+                  "freeze": spec.model.freeze},
         "optimizer": spec.train.optimizer.get("name", "AdamW"),
         "layout": {"pp_size": dist.pp_size, "dp_replicate": dist.dp_replicate,
                    "dp_shard": dist.dp_shard, "pp_schedule": spec.pipeline.pp_schedule,

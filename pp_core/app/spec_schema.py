@@ -223,7 +223,7 @@ def _patterns(value):
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not items or \
             not all(isinstance(v, str) and v for v in items):
-        raise Mismatch("a list of parameter or module name patterns, e.g. [embed*, layers.0]")
+        raise Mismatch("a list of parameter or module name patterns, e.g. [tok_*, layers.0]")
     return list(items)
 
 
@@ -272,7 +272,7 @@ SCHEMA: dict[str, list[Key]] = {
         Key("lora", _optional(_lora), None, "LoRA adapters built with peft: {r, alpha, dropout, "
             "target_modules, ...peft.LoraConfig fields}; the base is frozen"),
         Key("freeze", _optional(_patterns), None, "parameters to freeze: fnmatch patterns of "
-            "parameter or module FQNs (e.g. [embed*, layers.0])"),
+            "parameter or module FQNs (e.g. [tok_embeddings, layers.0])"),
     ],
     "data": [
         Key("name", _str, None, "a dataset registered by a plugin (pp_register_datasets)",

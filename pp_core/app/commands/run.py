@@ -80,6 +80,12 @@ def register(subparsers) -> None:
                         help="a step_NNNNNNNN directory, or a checkpoint.dir (its latest step)")
     export.add_argument("-o", "--output", required=True, metavar="FILE",
                         help="model.pt or model.safetensors")
+    export.add_argument("--format", choices=("hf",), default=None,
+                        help="hf: for a model.lora run, the PEFT adapter directory "
+                             "(adapter_config.json, adapter_model.safetensors)")
+    export.add_argument("--merge", action="store_true",
+                        help="with --format hf, a model.lora run: the merged model instead of "
+                             "the adapter")
     export.set_defaults(func=export_command)
 
 
@@ -186,6 +192,10 @@ def export_command(args) -> int:
         latest = latest_checkpoint(source)
         if latest is not None:
             source = latest
+    if args.format == "hf" or args.merge:  # a model.lora run: PEFT's adapter directory
+        from pp_core.app.peft_export import export_lora_command  # lazy: peft, transformers
+
+        return export_lora_command(source, args)
     output = export_checkpoint(source, args.output)
     print(f"wrote {output} from {source}")
     return 0
