@@ -68,7 +68,7 @@ def lora_gpt(layers: int = 4, target_modules=None, layers_to_transform=None):
     if target_modules is not None:
         settings["target_modules"] = list(target_modules)
     if layers_to_transform is not None:
-        settings.update(layers_to_transform=list(layers_to_transform), layers_pattern="layers")
+        settings["layers_to_transform"] = list(layers_to_transform)  # layers_pattern: found
     model = gpt(layers)
     torch.manual_seed(1)
     return apply_adapters(model, settings, None)

@@ -59,8 +59,11 @@ def lora_config(settings: dict, model=None):
             raise ConfigError(f"model.lora.{key} is not a LoRA setting{hint}; the keys are r, "
                               f"alpha, dropout, target_modules and peft.LoraConfig's fields")
         kwargs[name] = value
-    if kwargs.get("target_modules") is None and model is not None and not _is_hf(model):
-        kwargs["target_modules"] = default_targets(model)
+    if model is not None and not _is_hf(model):
+        if kwargs.get("target_modules") is None:
+            kwargs["target_modules"] = default_targets(model)
+        if kwargs.get("layers_to_transform") is not None and not kwargs.get("layers_pattern"):
+            kwargs["layers_pattern"] = _blocks_name(model)  # PEFT's guess needs a prefix
     try:
         return LoraConfig(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -69,6 +72,16 @@ def lora_config(settings: dict, model=None):
 
 def _is_hf(model) -> bool:
     return hasattr(model, "config") and hasattr(model, "get_output_embeddings")
+
+
+def _blocks_name(model) -> Optional[str]:
+    """The name of the model's numbered container of blocks (``layers`` for ``layers.3``)."""
+    for name, _ in model.named_modules():
+        parts = name.split(".")
+        for index in range(1, len(parts)):
+            if parts[index].isdecimal():
+                return parts[index - 1]
+    return None
 
 
 def default_targets(model) -> list[str]:
@@ -129,6 +142,8 @@ def apply_adapters(model, lora: Optional[dict], freeze, tp_size: int = 1):
         config = lora_config(lora, model)
         try:
             model = get_peft_model(model, config).base_model.model
+            if getattr(model, "pp_checkpoint", None) is not None:  # each stage loads its own
+                model.pp_lora_init = config.init_lora_weights  # adapters re-made after loading
         except (ValueError, TypeError, KeyError) as exc:  # e.g. no module matches the targets
             raise ConfigError(f"model.lora: peft could not add the adapters: {exc}; check "
                               f"model.lora.target_modules against the model's module names") from None
