@@ -145,12 +145,17 @@ def validate_command(args) -> int:
     if found.plan is not None:
         print("  split: " + found.plan.describe().replace("\n", "\n  "))
     if found.schedule is not None:
-        from pp_core.schedule.simulate import simulate  # lazy: only when `pp-core validate` runs
+        from pp_core.schedule.simulate import Costs, simulate  # lazy: only when validate runs
 
-        result = simulate(found.schedule)
+        from pp_core.schedule.frozen import describe_frozen, frozen_costs  # lazy: as above
+
+        costs = frozen_costs(Costs(), found.schedule.num_stages, found.trainable)
+        result = simulate(found.schedule, costs)
         print(f"  schedule {found.schedule.name}: {found.schedule.num_stages} stages, "
               f"simulated bubble {100 * result.bubble_ratio:.1f}% at unit costs, peak "
               f"activations per rank {result.peak_activations}")
+        if found.trainable is not None and not all(found.trainable):
+            print(f"  frozen: {describe_frozen(found.trainable)}")
     if found.initializers is not None:
         print("  " + _initializers(found.initializers).replace("\n", "\n  "))
     print(f"  {_parallelisms(spec)}")
