@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from _runtime_cases import batch, compare, gpt, mlp, reference
+from _runtime_cases import batch, compare, gpt, mlp, mse, reference
 from pp_core import PipelineConfig, build_pipeline
 from pp_core.losses import resolve_loss
 from pp_core.runtime.observers import ActionObserver
@@ -88,8 +88,6 @@ def frozen_case(schedule, num_microbatches, kind="mlp", frozen=(), buffer_pool=F
     ref_model = copy.deepcopy(model)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     loss_name = "cross_entropy" if kind == "lora" else None
-    from _runtime_cases import mse
-
     loss_fn = resolve_loss(loss_name) if loss_name else mse
     batch_size = 2 * num_microbatches
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=batch_size, pp_microbatch_size=2,
@@ -141,3 +139,18 @@ def frozen_case(schedule, num_microbatches, kind="mlp", frozen=(), buffer_pool=F
             "trained": trained, "actions": recorder.actions, "sent": log["isend"],
             "received": log["irecv"], "trainable": pipe.plan.trainable,
             "num_stages": pipe.num_stages}
+
+
+def freeze_on_rank_1() -> tuple[str, str]:
+    """Rank 1 freezes layer 0, rank 0 does not: build_pipeline must refuse on both ranks."""
+    import torch.distributed as dist
+
+    model = mlp(8)
+    if dist.get_rank() == 1:
+        freeze_layers(model, {0, 1, 2, 3})
+    try:
+        build_pipeline(model, PipelineConfig(pp_batch_size=4, pp_microbatch_size=2, loss_fn=mse))
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+

@@ -14,7 +14,7 @@ import re
 import pytest
 
 from _dist import DistPool
-from _frozen_cases import frozen_case
+from _frozen_cases import freeze_on_rank_1, frozen_case
 from _runtime_cases import SCHEDULES
 from pp_core.schedule.frozen import backward_from
 
@@ -89,3 +89,29 @@ def test_everything_frozen_runs_forwards_only(pool):
     check_frozen(results)
     for result in results:
         assert {kind for _, kind, _ in map(parse, result["actions"])} <= {"F", "SEND_F", "RECV_F"}
+
+
+def test_ranks_that_froze_differently_are_refused_on_every_rank(pool):
+    for rank, (name, message) in enumerate(pool.run(freeze_on_rank_1)):
+        assert name == "ConfigError", (rank, name, message)
+        assert "frozen parameters (requires_grad=False) differs" in message, message
+
+
+
+def test_unfreezing_after_the_build_is_refused():
+    """One process (every stage local): the program was made for frozen stages, so a step after
+    unfreezing them is refused with the fix, not run with gradients silently missing."""
+    from _frozen_cases import freeze_layers
+    from _runtime_cases import batch, mlp, mse
+    from pp_core import ConfigError, PipelineConfig, build_pipeline
+
+    model = mlp(8)
+    freeze_layers(model, {0, 1, 2, 3})
+    pipe = build_pipeline(model, PipelineConfig(pp_batch_size=4, pp_microbatch_size=2,
+                                                loss_fn=mse, layers_per_stage=4,
+                                                pp_schedule="interleaved_1f1b"))
+    pipe.step(*batch("mlp", 4)[:1], target=batch("mlp", 4)[1])
+    for part in pipe.model_parts:
+        part.requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"stage 0 was built frozen .* before build_pipeline"):
+        pipe.step(*batch("mlp", 4)[:1], target=batch("mlp", 4)[1])
