@@ -69,6 +69,20 @@ def test_a_lora_run_trains_the_adapters_only(lora_run):
     assert run["model"]["lora"] == LORA
 
 
+def test_a_lora_checkpoint_holds_adapter_optimizer_state_only_and_resumes(lora_run, tmp_path):
+    import torch.distributed.checkpoint as dcp  # noqa: F401 - the metadata reader below
+
+    from pp_core.app.checkpoint import SafeReader
+
+    spec, step, losses = lora_run
+    keys = SafeReader(str(step)).read_metadata().state_dict_metadata
+    moments = [k for k in keys if k.startswith("optim.state.")]
+    assert moments and all(".lora_" in k for k in moments), moments[:4]
+    resumed = launch(spec_of(f"checkpoint.dir={tmp_path}", f"checkpoint.resume={step}",
+                             "train.steps=4"))[0]["losses"]
+    assert len(resumed) == 1 and resumed[0] < losses[0]
+
+
 def test_the_adapter_export_loads_with_peft_and_gives_the_trained_logits(lora_run, tmp_path):
     from peft import PeftModel
 
