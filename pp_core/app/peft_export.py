@@ -124,7 +124,9 @@ def export_merged(checkpoint, output, section: Optional[dict] = None) -> Path:
         raise ConfigError(f"--merge merges LoRA adapters, and {str(checkpoint)!r} is not a "
                           f"checkpoint of a model.lora run; drop --merge")
     model = _peft_model(section, meta=False)
-    model.base_model.model.load_state_dict(read_model_state_dict(checkpoint))
+    # assign: a model whose factory builds on meta (an HF directory loaded per stage) gets the
+    # checkpoint's tensors themselves
+    model.base_model.model.load_state_dict(read_model_state_dict(checkpoint), assign=True)
     merged = model.merge_and_unload()
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
