@@ -104,3 +104,34 @@ def test_lora_on_a_model_each_stage_loads_from_a_save_pretrained_directory(tmp_p
                 assert torch.equal(state[key], tensor), name
         states.append(state)
     assert all(torch.equal(states[0][n], states[1][n]) for n in states[0])
+
+
+def test_the_adapter_export_of_an_hf_model_loads_with_peft(tmp_path):
+    """A LoRA Llama's checkpoint (as DCP keys ``model.<name>``, its run recorded beside it)
+    exports to what ``PeftModel.from_pretrained`` loads onto the base: the same logits."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+
+    from pp_core.app.adapters import apply_adapters
+    from pp_core.app.peft_export import export_peft_adapter
+    from test_transformers_models import batch, tiny_config, tiny_model
+
+    settings = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                "init_lora_weights": False}
+    trained = apply_adapters(tiny_model("llama", 2, tie_word_embeddings=True), settings, None)
+    step = tmp_path / "step_00000001"
+    dcp.save({f"model.{k}": v for k, v in trained.state_dict().items()},
+             checkpoint_id=str(step), no_dist=True)
+    section = {"name": "hf_causal_lm", "target": None, "lora": settings,
+               "args": {"config": tiny_config("llama", 2, tie_word_embeddings=True),
+                        "attn_implementation": "eager"}}
+    (step / "pp_core_run.json").write_text(json.dumps({"model": section}))
+    out = export_peft_adapter(step, tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(tiny_model("llama", 2, tie_word_embeddings=True),
+                                       str(out)).eval()
+    inputs, _ = batch(2)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, trained.eval()(**inputs).logits,
+                                   rtol=0, atol=1e-6)
