@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -87,3 +88,17 @@ def test_auto_picks_another_plan_for_lora_than_for_full_fine_tuning():
     assert lora.chosen.option != full.chosen.option
     rank_memory = lora.chosen.memory[0]
     assert rank_memory.grads < rank_memory.params / 50  # adapters only: no frozen gradients
+
+
+def test_schedule_simulate_takes_frozen_stages(capsys):
+    from pp_core.app import cli
+
+    assert cli.main(["schedule", "simulate", "zero_bubble", "--pp", "2", "-m", "8", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert cli.main(["schedule", "simulate", "zero_bubble", "--pp", "2", "-m", "8", "--json",
+                     "--frozen", "0"]) == 0
+    frozen = json.loads(capsys.readouterr().out)
+    assert (full["makespan"], frozen["makespan"]) == (25, 17)
+    assert cli.main(["schedule", "simulate", "1f1b", "--pp", "2", "-m", "4", "--frozen",
+                     "2"]) == 1
+    assert "--frozen '2': expected stage indices 0..1" in capsys.readouterr().err
