@@ -39,6 +39,7 @@ class Preflight:
     plan: Any = None
     schedule: Any = None
     notes: list[str] = field(default_factory=list)
+    trainable: Any = None  # per stage: holds a parameter that requires a gradient
     initializers: Any = None
     """Per stage, ``[(resource_key, signature, modules)]`` of the runtime initializers its part
     collects (``None`` when the split was not planned)."""
@@ -238,6 +239,7 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
             problems.append(f"pipeline: cannot split the model: {exc}")
         return model
     result.plan, result.schedule = planned.split, planned.schedule
+    result.trainable = planned.trainable  # model.lora / model.freeze: frozen stages
     if spec.dims.tp > 1 and not problems:
         _check_stage_plans(spec, model, planned.split, plugins, problems)
     result.initializers = stage_initializers(model, planned.split, planned.schedule, config,

@@ -220,6 +220,28 @@ def _param_dtype(value):
     return str(dtype).removeprefix("torch.")
 
 
+def _lora(value):
+    """``{r, alpha, dropout, target_modules, ...}``: peft.LoraConfig checks the rest."""
+    expected = ("a mapping {r: a positive int, alpha: a number, dropout: 0 <= p < 1, "
+                "target_modules: a list of module names, ...}")
+    if not isinstance(value, dict) or any(not isinstance(k, str) for k in value):
+        raise Mismatch(expected)
+    r, dropout = value.get("r", 8), value.get("dropout", 0.0)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1 or isinstance(dropout, bool) or \
+            not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise Mismatch(expected)
+    return dict(value)
+
+
+def _patterns(value):
+    """A list of fnmatch patterns (one string alone too)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or \
+            not all(isinstance(v, str) and v for v in items):
+        raise Mismatch("a list of parameter or module name patterns, e.g. [tok_*, layers.0]")
+    return list(items)
+
+
 @dataclass(frozen=True)
 class Key:
     """One key of the schema: its checker, its default, and one line of documentation."""
@@ -262,6 +284,10 @@ SCHEMA: dict[str, list[Key]] = {
             "automatically); balanced: profile before launch, split by measured time"),
         Key("dtype", _optional(_param_dtype), None, "cast the built model's parameters and "
             "buffers to this floating dtype before it is split (pipeline.dtype never does)"),
+        Key("lora", _optional(_lora), None, "LoRA adapters built with peft: {r, alpha, dropout, "
+            "target_modules, ...peft.LoraConfig fields}; the base is frozen"),
+        Key("freeze", _optional(_patterns), None, "parameters to freeze: fnmatch patterns of "
+            "parameter or module FQNs (e.g. [tok_embeddings, layers.0])"),
     ],
     "data": [
         Key("name", _str, None, "a dataset registered by a plugin (pp_register_datasets)",

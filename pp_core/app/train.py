@@ -142,12 +142,13 @@ def _build(spec: Spec, ctx: RankContext):
 
 
 def _distinct_parameters(parts) -> list[list]:
-    """Each part's parameters, less those an earlier part of this rank already holds (a module
-    several stages share: module_fqns_per_model_part naming it in several parts)."""
+    """Each part's trainable parameters, less those an earlier part of this rank already holds
+    (a module several stages share: module_fqns_per_model_part naming it in several parts).
+    Frozen parameters (model.freeze, model.lora's base) get no optimizer state."""
     seen: set[int] = set()
     owned = []
     for part in parts:
-        mine = [p for p in part.parameters() if id(p) not in seen]
+        mine = [p for p in part.parameters() if id(p) not in seen and p.requires_grad]
         seen.update(id(p) for p in mine)
         owned.append(mine)
     return owned

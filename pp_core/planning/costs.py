@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from typing import Optional
 
 __all__ = ["UnitCost", "ModelProfile", "Link"]
 
@@ -84,6 +85,22 @@ class UnitCost:
     input_grad_held_bytes: int = 0
     input_grad_freed_bytes: int = 0
     output_grad_held_bytes: int = 0
+    # Of param_bytes, those that require a gradient (get one and optimizer state); None: all.
+    # A unit with none is frozen: the planner drops the backward of a frozen prefix and the W
+    # of a later frozen stage (pp_core.schedule.frozen).
+    trainable_param_bytes: Optional[int] = None
+
+    @property
+    def trained_bytes(self) -> int:
+        """The parameter bytes that get gradients and optimizer state."""
+        return self.param_bytes if self.trainable_param_bytes is None \
+            else self.trainable_param_bytes
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the unit holds something to train (a parameterless unit counts as frozen
+        only when the profile says so)."""
+        return self.trainable_param_bytes is None or self.trainable_param_bytes > 0
 
 
 @dataclass(frozen=True)

@@ -147,16 +147,18 @@ def predict_memory(profile: ModelProfile, schedule: Schedule,
     :param peak_activation_bytes: per rank, from ``simulate(..., activation_bytes=...)``.
     """
     params = stage_sums(profile, units_per_stage, "param_bytes")
+    trained = stage_sums(profile, units_per_stage, "trained_bytes")  # frozen: no grad, no state
     boundary = boundary_bytes(profile, units_per_stage)
     default, pooled = recv_buffer_bytes(schedule, boundary, slack)
     out = []
     for rank in range(schedule.num_ranks):
         p = sum(params[s] for s in schedule.stages_of(rank))
+        t = sum(trained[s] for s in schedule.stages_of(rank))
         held = [u for s in schedule.stages_of(rank) for u in units_per_stage[s]]
         out.append(RankMemory(
-            rank=rank, params=p, grads=p,
-            optimizer=int(p * profile.optimizer_bytes_per_param_byte),
-            optimizer_step=int(p * profile.optimizer_step_bytes_per_param_byte),
+            rank=rank, params=p, grads=t,
+            optimizer=int(t * profile.optimizer_bytes_per_param_byte),
+            optimizer_step=int(t * profile.optimizer_step_bytes_per_param_byte),
             activations=int(peak_activation_bytes[rank]),
             recv_default=default[rank], recv_pool=pooled[rank],
             transient=max((profile.units[u].transient_bytes for u in held), default=0)))
