@@ -12,6 +12,7 @@ costs milliseconds to a fraction of a second.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 from pp_core.planning.costs import ModelProfile
@@ -86,11 +87,14 @@ def makespan_of(schedule, profile: ModelProfile, counts: Sequence[int]) -> float
     return simulate_split(schedule, profile, _units(counts)).makespan
 
 
-def refine_counts(schedule, profile: ModelProfile, counts: Sequence[int]) -> tuple[list[int],
-                                                                                   float]:
-    """Hill-climb the cuts from ``counts``; ``(best counts, their predicted step)``."""
+def refine_counts(schedule, profile: ModelProfile, counts: Sequence[int],
+                  makespan=None) -> tuple[list[int], float]:
+    """Hill-climb the cuts from ``counts``; ``(best counts, their predicted step)``.
+    ``makespan(counts)`` replaces :func:`makespan_of` (inf: a split that may not be taken)."""
+    if makespan is None:
+        makespan = functools.partial(makespan_of, schedule, profile)
     best = list(counts)
-    best_time = makespan_of(schedule, profile, best)
+    best_time = makespan(best)
     for _ in range(MAX_MOVES):
         move = None
         for cut in range(len(best) - 1):  # the cut between stage `cut` and `cut + 1`
@@ -100,7 +104,7 @@ def refine_counts(schedule, profile: ModelProfile, counts: Sequence[int]) -> tup
                 trial[cut + 1] -= shift
                 if min(trial[cut], trial[cut + 1]) < 1:
                     continue
-                seconds = makespan_of(schedule, profile, trial)
+                seconds = makespan(trial)
                 if seconds < best_time * (1 - 1e-9) and (move is None or seconds < move[1]):
                     move = (trial, seconds)
         if move is None:
