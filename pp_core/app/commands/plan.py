@@ -10,7 +10,10 @@ Measure the pipeline's model on its configured device (built for real, with
 one batch of its data), then rank every installed schedule x stages per rank x
 microbatch size (divisors of pp_batch_size) x cost-balanced split by the step
 time the simulator predicts from those measurements, and drop the plans whose
-predicted peak memory on some rank exceeds --memory-cap.
+predicted peak memory on some rank exceeds --memory-cap. With
+'train.activation_checkpointing: auto' the planner also chooses, with the
+split, which stages recompute (none / selective / full per stage) to fit the
+cap; a mode written there is kept on every stage.
 
 This is what 'pipeline.pp_schedule: auto' runs before 'pp-core run' starts
 the ranks; the file's pp_schedule may be auto or any schedule (it is not used).
