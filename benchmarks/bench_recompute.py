@@ -4,7 +4,7 @@ On 2 and 4 gloo ranks of this machine (one thread per rank), for a GPT whose sav
 outweigh its parameters (long sequence, narrow model):
 
 * the model is profiled once with the AC modes measured (``activation_checkpointing="auto"``);
-* the **cap** is the largest fraction (0.95, 0.9, ...) of the smallest AC-free predicted peak at
+* the **cap** is the largest fraction (0.99, 0.98, ...) of the smallest AC-free predicted peak at
   which the planner's chosen plan recomputes on some block stages and not on others: no AC-free
   plan fits it;
 * **per stage**: the planner's chosen plan (schedule, microbatch size, split and AC per stage);
@@ -32,7 +32,7 @@ import torch
 
 MODEL = {"vocab_size": 64, "dim": 64, "num_layers": 8, "num_heads": 4, "max_seq_len": 256}
 BATCH, SEQ = 8, 256
-FRACTIONS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+FRACTIONS = (0.99, 0.98, 0.97, 0.96, 0.95, 0.93, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 
 
 def make_model():
