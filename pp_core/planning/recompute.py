@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pp_core.planning.costs import ModelProfile
-from pp_core.planning.memory import RankMemory, predict_memory, split_held_bytes, stage_sums
+from pp_core.planning.memory import RankMemory, predict_memory, stage_held_bytes
 from pp_core.planning.refine import simulate_split
 from pp_core.schedule.simulate import peak_activation_bytes
 from pp_core.schedule.validate import encode_validated
@@ -97,9 +97,8 @@ class _Ranks:
 
     def memory(self, modes) -> list[RankMemory]:
         eff = with_modes(self.profile, self.units, modes, self.settings.every)
-        act = peak_activation_bytes(self.schedule, stage_sums(eff, self.units,
-                                                              "activation_bytes"),
-                                    split_held_bytes(eff, self.units), self.encoded)
+        act = peak_activation_bytes(self.schedule, *stage_held_bytes(eff, self.units),
+                                    encoded=self.encoded)
         out = []
         for rank, base in enumerate(self.base):
             held = [u for s in self.schedule.stages_of(rank) for u in self.units[s]]

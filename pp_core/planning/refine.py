@@ -16,7 +16,7 @@ import functools
 from typing import Sequence
 
 from pp_core.planning.costs import ModelProfile
-from pp_core.planning.memory import split_held_bytes, stage_sums
+from pp_core.planning.memory import stage_held_bytes, stage_sums
 from pp_core.schedule.simulate import Costs, simulate
 
 __all__ = ["refine_counts", "makespan_of", "simulate_split", "handoff_charges"]
@@ -76,8 +76,8 @@ def simulate_split(schedule, profile: ModelProfile, units: Sequence[Sequence[int
     costs = Costs(per_stage={s: {k: v + charges[s][k] for k, v in zip("FBIW", row)}
                              for s, row in enumerate(zip(*sums))})
     boundary = max((profile.units[u[-1]].output_bytes for u in units[:-1]), default=0)
-    memory = {"activation_bytes": stage_sums(profile, units, "activation_bytes"),
-              "input_grad_held_bytes": split_held_bytes(profile, units)} if with_memory else {}
+    memory = dict(zip(("activation_bytes", "input_grad_held_bytes"),
+                      stage_held_bytes(profile, units))) if with_memory else {}
     return simulate(schedule, costs, comm_latency=profile.transfer_s(boundary),
                     processors=profile.processors or None, **memory)
 
