@@ -160,14 +160,15 @@ def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
 
 def predict_memory(profile: ModelProfile, schedule: Schedule,
                    units_per_stage: Sequence[Sequence[int]], peak_activation_bytes: Sequence[float],
-                   slack: int = 2) -> list[RankMemory]:
+                   slack: int = 2, program=None) -> list[RankMemory]:
     """Every rank's :class:`RankMemory` for this split and schedule.
 
     :param peak_activation_bytes: per rank, from ``simulate(..., activation_bytes=...)``.
+    :param program: ``lower(schedule)``, when the caller has it already.
     """
     params = stage_sums(profile, units_per_stage, "param_bytes")
     boundary = boundary_bytes(profile, units_per_stage)
-    default, pooled = recv_buffer_bytes(schedule, boundary, slack)
+    default, pooled = recv_buffer_bytes(schedule, boundary, slack, program)
     out = []
     for rank in range(schedule.num_ranks):
         p = sum(params[s] for s in schedule.stages_of(rank))

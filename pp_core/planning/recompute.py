@@ -25,13 +25,15 @@ plans that fit is kept. The units' costs under each mode are the profile's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-from pp_core.planning.costs import ModelProfile
-from pp_core.planning.memory import RankMemory, predict_memory, stage_held_bytes
+from pp_core.planning.costs import ModelProfile, UnitCost
+from pp_core.planning.memory import predict_memory, stage_held_bytes
 from pp_core.planning.refine import simulate_split
 from pp_core.schedule.simulate import peak_activation_bytes
+from pp_core.schedule.lower import lower
 from pp_core.schedule.validate import encode_validated
 
 __all__ = ["LADDER", "Recompute", "with_modes", "choose_modes", "plan_stages", "balance_by_mode"]
@@ -74,6 +76,15 @@ def _applies(fqns: Sequence[str], every: int) -> bool:
     return every == 1 or not key.isdigit() or int(key) % every == 0
 
 
+@functools.lru_cache(maxsize=4096)
+def _under(unit: UnitCost, mode: str, every: int) -> UnitCost:
+    """``unit`` costed under ``mode`` (itself when that mode is not measured, or ``every``
+    skips its block); cached: the search asks for the same few many times."""
+    if mode == "none" or mode not in unit.modes() or not _applies(unit.fqns, every):
+        return unit
+    return unit.under(mode)
+
+
 def with_modes(profile: ModelProfile, units: Sequence[Sequence[int]], modes: Sequence[str],
                every: int = 1) -> ModelProfile:
     """``profile`` with each unit costed under its stage's mode (a unit without that mode
@@ -81,46 +92,64 @@ def with_modes(profile: ModelProfile, units: Sequence[Sequence[int]], modes: Seq
     out = list(profile.units)
     for stage, mode in zip(units, modes):
         for u in stage:
-            unit = out[u]
-            if mode in unit.modes() and _applies(unit.fqns, every):
-                out[u] = unit.under(mode)
+            out[u] = _under(out[u], mode, every)
     return dataclasses.replace(profile, units=tuple(out))
 
 
 class _Ranks:
-    """Predicted totals per rank for any modes on one schedule and split."""
+    """Predicted totals per rank for any modes on one schedule and split. A stage's terms
+    (bytes per microbatch, split-backward holdings, transient) depend on its own units only, so
+    they are worked out once per mode; a trial is then one byte replay."""
 
-    def __init__(self, schedule, profile, units, settings: Recompute, slack: int):
+    def __init__(self, schedule, profile, units, settings: Recompute, slack: int, program=None):
         self.schedule, self.profile, self.units, self.settings = schedule, profile, units, settings
         self.encoded = encode_validated(schedule, check_deadlock=False)
-        self.base = predict_memory(profile, schedule, units, [0.0] * schedule.num_ranks, slack)
+        self.base = predict_memory(profile, schedule, units, [0.0] * schedule.num_ranks, slack,
+                                   program)
+        self.stages = [list(schedule.stages_of(rank)) for rank in range(schedule.num_ranks)]
+        self.terms: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        self.extra: dict[tuple[int, str], float] = {}
 
-    def memory(self, modes) -> list[RankMemory]:
-        eff = with_modes(self.profile, self.units, modes, self.settings.every)
-        act = peak_activation_bytes(self.schedule, *stage_held_bytes(eff, self.units),
-                                    encoded=self.encoded)
-        out = []
-        for rank, base in enumerate(self.base):
-            held = [u for s in self.schedule.stages_of(rank) for u in self.units[s]]
-            out.append(dataclasses.replace(base, activations=int(act[rank]), transient=max(
-                (eff.units[u].transient_bytes for u in held), default=0)))
-        return out
+    def _terms(self, mode: str):
+        if mode not in self.terms:
+            eff = with_modes(self.profile, self.units, [mode] * len(self.units),
+                             self.settings.every)
+            saved, held = stage_held_bytes(eff, self.units)
+            transient = [max((eff.units[u].transient_bytes for u in stage), default=0)
+                         for stage in self.units]
+            self.terms[mode] = (saved, held, transient)
+        return self.terms[mode]
 
     def totals(self, modes) -> list[int]:
+        """Per rank, :meth:`RankMemory.total` with these modes (the pool as the settings say,
+        or the better of the two when the planner chooses it)."""
+        terms = [self._terms(mode) for mode in modes]
+        act = peak_activation_bytes(self.schedule, [t[0][s] for s, t in enumerate(terms)],
+                                    [t[1][s] for s, t in enumerate(terms)], self.encoded)
         pool = self.settings.pool
-        return [m.total(pool) if pool is not None else min(m.total(False), m.total(True))
-                for m in self.memory(modes)]
+        out = []
+        for rank, base in enumerate(self.base):
+            transient = max((terms[s][2][s] for s in self.stages[rank]), default=0)
+            fixed = base.params + base.grads + base.optimizer
+            running = act[rank] + transient
+            totals = [fixed + max(running + (base.recv_pool if pooled else base.recv_default),
+                                  (base.recv_pool if pooled else 0) + base.optimizer_step)
+                      for pooled in ((pool,) if pool is not None else (False, True))]
+            out.append(int(min(totals)))
+        return out
 
     def extra_s(self, stage: int, mode: str) -> float:
         """Recompute seconds a stage adds per step in ``mode``."""
-        units = [self.profile.units[u] for u in self.units[stage]]
-        return self.schedule.num_microbatches * sum(
-            u.under(mode).backward_s - u.backward_s for u in units if mode in u.modes()
-            and _applies(u.fqns, self.settings.every))
+        key = (stage, mode)
+        if key not in self.extra:
+            units = [self.profile.units[u] for u in self.units[stage]]
+            self.extra[key] = self.schedule.num_microbatches * sum(
+                _under(u, mode, self.settings.every).backward_s - u.backward_s for u in units)
+        return self.extra[key]
 
 
 def choose_modes(schedule, profile: ModelProfile, units: Sequence[Sequence[int]],
-                 settings: Recompute, slack: int = 2) -> list[str] | str:
+                 settings: Recompute, slack: int = 2, program=None) -> list[str] | str:
     """The modes per stage (module docstring), or a reason when the setting cannot hold."""
     allowed = settings.allowed(profile, units)
     if isinstance(allowed, str):
@@ -129,7 +158,7 @@ def choose_modes(schedule, profile: ModelProfile, units: Sequence[Sequence[int]]
     cap = settings.cap
     if cap is None or all(len(options) == 1 for options in allowed):
         return modes
-    ranks = _Ranks(schedule, profile, units, settings, slack)
+    ranks = _Ranks(schedule, profile, units, settings, slack, program)
     totals = ranks.totals(modes)
     while max(totals) > cap:
         rank = max(range(len(totals)), key=lambda r: totals[r] - cap)
@@ -205,22 +234,25 @@ def plan_stages(schedule, profile: ModelProfile, units: Sequence[Sequence[int]],
                 settings: Recompute, slack: int = 2):
     """``(units per stage, modes per stage)``: the modes for this cut, then the cut re-balanced
     under those modes with its own modes, whichever fits and is predicted faster."""
-    modes = choose_modes(schedule, profile, units, settings, slack)
+    program = lower(schedule)
+    modes = choose_modes(schedule, profile, units, settings, slack, program)
     if isinstance(modes, str) or all(m == "none" for m in modes) or settings.setting != "auto":
         return [list(u) for u in units], modes
     options = [([list(u) for u in units], modes)]
     counts = balance_by_mode(profile, len(units), modes, settings.every)
     moved = units_of_counts(counts)
     if moved != [list(u) for u in units]:
-        again = choose_modes(schedule, profile, moved, settings, slack)
+        again = choose_modes(schedule, profile, moved, settings, slack, program)
         if not isinstance(again, str):
             options.append((moved, again))
+    if len(options) == 1:
+        return options[0]
 
     def score(option):
         cut, chosen = option
         eff = with_modes(profile, cut, chosen, settings.every)
-        fits = settings.cap is None or max(_Ranks(schedule, profile, cut, settings,
-                                                  slack).totals(chosen)) <= settings.cap
+        fits = settings.cap is None or max(_Ranks(schedule, profile, cut, settings, slack,
+                                                  program).totals(chosen)) <= settings.cap
         return (not fits, simulate_split(schedule, eff, cut).makespan)
 
     return min(options, key=score)

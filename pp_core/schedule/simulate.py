@@ -275,16 +275,19 @@ def _rank_peak_bytes(row, M: int, stage_bytes: list[float], held: list[float] | 
         stage = (c >> 2) // M
         if kc == 0:
             live_b += stage_bytes[stage]
-            peak_b = max(peak_b, live_b)
+            if live_b > peak_b:
+                peak_b = live_b
         elif kc != 2:
             if held is not None:  # what the I before it left, not seen at an F yet
-                peak_b = max(peak_b, live_b)
+                if live_b > peak_b:
+                    peak_b = live_b
                 if kc == 3:
                     live_b -= held[stage]
             live_b -= stage_bytes[stage]
         elif held is not None:  # the state before it: while it runs its own additions
-            peak_b = max(peak_b, live_b)  # are among its temporaries (the memory model's
-            live_b += held[stage]  # transient), after it they are counted here
+            if live_b > peak_b:  # are among its temporaries (the memory model's transient),
+                peak_b = live_b  # after it they are counted here
+            live_b += held[stage]
     return peak_b
 
 
