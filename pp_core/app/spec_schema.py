@@ -161,18 +161,23 @@ def _anything(value):
 
 
 def _activation_checkpointing(value):
-    """``{mode: none|full|selective, every: N}``; a bare mode string is accepted too."""
-    if isinstance(value, str) or value is None or isinstance(value, bool):
+    """``{mode: none|full|selective|auto, every: N}``; ``mode`` may also be a list with one
+    mode per stage (what the planner writes); a bare mode (or list) is accepted too."""
+    if isinstance(value, (str, list)) or value is None or isinstance(value, bool):
         value = {"mode": "none" if not value else value}
-    expected = "a mapping {mode: none | full | selective, every: a positive int}"
+    expected = ("a mapping {mode: none | full | selective | auto, or a list of none / full / "
+                "selective with one entry per stage, every: a positive int}")
     if not isinstance(value, dict) or set(value) - {"mode", "every"}:
         raise Mismatch(expected)
     mode = value.get("mode", "full")
     every = value.get("every", 1)
-    if not isinstance(mode, str) or mode.lower() not in ("none", "full", "selective") or \
+    modes = mode if isinstance(mode, list) else [mode]
+    allowed = ("none", "full", "selective") + (() if isinstance(mode, list) else ("auto",))
+    if not modes or any(not isinstance(m, str) or m.lower() not in allowed for m in modes) or \
             isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise Mismatch(expected)
-    return {"mode": mode.lower(), "every": every}
+    lowered = [m.lower() for m in modes]
+    return {"mode": lowered if isinstance(mode, list) else lowered[0], "every": every}
 
 
 def _compile(value):
@@ -346,8 +351,9 @@ SCHEMA: dict[str, list[Key]] = {
         Key("eval_every", _optional(_int(1)), None, "steps between evaluations (data.eval_args)"),
         Key("eval_steps", _int(1), 2, "batches per evaluation"),
         Key("activation_checkpointing", _activation_checkpointing,
-            {"mode": "none", "every": 1}, "{mode: none | full | selective, every: N} per block "
-            "(docs/composition.md)"),
+            {"mode": "none", "every": 1}, "{mode: none | full | selective | auto (chosen per stage "
+            "by pp_schedule: auto), or a list with one mode per stage, every: N} per block "
+            "(docs/composition.md, docs/planning.md)"),
         Key("on_nonfinite", _choice("stop", "skip"), "stop", "a step with a NaN/inf loss or "
             "gradient norm: stop the run (exit 1) or skip its update (docs/refuses.md)"),
         Key("compile", _compile, {"enabled": False}, "{enabled: bool, mode, fullgraph, "
