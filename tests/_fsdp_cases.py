@@ -113,14 +113,20 @@ def _model_and_data(kind: str):
         return (tiny_model("llama", 4, tie_word_embeddings=True), causal_lm_loss,
                 lambda size, seed: hf_batch(size, seed=seed), ref)
     loss_name = mse if kind == "mlp" else "cross_entropy"
+    if kind.startswith("lora"):  # the demo GPT with PEFT adapters (on blocks 4-7: "lora_late")
+        from tests._frozen_cases import lora_gpt
+
+        built = lora_gpt(8, layers_to_transform=(4, 5, 6, 7) if kind == "lora_late" else None)
+        kind = "gpt"
+    else:
+        built = mlp(8) if kind == "mlp" else gpt(8)
 
     def ref(model, inputs, target, n):
         model.zero_grad(set_to_none=True)
         loss = reference(model, resolve_loss(loss_name), inputs, target, n, scale=True)
         return loss, {name: p.grad for name, p in model.named_parameters()}
 
-    return (mlp(8) if kind == "mlp" else gpt(8)), loss_name, \
-        lambda size, seed: batch(kind, size, seed=seed), ref
+    return built, loss_name, lambda size, seed: batch(kind, size, seed=seed), ref
 
 
 def _rows(value, rows: slice):
@@ -173,6 +179,9 @@ def dp_case(schedule: str, engine: str = "fsdp", kind: str = "mlp", pool: bool =
         for name, param in part.named_parameters(remove_duplicate=False):
             name = name.removeprefix("module.")
             grad = param.grad
+            if grad is None and not param.requires_grad:  # frozen: no gradient, here or there
+                assert ref_grads.get(name) is None, name
+                continue
             if hasattr(grad, "full_tensor"):
                 grad = grad.full_tensor()
             grad_err = max(grad_err, (grad - ref_grads[name]).abs().max().item())

@@ -158,9 +158,11 @@ def test_memory_parts_add_up_from_the_units_of_each_rank():
     for rank, memory in enumerate(candidate.memory):
         params = sum(units[f].param_bytes for f in candidate.fqns_per_stage[rank])
         assert (memory.params, memory.grads, memory.optimizer) == (params, params, 2 * params)
-    # 1F1B: rank 0 keeps 2 microbatches in flight (pp=2), the last rank 1
+    # 1F1B: rank 0 keeps 2 microbatches in flight (pp=2), the last rank 1; a stage that is
+    # not the last keeps its outputs for its backward too
     first = sum(units[f].activation_bytes for f in candidate.fqns_per_stage[0])
-    assert candidate.memory[0].activations == 2 * first
+    outputs = units[candidate.fqns_per_stage[0][-1]].output_bytes
+    assert candidate.memory[0].activations == 2 * (first + outputs)
 
 
 def test_no_profiled_size_divides_the_batch():

@@ -38,7 +38,8 @@ def run_identity(spec, fqns_per_stage=None) -> dict[str, Any]:
     dist = spec.distributed
     return {
         "model": {"name": spec.model.name, "target": spec.model.target,
-                  "args": spec.model.args},
+                  "args": spec.model.args, "lora": spec.model.lora,  # the PEFT export reads it
+                  "freeze": spec.model.freeze},
         "optimizer": spec.train.optimizer.get("name", "AdamW"),
         "checksums": "pp_core_checksums.json",  # written beside it: a missing one is refused
         "layout": {**{degree: getattr(dist, degree) for degree in DEGREES},

@@ -29,7 +29,7 @@ from pp_core.errors import ConfigError
 from pp_core.planning.plan import plan_pipeline
 
 __all__ = ["decide", "is_balanced", "as_auto", "plan_spec", "resolved_spec", "balanced_spec",
-           "PLANNED_KEYS"]
+           "written_spec", "degrees_of", "PLANNED_KEYS"]
 
 PLANNED_KEYS = ("pp_schedule", "pp_schedule_csv", "pp_microbatch_size", "layers_per_stage",
                 "round_virtual_stages_to_pp_multiple", "module_fqns_per_model_part",
@@ -94,6 +94,9 @@ def plan_spec(spec: Spec, layout: RankLayout | None = None, memory_cap=None, plu
     if dims.ep > 1:  # the spec refuses it too; 'pp-core plan' makes any file auto
         raise ConfigError(auto_expert_parallel_refusal(dims.ep))
     pp_size, tp = dims.pp, dims.tp
+    ac = spec.train.activation_checkpointing
+    planning = {"activation_checkpointing": ac["mode"], "every": ac["every"],
+                "degrees": degrees_of(spec)}
     link = None
     if measure_link and pp_size > 1:
         if say is not None:
@@ -107,14 +110,21 @@ def plan_spec(spec: Spec, layout: RankLayout | None = None, memory_cap=None, plu
         if say is not None:
             say(f"auto: profiling the model sharded {tp} ways by {tp} local processes")
         return plan_sharded(spec, layout, memory_cap=memory_cap, link=link,
-                            processors=layout.processors)
+                            processors=layout.processors, **planning)
     model, inputs, target, device = model_and_batch(spec, layout, plugins)
     if say is not None:
         say(f"auto: profiling {type(model).__name__} on {device}")
     with as_a_rank(layout, device):
         return plan_auto(model, spec.pipeline, inputs, target, pp_size,
                          device=device, memory_cap=memory_cap, plugins=plugins, link=link,
-                         processors=layout.processors)  # None off the CPU
+                         processors=layout.processors, **planning)  # None off the CPU
+
+
+def degrees_of(spec: Spec) -> dict[str, int]:
+    """The layout's degrees by their YAML names (``distributed.*``), as every plan carries them."""
+    d = spec.dims
+    return {"pp_size": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
+            "tp_size": d.tp, "ep_size": d.ep}
 
 
 def as_auto(spec: Spec) -> Spec:
@@ -137,9 +147,24 @@ def resolved_spec(spec: Spec, plan) -> Spec:
                  "stages_per_rank": best.option.stages_per_rank,
                  "microbatch_size": best.option.microbatch_size,
                  "predicted_step_s": best.predicted_step_s,
-                 "predicted_peak_bytes": [m.total(best.pool) for m in best.memory]}
+                 "predicted_peak_bytes": [m.total(best.pool) for m in best.memory],
+                 "activation_checkpointing": best.stage_modes()}
     planned = spec.with_("pipeline", **{key: chosen[key] for key in PLANNED_KEYS})
+    ac = spec.train.activation_checkpointing
+    if ac["mode"] == "auto":  # the planner's choice, one mode per stage; else as written
+        planned = planned.with_("train", activation_checkpointing={
+            **ac, "mode": list(best.stage_modes())})
     return replace(planned, plan=predicted)
+
+
+def written_spec(spec: Spec, plan) -> dict:
+    """The chosen layout as a plain YAML pipeline (``pp-core plan -o FILE``): the file with
+    the plan's concrete keys, which ``pp-core run`` runs as it stands (no ``auto`` left)."""
+    values = resolved_spec(spec, plan).to_dict()
+    values.pop("plan", None)
+    values["distributed"].update(plan.chosen.degrees)
+    values["distributed"].pop("dp_size", None)  # derived from dp_replicate x dp_shard
+    return values
 
 
 def balanced_spec(spec: Spec, plugins=None, say: Say | None = None,

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from pp_core.app.adapters import apply_adapters
 from pp_core.app.spec import Spec
 from pp_core.callables import resolve_callable
 from pp_core.errors import ConfigError, PipelineError, quoted
@@ -42,7 +43,8 @@ def model_factory(spec: Spec, plugins=None) -> Callable:
 def build_model(spec: Spec, plugins=None):
     """The spec's model as every rank builds it: ``train.seed`` set, then the factory called
     with ``model.args`` (on torch's current default device: a ``with torch.device("meta")``
-    around the call builds it without memory). The one recipe of the trainer and of everything
+    around the call builds it without memory), ``model.lora`` / ``model.freeze`` applied
+    (:mod:`pp_core.app.adapters`). The one recipe of the trainer and of everything
     that measures the model in the launching process, so both build the same model. Cast to
     ``model.dtype`` when the file sets it."""
     import torch  # lazy: torch, off the spec checks' light path
@@ -51,6 +53,9 @@ def build_model(spec: Spec, plugins=None):
     model = call_factory("model", spec, model_factory(spec, plugins), spec.model.args, plugins)
     if spec.model.dtype is not None:  # model.dtype; pipeline.dtype casts no parameter
         model = model.to(getattr(torch, spec.model.dtype))
+    if spec.model.lora is not None or spec.model.freeze:  # adapters and frozen parts
+        model = apply_adapters(model, spec.model.lora, spec.model.freeze,
+                               spec.distributed.tp_size)
     return model
 
 

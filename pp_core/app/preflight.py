@@ -39,6 +39,7 @@ class Preflight:
     plan: Any = None
     schedule: Any = None
     notes: list[str] = field(default_factory=list)
+    trainable: Any = None  # per stage: holds a parameter that requires a gradient
     initializers: Any = None
     """Per stage, ``[(resource_key, signature, modules)]`` of the runtime initializers its part
     collects (``None`` when the split was not planned)."""
@@ -131,8 +132,10 @@ def _check_blocks(spec: Spec, model, problems: list[str]) -> None:
     """``train.activation_checkpointing`` / ``train.compile`` act per block: the model needs some."""
     from pp_core.parallel import find_blocks  # lazy: torch, only when AC or compile is asked for
 
+    mode = spec.train.activation_checkpointing["mode"]
+    modes = mode if isinstance(mode, list) else [mode]
     wanted = [key for key, on in (("activation_checkpointing",
-                                   spec.train.activation_checkpointing["mode"] != "none"),
+                                   any(m != "none" for m in modes)),
                                   ("compile", spec.train.compile["enabled"])) if on]
     if not wanted:
         return
@@ -202,6 +205,10 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
     sizes = (f" (pp_size={num_ranks}, microbatches = pp_batch_size / pp_microbatch_size = "
              f"{config.num_microbatches})")
     auto = is_auto(config.pp_schedule)
+    if spec.train.activation_checkpointing["mode"] == "auto" and not auto:
+        problems.append("train.activation_checkpointing.mode: auto is chosen per stage by the "
+                        "planner, with pipeline.pp_schedule: auto; set pp_schedule: auto, or a "
+                        "mode (none, full, selective)")
     try:  # a wrong schedule name or CSV is reported before the model is built
         if not auto:
             schedule_shape(config, num_ranks, plugins)
@@ -238,6 +245,12 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
             problems.append(f"pipeline: cannot split the model: {exc}")
         return model
     result.plan, result.schedule = planned.split, planned.schedule
+    result.trainable = planned.trainable  # model.lora / model.freeze: frozen stages
+    modes = spec.train.activation_checkpointing["mode"]
+    if isinstance(modes, list) and len(modes) != planned.split.num_stages:
+        problems.append(f"train.activation_checkpointing.mode lists {len(modes)} modes, one per "
+                        f"stage, but the pipeline has {planned.split.num_stages} stages; list "
+                        f"{planned.split.num_stages} modes, or give one mode for every stage")
     if spec.dims.tp > 1 and not problems:
         _check_stage_plans(spec, model, planned.split, plugins, problems)
     result.initializers = stage_initializers(model, planned.split, planned.schedule, config,

@@ -16,6 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
+from pp_core.app.adapters import adapted_meta_model
 from pp_core.app.factories import EVALUATION_NOTE, call_factory, dataset_args, dp_slice
 from pp_core.app.output_paths import collisions, path_problems, run_paths
 from pp_core.app.preflight_data import check_sequence_shards, check_vocab, meta_friendly
@@ -72,7 +73,7 @@ def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str]
         problems.append(f"{key}: expected the factory to return a torch.nn.Module, found "
                         f"{type(model).__name__}")
         return None
-    return model
+    return adapted_meta_model(spec, model, problems)  # model.lora / model.freeze
 
 
 def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str],

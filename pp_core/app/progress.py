@@ -139,8 +139,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     planned = summary.get("plan")
     if planned:
         measured = planned.get("measured_step_s")
+        modes = planned.get("activation_checkpointing") or []
+        ac = "" if all(m == "none" for m in modes) else \
+            f", activation checkpointing per stage {' '.join(modes)}"
         lines.append(f"  auto plan: {planned['schedule']}, {planned['stages_per_rank']} stage(s)/"
-                     f"rank, microbatches of {planned['microbatch_size']}; pipeline step "
+                     f"rank, microbatches of {planned['microbatch_size']}{ac}; pipeline step "
                      f"predicted {planned['predicted_step_s'] * 1000:,.1f} ms, measured "
                      + ("-" if measured is None else f"{measured * 1000:,.1f} ms (mean of the "
                         f"steps after the first, slowest rank)"))

@@ -161,18 +161,23 @@ def _anything(value):
 
 
 def _activation_checkpointing(value):
-    """``{mode: none|full|selective, every: N}``; a bare mode string is accepted too."""
-    if isinstance(value, str) or value is None or isinstance(value, bool):
+    """``{mode: none|full|selective|auto, every: N}``; ``mode`` may also be a list with one
+    mode per stage (what the planner writes); a bare mode (or list) is accepted too."""
+    if isinstance(value, (str, list)) or value is None or isinstance(value, bool):
         value = {"mode": "none" if not value else value}
-    expected = "a mapping {mode: none | full | selective, every: a positive int}"
+    expected = ("a mapping {mode: none | full | selective | auto, or a list of none / full / "
+                "selective with one entry per stage, every: a positive int}")
     if not isinstance(value, dict) or set(value) - {"mode", "every"}:
         raise Mismatch(expected)
     mode = value.get("mode", "full")
     every = value.get("every", 1)
-    if not isinstance(mode, str) or mode.lower() not in ("none", "full", "selective") or \
+    modes = mode if isinstance(mode, list) else [mode]
+    allowed = ("none", "full", "selective") + (() if isinstance(mode, list) else ("auto",))
+    if not modes or any(not isinstance(m, str) or m.lower() not in allowed for m in modes) or \
             isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise Mismatch(expected)
-    return {"mode": mode.lower(), "every": every}
+    lowered = [m.lower() for m in modes]
+    return {"mode": lowered if isinstance(mode, list) else lowered[0], "every": every}
 
 
 def _compile(value):
@@ -220,6 +225,28 @@ def _param_dtype(value):
     return str(dtype).removeprefix("torch.")
 
 
+def _lora(value):
+    """``{r, alpha, dropout, target_modules, ...}``: peft.LoraConfig checks the rest."""
+    expected = ("a mapping {r: a positive int, alpha: a number, dropout: 0 <= p < 1, "
+                "target_modules: a list of module names, ...}")
+    if not isinstance(value, dict) or any(not isinstance(k, str) for k in value):
+        raise Mismatch(expected)
+    r, dropout = value.get("r", 8), value.get("dropout", 0.0)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1 or isinstance(dropout, bool) or \
+            not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise Mismatch(expected)
+    return dict(value)
+
+
+def _patterns(value):
+    """A list of fnmatch patterns (one string alone too)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or \
+            not all(isinstance(v, str) and v for v in items):
+        raise Mismatch("a list of parameter or module name patterns, e.g. [tok_*, layers.0]")
+    return list(items)
+
+
 @dataclass(frozen=True)
 class Key:
     """One key of the schema: its checker, its default, and one line of documentation."""
@@ -262,6 +289,10 @@ SCHEMA: dict[str, list[Key]] = {
             "automatically); balanced: profile before launch, split by measured time"),
         Key("dtype", _optional(_param_dtype), None, "cast the built model's parameters and "
             "buffers to this floating dtype before it is split (pipeline.dtype never does)"),
+        Key("lora", _optional(_lora), None, "LoRA adapters built with peft: {r, alpha, dropout, "
+            "target_modules, ...peft.LoraConfig fields}; the base is frozen"),
+        Key("freeze", _optional(_patterns), None, "parameters to freeze: fnmatch patterns of "
+            "parameter or module FQNs (e.g. [tok_embeddings, layers.0])"),
     ],
     "data": [
         Key("name", _str, None, "a dataset registered by a plugin (pp_register_datasets)",
@@ -320,8 +351,9 @@ SCHEMA: dict[str, list[Key]] = {
         Key("eval_every", _optional(_int(1)), None, "steps between evaluations (data.eval_args)"),
         Key("eval_steps", _int(1), 2, "batches per evaluation"),
         Key("activation_checkpointing", _activation_checkpointing,
-            {"mode": "none", "every": 1}, "{mode: none | full | selective, every: N} per block "
-            "(docs/composition.md)"),
+            {"mode": "none", "every": 1}, "{mode: none | full | selective | auto (chosen per stage "
+            "by pp_schedule: auto), or a list with one mode per stage, every: N} per block "
+            "(docs/composition.md, docs/planning.md)"),
         Key("on_nonfinite", _choice("stop", "skip"), "stop", "a step with a NaN/inf loss or "
             "gradient norm: stop the run (exit 1) or skip its update (docs/refuses.md)"),
         Key("compile", _compile, {"enabled": False}, "{enabled: bool, mode, fullgraph, "

@@ -30,6 +30,8 @@ class ModelSpec:
     args: dict[str, Any] = _dict()
     splitter: str | None = None
     dtype: str | None = None
+    lora: dict[str, Any] | None = None  # pp_core.app.adapters
+    freeze: list[str] | None = None
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,9 @@ from pp_core.app.progress import Progress
 from pp_core.app.run_outputs import RunRecorder
 from pp_core.app.spec import Spec
 from pp_core.app.spec_sections import TrainSpec
-from pp_core.errors import PipelineError
+from pp_core.errors import ConfigError, PipelineError
 from pp_core.losses import pop_aux_losses
+from pp_core.parallel.activation import apply_stage_checkpointing
 from pp_core.parallel import (apply_activation_checkpointing, apply_compile, apply_data_parallel,
                               apply_tensor_parallel)
 from pp_core.parallel.expert import apply_expert_parallel, expert_parameters
@@ -127,7 +128,8 @@ def _build(spec: Spec, ctx: RankContext):
                           sequence_parallel=spec.dims.sequence_parallel)
     if ctx.expert_groups is not None:  # experts sharded before AC, compile and dp wrap them
         apply_expert_parallel(pipe.model_parts, ctx.ep_group)
-    apply_parallelisms(pipe.model_parts, checkpointing, spec.train.compile)
+    apply_parallelisms(pipe.model_parts, checkpointing, spec.train.compile, pipe.stage_indices,
+                       pipe.num_stages)
     dp_units = 0
     if ctx.dp_size > 1:  # last, after AC and compile, as torchtitan does
         dp_units = apply_data_parallel(pipe.model_parts, ctx.data_parallel_mesh(),
@@ -142,12 +144,13 @@ def _build(spec: Spec, ctx: RankContext):
 
 
 def _distinct_parameters(parts) -> list[list]:
-    """Each part's parameters, less those an earlier part of this rank already holds (a module
-    several stages share: module_fqns_per_model_part naming it in several parts)."""
+    """Each part's trainable parameters, less those an earlier part of this rank already holds
+    (a module several stages share: module_fqns_per_model_part naming it in several parts).
+    Frozen parameters (model.freeze, model.lora's base) get no optimizer state."""
     seen: set[int] = set()
     owned = []
     for part in parts:
-        mine = [p for p in part.parameters() if id(p) not in seen]
+        mine = [p for p in part.parameters() if id(p) not in seen and p.requires_grad]
         seen.update(id(p) for p in mine)
         owned.append(mine)
     return owned
@@ -172,9 +175,25 @@ def activation_checkpointing_of(spec: Spec, model) -> dict:
     return setting
 
 
-def apply_parallelisms(parts, checkpointing: dict, compile_options: dict) -> None:
-    """AC, then compile, on this rank's parts (:mod:`pp_core.parallel`; dp comes after)."""
-    apply_activation_checkpointing(parts, checkpointing["mode"], checkpointing["every"])
+def apply_parallelisms(parts, checkpointing: dict, compile_options: dict, stages=None,
+                       num_stages: int | None = None) -> None:
+    """AC, then compile, on this rank's parts (:mod:`pp_core.parallel`; dp comes after).
+    A list of modes (one per stage, as the planner writes it) checkpoints each part by its own
+    stage's mode; ``stages`` are the parts' stage indices."""
+    mode = checkpointing["mode"]
+    if isinstance(mode, list):
+        if num_stages is not None and len(mode) != num_stages:
+            raise ConfigError(
+                f"train.activation_checkpointing.mode lists {len(mode)} modes, one per stage, "
+                f"but the pipeline has {num_stages} stages; list {num_stages} modes, or give "
+                f"one mode for every stage")
+        apply_stage_checkpointing(parts, stages, mode, checkpointing["every"])
+    elif mode == "auto":
+        raise ConfigError("train.activation_checkpointing.mode: auto is chosen by the planner "
+                          "(pipeline.pp_schedule: auto, run with 'pp-core run'); set "
+                          "pp_schedule: auto, or a mode (none, full, selective)")
+    else:
+        apply_activation_checkpointing(parts, mode, checkpointing["every"])
     options = dict(compile_options)
     if options.pop("enabled"):
         apply_compile(parts, **options)

@@ -26,6 +26,7 @@ from pp_core.losses import resolve_loss
 from pp_core.measure.link import measure_p2p, measure_p2p_busy
 from pp_core.measure.overhead import measure_action_overhead
 from pp_core.measure.profile import profile_model
+from pp_core.measure.recompute import RECOMPUTE_MODES
 from pp_core.planning.choose import Candidate, Ranking, choose_plan
 from pp_core.planning.costs import Link
 from pp_core.planning.sizes import parse_size
@@ -90,7 +91,8 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
               microbatch_sizes: Sequence[int] | None = None,
               link: Link | Sequence[float] | None = None, schedules=None,
               repeats: int = 5, processors: float | str | None = "auto",
-              shard_parts=None) -> AutoPlan:
+              shard_parts=None, activation_checkpointing="none", every: int = 1,
+              degrees=None) -> AutoPlan:
     """Profile ``model`` on ``device``, choose the fastest plan that fits, return it.
 
     :param inputs, target: one step's batch (``pp_batch_size`` samples), real tensors.
@@ -112,6 +114,11 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
     :param shard_parts: how a rank shards its parts (tensor parallelism), applied to the
         profiled units (:func:`pp_core.measure.profile.profile_model`): every process of its
         tp mesh must call this together, and each returns the plan for its own shard.
+    :param activation_checkpointing: ``"none"`` (default), a mode for every stage, a list of
+        one mode per stage, or ``"auto"``: chosen per stage with the split under the cap
+        (:mod:`pp_core.planning.recompute`); the profile then measures the modes it may pick.
+        ``every`` as ``train.activation_checkpointing.every``.
+    :param degrees: the layout's degrees by YAML name, carried by every plan object.
     """
     if not isinstance(config, PipelineConfig):
         raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
@@ -129,7 +136,8 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
     if group is None or _group_rank(group) == 0:
         started = time.perf_counter()
         profiles = _profiles(model, config, inputs, target, pp_size, device, microbatch_sizes,
-                             link, plugins, repeats, shard_parts)
+                             link, plugins, repeats, shard_parts,
+                             recompute_modes(activation_checkpointing))
         shared = _processors(processors, device, pp_size)
         profiles = {size: dataclasses.replace(p, processors=shared)
                     for size, p in profiles.items()}
@@ -137,14 +145,24 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
         ranking = choose_plan(profiles, pp_size, config.pp_batch_size,
                               schedules if schedules is not None else plugins.schedules, cap,
                               recv_buffer_pool=True if config.pp_recv_buffer_pool else None,
-                              pool_slack=config.pp_recv_buffer_pool_slack)
+                              pool_slack=config.pp_recv_buffer_pool_slack,
+                              activation_checkpointing=activation_checkpointing, every=every,
+                              degrees=degrees)
     if group is not None:
         ranking, profile_s, profiles = _broadcast((ranking, profile_s, profiles), group)
     return AutoPlan(concrete_config(config, ranking.chosen), ranking, profile_s, link, profiles)
 
 
+def recompute_modes(setting) -> tuple[str, ...]:
+    """The activation-checkpointing modes to profile for a setting (``auto``: every built-in)."""
+    if setting == "auto":
+        return RECOMPUTE_MODES
+    chosen = [setting] if isinstance(setting, str) else list(setting)
+    return tuple(m for m in RECOMPUTE_MODES if m in chosen)
+
+
 def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugins, repeats,
-              shard_parts):
+              shard_parts, modes=()):
     if config.loss_fn is None:
         raise ConfigError("plan_auto times the loss with the last unit: set config.loss_fn")
     sizes = list(sizes) if sizes is not None else \
@@ -152,7 +170,8 @@ def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugi
     parts_like = dataclasses.replace(config, pp_schedule="1f1b")  # dtype, patches: as run
     return profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device,
                          repeats=repeats, config=parts_like, plugins=plugins,
-                         p2p=link if link is not None else Link(), shard_parts=shard_parts)
+                         p2p=link if link is not None else Link(), shard_parts=shard_parts,
+                         recompute_modes=modes)
 
 
 def _processors(processors, device, pp_size: int) -> float:

@@ -30,6 +30,7 @@ from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError
 from pp_core.measure.held_for_weight import HeldForWeight
 from pp_core.measure.link import sync
+from pp_core.measure.recompute import measure_recompute
 from pp_core.measure.transient import Allocations, local_tensor
 from pp_core.planning.balance import stage_fqns
 from pp_core.planning.costs import Link, ModelProfile, UnitCost
@@ -235,6 +236,7 @@ def profile_model(
     p2p: Link | Sequence[float] = Link(),
     clock: str = "auto",
     shard_parts: Callable[[list], Any] | None = None,
+    recompute_modes: Sequence[str] = (),
 ) -> dict[int, ModelProfile]:
     """Measure ``model`` unit by unit; ``{microbatch_size: ModelProfile}``.
 
@@ -255,6 +257,8 @@ def profile_model(
         apply_tensor_parallel(parts, tp_mesh)``. Every process of ``tp_mesh`` must then profile
         the same model and batch together (the collectives are in the times); bytes are what
         this process holds (a DTensor's local shard).
+    :param recompute_modes: activation-checkpointing modes to measure on every unit's blocks
+        (``"full"``, ``"selective"``: :mod:`pp_core.measure.recompute`); default none.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"profile: repeats={repeats!r} must be a positive int")
@@ -283,6 +287,11 @@ def profile_model(
                 y = to_device(_take(target, size, "target"), device, None)
                 result[size] = _profile_size(runner, units, x, y, loss_fn, size, repeats,
                                              exclude, Link.of(p2p))
+                if recompute_modes:
+                    entries = measure_recompute(runner, x, y, loss_fn, repeats, recompute_modes)
+                    result[size] = dataclasses.replace(result[size], units=tuple(
+                        dataclasses.replace(unit, recompute=entry)
+                        for unit, entry in zip(result[size].units, entries)))
     finally:
         for p in params:
             p.grad = kept[id(p)]
@@ -316,7 +325,8 @@ def _profile_size(runner, units, x, y, loss_fn, size, repeats, exclude,
                  activation_bytes=saved[i].total, param_bytes=_nbytes(runner.params[i]),
                  output_bytes=first[i][3], transient_bytes=transient[i],
                  input_grad_held_bytes=held[i].held, input_grad_freed_bytes=held[i].freed,
-                 output_grad_held_bytes=held[i].received_held)
+                 output_grad_held_bytes=held[i].received_held,
+                 trainable_param_bytes=_nbytes([p for p in runner.params[i] if p.requires_grad]))
         for i in range(n))
     return ModelProfile(size, costs, shared_fqns=tuple(runner.shared), device=str(runner.device),
                         **link.profile_fields())

@@ -35,7 +35,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, create_selective_checkpoin
 from pp_core.errors import ConfigError, PipelineError
 from pp_core.parallel.blocks import block_index, find_blocks
 
-__all__ = ["apply_activation_checkpointing", "checkpoint_block", "MODES"]
+__all__ = ["apply_activation_checkpointing", "checkpoint_block", "restore_block",
+           "apply_stage_checkpointing", "MODES"]
 
 MODES = ("none", "full", "selective")
 _ATTR = "_pp_activation_checkpointing"  # (mode, the forward before wrapping)
@@ -168,6 +169,19 @@ def checkpoint_block(block: nn.Module, mode: str = "full") -> nn.Module:
     return block
 
 
+def restore_block(block: nn.Module) -> nn.Module:
+    """Undo :func:`checkpoint_block` (the profiler measures a block both ways)."""
+    state = getattr(block, _ATTR, None)
+    if state is None:
+        return block
+    original = state[1]
+    del block.forward
+    if block.forward != original:  # it was an instance attribute itself (another wrapper)
+        block.forward = original
+    delattr(block, _ATTR)
+    return block
+
+
 def checkpoint_mode(block: nn.Module) -> tuple[str, object] | None:
     """``(mode, original forward)`` of a block :func:`checkpoint_block` wrapped, else None."""
     return getattr(block, _ATTR, None)
@@ -196,4 +210,15 @@ def apply_activation_checkpointing(parts: Iterable[nn.Module], mode: str = "full
             if (position if index is None else index) % every == 0:
                 checkpoint_block(block, mode)
                 done.append(fqn)
+    return done
+
+
+def apply_stage_checkpointing(parts: Iterable[nn.Module], stages: Iterable[int],
+                              modes: list[str], every: int = 1) -> list[str]:
+    """Checkpoint each part by its own stage's mode: ``modes[stage]`` for the part of
+    ``stage`` (the planner's choice per stage, ``train.activation_checkpointing.mode`` as a
+    list); returns the checkpointed blocks' FQNs."""
+    done = []
+    for part, stage in zip(parts, stages):
+        done += apply_activation_checkpointing([part], modes[stage], every)
     return done

@@ -26,6 +26,7 @@ from pp_core.errors import ConfigError, PPCoreError
 from pp_core.planning.balance import split_by_profile, stage_fqns
 from pp_core.planning.costs import ModelProfile
 from pp_core.planning.memory import RankMemory, predict_memory
+from pp_core.planning.recompute import Recompute, plan_stages, units_of_counts, with_modes
 from pp_core.planning.refine import refine_counts, simulate_split
 from pp_core.planning.sizes import format_bytes
 from pp_core.plugin_manager import default_plugins
@@ -64,6 +65,8 @@ class Candidate:
     memory: list[RankMemory] = field(default_factory=list)
     pool: bool = False
     dropped: str | None = None
+    activation_checkpointing: list[str] | None = None   # the mode per stage
+    degrees: dict[str, int] = field(default_factory=dict)  # pp_size, dp_replicate, ... (YAML)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -76,7 +79,14 @@ class Candidate:
                 "predicted_step_s": self.predicted_step_s, "bubble_ratio": self.bubble_ratio,
                 "peak_bytes": self.peak_bytes, "recv_buffer_pool": self.pool,
                 "memory_per_rank": [m.to_dict(self.pool) for m in self.memory],
-                "fqns_per_stage": self.fqns_per_stage, "dropped": self.dropped}
+                "fqns_per_stage": self.fqns_per_stage, "dropped": self.dropped,
+                "activation_checkpointing": self.stage_modes(), **self.degrees}
+
+    def stage_modes(self) -> list[str] | None:
+        """The activation-checkpointing mode of each stage (``none`` when not planned)."""
+        if self.activation_checkpointing is not None:
+            return list(self.activation_checkpointing)
+        return None if self.fqns_per_stage is None else ["none"] * len(self.fqns_per_stage)
 
 
 @dataclass
@@ -154,7 +164,8 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
                 pp_batch_size: int, schedules=None, memory_cap: int | None = None, *,
                 recv_buffer_pool: bool | None = None, pool_slack: int = 2,
                 max_stages_per_rank: int = MAX_STAGES_PER_RANK,
-                refine_top: int = REFINE_TOP) -> Ranking:
+                refine_top: int = REFINE_TOP, activation_checkpointing="none",
+                every: int = 1, degrees: Mapping[str, int] | None = None) -> Ranking:
     """Predict every candidate and rank those that fit ``memory_cap`` (bytes per rank).
 
     :param schedules: a plugin registry (``plugins.schedules``), a ``{name: ScheduleDef}``
@@ -163,6 +174,11 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
         planner turn it on only for a plan that fits with it and not without.
     :param refine_top: how many of the fastest plans get their cuts moved by the simulator
         (:mod:`pp_core.planning.refine`); 0 keeps the cost-balanced split everywhere.
+    :param activation_checkpointing: ``"auto"`` (chosen per stage with the split under the
+        cap, :mod:`pp_core.planning.recompute`), one mode for every stage, or a list of one
+        mode per stage; ``every`` as ``train.activation_checkpointing.every``.
+    :param degrees: the layout's degrees by their YAML names (``pp_size``, ``dp_replicate``,
+        ``dp_shard``, ``tp_size``, ``ep_size``), carried by every plan; default pp only.
     """
     started = time.perf_counter()
     if not isinstance(pp_size, int) or pp_size < 1:
@@ -170,26 +186,34 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
     defs = schedule_defs(schedules)
     splits: dict[tuple[int, int], tuple] = {}
     kept, dropped = [], []
+    setting = activation_checkpointing
+    ac = Recompute(tuple(setting) if isinstance(setting, (list, tuple)) else setting, every,
+                   memory_cap, recv_buffer_pool)
+    layout = {"pp_size": pp_size, "dp_replicate": 1, "dp_shard": 1, "tp_size": 1, "ep_size": 1,
+              **(degrees or {})}
     for option in candidates(profiles_by_microbatch_size, pp_size, pp_batch_size, defs,
                              max_stages_per_rank):
         profile = profiles_by_microbatch_size[option.microbatch_size]
         candidate = _predict(option, defs[option.schedule], profile, pp_size, splits,
-                             pool_slack)
+                             pool_slack, ac)
         if candidate.dropped is None:
             _fit(candidate, memory_cap, recv_buffer_pool)
         (kept if candidate.dropped is None else dropped).append(candidate)
     kept.sort(key=lambda c: (c.predicted_step_s, c.peak_bytes, _label(c)))
     if refine_top:
         dropped += _refine(kept, defs, profiles_by_microbatch_size, pp_size, memory_cap,
-                           recv_buffer_pool, pool_slack, refine_top)
+                           recv_buffer_pool, pool_slack, refine_top, ac)
         kept.sort(key=lambda c: (c.predicted_step_s, c.peak_bytes, _label(c)))
     dropped.sort(key=lambda c: (c.predicted_step_s is None, c.predicted_step_s or 0, _label(c)))
+    for candidate in kept + dropped:
+        candidate.degrees = dict(layout)
     return Ranking(kept, dropped, memory_cap, time.perf_counter() - started, pp_size,
                    pp_batch_size)
 
 
 def predict(option: Option, sdef, profile: ModelProfile, pp_size: int,
-            fqns_per_stage: list[list[str]] | None = None, slack: int = 2) -> Candidate:
+            fqns_per_stage: list[list[str]] | None = None, slack: int = 2,
+            ac: Recompute | None = None) -> Candidate:
     """One candidate's prediction; ``fqns_per_stage`` replaces the cost-balanced split (to
     predict a split made another way, e.g. the ``layers`` splitter's). The stages must be made
     of whole units."""
@@ -197,11 +221,11 @@ def predict(option: Option, sdef, profile: ModelProfile, pp_size: int,
     if fqns_per_stage is not None:
         splits[(option.microbatch_size, len(fqns_per_stage))] = \
             (fqns_per_stage, _units_of(profile, fqns_per_stage))
-    return _predict(option, sdef, profile, pp_size, splits, slack)
+    return _predict(option, sdef, profile, pp_size, splits, slack, ac)
 
 
 def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: dict,
-             slack: int) -> Candidate:
+             slack: int, ac: Recompute | None = None) -> Candidate:
     candidate = Candidate(option)
     num_stages = pp_size * option.stages_per_rank
     if num_stages > len(profile.units):
@@ -217,6 +241,15 @@ def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: 
     if key not in splits:
         splits[key] = _split(profile, num_stages)
     fqns, units = splits[key]
+    if ac is not None and ac.setting != "none":
+        units, modes = plan_stages(schedule, profile, units, ac, slack)
+        if isinstance(modes, str):
+            candidate.dropped = modes
+            return candidate
+        fqns = stage_fqns([unit.fqns for unit in profile.units], [len(u) for u in units],
+                          _shared(profile, fqns))
+        candidate.activation_checkpointing = modes
+        profile = with_modes(profile, units, modes, ac.every)
     candidate.fqns_per_stage = fqns
     result = simulate_split(schedule, profile, units, with_memory=True)
     candidate.predicted_step_s = result.makespan
@@ -233,7 +266,7 @@ def _schedule(option: Option, sdef, pp_size: int):
 
 
 def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int,
-            top: int) -> list[Candidate]:
+            top: int, ac: Recompute | None = None) -> list[Candidate]:
     """Let the simulator move the cuts of the ``top`` fastest plans
     (:mod:`pp_core.planning.refine`); a refined split replaces the balanced one when it is
     predicted faster and still fits. Returns the faster refined splits the cap refused."""
@@ -242,12 +275,20 @@ def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int,
         option = candidate.option
         profile = profiles[option.microbatch_size]
         counts = [len(u) for u in _units_of(profile, candidate.fqns_per_stage)]
-        better, seconds = refine_counts(_schedule(option, defs[option.schedule], pp_size),
-                                        profile, counts)
+        schedule = _schedule(option, defs[option.schedule], pp_size)
+        modes = candidate.activation_checkpointing
+        makespan = None
+        if modes is not None and any(m != "none" for m in modes):
+            def makespan(trial, modes=modes, profile=profile, schedule=schedule):
+                units = units_of_counts(trial)
+                return simulate_split(schedule, with_modes(profile, units, modes, ac.every),
+                                      units).makespan
+        better, seconds = refine_counts(schedule, profile, counts, makespan)
         if better == counts or seconds >= candidate.predicted_step_s:
             continue
-        fqns = stage_fqns([unit.fqns for unit in profile.units], better)
-        refined = predict(option, defs[option.schedule], profile, pp_size, fqns, slack)
+        fqns = stage_fqns([unit.fqns for unit in profile.units], better,
+                          _shared(profile, candidate.fqns_per_stage))
+        refined = predict(option, defs[option.schedule], profile, pp_size, fqns, slack, ac)
         _fit(refined, cap, pool)
         if refined.dropped is None:
             kept[index] = refined
@@ -261,6 +302,12 @@ def _split(profile: ModelProfile, num_stages: int) -> tuple[list[list[str]], lis
     """The cost-balanced split: FQNs per stage, and the unit indices behind them."""
     fqns = [list(stage) for stage in split_by_profile(profile, num_stages)]
     return fqns, _units_of(profile, fqns)
+
+
+def _shared(profile: ModelProfile, fqns_per_stage) -> list[str]:
+    """The FQNs a split lists on every stage that belong to no unit (a rotary table)."""
+    unit_fqns = {fqn for unit in profile.units for fqn in unit.fqns}
+    return [f for f in fqns_per_stage[0] if f not in unit_fqns] if fqns_per_stage else []
 
 
 def _units_of(profile: ModelProfile, fqns_per_stage) -> list[list[int]]:

@@ -9,7 +9,8 @@ rank's own device; the balanced splitter and the planner read them. Pure data: n
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Optional
 
 __all__ = ["UnitCost", "ModelProfile", "Link"]
 
@@ -84,6 +85,51 @@ class UnitCost:
     input_grad_held_bytes: int = 0
     input_grad_freed_bytes: int = 0
     output_grad_held_bytes: int = 0
+    # Of param_bytes, those that require a gradient (get one and optimizer state); None: all.
+    # A unit with none is frozen: the planner drops the backward of a frozen prefix and the W
+    # of a later frozen stage (pp_core.schedule.frozen).
+    trainable_param_bytes: Optional[int] = None
+
+    @property
+    def trained_bytes(self) -> int:
+        """The parameter bytes that get gradients and optimizer state."""
+        return self.param_bytes if self.trainable_param_bytes is None \
+            else self.trainable_param_bytes
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the unit holds something to train (a parameterless unit counts as frozen
+        only when the profile says so)."""
+        return self.trainable_param_bytes is None or self.trainable_param_bytes > 0
+
+    # Activation checkpointing (pp_core.parallel.activation), measured per built-in mode on the
+    # unit's blocks: ``(mode, forward_s, backward_s, input_grad_s, activation_bytes,
+    # transient_bytes)`` - B and I with the forward run again inside them, the bytes kept for
+    # backward (the block's inputs, and for ``selective`` the matmul outputs), the temporaries
+    # of the recompute + backward. Empty: the unit has no block to checkpoint (or not measured).
+    recompute: tuple[tuple, ...] = ()
+
+    def modes(self) -> tuple[str, ...]:
+        """The activation-checkpointing modes this unit can run: ``none`` and the measured."""
+        return ("none",) + tuple(entry[0] for entry in self.recompute)
+
+    def under(self, mode: str) -> "UnitCost":
+        """This unit as it costs with its blocks checkpointed by ``mode`` (``none``: itself).
+
+        Between a split backward's ``I`` and ``W`` the recomputed activations ``W`` needs are
+        held again: the difference to the unit's un-checkpointed saved bytes is added to
+        ``input_grad_held_bytes``."""
+        if mode == "none":
+            return self
+        for name, forward, backward, input_grad, saved, transient in self.recompute:
+            if name == mode:
+                return replace(self, forward_s=forward, backward_s=backward,
+                               input_grad_s=input_grad, activation_bytes=saved,
+                               transient_bytes=transient, recompute=(),
+                               input_grad_held_bytes=self.input_grad_held_bytes
+                               + max(0, self.activation_bytes - saved))
+        raise ValueError(f"unit {'/'.join(self.fqns)} has no measured activation "
+                         f"checkpointing mode {mode!r} (measured: {', '.join(self.modes())})")
 
 
 @dataclass(frozen=True)
@@ -136,8 +182,9 @@ class ModelProfile:
         if extra:
             raise ValueError(f"ModelProfile data has unknown keys {extra}; expected keys of "
                              f"ModelProfile {sorted(known)} and UnitCost {sorted(unit_known)}")
-        units = tuple(UnitCost(**{**unit, "fqns": tuple(unit["fqns"])})
-                      for unit in data.get("units", ()))
+        units = tuple(UnitCost(**{**unit, "fqns": tuple(unit["fqns"]), "recompute": tuple(
+            tuple(entry) for entry in unit.get("recompute", ()))})
+            for unit in data.get("units", ()))
         rest = {k: v for k, v in data.items() if k != "units"}
         if "shared_fqns" in rest:
             rest["shared_fqns"] = tuple(rest["shared_fqns"])

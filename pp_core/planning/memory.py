@@ -7,7 +7,8 @@ schedule x stages per rank x microbatch size, in well under a second each. The p
   the same again for gradients, ``optimizer_bytes_per_param_byte`` times it for the optimizer
   (AdamW: two moments, 2.0);
 * **activations in flight**: the schedule's own order decides how many microbatches' saved
-  tensors a rank holds at once. :func:`pp_core.schedule.simulate` replays the per-rank order
+  tensors (and, on a stage that is not the last, its outputs, kept for its backward) a rank
+  holds at once. :func:`pp_core.schedule.simulate` replays the per-rank order
   (the same compute order the lowered program runs) with one stage-microbatch's saved bytes per
   stage and reports the peak per rank;
 * **what a split backward holds from I to W** (:func:`split_held_bytes`): ``I`` keeps, for
@@ -48,7 +49,8 @@ from pp_core.schedule.buffer_plan import max_live
 from pp_core.schedule.ir import Schedule
 from pp_core.schedule.lower import lower
 
-__all__ = ["RankMemory", "predict_memory", "recv_buffer_bytes", "split_held_bytes"]
+__all__ = ["RankMemory", "predict_memory", "recv_buffer_bytes", "split_held_bytes",
+           "stage_held_bytes"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,23 @@ def split_held_bytes(profile: ModelProfile,
     return out
 
 
+def stage_held_bytes(profile: ModelProfile,
+                     units_per_stage: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """Per stage, ``(what one microbatch holds from its F, what a split backward's I adds and
+    its W frees)``: the units' saved activations and :func:`split_held_bytes`, plus the outputs
+    a stage that is not the last keeps for its backward (the executor's ``state.outputs``: the
+    receiver has its own copy) - until its ``B``, or its ``I`` when the backward is split.
+    Under activation checkpointing they are as large as what a block keeps (1.1-1.3x low
+    without them)."""
+    saved = stage_sums(profile, units_per_stage, "activation_bytes")
+    held = split_held_bytes(profile, units_per_stage)
+    for stage, units in enumerate(units_per_stage[:-1]):
+        outputs = profile.units[units[-1]].output_bytes
+        saved[stage] += outputs
+        held[stage] -= outputs
+    return saved, held
+
+
 def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
                       program=None) -> tuple[list[int], list[int]]:
     """Per rank, receive-buffer bytes ``(without the pool, with it)``.
@@ -141,22 +160,25 @@ def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
 
 def predict_memory(profile: ModelProfile, schedule: Schedule,
                    units_per_stage: Sequence[Sequence[int]], peak_activation_bytes: Sequence[float],
-                   slack: int = 2) -> list[RankMemory]:
+                   slack: int = 2, program=None) -> list[RankMemory]:
     """Every rank's :class:`RankMemory` for this split and schedule.
 
     :param peak_activation_bytes: per rank, from ``simulate(..., activation_bytes=...)``.
+    :param program: ``lower(schedule)``, when the caller has it already.
     """
     params = stage_sums(profile, units_per_stage, "param_bytes")
+    trained = stage_sums(profile, units_per_stage, "trained_bytes")  # frozen: no grad, no state
     boundary = boundary_bytes(profile, units_per_stage)
-    default, pooled = recv_buffer_bytes(schedule, boundary, slack)
+    default, pooled = recv_buffer_bytes(schedule, boundary, slack, program)
     out = []
     for rank in range(schedule.num_ranks):
         p = sum(params[s] for s in schedule.stages_of(rank))
+        t = sum(trained[s] for s in schedule.stages_of(rank))
         held = [u for s in schedule.stages_of(rank) for u in units_per_stage[s]]
         out.append(RankMemory(
-            rank=rank, params=p, grads=p,
-            optimizer=int(p * profile.optimizer_bytes_per_param_byte),
-            optimizer_step=int(p * profile.optimizer_step_bytes_per_param_byte),
+            rank=rank, params=p, grads=t,
+            optimizer=int(t * profile.optimizer_bytes_per_param_byte),
+            optimizer_step=int(t * profile.optimizer_step_bytes_per_param_byte),
             activations=int(peak_activation_bytes[rank]),
             recv_default=default[rank], recv_pool=pooled[rank],
             transient=max((profile.units[u].transient_bytes for u in held), default=0)))

@@ -11,7 +11,9 @@ accepts is what the ranks build. The order of its steps is the contract:
    (``module_fqns_per_model_part``, ``layers_per_stage``) where the schedule accepts one;
 3. the schedule for the split's stages per rank (a CSV schedule is taken as read), checked to run
    the split's number of stages;
-4. the lowered program (:func:`~pp_core.schedule.lower.lower`), computed on first use.
+4. the lowered program (:func:`~pp_core.schedule.lower.lower`), computed on first use, without
+   the backward work of frozen stages (:mod:`pp_core.schedule.frozen`; ``trainable``: per stage,
+   whether it holds a parameter that requires a gradient, read from the model as split).
 
 Errors of steps 1 and 3 carry ``field="pp_schedule"`` or ``"pp_schedule_csv"`` (the setting to
 change); errors of the split keep their own. Torch is imported only by the split (step 2), so
@@ -26,8 +28,10 @@ from typing import Any, Optional
 
 from pp_core.errors import ConfigError, about
 from pp_core.planning.split import plan_split
+from pp_core.planning.trainable import stage_trainable
 from pp_core.plugin_manager import plugins_or_default
 from pp_core.schedule.build import build_schedule, resolve_schedule_def
+from pp_core.schedule.frozen import backward_from, without_frozen
 from pp_core.schedule.lower import lower
 
 __all__ = ["PipelinePlan", "ScheduleShape", "plan_pipeline", "schedule_shape", "schedule_field"]
@@ -54,11 +58,17 @@ class PipelinePlan:
     schedule: Any
     split: Any = None
     rank: Optional[int] = None
+    trainable: Optional[tuple] = None
+    """Per stage, whether it holds a parameter that requires a gradient (``None``: all do)."""
 
     @functools.cached_property
     def program(self):
-        """The lowered program of every rank (:class:`~pp_core.schedule.lower.Program`)."""
-        return lower(self.schedule)
+        """The lowered program of every rank (:class:`~pp_core.schedule.lower.Program`), less
+        the backward work of frozen stages (:mod:`pp_core.schedule.frozen`)."""
+        if self.trainable is None:
+            return lower(self.schedule)
+        return lower(without_frozen(self.schedule, self.trainable),
+                     backward_from(self.trainable))
 
     @property
     def stage_indices(self) -> tuple[int, ...]:
@@ -119,4 +129,5 @@ def plan_pipeline(model, config, num_ranks: int, *, rank: Optional[int] = None,
         raise ConfigError(f"the split has {split.num_stages} stages but schedule "
                           f"{schedule.name!r} runs {schedule.num_stages}; make them agree",
                           field=schedule_field(config))
-    return PipelinePlan(schedule, split, rank)
+    trainable = None if split is None else stage_trainable(model, split.fqns_per_stage)
+    return PipelinePlan(schedule, split, rank, trainable)

@@ -12,10 +12,12 @@ costs milliseconds to a fraction of a second.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 from pp_core.planning.costs import ModelProfile
-from pp_core.planning.memory import split_held_bytes, stage_sums
+from pp_core.planning.memory import stage_held_bytes, stage_sums
+from pp_core.schedule.frozen import backward_from, frozen_table
 from pp_core.schedule.simulate import Costs, simulate
 
 __all__ = ["refine_counts", "makespan_of", "simulate_split", "handoff_charges"]
@@ -72,13 +74,26 @@ def simulate_split(schedule, profile: ModelProfile, units: Sequence[Sequence[int
     sums = [stage_sums(profile, units, name)
             for name in ("forward_s", "backward_s", "input_grad_s", "weight_grad_s")]
     charges = handoff_charges(schedule, profile, units)
-    costs = Costs(per_stage={s: {k: v + charges[s][k] for k, v in zip("FBIW", row)}
-                             for s, row in enumerate(zip(*sums))})
+    rows = [[v + charges[s][k] for k, v in zip("FBIW", row)] for s, row in enumerate(zip(*sums))]
+    trainable = stage_trainable_units(profile, units)  # frozen stages: less backward work
+    costs = Costs(per_stage={s: dict(zip("FBIW", row))
+                             for s, row in enumerate(frozen_table(rows, trainable))})
     boundary = max((profile.units[u[-1]].output_bytes for u in units[:-1]), default=0)
-    memory = {"activation_bytes": stage_sums(profile, units, "activation_bytes"),
-              "input_grad_held_bytes": split_held_bytes(profile, units)} if with_memory else {}
+    activations, held = stage_held_bytes(profile, units)
+    if trainable is not None:  # a frozen prefix keeps no graph; a frozen stage runs no W
+        start = backward_from(trainable)
+        activations = [0 if s < start else a for s, a in enumerate(activations)]
+        held = [h if trainable[s] else 0 for s, h in enumerate(held)]
+    memory = {"activation_bytes": activations,
+              "input_grad_held_bytes": held} if with_memory else {}
     return simulate(schedule, costs, comm_latency=profile.transfer_s(boundary),
                     processors=profile.processors or None, **memory)
+
+
+def stage_trainable_units(profile: ModelProfile, units: Sequence[Sequence[int]]):
+    """Per stage, whether one of its units holds something to train; ``None`` when all do."""
+    flags = tuple(any(profile.units[u].trainable for u in stage) for stage in units)
+    return None if all(flags) else flags
 
 
 def makespan_of(schedule, profile: ModelProfile, counts: Sequence[int]) -> float:
@@ -86,11 +101,14 @@ def makespan_of(schedule, profile: ModelProfile, counts: Sequence[int]) -> float
     return simulate_split(schedule, profile, _units(counts)).makespan
 
 
-def refine_counts(schedule, profile: ModelProfile, counts: Sequence[int]) -> tuple[list[int],
-                                                                                   float]:
-    """Hill-climb the cuts from ``counts``; ``(best counts, their predicted step)``."""
+def refine_counts(schedule, profile: ModelProfile, counts: Sequence[int],
+                  makespan=None) -> tuple[list[int], float]:
+    """Hill-climb the cuts from ``counts``; ``(best counts, their predicted step)``.
+    ``makespan(counts)`` replaces :func:`makespan_of` (inf: a split that may not be taken)."""
+    if makespan is None:
+        makespan = functools.partial(makespan_of, schedule, profile)
     best = list(counts)
-    best_time = makespan_of(schedule, profile, best)
+    best_time = makespan(best)
     for _ in range(MAX_MOVES):
         move = None
         for cut in range(len(best) - 1):  # the cut between stage `cut` and `cut + 1`
@@ -100,7 +118,7 @@ def refine_counts(schedule, profile: ModelProfile, counts: Sequence[int]) -> tup
                 trial[cut + 1] -= shift
                 if min(trial[cut], trial[cut + 1]) < 1:
                     continue
-                seconds = makespan_of(schedule, profile, trial)
+                seconds = makespan(trial)
                 if seconds < best_time * (1 - 1e-9) and (move is None or seconds < move[1]):
                     move = (trial, seconds)
         if move is None:

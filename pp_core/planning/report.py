@@ -5,7 +5,15 @@ from __future__ import annotations
 from pp_core.planning.choose import Candidate, Ranking
 from pp_core.planning.sizes import format_bytes
 
-__all__ = ["format_ranking", "describe"]
+__all__ = ["format_ranking", "describe", "ac_letters"]
+
+_LETTER = {"none": "-", "selective": "s", "full": "f"}
+
+
+def ac_letters(candidate: Candidate) -> str:
+    """Activation checkpointing per stage, a letter each: ``f`` full, ``s`` selective, ``-``."""
+    modes = candidate.stage_modes() or []
+    return "".join(_LETTER.get(m, "?") for m in modes) or "-"
 
 
 def describe(candidate: Candidate) -> str:
@@ -13,8 +21,11 @@ def describe(candidate: Candidate) -> str:
     o = candidate.option
     per = "stage" if o.stages_per_rank == 1 else "stages"
     pool = ", receive-buffer pool on" if candidate.pool else ""
+    modes = candidate.stage_modes() or []
+    ac = "" if all(m == "none" for m in modes) else \
+        f", activation checkpointing per stage {' '.join(modes)}"
     return (f"{o.schedule}, {o.stages_per_rank} {per}/rank, {o.num_microbatches} microbatches "
-            f"of {o.microbatch_size}{pool}")
+            f"of {o.microbatch_size}{pool}{ac}")
 
 
 def _row(index, candidate: Candidate) -> str:
@@ -24,7 +35,8 @@ def _row(index, candidate: Candidate) -> str:
     per_rank = " ".join(format_bytes(m.total(candidate.pool)).replace(" ", "")
                         for m in candidate.memory)
     return (f"{index:>3}  {o.schedule:<18} {o.stages_per_rank:>2} {o.microbatch_size:>4} "
-            f"{o.num_microbatches:>4} {step:>10} {bubble:>6}  {per_rank}")
+            f"{o.num_microbatches:>4} {step:>10} {bubble:>6}  {ac_letters(candidate):<8} "
+            f"{per_rank}")
 
 
 def format_ranking(ranking: Ranking, top: int = 8) -> str:
@@ -33,7 +45,8 @@ def format_ranking(ranking: Ranking, top: int = 8) -> str:
         f"memory cap {format_bytes(ranking.memory_cap)} per rank"
     lines = [f"{len(ranking.kept)} plans fit ({cap}), {len(ranking.dropped)} dropped; planned "
              f"in {ranking.planning_s:.2f} s",
-             "  #  schedule            v  mbs    M  step (ms) bubble  predicted peak per rank"]
+             "  #  schedule            v  mbs    M  step (ms) bubble  AC       "
+             "predicted peak per rank"]
     lines += [_row(i + 1, c) for i, c in enumerate(ranking.kept[:top])]
     if len(ranking.kept) > top:
         lines.append(f"     ... {len(ranking.kept) - top} more")
@@ -51,4 +64,6 @@ def format_ranking(ranking: Ranking, top: int = 8) -> str:
     if refused:
         lines.append(f"not possible ({len(refused)}): " + "; ".join(
             sorted({f"{c.option.schedule}: {c.dropped.split(';')[0]}" for c in refused})[:4]))
+    if any(set(c.stage_modes() or ()) - {"none"} for c in ranking.kept[:top]):
+        lines.append("AC: activation checkpointing per stage (f full, s selective, - none)")
     return "\n".join(lines)

@@ -54,16 +54,23 @@ def config_fields(config) -> dict[str, str]:
 
 
 def model_fields(model: torch.nn.Module) -> dict[str, str]:
-    """The model's parameter and buffer names, shapes and dtypes, as one digest and a count."""
-    digest = hashlib.sha256()
-    count = elements = 0
+    """The model's parameter and buffer names, shapes and dtypes, as one digest and a count;
+    and which parameters are frozen (the program drops frozen stages' backward work: ranks that
+    froze differently would wait for gradients that are never sent)."""
+    digest, frozen = hashlib.sha256(), hashlib.sha256()
+    count = elements = num_frozen = 0
     for kind, items in (("p", model.named_parameters()), ("b", model.named_buffers())):
         for name, tensor in items:
             digest.update(f"{kind} {name} {tuple(tensor.shape)} {tensor.dtype}\n".encode())
             count += 1
             elements += tensor.numel()
+            if kind == "p" and not tensor.requires_grad:
+                frozen.update(f"{name}\n".encode())
+                num_frozen += 1
     return {"model parameters and buffers":
-            f"{count} tensors, {elements:,} elements (sha256 {digest.hexdigest()[:12]})"}
+            f"{count} tensors, {elements:,} elements (sha256 {digest.hexdigest()[:12]})",
+            "frozen parameters (requires_grad=False)":
+            f"{num_frozen} (sha256 {frozen.hexdigest()[:12]})"}
 
 
 def plan_fields(schedule, plan, failure: BaseException | None = None) -> dict[str, str]:

@@ -193,14 +193,15 @@ class Executor:
                 raise PipelineError("the first stage needs the step's inputs on this rank")
             args = state.mb_inputs[mb]
         elif stage.local_prev:
-            args = make_stage_inputs(state.to_send.pop(key - M), train)
+            args = make_stage_inputs(state.to_send.pop(key - M), train and stage.input_grads)
             placements = state.layouts.pop(key - M, None)
         else:
             message = state.messages.pop(key)
             tensors = self._receive(state, message)
             if self.consume is not None:
                 tensors = self.consume(message.lifetime, tensors)
-            args = tuple(t.detach().requires_grad_(True) if train and meta.requires_grad
+            grads = train and stage.input_grads
+            args = tuple(t.detach().requires_grad_(True) if grads and meta.requires_grad
                          else t for t, meta in zip(tensors, message.metas))
             placements = [meta.placements for meta in message.metas]
         if state.position in self.prepare_at and self.initializers:
@@ -208,6 +209,7 @@ class Executor:
             for initializer in self.initializers:
                 initializer.prepare(num_tokens=count, device=self.device)
         mb_kwargs = state.mb_kwargs
+        train = train and stage.runs_backward  # a frozen prefix keeps no autograd graph
         with torch.set_grad_enabled(train), self.data_parallel.forward(stage_index, train):
             call_args = args if stage.is_first else as_dtensors(stage, args, placements)
             output = stage(call_args, mb_kwargs[mb] if mb_kwargs is not None else None)
@@ -240,7 +242,7 @@ class Executor:
                                 f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
                                 f"; it must return a scalar tensor (e.g. a mean over the batch)")
         state.losses[mb] = loss.detach().reshape(())
-        if self.train:
+        if self.train and self.stages[key // self.num_microbatches].runs_backward:
             state.outputs[key] = [loss.reshape(()) * self.scale if self.scale != 1.0
                                   else loss.reshape(())]
 
@@ -276,7 +278,7 @@ class Executor:
                 input_grads = backward_full(outputs, grads, inputs)
             else:
                 input_grads, state.weight[key] = backward_input(outputs, grads, inputs)
-        if not stage.is_first:
+        if stage.input_grads:
             state.grads_back[key] = input_grads
 
     def _weight(self, state: StepState, action) -> None:

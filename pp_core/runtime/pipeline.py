@@ -43,6 +43,7 @@ from pp_core.parallel.tied import align_tied_copies, grad_baseline, sync_tied_gr
 from pp_core.planning.parts import build_model_parts
 from pp_core.plugin_manager import plugins_or_default
 from pp_core.planning.plan import plan_pipeline
+from pp_core.runtime.frozen import check_frozen, mark_frozen
 from pp_core.runtime.call_agreement import CallAgreement
 from pp_core.runtime.build_checks import check_device, check_materialised, check_not_wrapped
 from pp_core.runtime.agreement import check_ranks_agree, config_fields, model_fields, plan_fields
@@ -134,6 +135,7 @@ class Pipeline:
         self.has_last = self.num_stages - 1 in self.stage_indices
         self.stages = {index: Stage(index, part, schedule.stage_ranks, rank)
                        for index, part in zip(self.stage_indices, self.model_parts)}
+        mark_frozen(self.stages, None if plan is None else plan.trainable)  # the program's flags
         group_name = getattr(group, "group_name", "local") if group is not None else "local"
         self.p2p = P2P(group, self.device, resolve_timeout(timeout), f"{group_name}/{next(_pipeline_ids)}",
                        rank)
@@ -252,6 +254,7 @@ class Pipeline:
             self.stages[index].module = part
         if train:
             try:
+                check_frozen(self.stages)
                 self._train.data_parallel = make_data_parallel(self.stages, self.config,
                                                                self._train.program.actions)
             except PPCoreError as exc:

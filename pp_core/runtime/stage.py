@@ -40,6 +40,10 @@ class Stage:
         self.next_rank = None if self.is_last else stage_ranks[index + 1]
         self.local_prev = self.prev_rank == rank
         self.local_next = self.next_rank == rank
+        # frozen stages (pp_core.runtime.frozen.mark_frozen): a stage before the first trainable
+        # one runs no backward; the first trainable one takes no gradient for its inputs
+        self.runs_backward = True
+        self.input_grads = not self.is_first
 
     def __call__(self, inputs: Any, kwargs: Optional[dict] = None) -> Any:
         module = self.module

@@ -197,8 +197,12 @@ def _bad_action(action, rank: int, stage_ranks, num_stages: int, num_microbatche
                          f"{stage_ranks[stage]}; move it to that rank's row")
 
 
-def lower(schedule: Schedule) -> Program:
+def lower(schedule: Schedule, backward_from: int = 0) -> Program:
     """Insert SEND/RECV for every cross-rank edge and record receive-buffer lifetimes.
+
+    ``backward_from``: the first stage whose backward sends a gradient back is the one after it;
+    the stages before it run no backward (a frozen prefix, :mod:`pp_core.schedule.frozen`), so
+    no ``SEND_B``/``RECV_B`` is emitted at or below that boundary.
 
     :raises ScheduleError: an action on the wrong rank or out of range, a communication action
         in the input, or a schedule whose dependencies can never be met (a deadlock; the message
@@ -288,7 +292,7 @@ def lower(schedule: Schedule) -> Program:
                     offset = open_b.pop(key, None)
                     if offset is not None:
                         life[rank][offset + 2] = position
-                    if stage:
+                    if stage > backward_from:
                         peer = stage_ranks[stage - 1]
                         if peer != rank:
                             row_out.append(key * 8 + _C_SEND_B)

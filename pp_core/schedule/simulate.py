@@ -31,7 +31,7 @@ from pp_core.schedule.build import gc_paused
 from pp_core.schedule.sharing import replay_shared
 from pp_core.schedule.validate import encode_validated, raise_deadlock
 
-__all__ = ["Costs", "SimResult", "simulate"]
+__all__ = ["Costs", "SimResult", "simulate", "peak_activation_bytes"]
 
 _KINDS = (F, B, I, W)
 
@@ -216,7 +216,6 @@ def simulate(
     uniform = not costs.per_stage
     for r, (row, st) in enumerate(zip(encoded, starts)):
         live = peak = 0
-        live_b = peak_b = 0.0
         counts = [0, 0, 0, 0]
         total = 0.0
         for c in row:
@@ -229,20 +228,8 @@ def simulate(
                 live += 1
                 if live > peak:
                     peak = live
-                if stage_bytes is not None:
-                    live_b += stage_bytes[(c >> 2) // M]
-                    peak_b = max(peak_b, live_b)
             elif kc != 2:
                 live -= 1
-                if stage_bytes is not None:
-                    if held is not None:  # what the I before it left, not seen at an F yet
-                        peak_b = max(peak_b, live_b)
-                        if kc == 3:
-                            live_b -= held[(c >> 2) // M]
-                    live_b -= stage_bytes[(c >> 2) // M]
-            elif held is not None:  # the state before it: while it runs its own additions
-                peak_b = max(peak_b, live_b)  # are among its temporaries (the memory model's
-                live_b += held[(c >> 2) // M]  # transient), after it they are counted here
         if uniform:
             total = sum(n * d for n, d in zip(counts, cost[0]))
         busy.append(total)
@@ -253,7 +240,8 @@ def simulate(
             last.append(ends[r][-1] if ends is not None
                         else st[-1] + cost[(row[-1] >> 2) // M][row[-1] & 3])
         peaks.append(peak)
-        peak_bytes.append(peak_b)
+        if stage_bytes is not None:
+            peak_bytes.append(_rank_peak_bytes(row, M, stage_bytes, held))
     return SimResult(
         schedule=schedule, costs=costs, comm_latency=float(comm_latency),
         makespan=max(last), busy=busy, first_start=first, last_end=last,
@@ -262,6 +250,45 @@ def simulate(
         processors=float(processors) if ends is not None else None, starts=starts,
         _encoded=encoded, _cost=cost, _ends=ends,
     )
+
+
+def peak_activation_bytes(schedule: Schedule, activation_bytes: Sequence[float],
+                          input_grad_held_bytes: Sequence[float] | None = None,
+                          encoded: list[list[int]] | None = None) -> list[float]:
+    """Per rank, the ``peak_activation_bytes`` of :func:`simulate` without the timing replay
+    (the bytes follow each rank's own order, not the clock): what a planner that tries many
+    byte figures on one schedule calls. ``encoded``: the schedule's
+    :func:`~pp_core.schedule.validate.encode_validated` rows, to skip encoding again."""
+    held = _stage_bytes(input_grad_held_bytes, schedule.num_stages, "input_grad_held_bytes")
+    stage_bytes = _stage_bytes(activation_bytes, schedule.num_stages)
+    if encoded is None:
+        encoded = encode_validated(schedule, check_deadlock=False)
+    return [_rank_peak_bytes(row, schedule.num_microbatches, stage_bytes, held)
+            for row in encoded]
+
+
+def _rank_peak_bytes(row, M: int, stage_bytes: list[float], held: list[float] | None) -> float:
+    """The most bytes one rank's saved activations (and split-backward holdings) reach."""
+    live_b = peak_b = 0.0
+    for c in row:
+        kc = c & 3
+        stage = (c >> 2) // M
+        if kc == 0:
+            live_b += stage_bytes[stage]
+            if live_b > peak_b:
+                peak_b = live_b
+        elif kc != 2:
+            if held is not None:  # what the I before it left, not seen at an F yet
+                if live_b > peak_b:
+                    peak_b = live_b
+                if kc == 3:
+                    live_b -= held[stage]
+            live_b -= stage_bytes[stage]
+        elif held is not None:  # the state before it: while it runs its own additions
+            if live_b > peak_b:  # are among its temporaries (the memory model's transient),
+                peak_b = live_b  # after it they are counted here
+            live_b += held[stage]
+    return peak_b
 
 
 def _stage_bytes(activation_bytes, num_stages: int,

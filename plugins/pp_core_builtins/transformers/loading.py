@@ -59,7 +59,9 @@ def _sources(part: nn.Module, targets: dict) -> dict[str, list[str]]:
     for name, tensor in targets.items():
         aliases[id(tensor)].append(name)
     tied = getattr(part, "pp_tied_parameters", {})
-    return {name: [name, *tied.get(name, ()), *aliases[id(tensor)]]
+    # a layer PEFT wrapped (model.lora) keeps the original weight as ``<layer>.base_layer.*``
+    return {name: [name, *tied.get(name, ()), *aliases[id(tensor)],
+                   *([name.replace(".base_layer.", ".")] if ".base_layer." in name else [])]
             for name, tensor in targets.items()}
 
 
@@ -83,6 +85,7 @@ def load_part(part: nn.Module, path, strict: bool = True) -> list[str]:
             missing.append(name)
         else:
             by_file[index[source]].append((name, source, tensor))
+    missing = [name for name in missing if ".lora_" not in name]  # adapters: not in a base
     if missing and strict:
         raise ConfigError(
             f"checkpoint {str(path)!r} has no tensor for {missing[:5]}"

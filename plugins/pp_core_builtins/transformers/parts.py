@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import types
+import zlib
 
 import torch
 from torch import nn
@@ -122,6 +123,21 @@ def init_part_weights(part: nn.Module) -> None:
     checkpoint = getattr(part, "pp_checkpoint", None)
     if checkpoint is not None:
         load_part(part, checkpoint)
+    _reset_adapters(part)
+
+
+def _reset_adapters(part: nn.Module) -> None:
+    """PEFT LoRA layers (``model.lora`` on a model loaded per stage): the per-module init above
+    overwrote their adapters; give them PEFT's init again, seeded by name, so every rank and
+    replica agrees and ``lora_B`` starts at zero (the adapted model starts as the base)."""
+    for name, module in part.named_modules():
+        reset = getattr(module, "reset_lora_parameters", None)
+        if reset is None:
+            continue
+        for adapter in list(getattr(module, "lora_A", {}).keys()):
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(zlib.crc32(f"{name}.{adapter}".encode()))
+                reset(adapter, getattr(part, "pp_lora_init", True))
 
 
 def build_part(model: nn.Module, layout: DecoderLayout, fqns, config,

@@ -10,7 +10,10 @@ Measure the pipeline's model on its configured device (built for real, with
 one batch of its data), then rank every installed schedule x stages per rank x
 microbatch size (divisors of pp_batch_size) x cost-balanced split by the step
 time the simulator predicts from those measurements, and drop the plans whose
-predicted peak memory on some rank exceeds --memory-cap.
+predicted peak memory on some rank exceeds --memory-cap. With
+'train.activation_checkpointing: auto' the planner also chooses, with the
+split, which stages recompute (none / selective / full per stage) to fit the
+cap; a mode written there is kept on every stage.
 
 This is what 'pipeline.pp_schedule: auto' runs before 'pp-core run' starts
 the ranks; the file's pp_schedule may be auto or any schedule (it is not used).
@@ -22,6 +25,7 @@ examples:
   pp-core plan examples/demo.yaml
   pp-core plan examples/demo.yaml --memory-cap 512MiB
   pp-core plan pipe.yaml --memory-cap 8GiB --json > plan.json
+  pp-core plan pipe.yaml --memory-cap 8GiB -o chosen.yaml && pp-core run chosen.yaml
 """
 
 
@@ -38,6 +42,10 @@ def register(subparsers) -> None:
     parser.add_argument("--no-link", action="store_true",
                         help="do not start two processes to time the link between ranks "
                              "(transfers are then free in the prediction)")
+    parser.add_argument("-o", "--output", metavar="FILE",
+                        help="write the chosen layout as a YAML pipeline that 'pp-core run' "
+                             "runs as it stands (schedule, split, microbatch size, activation "
+                             "checkpointing per stage, degrees)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY.PATH=VALUE", help="override a key (as for run)")
     parser.set_defaults(func=plan_command)
@@ -65,6 +73,8 @@ def plan_command(args) -> int:
     spec = as_auto(load_spec(args.pipeline, args.overrides))
     preflight(spec, run_checks=False)  # names, arguments, batch sizes: fail before profiling
     plan = plan_spec(spec, memory_cap=cap, measure_link=not args.no_link)
+    if args.output is not None:
+        _write(spec, plan, args.output)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
@@ -81,3 +91,22 @@ def plan_command(args) -> int:
         stages = plan.chosen.fqns_per_stage
         print("split: " + " | ".join(", ".join(s) for s in stages))
     return 0
+
+
+def _write(spec, plan, path: str) -> None:
+    """``-o FILE``: the chosen layout as a runnable YAML pipeline."""
+    import yaml  # lazy: only with -o
+
+    from pp_core.app.decide import written_spec  # lazy: as plan_command's imports
+
+    import os  # lazy: as above
+
+    from pp_core.errors import ConfigError
+
+    if os.path.exists(path) and os.path.samefile(path, spec.source):
+        raise ConfigError(f"-o {path}: that is the pipeline being planned; write the chosen "
+                          f"layout to another file")
+    values = written_spec(spec, plan)
+    with open(path, "w") as fh:
+        fh.write(f"# written by 'pp-core plan {spec.source}': the chosen plan, no auto left\n")
+        yaml.safe_dump(values, fh, sort_keys=False)

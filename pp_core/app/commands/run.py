@@ -100,6 +100,9 @@ def register(subparsers) -> None:
     export.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip checking the checkpoint's files against the checksums "
                              "recorded when it was saved (checkpoint.verify: false)")
+    export.add_argument("--merge", action="store_true",
+                        help="with --format hf, a model.lora run: the merged model instead of "
+                             "the PEFT adapter")
     export.set_defaults(func=export_command)
 
 
@@ -168,12 +171,17 @@ def validate_command(args) -> int:
     if found.plan is not None:
         print("  split: " + found.plan.describe().replace("\n", "\n  "))
     if found.schedule is not None:
-        from pp_core.schedule.simulate import simulate  # lazy: only when `pp-core validate` runs
+        from pp_core.schedule.simulate import Costs, simulate  # lazy: only when validate runs
 
-        result = simulate(found.schedule)
+        from pp_core.schedule.frozen import describe_frozen, frozen_costs  # lazy: as above
+
+        costs = frozen_costs(Costs(), found.schedule.num_stages, found.trainable)
+        result = simulate(found.schedule, costs)
         print(f"  schedule {found.schedule.name}: {found.schedule.num_stages} stages, "
               f"simulated bubble {100 * result.bubble_ratio:.1f}% at unit costs, peak "
               f"activations per rank {result.peak_activations}")
+        if found.trainable is not None and not all(found.trainable):
+            print(f"  frozen: {describe_frozen(found.trainable)}")
     if found.initializers is not None:
         print("  " + _initializers(found.initializers).replace("\n", "\n  "))
     print(f"  {_parallelisms(spec)}")
@@ -212,6 +220,7 @@ def _parallelisms(spec) -> str:
 def export_command(args) -> int:
     from pp_core.app.checkpoint import export_checkpoint, latest_checkpoint  # lazy: DCP, seconds
     from pp_core.app.output_paths import refuse_export_collisions
+    from pp_core.app.peft_export import lora_settings  # lazy: with the checkpoint to read
 
     source = Path(args.checkpoint)
     if not (source / ".metadata").is_file():
@@ -219,7 +228,13 @@ def export_command(args) -> int:
         if latest is not None:
             source = latest
     refuse_export_collisions(args.checkpoint, str(source), args.output)
-    if getattr(args, "format", None) is not None or args.dtype or args.max_shard_size:
+    if args.merge or (args.format == "hf" and lora_settings(source) is not None):
+        from pp_core.app.checkpoint_checksums import verify_checkpoint  # lazy: with an export
+        from pp_core.app.peft_export import export_lora_command  # lazy: peft, transformers
+
+        verify_checkpoint(source, args.verify)
+        return export_lora_command(source, args)  # a model.lora run: PEFT's adapter directory
+    if args.format is not None or args.dtype or args.max_shard_size:
         from pp_core.app.export_cli import export_command as export_as  # lazy: DCP, seconds
 
         return export_as(source, args)

@@ -17,6 +17,7 @@ from pp_core.errors import PPCoreError, ScheduleError
 from pp_core.schedule.buffer_plan import recv_buffer_report
 from pp_core.schedule.build import build_schedule
 from pp_core.schedule.csv_io import format_csv, read_csv
+from pp_core.schedule.frozen import frozen_costs
 from pp_core.schedule.limits import size_problem
 from pp_core.schedule.lower import lower
 from pp_core.schedule.render import caption, render_svg, render_text
@@ -137,6 +138,10 @@ def _add_common(sub) -> None:
                           "default: one per rank")
     sub.add_argument("--activation-bytes", type=_amount(float, maximum=MAX_BYTES), metavar="N",
                      help="bytes one stage keeps per microbatch; adds peak bytes per rank")
+    sub.add_argument("--frozen", metavar="STAGES",
+                     help="stages with nothing to train, e.g. 0,1 (LoRA, model.freeze): their W "
+                          "costs 0 and B = I, and the stages before the first trainable one run "
+                          "no backward (pp_core.schedule.frozen)")
     sub.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -183,8 +188,24 @@ def _schedule(args):
 
 def _simulated(args):
     costs = Costs(F=args.cost_f, B=args.cost_b, I=args.cost_i, W=args.cost_w)
-    return simulate(_schedule(args), costs, comm_latency=args.comm_latency,
+    schedule = _schedule(args)
+    if getattr(args, "frozen", None):
+        costs = frozen_costs(costs, schedule.num_stages, _trainable(args.frozen,
+                                                                    schedule.num_stages))
+    return simulate(schedule, costs, comm_latency=args.comm_latency,
                     activation_bytes=args.activation_bytes, processors=args.processors)
+
+
+def _trainable(text: str, num_stages: int) -> tuple[bool, ...]:
+    """``--frozen 0,1``: per stage, whether it trains."""
+    try:
+        frozen = {int(piece) for piece in text.split(",") if piece.strip()}
+    except ValueError:
+        frozen = None
+    if not frozen or not all(0 <= s < num_stages for s in frozen):
+        raise ScheduleError(f"--frozen {text[:40]!r}: expected stage indices 0..{num_stages - 1}"
+                            f" separated by commas, e.g. --frozen 0,1")
+    return tuple(s not in frozen for s in range(num_stages))
 
 
 def _write(path: str, text: str) -> None:

@@ -1,0 +1,170 @@
+"""Hand a LoRA run back as PEFT writes it: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+``pp-core export CKPT --format hf -o DIR`` on a checkpoint of a ``model.lora`` run writes the PEFT
+adapter directory that ``PeftModel.from_pretrained(base_model, DIR)`` loads onto the base. It is
+PEFT's own ``save_pretrained``: the base model is built on the meta device (no memory, no
+weights), ``get_peft_model`` adds the run's adapters, and only the adapter tensors are read from
+the checkpoint (any layout wrote it: DCP keys are the unsplit model's names) and put in place -
+adapters are small, so one process holds them. ``--merge`` writes the merged model instead
+(``merge_and_unload``): ``save_pretrained``'s directory for a Hugging Face model, else
+``model.safetensors`` with the model's own names; it holds the whole model in this process.
+
+What the run was: the ``model`` section of the checkpoint's ``pp_core_run.json``
+(:mod:`pp_core.app.checkpoint_identity`), which records ``model.lora``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from pp_core.app.adapters import lora_config, peft_missing
+from pp_core.app.checkpoint_identity import IDENTITY_FILE
+from pp_core.errors import ConfigError, PipelineError
+
+__all__ = ["lora_settings", "export_peft_adapter", "export_merged", "export_lora_command"]
+
+_PREFIX = "base_model.model."  # where PEFT keeps the model it changed in place
+
+
+def lora_settings(checkpoint) -> Optional[dict]:
+    """The ``model`` section a checkpoint records when its run had ``model.lora``, else None."""
+    try:
+        recorded = json.loads((Path(checkpoint) / IDENTITY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    model = recorded.get("model") if isinstance(recorded, dict) else None
+    if not isinstance(model, dict) or not model.get("lora"):
+        return None
+    return model
+
+
+def _base_model(section: dict, meta: bool):
+    """The run's model without adapters, as its factory builds it (on meta: no memory)."""
+    import torch  # lazy: torch, only for an export
+
+    from pp_core._torch_compat import nn_init_skipped
+    from pp_core.callables import resolve_callable
+    from pp_core.plugin_manager import plugins_or_default
+
+    if section.get("target"):
+        factory = resolve_callable(section["target"], "model.target")
+    else:
+        factory = plugins_or_default(None).models.get(section["name"])
+    args = section.get("args") or {}
+    if meta:
+        with torch.device("meta"), nn_init_skipped():
+            return factory(**args)
+    torch.manual_seed(0)
+    return factory(**args)
+
+
+def _peft_model(section: dict, meta: bool):
+    try:
+        from peft import get_peft_model  # lazy: peft is an extra
+    except ImportError:
+        raise peft_missing("exporting a model.lora run") from None
+    base = _base_model(section, meta)
+    config = lora_config(dict(section["lora"]), base)
+    if meta:
+        import torch  # lazy: with peft
+
+        with torch.device("meta"):
+            return get_peft_model(base, config)
+    return get_peft_model(base, config)
+
+
+def _read(checkpoint, names: list[str]) -> dict:
+    """Only the tensors ``names`` (the unsplit model's FQNs) of a DCP checkpoint, on the CPU."""
+    import torch  # lazy: torch, only for an export
+    import torch.distributed.checkpoint as dcp  # lazy: DCP, only for an export
+
+    from pp_core.app.checkpoint import SafeLoadPlanner, SafeReader
+
+    reader = SafeReader(str(checkpoint))
+    metadata = reader.read_metadata().state_dict_metadata
+    missing = [n for n in names if f"model.{n}" not in metadata]
+    if missing:
+        raise PipelineError(f"checkpoint {str(checkpoint)!r} has no adapter tensors "
+                            f"{missing[:3]}{' ...' if len(missing) > 3 else ''}; was it written "
+                            f"by the model.lora run its {IDENTITY_FILE} describes?")
+    state = {f"model.{n}": torch.empty(metadata[f"model.{n}"].size,
+                                       dtype=metadata[f"model.{n}"].properties.dtype)
+             for n in names}
+    dcp.load(state, storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner(),
+             no_dist=True)
+    return {key[len("model."):]: value for key, value in state.items()}
+
+
+def export_peft_adapter(checkpoint, output, section: Optional[dict] = None) -> Path:
+    """Write the PEFT adapter directory of a ``model.lora`` checkpoint (module docstring)."""
+    section = section or lora_settings(checkpoint)
+    if section is None:
+        raise ConfigError(f"{str(checkpoint)!r} is not a checkpoint of a model.lora run (its "
+                          f"{IDENTITY_FILE} records no model.lora); export its weights with "
+                          f"pp-core export CKPT -o model.safetensors")
+    model = _peft_model(section, meta=True)
+    adapters = [n for n, p in model.named_parameters() if p.requires_grad]
+    inner = [n[len(_PREFIX):] for n in adapters]
+    tensors = _read(checkpoint, inner)
+    model.load_state_dict({_PREFIX + n: t for n, t in tensors.items()}, strict=False, assign=True)
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(output), safe_serialization=True)
+    return output
+
+
+def export_merged(checkpoint, output, section: Optional[dict] = None) -> Path:
+    """``--merge``: the base with the adapters merged in (``merge_and_unload``), whole."""
+    from pp_core.app.checkpoint import read_model_state_dict  # lazy: DCP
+
+    section = section or lora_settings(checkpoint)
+    if section is None:
+        raise ConfigError(f"--merge merges LoRA adapters, and {str(checkpoint)!r} is not a "
+                          f"checkpoint of a model.lora run; drop --merge")
+    model = _peft_model(section, meta=False)
+    # assign: a model whose factory builds on meta (an HF directory loaded per stage) gets the
+    # checkpoint's tensors themselves
+    model.base_model.model.load_state_dict(read_model_state_dict(checkpoint), assign=True)
+    merged = model.merge_and_unload()
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    if hasattr(merged, "save_pretrained"):
+        merged.save_pretrained(str(output), safe_serialization=True)
+    else:
+        from safetensors.torch import save_file  # lazy: safetensors, only for an export
+
+        state = {k: v.detach().contiguous() for k, v in merged.state_dict().items()}
+        save_file(_untied(state), str(output / "model.safetensors"))
+    return output
+
+
+def _untied(state: dict) -> dict:
+    """safetensors refuses two names of one storage (a tied head): the second gets a copy."""
+    seen, out = {}, {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        out[name] = tensor.clone() if key in seen else tensor
+        seen[key] = name
+    return out
+
+
+def export_lora_command(source: Path, args) -> int:
+    """``pp-core export CKPT --format hf [--merge] -o DIR`` of a ``model.lora`` checkpoint."""
+    import time  # lazy: with the command
+
+    if args.merge and args.format != "hf":
+        raise ConfigError("--merge writes a Hugging Face directory; add --format hf")
+    section = lora_settings(source)
+    if section is None:
+        raise ConfigError(f"--format hf here exports the PEFT adapter of a model.lora run, and "
+                          f"{str(source)!r} records no model.lora; export its weights with "
+                          f"pp-core export CKPT -o model.safetensors")
+    started = time.perf_counter()
+    write = export_merged if args.merge else export_peft_adapter
+    output = write(source, args.output, section)
+    files = sorted(p.name for p in output.iterdir() if not p.name.startswith("."))
+    print(f"wrote {output} from {source} in {time.perf_counter() - started:.1f} s: "
+          f"{', '.join(files)}")
+    return 0
