@@ -173,7 +173,7 @@ def _check_order(cells, compute_col, fail) -> None:
                        key=lambda c: c.column)
         for i, cell in enumerate(marks):
             if cell.kind != ("UNSHARD", "RESHARD")[i % 2]:
-                fail(cell, "repeats the previous UNSHARD/RESHARD of its stage; they alternate, "
+                fail(cell, "is out of turn: a stage's UNSHARD and RESHARD cells alternate, "
                            "UNSHARD first")
         if marks[-1].kind == "UNSHARD":
             fail(marks[-1], "is never followed by its RESHARD; add one after the stage's last "
