@@ -204,7 +204,9 @@ def fsdp_reduce_and_reshard(modules) -> None:
 
 
 def fsdp_reset(modules) -> None:
-    """After a failed step: drop FSDP2's per-iteration state of the roots among ``modules``."""
+    """After a failed step: drop FSDP2's per-iteration state of the roots among ``modules``.
+    ``FSDPState._reset_iter_state`` is on 2.13 and 2.15.0, not on 2.11 (there this does
+    nothing)."""
     from torch.distributed._composable_state import _get_module_state  # lazy: private torch API
 
     for module in modules:
