@@ -11,6 +11,12 @@ tests that exercise it passed there; 2.11 ran every schedule against the unsplit
 ranks (the runtime's shims only). A new release: ``bash scripts/test-torch.sh VERSION``, then add
 it here, to ``pyproject.toml``'s range and to README.
 
+torch 2.15's new public pipelining APIs (pre-split microbatches in ``step``,
+``register_forward_context``, ``analyze_pipeline_activation_liveness``, per-edge P2P groups) serve
+torch's own schedule classes, which pp-core's runtime does not use; none replaces a shim here, so
+none is used (pp-core splits microbatches, prepares per-microbatch resources and plans buffer
+lifetimes itself).
+
 Nothing here imports ``torch.distributed`` at import time (importing :mod:`pp_core.runtime` must
 not); those shims import on first use.
 """
