@@ -338,8 +338,9 @@ def comms_rows(schedule: Schedule, program, dialect: str = "2.15",
                 if reduce:
                     out.extend(reduce)
                     reduce = []
-            if waits and a.kind in (I, B) and pending.pop(("SEND_F", a.stage, a.microbatch),
-                                                          False) is None:
+            sent = ("SEND_F", a.stage, a.microbatch)
+            if waits and a.kind in (I, B) and sent in pending:  # the peer has consumed it
+                del pending[sent]
                 out.append(f"{a.stage}WAIT_SEND_F{a.microbatch}")
             if a.kind in (B, W):
                 backwards[a.stage] = backwards.get(a.stage, 0) + 1
