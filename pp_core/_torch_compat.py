@@ -272,7 +272,7 @@ def fsdp_replicate():
 def flatten_mesh(mesh):
     """A 1-D DeviceMesh over every rank of a multi-dimensional one (an HSDP dp mesh, for the
     token count's all-reduce, runtime/token_loss.py). torch has no public flatten; ``_flatten``
-    is what torchtitan uses. Checked on 2.13.0."""
+    is what torchtitan uses. Checked on 2.13.0, 2.15.0."""
     return mesh._flatten()
 
 
@@ -289,7 +289,7 @@ def composable_engines(module) -> tuple[str, ...]:
 def compile_backends() -> list[str]:
     """Every backend name ``torch.compile`` accepts, as ``torch._dynamo.list_backends`` gives
     them (parallel/compile_options.py; there is no public list). Importing dynamo takes seconds,
-    so only when a backend is named. Checked on 2.13.0."""
+    so only when a backend is named. Checked on 2.13.0, 2.15.0."""
     import torch._dynamo  # lazy: seconds to import, only when a backend is named
 
     return sorted(torch._dynamo.list_backends(exclude_tags=()))
@@ -312,7 +312,7 @@ def profiler_enabled() -> bool:
 try:  # A mode that sees every aten op below autograd, forward and backward alike: the profiler
     # counts the tensors a unit creates and frees with it (its transient peak). Torch's public
     # profiler records allocations too, but only as a trace to parse after the fact. Checked on
-    # 2.13.0. Missing: None, and profiles record a transient peak of 0 (the old prediction).
+    # 2.13.0, 2.15.0. Missing: None, and profiles record a transient peak of 0 (the old prediction).
     from torch.utils._python_dispatch import TorchDispatchMode
 except ImportError:  # pragma: no cover - a torch without it
     TorchDispatchMode = None
