@@ -21,6 +21,12 @@ Two parts:
 
 The model is a chain of cheap elementwise blocks (``tanh(x * w + b)`` over ``[seq, hidden]``), so
 the receive buffers are a large share of the memory and the CPU time stays small.
+
+The steps run pp-core's runtime on the installed torch (its version is printed first). *torch*
+models torch 2.11-2.14's allocation; torch 2.15 allocates each receive buffer just before its
+receive and drops it with its use (pytorch PR 193872), which is what *fresh* does, so against
+2.15 compare the pool with *fresh* (benchmarks/bench_runtime.py reads the buffers torch's own
+stages hold after a step).
 """
 
 from __future__ import annotations
@@ -290,6 +296,7 @@ def markdown(program_rows, step_rows, args) -> str:
                 measured[(row["schedule"], int(stage))] = entry
     source = "measured in a real step" if measured else "from the program"
     lines = [
+        f"torch {getattr(args, 'torch', '?')}. "
         f"pp={args.pp}, microbatches={m}, slack={slack}. Receive-buffer bytes per stage (both "
         f"directions), pool / torch ({source}; torch = one buffer set per microbatch and "
         f"direction), with the lower bound from the program in brackets (the most receives live "
@@ -376,15 +383,20 @@ def main(argv=None) -> int:
             figures = json.load(saved)
         for key in ("pp", "microbatches", "slack", "seq", "hidden"):
             setattr(args, key, figures[key])
+        args.torch = figures.get("torch", "?")
         print(markdown(figures["program"], figures["steps"], args))
         return 0
+    import torch  # lazy: the version only; --from-json runs without torch
+
+    args.torch = torch.__version__
+    print(f"torch {args.torch}")
     with tempfile.TemporaryDirectory() as tmp:
         csv_path = os.path.join(tmp, "bfs_zb.csv")
         with open(csv_path, "w", newline="") as fh:
             fh.write(bfs_zb_csv(args.pp, args.microbatches))
         program_rows = program_figures(args.pp, args.microbatches, args.slack, csv_path)
         step_rows = [] if args.skip_run else run_steps(args, csv_path)
-    figures = {"pp": args.pp, "microbatches": args.microbatches, "slack": args.slack,
+    figures = {"torch": args.torch, "pp": args.pp, "microbatches": args.microbatches, "slack": args.slack,
                "seq": args.seq, "hidden": args.hidden, "program": program_rows,
                "steps": step_rows}
     print(json.dumps(figures))

@@ -1,7 +1,8 @@
 """pp-core's runtime against torch.distributed.pipelining, side by side in one run.
 
 Same model (8 residual MLP blocks, hidden 512, inner width 2048), weights, data (batch 256, 8 microbatches, MSE)
-and schedule through torch 2.13's schedule classes and through pp-core, on 2 ranks (gloo, one
+and schedule through the installed torch's schedule classes (its version is printed first and
+kept in the JSON) and through pp-core, on 2 ranks (gloo, one
 thread per rank), the two alternating step by step. Reported per schedule:
 
 * step time: median over the measured steps (each step = slowest rank, from a common barrier),
@@ -10,7 +11,9 @@ thread per rank), the two alternating step by step. Reported per schedule:
   measured on one process (rank 0 alone, rank 1 idle), divided by the measured step time;
 * first step (torch's includes its shape inference; pp-core's its first headers);
 * peak memory per rank during a step (CPU: growth of the peak resident set over the step,
-  reset through /proc/self/clear_refs; CUDA: max_memory_allocated).
+  reset through /proc/self/clear_refs; CUDA: max_memory_allocated);
+* the receive-buffer bytes torch's stages hold after a step (its ``_RecvInfo`` buffers: one set
+  per microbatch up to 2.14, none from 2.15 on, which allocates each just in time).
 
 Also the lowering speed (pp=64, 2 stages per rank, 1024 microbatches) and I+W against B.
 
@@ -149,7 +152,22 @@ def build_torch(model, name, rank, num_ranks, device):
         schedule.step(*args, return_outputs=False)
         return None
 
+    step.stages = stages
     return step, modules, mine
+
+
+def torch_held_recv_bytes(stages) -> int:
+    """Bytes of the receive buffers torch's stages hold (activations and gradients, every
+    microbatch) - read between steps."""
+    held = 0
+    for stage in stages:
+        for infos in [*getattr(stage, "args_recv_info", {}).values(),
+                      *getattr(stage, "grad_recv_info", {}).values()]:
+            for info in infos if isinstance(infos, (tuple, list)) else (infos,):
+                buffer = getattr(info, "buffer", None)
+                if isinstance(buffer, torch.Tensor):
+                    held += buffer.numel() * buffer.element_size()
+    return held
 
 
 def build_pp_core(model, name, device, static=False):
@@ -363,12 +381,14 @@ def memory_worker(rank, num_ranks, store_path, args, results_path):
                     timed(step, modules, x, y, device)
             steady = max(timed(step, modules, x, y, device, memory=True)[1][rank]
                          for _ in range(2))
-            values = torch.tensor([float(peak.peak), steady], dtype=torch.float64)
+            held = torch_held_recv_bytes(step.stages) if key == "torch" else 0
+            values = torch.tensor([float(peak.peak), steady, float(held)], dtype=torch.float64)
             gathered = [torch.zeros_like(values) for _ in range(num_ranks)]
             dist.all_gather(gathered, values)
             report.setdefault(name, {})[key] = {
                 "with_first_step": [g[0].item() for g in gathered],
-                "steady_step": [g[1].item() for g in gathered]}
+                "steady_step": [g[1].item() for g in gathered],
+                "held_recv_bytes": [g[2].item() for g in gathered]}
             del step, modules, copied
             gc.collect()
     if rank == 0:
@@ -401,7 +421,8 @@ def summarise(report, memory):
                "efficiency_torch_together": round(e["predicted_together"] / torch_med, 3),
                "first_step_torch_s": round(e["torch_first"], 4),
                "peak_mem_torch_mib": mib(memory[name]["torch"]["with_first_step"]),
-               "steady_mem_torch_mib": mib(memory[name]["torch"]["steady_step"])}
+               "steady_mem_torch_mib": mib(memory[name]["torch"]["steady_step"]),
+               "torch_held_recv_mib": mib(memory[name]["torch"]["held_recv_bytes"])}
         for key in ("pp_core", "pp_core_static"):
             ratios = [p / t for p, t in zip(e[key], e["torch"])]
             med = statistics.median(e[key])
@@ -526,6 +547,8 @@ def main(argv=None):
         with open(args.json, "w") as handle:
             handle.write(text + "\n")
     print()
+    print(f"torch {torch.__version__} (its schedule classes are the 'torch' columns), "
+          f"{num_ranks} ranks, load average {load_before[0]:.1f} before the run")
     print(f"{'schedule':<17}{'torch s':>8}{'pp s':>7}{'ratio':>6}{'range':>11}"
           f"{'static s':>9}{'ratio':>6}{'eff':>5}{'eff2':>5}{'eff3':>5}{'eff t':>6}"
           f"{'first t/pp/st':>17}"
@@ -547,6 +570,9 @@ def main(argv=None):
           "costs measured while both ranks compute, eff3 = costs alone plus the measured one-way "
           "latency per hand-over; eff t = torch's (costs alone)")
     lowering = result["lowering"]
+    held = ", ".join(f"{name} {'/'.join(f'{v:.1f}' for v in r['torch_held_recv_mib'])}"
+                     for name, r in result["schedules"].items())
+    print(f"receive buffers torch holds after a step, MiB per rank: {held}")
     print(f"\nlowering pp=64 v=2 m=1024 ({lowering['compute_actions']} compute actions): "
           f"{lowering['seconds_median']} s")
     sb = result["split_backward"]

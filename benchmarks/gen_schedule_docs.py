@@ -146,13 +146,33 @@ def pp_register_schedules(register):
 
 ## CSV files
 
-The format of torch 2.13's `_PipelineScheduleRuntime._load_csv(format="compute_only")`: one row
-per rank, cells `<stage><F|B|I|W><mb>`, an empty cell an idle step, written with `csv.writer`
-defaults (CRLF). `read_csv` also reads torch's default `compute_comms` dumps (SEND/RECV,
-UNSHARD/RESHARD/REDUCE_GRAD cells are dropped: lowering re-derives them) and DualPipeV's
-`(a;b)OVERLAP_F_B` cells (split into `a` then `b`). Cells are parsed strictly (`0F1junk` is an
-error, which torch would read as `0F1`), and errors name the row (rank), the column and the
-reason. The stage placement is inferred from the row each stage appears in.
+The format of torch's `_PipelineScheduleRuntime._load_csv(format="compute_only")` (2.11 to
+2.15): one row per rank, cells `<stage><F|B|I|W><mb>`, an empty cell an idle step, written with
+`csv.writer` defaults (CRLF). `read_csv` also reads torch's default `compute_comms` dumps and
+DualPipeV's `(a;b)OVERLAP_F_B` cells (split into `a` then `b`). Cells are parsed strictly
+(`0F1junk` is an error, which torch would read as `0F1`), and errors name the row (rank), the
+column and the reason. The stage placement is inferred from the row each stage appears in.
+
+A `compute_comms` file's other cells keep torch's meaning and are checked before they are
+dropped (pp-core's lowering re-derives its own communication): `SEND_F/RECV_F/SEND_B/RECV_B`
+(each on its own stage's row, a send after the compute that produced it, a receive before its
+consumer, every hand-off between ranks with both), `UNSHARD/RESHARD` (FSDP: alternating, every
+compute of the stage between them), `REDUCE_GRAD` (after the stage's last backward) and torch
+2.15's waits: `WAIT_SEND_F/WAIT_SEND_B` (one per send, after it: 2.15's runtime retires a send
+only there) and `WAIT_REDUCE_GRAD` (one per reduction, at most one pending per rank). A file with
+any wait is held to 2.15's rules, one without to 2.11-2.14's, which have no waits. Finally the
+rows are run as torch's runtime would (a compute fed from another rank waits for the peer's send,
+a send's wait for the peer's receive): a file that would hang is refused with each blocked cell
+and what it waits for.
+
+`pp-core schedule export NAME ... --format compute_comms` writes the whole program (pp-core's
+send/receive order, torch's UNSHARD/RESHARD and REDUCE_GRAD, and in 2.15's dialect the waits where
+torch 2.15's own lowering puts them) for `_load_csv(path, format="compute_comms")`. The dialect is
+the installed torch's (read from its metadata, torch is not imported), or `--torch VERSION`: a
+2.15 file cannot be read by 2.11-2.14, whose parser takes `0WAIT_SEND_F0` for `0W`, and 2.15
+refuses a file without waits. tests/test_torch_runtime_csv.py runs every built-in schedule's
+export in torch's runtime, and every torch class's dump in pp-core, against one process (2.13 and
+2.15: all pass; torch 2.11's runtime hangs on the export of the V-placed schedules).
 """
 
 

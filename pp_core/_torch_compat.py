@@ -5,9 +5,17 @@ speed or because torch offers no public way; each shim says what it is for, what
 torch lacks the internal, and the torch releases it was checked on. A torch release that moves
 one of them breaks here, not across the code base.
 
-"Checked on" names the releases where the shim ran: 2.13.0 and 2.14.1 ran the whole suite; 2.11
-ran every schedule against the unsplit model on 2 CPU ranks (the runtime's shims only). A new
-release: run the suite on it, then add it here, to ``pyproject.toml``'s range and to README.
+"Checked on" names the releases where the shim ran: 2.13.0 (CI) and 2.14.1 ran the whole suite;
+2.15.0 ran it on 2026-12-02 (README, Install: what passed), and a shim names 2.15.0 where the
+tests that exercise it passed there; 2.11 ran every schedule against the unsplit model on 2 CPU
+ranks (the runtime's shims only). A new release: ``bash scripts/test-torch.sh VERSION``, then add
+it here, to ``pyproject.toml``'s range and to README.
+
+torch 2.15's new public pipelining APIs (pre-split microbatches in ``step``,
+``register_forward_context``, ``analyze_pipeline_activation_liveness``, per-edge P2P groups) serve
+torch's own schedule classes, which pp-core's runtime does not use; none replaces a shim here, so
+none is used (pp-core splits microbatches, prepares per-microbatch resources and plans buffer
+lifetimes itself).
 
 Nothing here imports ``torch.distributed`` at import time (importing :mod:`pp_core.runtime` must
 not); those shims import on first use.
@@ -34,7 +42,7 @@ __all__ = ["engine_run_backward", "ACCUMULATE_GRAD", "process_group_store", "set
 try:  # The engine entry point under torch.autograd.backward/grad, without their argument
     # normalisation (~80 us per call with GradientEdge roots: a third of a small W's time).
     # Signature (roots, grads, retain_graph, create_graph, inputs, *, allow_unreachable,
-    # accumulate_grad); checked on 2.11, 2.13, 2.14. Missing: None, and backward.py calls the
+    # accumulate_grad); checked on 2.11, 2.13, 2.14, 2.15.0. Missing: None, and backward.py calls the
     # public torch.autograd.backward/grad, which do the same, slower.
     from torch.autograd.graph import _engine_run_backward as engine_run_backward
 except ImportError:  # pragma: no cover - a torch without it
@@ -42,7 +50,7 @@ except ImportError:  # pragma: no cover - a torch without it
 
 # The autograd node type of a leaf tensor (its ``.variable`` is the leaf). backward.py tells leaf
 # nodes apart by type, since ``getattr(node, "variable")`` raises, slowly, on every other node.
-# Checked on 2.11, 2.13, 2.14. Missing: None, and backward.py falls back to that getattr.
+# Checked on 2.11, 2.13, 2.14, 2.15.0. Missing: None, and backward.py falls back to that getattr.
 ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
 
 # ---------------------------------------------------------------------------------- c10d (comm.py)
@@ -51,7 +59,7 @@ ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad
 def process_group_store(group):
     """The key-value store behind ``group``, where a failing rank publishes why it failed so
     its peers can say it (:mod:`pp_core.runtime.comm`). torch has no public getter; this is
-    ``distributed_c10d._get_process_group_store``, checked on 2.11, 2.13, 2.14."""
+    ``distributed_c10d._get_process_group_store``, checked on 2.11, 2.13, 2.14, 2.15.0."""
     from torch.distributed.distributed_c10d import _get_process_group_store  # lazy: private API
 
     return _get_process_group_store(group)
@@ -63,7 +71,7 @@ def process_group_store(group):
 def set_state_dict_item(state_dict: dict, path, value) -> None:
     """Put ``value`` at a flattened key's ``path`` in a nested state dict, as DCP's own load
     planner does (``torch.distributed.checkpoint._traverse.set_element``; checked on 2.13,
-    2.14). Used by the safe load planner of :mod:`pp_core.app.checkpoint`."""
+    2.14, 2.15.0). Used by the safe load planner of :mod:`pp_core.app.checkpoint`."""
     from torch.distributed.checkpoint._traverse import set_element  # lazy: private torch API
 
     set_element(state_dict, path, value)
@@ -71,7 +79,7 @@ def set_state_dict_item(state_dict: dict, path, value) -> None:
 
 def dcp_metadata_path(reader, rank: Optional[int]):
     """The path of a ``FileSystemReader``'s ``.metadata`` file (its private
-    ``_get_metadata_path``; checked on 2.13, 2.14), which the safe reader of
+    ``_get_metadata_path``; checked on 2.13, 2.14, 2.15.0), which the safe reader of
     :mod:`pp_core.app.checkpoint` opens itself so it can unpickle with an allow-list."""
     return reader._get_metadata_path(rank)
 
@@ -104,7 +112,8 @@ def tcp_stores_listening_on_their_host(local: Callable[[str], bool]):
     creates two (the c10d rendezvous store and the store it shares with the workers). Here a
     server for such a host is handed a socket already bound to it (the ``master_listen_fd``
     argument), by replacing ``TCPStore`` where the agent looks it up: ``torch.distributed`` and
-    ``torch.distributed.elastic.rendezvous.c10d_rendezvous_backend``. Checked on 2.13, 2.14.
+    ``torch.distributed.elastic.rendezvous.c10d_rendezvous_backend``. Checked on 2.13, 2.14,
+    2.15.0.
     """
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend  # lazy: elastic
 
@@ -147,7 +156,7 @@ def nn_init_skipped():
     Meta tensors hold no values, so initialising them is pointless, and the first ``normal_`` on
     the meta device costs seconds (torch imports its decompositions for it). Modules call the
     initialisers through the ``torch.nn.init`` module, so replacing its attributes reaches them.
-    Checked on 2.13, 2.14.
+    Checked on 2.13, 2.14, 2.15.0.
     """
     names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")
              and callable(getattr(torch.nn.init, n))]
@@ -164,7 +173,7 @@ def nn_init_skipped():
 # ------------------------------------------ compiled backward (backward.py, parallel/compile.py)
 # ``torch._functorch.config.donated_buffer``: when on, a torch.compile'd backward may free
 # ("donate") its saved buffers and then refuses ``retain_graph=True``, which the split backward's
-# input pass needs (pytorch#161904). Checked on 2.13. Missing: donation cannot be asked about or
+# input pass needs (pytorch#161904). Checked on 2.13, 2.15.0. Missing: donation cannot be asked about or
 # turned off, so these say "off" and do nothing.
 
 
@@ -198,7 +207,7 @@ def disable_donated_buffers() -> None:
 # ------------------------------------------------------------- data parallelism (runtime/dp_sync.py)
 # A pipeline runs a stage's backwards outside FSDP2's / DDP's autograd hooks, so it finishes
 # their reduction itself, exactly as torch.distributed.pipelining's stage does
-# (``perform_reduce_grad``, ``backward_maybe_with_nosync``). Checked on 2.13.
+# (``perform_reduce_grad``, ``backward_maybe_with_nosync``). Checked on 2.13, 2.15.0.
 
 
 def fsdp_reduce_and_reshard(modules) -> None:
@@ -217,7 +226,9 @@ def fsdp_reduce_and_reshard(modules) -> None:
 
 
 def fsdp_reset(modules) -> None:
-    """After a failed step: drop FSDP2's per-iteration state of the roots among ``modules``."""
+    """After a failed step: drop FSDP2's per-iteration state of the roots among ``modules``.
+    ``FSDPState._reset_iter_state`` is on 2.13 and 2.15.0, not on 2.11 (there this does
+    nothing)."""
     from torch.distributed._composable_state import _get_module_state  # lazy: private torch API
 
     for module in modules:
@@ -268,7 +279,7 @@ def ddp_arm_reducer(ddp, outputs) -> None:
 
 def fsdp_replicate():
     """torch's FSDP2-based ``replicate`` (DDP semantics; an FSDPModule, so split backward works);
-    it lives in ``torch.distributed._composable`` on 2.13."""
+    it lives in ``torch.distributed._composable`` on 2.13 and 2.15.0."""
     from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: private API
 
     return replicate
@@ -277,14 +288,14 @@ def fsdp_replicate():
 def flatten_mesh(mesh):
     """A 1-D DeviceMesh over every rank of a multi-dimensional one (an HSDP dp mesh, for the
     token count's all-reduce, runtime/token_loss.py). torch has no public flatten; ``_flatten``
-    is what torchtitan uses. Checked on 2.13.0."""
+    is what torchtitan uses. Checked on 2.13.0, 2.15.0."""
     return mesh._flatten()
 
 
 def composable_engines(module) -> tuple[str, ...]:
     """The composable engines (``fully_shard``, ``replicate``, ...) managing ``module``, read
     from their registry without importing them (nothing registered: the module is not wrapped;
-    runtime/build_checks.py). Checked on 2.13.0. Missing: ``()``, and the FSDPModule / DDP type
+    runtime/build_checks.py). Checked on 2.13.0, 2.15.0. Missing: ``()``, and the FSDPModule / DDP type
     checks alone find wrapped models."""
     contract = sys.modules.get("torch.distributed._composable.contract")
     registry = getattr(contract, "_get_registry", None) if contract is not None else None
@@ -294,7 +305,7 @@ def composable_engines(module) -> tuple[str, ...]:
 def compile_backends() -> list[str]:
     """Every backend name ``torch.compile`` accepts, as ``torch._dynamo.list_backends`` gives
     them (parallel/compile_options.py; there is no public list). Importing dynamo takes seconds,
-    so only when a backend is named. Checked on 2.13.0."""
+    so only when a backend is named. Checked on 2.13.0, 2.15.0."""
     import torch._dynamo  # lazy: seconds to import, only when a backend is named
 
     return sorted(torch._dynamo.list_backends(exclude_tags=()))
@@ -317,7 +328,7 @@ def profiler_enabled() -> bool:
     own ``record_function`` consults, a C++ read costing well under a microsecond, where
     entering ``record_function`` costs ~10 us even with no profiler (benchmarks/bench_seam.py).
     Without the internal, every step is treated as profiled (records cost time, stay correct).
-    Checked on 2.13.0 and 2.14.1."""
+    Checked on 2.13.0, 2.14.1 and 2.15.0."""
     enabled = getattr(torch.autograd, "_profiler_enabled", None)
     return True if enabled is None else bool(enabled())
 
@@ -327,7 +338,7 @@ def profiler_enabled() -> bool:
 try:  # A mode that sees every aten op below autograd, forward and backward alike: the profiler
     # counts the tensors a unit creates and frees with it (its transient peak). Torch's public
     # profiler records allocations too, but only as a trace to parse after the fact. Checked on
-    # 2.13.0. Missing: None, and profiles record a transient peak of 0 (the old prediction).
+    # 2.13.0, 2.15.0. Missing: None, and profiles record a transient peak of 0 (the old prediction).
     from torch.utils._python_dispatch import TorchDispatchMode
 except ImportError:  # pragma: no cover - a torch without it
     TorchDispatchMode = None

@@ -84,7 +84,34 @@ def test_export_stdout_and_file_round_trip(capsys, tmp_path):
     assert out == path.read_bytes().decode()
 
 
+def test_export_compute_comms_in_each_torch_dialect(capsys, tmp_path, monkeypatch):
+    path = tmp_path / "zb.csv"
+    code, out, _ = run(capsys, "schedule", "export", "zero_bubble", "--pp", "2", "-m", "4",
+                       "--format", "compute_comms", "--torch", "2.15.0", "-o", str(path))
+    assert code == 0 and out.endswith("(2 rows, one per rank, compute_comms for torch 2.15+)\n")
+    text = path.read_text()
+    assert "0WAIT_SEND_F0" in text and "1WAIT_SEND_B3" in text and "WAIT_REDUCE_GRAD" in text
+    assert read_csv(path).rows() == ["0F0 0F1 0I0 0W0 0F2 0I1 0W1 0F3 0I2 0W2 0I3 0W3",
+                                     "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1F3 1I3 1W2 1W3"]
+    code, out, _ = run(capsys, "schedule", "export", "zero_bubble", "--pp", "2", "-m", "4",
+                       "--format", "compute_comms", "--torch", "2.13")
+    assert code == 0 and "SEND_F" in out and "REDUCE_GRAD" in out and "WAIT" not in out
+    # no --torch: the installed torch's dialect, read from its metadata
+    monkeypatch.setattr("pp_core.app.commands.schedule.installed_torch_version", lambda: "2.14.1")
+    code, out, _ = run(capsys, "schedule", "export", "1f1b", "--pp", "2", "-m", "2",
+                       "--format", "compute_comms")
+    assert code == 0 and "WAIT" not in out
+    monkeypatch.setattr("pp_core.app.commands.schedule.installed_torch_version", lambda: None)
+    code, out, _ = run(capsys, "schedule", "export", "1f1b", "--pp", "2", "-m", "2",
+                       "--format", "compute_comms")
+    assert code == 0 and "0WAIT_SEND_F0" in out
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["export", "1f1b", "--pp", "2", "-m", "2", "--torch", "2.15"],
+     "--torch chooses the dialect of a compute_comms file; add --format compute_comms"),
+    (["export", "1f1b", "--pp", "2", "-m", "2", "--format", "compute_comms", "--torch", "next"],
+     "cannot read a torch version from 'next'"),
     (["show", "nope", "--pp", "2", "-m", "2"], "unknown schedule 'nope'"),
     (["show", "1f1b", "--pp", "2"], "schedule '1f1b' needs --microbatches"),
     (["show"], "name a schedule"),

@@ -1,4 +1,4 @@
-"""CSV I/O: torch 2.13's own dumps load, pp-core's files load in torch, round trips, bad files."""
+"""CSV I/O: torch 2.13's and 2.15's own dumps load, pp-core's files load in torch, round trips, bad files."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def test_bad_csv_files(name, message):
     ("(0F0,0B0\n", r"cannot parse '\(0F0': a cell starting with '\('"),
     (",\n,\n", r"holds no actions"),
     ("0F0,0B0\n2F0,2B0\n", r"stage\(s\) 1 appear in no row"),
-    ("0F0,0B0,0SEND_F0\n1F0,1B0,1RECV_F0,\n", None),
+    ("0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0,\n", None),
 ])
 def test_bad_cells(text, message):
     if message is None:
@@ -207,3 +207,89 @@ def test_hostile_csv_files_get_one_short_message(tmp_path, content, message):
     with pytest.raises(ScheduleError) as info:
         read_csv(path)
     assert message in str(info.value) and len(str(info.value)) < 600, str(info.value)[:600]
+
+
+# ------------------------------------------------------------- torch 2.15's compute+comms dialect
+
+# torch 2.15 ScheduleGPipe p=2 m=2, its order lowered by _PipelineScheduleRuntime, compute_comms
+TORCH_215_GPIPE = (
+    "0UNSHARD,0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0WAIT_SEND_F0,0RECV_B1,0B1,0WAIT_SEND_F1,"
+    "0REDUCE_GRAD,0WAIT_REDUCE_GRAD,0RESHARD\r\n"
+    "1UNSHARD,1RECV_F0,1F0,1RECV_F1,1F1,1B0,1SEND_B0,1B1,1SEND_B1,1REDUCE_GRAD,"
+    "1WAIT_REDUCE_GRAD,1RESHARD,1WAIT_SEND_B0,1WAIT_SEND_B1\r\n")
+
+
+def test_torch_215_compute_comms_loads():
+    schedule = read_csv(TORCH_215_GPIPE)
+    assert schedule.rows() == ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"]
+    with pytest.raises(ScheduleError, match=r"'0UNSHARD' is a communication action, but "
+                                            r"format='compute_only'"):
+        read_csv(TORCH_215_GPIPE, format="compute_only")
+
+
+def edited(old: str, new: str) -> str:
+    assert old in TORCH_215_GPIPE
+    return TORCH_215_GPIPE.replace(old, new, 1)
+
+
+@pytest.mark.parametrize("text, message", [
+    (edited(",0WAIT_SEND_F1", ""), r"row 0 \(rank 0\), column 4: '0SEND_F1' has no "
+                                   r"'0WAIT_SEND_F1' after it; in torch 2.15's dialect"),
+    (edited("0F0,0SEND_F0", "0F0,0WAIT_SEND_F0,0SEND_F0").replace("0B0,0WAIT_SEND_F0", "0B0"),
+     r"'0WAIT_SEND_F0' waits for '0SEND_F0', which does not come before it"),
+    (edited(",0WAIT_REDUCE_GRAD", ""), r"'0REDUCE_GRAD' is never waited; .* add "
+                                       r"'0WAIT_REDUCE_GRAD'"),
+    (edited("1B0,1SEND_B0", "1SEND_B0,1B0"), r"'1SEND_B0' comes before 1B0 \(column 6\)"),
+    (edited("1RECV_F1,1F1", "1F1,1RECV_F1"), r"'1RECV_F1' comes after 1F1 \(column 3\)"),
+    (edited("0WAIT_SEND_F0", "0WAIT_SEND_F"), r"'0WAIT_SEND_F' needs a microbatch number"),
+    (edited("0WAIT_REDUCE_GRAD", "0WAIT_REDUCE_GRAD0"), r"WAIT_REDUCE_GRAD acts on a whole "
+                                                        r"stage and takes no microbatch"),
+    (edited("0RECV_B0", "1RECV_F0"), r"'1RECV_F0' names stage 1, which lives on rank 1"),
+    (edited("0SEND_F0,", "").replace("0B0,", "0B0,0SEND_F0,"),
+     r"(?s)its communication deadlocks in torch's runtime:\n  rank 0 column 5: 0B0 waits for "
+     r"'1SEND_B0' \(row 1, column 6\), not reached\n  rank 1 column 2: 1F0 waits for '0SEND_F0'"),
+    (edited("1RECV_F1,", ""), r"0F1 on rank 0 hands off to stage 1 on rank 1, but row 1 has no "
+                              r"'1RECV_F1'"),
+    (edited("0RECV_B1,0B1,0WAIT_SEND_F1,0REDUCE_GRAD,0WAIT_REDUCE_GRAD",
+            "0REDUCE_GRAD,0WAIT_REDUCE_GRAD,0RECV_B1,0B1,0WAIT_SEND_F1"),
+     r"'0REDUCE_GRAD' comes before a backward of stage 0"),
+    (edited("0UNSHARD,", ""), r"'0RESHARD' is out of turn"),
+    (edited("0UNSHARD,0F0", "0F0,0UNSHARD"), r"'0UNSHARD' and its RESHARD leave 0F0 \(column 0\) "
+                                            r"outside"),
+    (edited("0F1,0SEND_F1", "0F1,0SEND_F0"), r"'0SEND_F0' appears twice"),
+])
+def test_torch_215_cells_are_checked_with_torchs_meaning(text, message):
+    with pytest.raises(ScheduleError, match=message):
+        read_csv(text)
+
+
+def test_pre_215_dialect_has_no_waits():
+    """A file without any wait is torch 2.11-2.14's dialect: sends and reductions unwaited."""
+    text = TORCH_215_GPIPE
+    for cell in (",0WAIT_SEND_F0", ",0WAIT_SEND_F1", ",0WAIT_REDUCE_GRAD", ",1WAIT_REDUCE_GRAD",
+                 ",1WAIT_SEND_B0", ",1WAIT_SEND_B1"):
+        text = text.replace(cell, "")
+    assert read_csv(text).rows() == ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"]
+
+
+def test_export_writes_torchs_dialects():
+    """pp-core's compute_comms export: 2.15's waits where torch's own lowering puts them; none
+    in 2.13's; both read back."""
+    from pp_core.schedule.build import build_schedule
+    from pp_core.schedule.csv_io import format_comms_csv
+
+    gpipe = read_csv(TORCH_215_GPIPE)
+    text = format_comms_csv(gpipe, "2.15")
+    # the cells torch 2.15 lowers, its sends, receives and waits in the same order (an UNSHARD
+    # may stand on either side of a receive: both post and move on)
+    assert [sorted(row.split(",")) for row in text.split()] == \
+        [sorted(row.split(",")) for row in TORCH_215_GPIPE.split()]
+    assert [[c for c in row.split(",") if "SHARD" not in c] for row in text.split()] == \
+        [[c for c in row.split(",") if "SHARD" not in c] for row in TORCH_215_GPIPE.split()]
+    older = format_comms_csv(gpipe, "2.13")
+    assert "WAIT" not in older and read_csv(older).rows() == gpipe.rows()
+    for name in ("zero_bubble", "v_schedule", "dualpipe_v", "interleaved_1f1b"):
+        schedule = build_schedule(name, num_ranks=4, num_microbatches=8)
+        assert read_csv(format_comms_csv(schedule, "2.15")).rows() == schedule.rows()
+    with pytest.raises(ScheduleError, match=r"unknown torch CSV dialect '2.9'"):
+        format_comms_csv(gpipe, "2.9")

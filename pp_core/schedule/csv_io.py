@@ -6,8 +6,12 @@ torch's ``_dump_csv``, so torch reads what pp-core writes and vice versa.
 
 Reading also accepts what torch *dumps*:
 
-* ``compute_comms`` files (torch's default dump format): ``SEND_F/RECV_F/SEND_B/RECV_B``,
-  ``UNSHARD/RESHARD/REDUCE_GRAD`` cells are dropped (pp-core's lowering re-derives them);
+* ``compute_comms`` files (torch's default dump format), torch 2.15's included: their
+  ``SEND_F/RECV_F/SEND_B/RECV_B``, ``WAIT_SEND_F/WAIT_SEND_B``, ``UNSHARD/RESHARD`` and
+  ``REDUCE_GRAD/WAIT_REDUCE_GRAD`` cells are checked with the meaning torch gives them (each
+  on its own stage's row, sends after their compute and matched by receives, one wait per send
+  in 2.15's dialect, no deadlock: :mod:`pp_core.schedule.torch_comms`), then dropped - pp-core's
+  lowering re-derives them;
 * ``(a;b)OVERLAP_F_B`` cells (torch's DualPipeV): split into ``a`` then ``b``, which is how
   torch runs them when no overlap function is registered.
 
@@ -26,12 +30,14 @@ from typing import Literal
 
 from pp_core.errors import ScheduleError, ScheduleFileNotFoundError, quoted, shorten
 from pp_core.schedule.ir import COMPUTE_KINDS, Schedule, parse_action
+from pp_core.schedule.lower import lower
+from pp_core.schedule.torch_comms import CommCell, check_comms, comms_rows, parse_comm_cell
 from pp_core.schedule.validate import validate_schedule
 
-__all__ = ["read_csv", "parse_csv", "write_csv", "format_csv"]
+__all__ = ["read_csv", "parse_csv", "write_csv", "format_csv", "format_comms_csv",
+           "installed_torch_version"]
 
 Format = Literal["auto", "compute_only", "compute_comms"]
-_COMM_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B)(\d+)|(\d+)(UNSHARD|RESHARD|REDUCE_GRAD)")
 _OVERLAP_RE = re.compile(r"\((.*)\)OVERLAP_F_B")
 _FORMATS = ("auto", "compute_only", "compute_comms")
 
@@ -77,24 +83,25 @@ def parse_csv(text: str, format: Format = "auto", name: str = "csv", source: str
     text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark (editors on Windows write one)
     if "\x00" in text:
         raise ScheduleError(f"{where} holds NUL bytes: a binary file, not CSV text")
-    actions, dropped, split = [], 0, 0
+    actions, columns, comms, split = [], [], [], 0
     try:
         rows = list(csv.reader(io.StringIO(text)))
     except csv.Error as exc:
         raise ScheduleError(f"{where}: not CSV text ({shorten(str(exc), 200)})") from None
     for rank, row in enumerate(rows):
-        rank_actions = []
+        rank_actions, rank_columns = [], []
         for column, cell in enumerate(row):
             at = f"{where}, row {rank} (rank {rank}), column {column}"
-            parsed = _parse_cell(cell, format, at)
-            if parsed is None:
-                rank_actions.append(None)
-            elif parsed == "comm":
-                dropped += 1
-            else:
-                rank_actions.extend(parsed)
-                split += len(parsed) - 1
+            parsed = _parse_cell(cell, format, at, rank, column)
+            if isinstance(parsed, CommCell):
+                comms.append(parsed)
+                continue
+            parsed = [None] if parsed is None else parsed
+            rank_actions.extend(parsed)
+            rank_columns.extend([column] * len(parsed))
+            split += len(parsed) - 1
         actions.append(rank_actions)
+        columns.append(rank_columns)
     _check_bounds(actions, where)
     schedule = Schedule(actions, _infer_placement(actions, where), _num_microbatches(actions),
                         name=name)
@@ -103,16 +110,18 @@ def parse_csv(text: str, format: Format = "auto", name: str = "csv", source: str
             validate_schedule(schedule)
         except ScheduleError as exc:
             note = ""
-            if dropped or split:
-                note = (f"\n(note: steps count the schedule's actions after dropping {dropped} "
-                        f"communication cell(s) and splitting {split} OVERLAP_F_B cell(s), so "
-                        f"they can differ from CSV columns)")
+            if comms or split:
+                note = (f"\n(note: steps count the schedule's actions after dropping "
+                        f"{len(comms)} communication cell(s) and splitting {split} OVERLAP_F_B "
+                        f"cell(s), so they can differ from CSV columns)")
             raise ScheduleError(f"{where}: {exc}{note}") from None
+        if comms:
+            check_comms(comms, schedule, columns, where)
     return schedule
 
 
-def _parse_cell(cell: str, format: str, where: str):
-    """``None`` (idle), ``"comm"`` (dropped), or a list of one or two compute actions."""
+def _parse_cell(cell: str, format: str, where: str, rank: int, column: int):
+    """``None`` (idle), a :class:`CommCell`, or a list of one or two compute actions."""
     text = cell.strip()
     if not text:
         return None
@@ -127,14 +136,15 @@ def _parse_cell(cell: str, format: str, where: str):
     if text.startswith("("):
         raise ScheduleError(f"{where}: cannot parse {quoted(cell)}: a cell starting with '(' "
                             f"must be '(<action>;<action>)OVERLAP_F_B'")
-    if _COMM_RE.fullmatch(text):
+    comm = parse_comm_cell(text, rank, column, where)
+    if comm is not None:
         if format == "compute_only":
             raise ScheduleError(
                 f"{where}: {quoted(text)} is a communication action, but "
                 f"format='compute_only' allows only F/B/I/W cells; read torch's compute_comms "
                 f"dumps with format='auto' or "
                 f"'compute_comms' (their comm cells are dropped and re-derived by lowering)")
-        return "comm"
+        return comm
     return [_compute(text, where, cell)]
 
 
@@ -210,3 +220,23 @@ def write_csv(schedule: Schedule, path: str | os.PathLike) -> None:
     """Write ``schedule`` as a compute-only CSV that torch's ``_load_csv`` reads."""
     with open(path, "w", newline="", encoding="utf-8") as fh:
         fh.write(format_csv(schedule))
+
+
+def format_comms_csv(schedule: Schedule, dialect: str = "2.15") -> str:
+    """The compute+comms CSV text of ``schedule`` (pp-core's lowering, with torch's FSDP and
+    gradient-reduction cells; waits in dialect ``"2.15"``) that torch's
+    ``_PipelineScheduleRuntime._load_csv(path, format="compute_comms")`` runs as written."""
+    out = io.StringIO(newline="")
+    csv.writer(out).writerows(comms_rows(schedule, lower(schedule), dialect))
+    return out.getvalue()
+
+
+def installed_torch_version() -> str | None:
+    """The installed torch's version, read from its metadata (torch is not imported), or
+    ``None`` without torch."""
+    from importlib import metadata  # lazy: only the export of a compute_comms file asks
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None

@@ -16,12 +16,14 @@ from pp_core.app.output_paths import refuse_collisions
 from pp_core.errors import PPCoreError, ScheduleError
 from pp_core.schedule.buffer_plan import recv_buffer_report
 from pp_core.schedule.build import build_schedule
-from pp_core.schedule.csv_io import format_csv, read_csv
+from pp_core.schedule.csv_io import format_comms_csv, format_csv, installed_torch_version, \
+    read_csv
 from pp_core.schedule.frozen import frozen_costs
 from pp_core.schedule.limits import size_problem
 from pp_core.schedule.lower import lower
 from pp_core.schedule.render import caption, render_svg, render_text
 from pp_core.schedule.simulate import Costs, simulate
+from pp_core.schedule.torch_comms import dialect_of
 from pp_core.schedule.trace import chrome_trace
 
 HELP = """\
@@ -30,7 +32,10 @@ Build a pipeline schedule (a registered name or a torch-format CSV), check it
 
   show      draw its timeline in the terminal (and as an SVG with -o FILE.svg)
   simulate  report makespan, bubble ratio and peak in-flight activations per rank
-  export    write it as a compute-only CSV that torch's _load_csv (and pp-core) read
+  export    write it as a CSV that torch's _load_csv (and pp-core) read: compute-only,
+            or with --format compute_comms the whole lowered program in the dialect of
+            the installed torch (or --torch VERSION): 2.15 adds WAIT_SEND_F/_B and
+            WAIT_REDUCE_GRAD, which 2.11 to 2.14 cannot read
 
 Times are per action (default F=1, B=2, I=1, W=1, no communication cost);
 peak activations count (stage, microbatch) pairs whose F has started and whose
@@ -46,6 +51,7 @@ examples:
   pp-core schedule simulate zero_bubble --pp 4 --microbatches 16 --cost-i 1.2 --cost-w 0.8
   pp-core schedule simulate 1f1b --pp 4 --microbatches 8 --trace 1f1b.json   (ui.perfetto.dev)
   pp-core schedule export Interleaved1F1B --pp 4 --microbatches 8 -o order.csv
+  pp-core schedule export zero_bubble --pp 4 -m 8 --format compute_comms --torch 2.15 -o zb.csv
   pp-core schedule simulate --csv order.csv --json
 """
 
@@ -63,9 +69,12 @@ def register(subparsers) -> None:
         "simulate": ("makespan, bubble ratio, peak activations per rank",
                      "Simulate the schedule and report its figures as a table, or as JSON with "
                      "--json. --trace FILE writes a Chrome/Perfetto trace of the timeline."),
-        "export": ("write the compute-only CSV (torch format)",
-                   "Write the schedule as torch's compute-only CSV (one row per rank) to -o "
-                   "FILE, or to stdout."),
+        "export": ("write the CSV torch's _load_csv reads (compute-only or compute_comms)",
+                   "Write the schedule as torch's CSV (one row per rank) to -o FILE, or to "
+                   "stdout: compute-only, or with --format compute_comms the lowered program "
+                   "(sends, receives, FSDP unshard/reshard, gradient reduction; torch 2.15's "
+                   "waits when the dialect is 2.15) that _PipelineScheduleRuntime."
+                   "_load_csv(FILE, format='compute_comms') runs as it is."),
     }
     for name, (short, long) in specs.items():
         sub = actions.add_parser(name, help=short, description=long, epilog=EXAMPLES,
@@ -87,6 +96,14 @@ def register(subparsers) -> None:
                                   "with and without the pool to recv_buffers")
         else:
             sub.add_argument("-o", "--output", metavar="FILE", help="CSV file (default: stdout)")
+            sub.add_argument("--format", choices=("compute_only", "compute_comms"),
+                             default="compute_only",
+                             help="torch's CSV formats: F/B/I/W only (default), or the lowered "
+                                  "program with its communication")
+            sub.add_argument("--torch", metavar="VERSION", dest="torch_version",
+                             help="the torch release that will load a compute_comms file "
+                                  "(its dialect: 2.15 and later write waits, 2.11 to 2.14 "
+                                  "do not); default: the installed torch's, else 2.15")
         sub.set_defaults(func=globals()[f"_{name}"])
 
 
@@ -275,14 +292,24 @@ def _recv_buffers(schedule, args) -> dict:
 
 def _export(args) -> int:
     schedule = _schedule(args)
-    text = format_csv(schedule)
+    dialect = None
+    if args.format == "compute_comms":
+        dialect = dialect_of(args.torch_version or installed_torch_version())
+        text = format_comms_csv(schedule, dialect)
+    elif args.torch_version is not None:
+        raise ScheduleError("--torch chooses the dialect of a compute_comms file; add --format "
+                            "compute_comms (a compute-only CSV reads the same in every torch)")
+    else:
+        text = format_csv(schedule)
     if args.output:
         _write(args.output, text)
         stages = f", {schedule.num_stages} stages" if schedule.num_stages != schedule.num_ranks \
             else ""
+        what = f", compute_comms for torch {dialect}+" if dialect == "2.15" else \
+            ", compute_comms for torch 2.11-2.14" if dialect else ""
         print(f"wrote {args.output}: {schedule.name}, pp={schedule.num_ranks}{stages}, "
               f"microbatches={schedule.num_microbatches} ({schedule.num_ranks} rows, one per "
-              f"rank)")
+              f"rank{what})")
     else:
         sys.stdout.write(text)
     return 0
