@@ -45,8 +45,8 @@ def compile_problem(options: dict[str, Any]) -> str | None:
         unknown = sorted(name for name in extra if known and name not in known)
         if unknown:
             hint = did_you_mean(unknown[0], sorted(known), cutoff=0.6, show=repr, after="")
-            return (f"options: unknown inductor option {unknown[0]!r}"
-                    f"{'; ' + hint if hint else ''} (torch._inductor.list_options() has them all)")
+            return (f"options: unknown inductor option {unknown[0]!r}; "
+                    f"{hint or 'torch.compile(options=...) takes inductor config names'}")
     if backend is not None and not callable(backend):
         if not isinstance(backend, str) or not backend:
             return f"backend: expected a backend name, found {backend!r}"
