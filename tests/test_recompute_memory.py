@@ -38,32 +38,15 @@ def config(name: str):
 def live_peak(name: str) -> int:
     """On every rank: each stage checkpointed by its mode; a step for the optimizer state, then
     the measured one."""
-    import torch.distributed as dist
-
+    from _live_memory import step_live_bytes
     from pp_core import build_pipeline
-    from pp_core.measure.transient import Allocations
     from pp_core.parallel.activation import apply_stage_checkpointing
 
     torch.set_num_threads(1)
     x, y = batch()
     pipe = build_pipeline(make_model(), config(name))
     apply_stage_checkpointing(pipe.model_parts, pipe.stage_indices, MODES)
-    optimizers = [torch.optim.AdamW(part.parameters(), lr=1e-3) for part in pipe.model_parts]
-    for _ in range(2):
-        for part in pipe.model_parts:
-            part.zero_grad(set_to_none=True)
-        dist.barrier()
-        log = Allocations()
-        with log.tracking():
-            pipe.step(x, target=y)
-            for optimizer in optimizers:
-                optimizer.step()
-    params = sum(p.numel() * p.element_size() for part in pipe.model_parts
-                 for p in part.parameters())
-    state = sum(t.numel() * t.element_size() for optimizer in optimizers
-                for per_param in optimizer.state.values() for t in per_param.values()
-                if isinstance(t, torch.Tensor))
-    return params + state + log.peak()
+    return step_live_bytes(pipe, x, y)
 
 
 @pytest.fixture(scope="module")
