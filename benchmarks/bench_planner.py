@@ -93,10 +93,10 @@ def run_case(config_values: dict, steps: int, warmup: int = 2) -> dict:
             optimizer.step()
     peak = params + proc_status("VmHWM") - baseline
     return {"times": times[warmup:], "peak_bytes": peak, "stages": list(pipe.stage_indices),
-            "live_peak_bytes": _live_peak(pipe, optimizers, x, y, params)}
+            "live_peak_bytes": live_peak(pipe, optimizers, x, y, params)}
 
 
-def _live_peak(pipe, optimizers, x, y, params: int) -> int:
+def live_peak(pipe, optimizers, x, y, params: int) -> int:
     """The most bytes of live tensors in one more (untimed) step and optimizer step: parameters,
     optimizer state, and what the step makes (pp_core.measure.transient's log). What the memory
     model predicts, without the allocator's retained pages that the resident set adds."""

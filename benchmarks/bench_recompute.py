@@ -56,8 +56,10 @@ def run_case(values: dict, modes: list[str], steps: int, warmup: int = 1) -> dic
     import torch.distributed as dist
 
     from pp_core import PipelineConfig, build_pipeline
-    from pp_core.measure.transient import Allocations
     from pp_core.parallel.activation import apply_stage_checkpointing
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from bench_planner import live_peak  # the live-tensor figure every memory benchmark reads
 
     torch.set_num_threads(1)
     x, y = make_batch()
@@ -77,19 +79,8 @@ def run_case(values: dict, modes: list[str], steps: int, warmup: int = 1) -> dic
         cpu.append(time.process_time() - start_cpu)
         for optimizer in optimizers:
             optimizer.step()
-    state = sum(t.numel() * t.element_size() for optimizer in optimizers
-                for per_param in optimizer.state.values() for t in per_param.values()
-                if isinstance(t, torch.Tensor))
-    for part in pipe.model_parts:
-        part.zero_grad(set_to_none=True)
-    log = Allocations()
-    dist.barrier()
-    with log.tracking():
-        pipe.step(x, target=y)
-        for optimizer in optimizers:
-            optimizer.step()
     return {"times": times[warmup:], "cpu": cpu[warmup:],
-            "live_peak_bytes": params + state + log.peak()}
+            "live_peak_bytes": live_peak(pipe, optimizers, x, y, params)}
 
 
 def block_modes(candidate) -> list[str]:

@@ -5,7 +5,7 @@ restarts from, :mod:`pp_core.measure.held_for_weight`). This runs the bench_plan
 (embedding and head heavier than a block) on gloo ranks of this machine with split-backward
 schedules and a whole-backward control, each with the ``layers`` split, and prints per rank the
 planner's prediction (``predict_memory``, no receive-buffer pool) next to the live-tensor peak
-of one ``Pipeline.step`` + AdamW step (``bench_planner._live_peak``: parameters + optimizer
+of one ``Pipeline.step`` + AdamW step (``bench_planner.live_peak``: parameters + optimizer
 state + the allocation log's peak). ``--profile-out`` stores the profile, so the prediction of
 another checkout can be made from the same measurement (``--profile-in``, ``--predict-only``).
 
