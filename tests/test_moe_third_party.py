@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import copy
 import re
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -158,17 +156,10 @@ PARTS = [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "n
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     """The package built and pip-installed (no network: setuptools from this environment)."""
-    root = tmp_path_factory.mktemp("tinymoe")
-    package = root / "pp_tinymoe_src"
-    (package / "pp_tinymoe").mkdir(parents=True)
-    (package / "pyproject.toml").write_text(PYPROJECT)
-    (package / "pp_tinymoe" / "__init__.py").write_text(textwrap.dedent(PLUGIN))
-    (package / "pp_tinymoe" / "model.py").write_text(textwrap.dedent(MODEL))
-    target = root / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--disable-pip-version-check", "--target",
-                    str(target), str(package)], check=True, capture_output=True, text=True)
-    return target
+    from _plugin_packages import install_package
+
+    return install_package(tmp_path_factory.mktemp("tinymoe"), "pp_tinymoe", PYPROJECT,
+                           {"__init__": PLUGIN, "model": MODEL})
 
 
 def test_the_package_imports_only_public_pp_core_names():

@@ -7,7 +7,6 @@ for."""
 
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import yaml
@@ -86,17 +85,10 @@ class TinyLMNoPlan(TinyLM):
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     """The package built and pip-installed (no network: setuptools from this environment)."""
-    root = tmp_path_factory.mktemp("tinytp")
-    package = root / "pp_tinytp_src"
-    (package / "pp_tinytp").mkdir(parents=True)
-    (package / "pyproject.toml").write_text(PYPROJECT)
-    (package / "pp_tinytp" / "__init__.py").write_text(textwrap.dedent(PLUGIN))
-    (package / "pp_tinytp" / "model.py").write_text(textwrap.dedent(MODEL))
-    target = root / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--disable-pip-version-check", "--target",
-                    str(target), str(package)], check=True, capture_output=True, text=True)
-    return target
+    from _plugin_packages import install_package
+
+    return install_package(tmp_path_factory.mktemp("tinytp"), "pp_tinytp", PYPROJECT,
+                           {"__init__": PLUGIN, "model": MODEL})
 
 
 def validate(site, tmp_path, model: str):
