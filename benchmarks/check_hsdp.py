@@ -22,7 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from pp_core.app.checkpoint import checkpoint_path  # noqa: E402
+from pp_core.checkpoint import checkpoint_path  # noqa: E402
 from pp_core.testing import DistPool  # noqa: E402
 from tests._dcp_cases import check_resumed, merged, resume, train_and_save  # noqa: E402
 from tests._fsdp_cases import dp_case  # noqa: E402

@@ -3,7 +3,7 @@
     python benchmarks/checksum_cost.py [--gib 1.0] [--repeats 3] [--dir /path/on/the/disk]
 
 One process saves a state dict of ``--gib`` GiB of float32 tensors (64 MiB each) with
-:func:`pp_core.app.checkpoint.save_checkpoint` - with its checksums (sha256 computed while DCP
+:func:`pp_core.checkpoint.save_checkpoint` - with its checksums (sha256 computed while DCP
 writes each file), and with DCP's plain writer in its place - then reads it back with ``read_model_state_dict`` with
 ``verify=True`` and ``verify=False``. Each figure is the best of ``--repeats`` runs; the page cache
 is not dropped (the load figures are what a checkpoint written moments ago costs; a cold read
@@ -25,8 +25,8 @@ from torch import nn
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from pp_core.app import checkpoint
-from pp_core.app.checkpoint import read_model_state_dict, save_checkpoint
+from pp_core.checkpoint import save as checkpoint_save
+from pp_core.checkpoint import read_model_state_dict, save_checkpoint
 
 
 class Blob(nn.Module):
@@ -69,10 +69,10 @@ def main() -> None:
             return writer
 
         save()  # warm: the first save imports what DCP's state_dict helpers need
-        hashing = checkpoint.hashing_writer
-        checkpoint.hashing_writer = without_checksums
+        hashing = checkpoint_save.hashing_writer
+        checkpoint_save.hashing_writer = without_checksums
         t_plain = best(args.repeats, save)
-        checkpoint.hashing_writer = hashing
+        checkpoint_save.hashing_writer = hashing
         t_hashed = best(args.repeats, save)
         os.environ.pop("PP_CORE_VERIFIED_CHECKPOINTS", None)
 

@@ -71,7 +71,7 @@ def process_group_store(group):
 def set_state_dict_item(state_dict: dict, path, value) -> None:
     """Put ``value`` at a flattened key's ``path`` in a nested state dict, as DCP's own load
     planner does (``torch.distributed.checkpoint._traverse.set_element``; checked on 2.13,
-    2.14, 2.15.0). Used by the safe load planner of :mod:`pp_core.app.checkpoint`."""
+    2.14, 2.15.0). Used by the safe load planner of :mod:`pp_core.checkpoint`."""
     from torch.distributed.checkpoint._traverse import set_element  # lazy: private torch API
 
     set_element(state_dict, path, value)
@@ -80,7 +80,7 @@ def set_state_dict_item(state_dict: dict, path, value) -> None:
 def dcp_metadata_path(reader, rank: Optional[int]):
     """The path of a ``FileSystemReader``'s ``.metadata`` file (its private
     ``_get_metadata_path``; checked on 2.13, 2.14, 2.15.0), which the safe reader of
-    :mod:`pp_core.app.checkpoint` opens itself so it can unpickle with an allow-list."""
+    :mod:`pp_core.checkpoint` opens itself so it can unpickle with an allow-list."""
     return reader._get_metadata_path(rank)
 
 

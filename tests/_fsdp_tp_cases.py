@@ -133,7 +133,7 @@ def fsdp_tp_checkpoint(directory: str) -> dict:
     """One SGD-with-momentum step at pp2 x dp_shard2 x tp2, a DCP checkpoint of it, then that
     checkpoint loaded into the same layout (zeroed first) and into pp2 x tp2 (no FSDP): the local
     shards saved and reloaded, and the whole weights and momenta pp2 x tp2 loaded."""
-    from pp_core.app.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+    from pp_core.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 
     pipe, optimizers, mesh = _fresh("fsdp_tp")
     inputs, target = batch("gpt", GLOBAL_BATCH, seed=1)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pp_core.app import cli
-from pp_core.app.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint,
+from pp_core.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint,
                                 load_into_model, read_model_state_dict, save_checkpoint)
 from pp_core.errors import PipelineError
 from pp_core.app.launch import launch

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pp_core.app import cli
-from pp_core.app.checkpoint import (checkpoint_path, latest_checkpoint, read_model_state_dict,
+from pp_core.checkpoint import (checkpoint_path, latest_checkpoint, read_model_state_dict,
                                 save_checkpoint)
 from pp_core.errors import PipelineError
 from pp_core.app.launch import launch
@@ -107,7 +107,7 @@ def test_a_rank_killed_while_overwriting_a_checkpoint_loses_nothing(tmp_path):
 # save in place; ``os.rename``/``os.replace``/``shutil.rmtree`` are where those instants are.
 _KILLED_SAVE = """
 import os, shutil, sys, torch
-from pp_core.app.checkpoint import save_checkpoint
+from pp_core.checkpoint import save_checkpoint
 from pp_core_builtins.models import GPT
 
 directory, moment = sys.argv[1], sys.argv[2]

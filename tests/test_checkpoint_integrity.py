@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from pp_core.app import cli
-from pp_core.app.checkpoint import load_into_model, save_checkpoint
-from pp_core.app.checkpoint_checksums import CHECKSUMS_FILE
+from pp_core.checkpoint import load_into_model, save_checkpoint
+from pp_core.checkpoint.checksums import CHECKSUMS_FILE
 from pp_core.app.checkpoint_identity import IDENTITY_FILE, identity_files
-from pp_core.app.checkpoint_reader import SafeReader
+from pp_core.checkpoint.safe_reader import SafeReader
 from pp_core.app.spec import load_spec
 from pp_core.errors import PipelineError
 from pp_core_builtins.models import GPT

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pp_core.app import cli
-from pp_core.app.checkpoint import checkpoint_path
+from pp_core.checkpoint import checkpoint_path
 from pp_core.app.launch import launch
 from pp_core.app.spec import apply_overrides, parse_spec
 from tests._dcp_cases import check_resumed, merged, resume, resume_unsplit, train_and_save

@@ -8,7 +8,7 @@ One process group for the module: 8 ranks on 2 cores are the suite's dearest."""
 import pytest
 import torch
 
-from pp_core.app.checkpoint import checkpoint_path, read_model_state_dict
+from pp_core.checkpoint import checkpoint_path, read_model_state_dict
 from tests._dist import DistPool
 from tests._fsdp_tp_cases import fsdp_tp_checkpoint, fsdp_tp_matrix, sgd_reference
 from tests._runtime_cases import gpt

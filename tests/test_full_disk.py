@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pp_core.app import cli
-from pp_core.app.checkpoint import save_checkpoint
+from pp_core.checkpoint import save_checkpoint
 from pp_core_builtins.models import GPT
 
 from _cli import PP_CORE

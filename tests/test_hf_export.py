@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 
 from pp_core.app import cli  # noqa: E402
-from pp_core.app.checkpoint import checkpoint_path, read_model_state_dict  # noqa: E402
+from pp_core.checkpoint import checkpoint_path, read_model_state_dict  # noqa: E402
 from tests.test_run import pp_core, write_spec  # noqa: E402
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # 4 cpu ranks on a GPU machine too
@@ -191,7 +191,7 @@ def test_a_qwen3_moe_checkpoint_exports_as_save_pretrained_lays_it_out(tmp_path)
     shards (one checkpoint of the unsplit model, no run), and loads back to the same logits."""
     if not hasattr(transformers.modeling_utils, "revert_weight_conversion"):
         pytest.skip("transformers 4 saves MoE experts as the model holds them")
-    from pp_core.app.checkpoint import save_checkpoint
+    from pp_core.checkpoint import save_checkpoint
 
     config = transformers.AutoConfig.for_model(
         "qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48,
@@ -217,7 +217,7 @@ def test_a_qwen3_moe_checkpoint_exports_as_save_pretrained_lays_it_out(tmp_path)
 
 
 def test_export_refusals_name_the_fix(tmp_path, capsys):
-    from pp_core.app.checkpoint import save_checkpoint
+    from pp_core.checkpoint import save_checkpoint
     from tests._runtime_cases import gpt
 
     step = save_checkpoint(tmp_path / "ckpt", 1, [gpt(2)], [None])

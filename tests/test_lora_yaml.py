@@ -16,7 +16,7 @@ import torch
 
 from pp_core.app import cli
 from pp_core.app.adapters import apply_adapters
-from pp_core.app.checkpoint import checkpoint_path, load_into_model, read_model_state_dict
+from pp_core.checkpoint import checkpoint_path, load_into_model, read_model_state_dict
 from pp_core.app.factories import build_model
 from pp_core.app.launch import launch
 from pp_core.app.spec import SpecError, apply_overrides, parse_spec
@@ -72,7 +72,7 @@ def test_a_lora_run_trains_the_adapters_only(lora_run):
 def test_a_lora_checkpoint_holds_adapter_optimizer_state_only_and_resumes(lora_run, tmp_path):
     import torch.distributed.checkpoint as dcp  # noqa: F401 - the metadata reader below
 
-    from pp_core.app.checkpoint import SafeReader
+    from pp_core.checkpoint import SafeReader
 
     spec, step, losses = lora_run
     keys = SafeReader(str(step)).read_metadata().state_dict_metadata

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from pp_core.app import cli
-from pp_core.app.checkpoint import SafeReader, checkpoint_path, read_model_state_dict
+from pp_core.checkpoint import SafeReader, checkpoint_path, read_model_state_dict
 from tests.test_run import pp_core, write_spec
 
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # 4 cpu ranks on a GPU machine too

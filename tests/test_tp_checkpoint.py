@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pp_core.app import cli
-from pp_core.app.checkpoint import checkpoint_path, read_model_state_dict
+from pp_core.checkpoint import checkpoint_path, read_model_state_dict
 from tests._dcp_cases import check_resumed, merged, resume_unsplit
 from tests._dist import DistPool
 from tests._runtime_cases import gpt

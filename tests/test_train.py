@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pp_core.app.checkpoint import latest_checkpoint, read_model_state_dict
+from pp_core.checkpoint import latest_checkpoint, read_model_state_dict
 from pp_core.parallel.gradients import finish_gradients
 from pp_core.app.launch import launch
 from pp_core.losses import cross_entropy

@@ -48,7 +48,7 @@ def run_identity(spec, fqns_per_stage=None) -> dict[str, Any]:
 
 
 def identity_files(spec, fqns_per_stage=None) -> dict[str, str]:
-    """``{file name: text}`` for :func:`~pp_core.app.checkpoint.save_checkpoint`."""
+    """``{file name: text}`` for :func:`~pp_core.checkpoint.save_checkpoint`."""
     return {IDENTITY_FILE: json.dumps(run_identity(spec, fqns_per_stage), default=str,
                                       indent=1) + "\n"}
 
@@ -174,7 +174,7 @@ def _compare_metadata(spec, path: Path, metadata, model, problems: list[str]) ->
 
 def check_resume_identity(spec, model, problems: list[str], notes: list[str]) -> None:
     """Refuse a resume into another model or optimizer (see the module docstring)."""
-    from pp_core.app.checkpoint import _check_dir, resume_checkpoint  # lazy: torch's DCP, seconds
+    from pp_core.checkpoint.directory import check_dir, resume_checkpoint  # lazy: torch's DCP, seconds
     try:
         path = resume_checkpoint(spec.checkpoint.dir, spec.checkpoint.resume,
                                  spec.checkpoint.verify)
@@ -191,4 +191,4 @@ def check_resume_identity(spec, model, problems: list[str], notes: list[str]) ->
     if recorded is not None:
         _compare_recorded(spec, path, recorded, problems, notes)
     if len(problems) == before:
-        _compare_metadata(spec, path, _check_dir(path), model, problems)
+        _compare_metadata(spec, path, check_dir(path), model, problems)

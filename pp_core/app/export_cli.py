@@ -2,7 +2,7 @@
 
 ``--format hf`` writes a ``save_pretrained`` directory; ``safetensors`` with ``-o DIR`` (no
 ``.safetensors`` suffix) the directory form of any model; ``pt`` / ``safetensors`` with a file
-name the flat ``state_dict`` file (:func:`pp_core.app.checkpoint.export_checkpoint`).
+name the flat ``state_dict`` file (:func:`pp_core.checkpoint.export_checkpoint`).
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ def export_command(source: Path, args) -> int:
             raise ConfigError(f"--format {fmt} writes a .{fmt} file, -o names "
                               f"{str(output)!r}; name it model.{fmt}, or export a directory "
                               f"with --format hf / --format safetensors -o DIR")
-        from pp_core.app.checkpoint import export_checkpoint  # lazy: DCP, seconds
+        from pp_core.checkpoint import export_checkpoint  # lazy: DCP, seconds
 
         print(f"wrote {export_checkpoint(source, output, verify=args.verify)} from {source}")
         return 0
-    from pp_core.app.checkpoint_checksums import verify_checkpoint  # lazy: with a directory
+    from pp_core.checkpoint.checksums import verify_checkpoint  # lazy: with a directory
     from pp_core.app.export_hf import export_directory  # lazy: DCP, transformers
 
     verify_checkpoint(source, args.verify)

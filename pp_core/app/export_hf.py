@@ -224,11 +224,11 @@ def directory_from_state_keys(checkpoint, output, names: list[tuple[str, str]], 
     ``names``' keys into its ``saved`` names (the file's)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # lazy: DCP
 
-    from pp_core.app.checkpoint import _check_dir
+    from pp_core.checkpoint.directory import check_dir
     from pp_core.app.export_stream import plan_layout, write_from_checkpoint
 
     checkpoint = Path(checkpoint)
-    metadata = metadata or _check_dir(checkpoint)
+    metadata = metadata or check_dir(checkpoint)
     stored = {k: v for k, v in metadata.state_dict_metadata.items()
               if isinstance(v, TensorStorageMetadata)}
     missing = [key for _, key in names if key not in stored]
@@ -263,10 +263,10 @@ def export_directory(checkpoint, output, format: str = "hf", dtype=None,
     """``pp-core export CKPT --format hf|safetensors -o DIR``: see the module docstring."""
     import yaml  # lazy: only the directory form writes YAML
 
-    from pp_core.app.checkpoint import _check_dir
+    from pp_core.checkpoint.directory import check_dir
 
     checkpoint, output = Path(checkpoint), Path(output)
-    metadata = _check_dir(checkpoint)
+    metadata = check_dir(checkpoint)
     record = _record(checkpoint)
     if output.exists() and not output.is_dir():
         raise PipelineError(f"-o {str(output)!r} is a file; a directory export needs a "

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from pp_core.app.export_hf import (EXPORT_FILE, MODEL_FILE, default_max_shard_size,
                                    export_files, hf_target, write_hf_files)
-from pp_core.app.expert_state import expert_dtensors
+from pp_core.checkpoint.expert_state import expert_dtensors
 from pp_core.app.export_stream import plan_layout, write_from_ranks
 from pp_core.config import resolve_dtype
 from pp_core.parallel.dtensor_state import unstride

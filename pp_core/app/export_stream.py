@@ -175,7 +175,8 @@ def write_from_checkpoint(checkpoint, output, layout: Layout, stored: dict,
     """
     import torch.distributed.checkpoint as dcp  # lazy: DCP, seconds
 
-    from pp_core.app.checkpoint import SafeLoadPlanner, SafeReader, _single_process_quiet
+    from pp_core.checkpoint.safe_reader import SafeLoadPlanner, SafeReader
+    from pp_core.checkpoint.state import single_process_quiet
 
     output = Path(output)
     scratch = _scratch(output)
@@ -190,7 +191,7 @@ def write_from_checkpoint(checkpoint, output, layout: Layout, stored: dict,
         for number, batch in enumerate(_batches(keys, stored, budget)):
             state = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype)
                      for k in batch}
-            with _single_process_quiet():
+            with single_process_quiet():
                 dcp.load(state, storage_reader=SafeReader(str(checkpoint)),
                          planner=SafeLoadPlanner(), no_dist=True)
             found = convert(state) if convert is not None else \
@@ -202,7 +203,7 @@ def write_from_checkpoint(checkpoint, output, layout: Layout, stored: dict,
             out = {n: v.to(layout.dtypes[n]).contiguous() for n, v in found.items()}
             del state, found
             where = scratch / f"batch-{number}"
-            with _single_process_quiet():
+            with single_process_quiet():
                 dcp.save(out, storage_writer=_writer(where, out, True), no_dist=True)
             del out
             for file in where.glob("*.safetensors"):

@@ -80,7 +80,7 @@ def _read(checkpoint, names: list[str]) -> dict:
     import torch  # lazy: torch, only for an export
     import torch.distributed.checkpoint as dcp  # lazy: DCP, only for an export
 
-    from pp_core.app.checkpoint import SafeLoadPlanner, SafeReader
+    from pp_core.checkpoint import SafeLoadPlanner, SafeReader
 
     reader = SafeReader(str(checkpoint))
     metadata = reader.read_metadata().state_dict_metadata
@@ -117,7 +117,7 @@ def export_peft_adapter(checkpoint, output, section: Optional[dict] = None) -> P
 
 def export_merged(checkpoint, output, section: Optional[dict] = None) -> Path:
     """``--merge``: the base with the adapters merged in (``merge_and_unload``), whole."""
-    from pp_core.app.checkpoint import read_model_state_dict  # lazy: DCP
+    from pp_core.checkpoint import read_model_state_dict  # lazy: DCP
 
     section = section or lora_settings(checkpoint)
     if section is None:

@@ -244,7 +244,7 @@ def _check_optimizer(spec: Spec, model, problems: list[str]) -> None:
 
 def _check_resume(spec: Spec, problems: list[str]) -> None:
     """The checkpoint a resume names exists and is complete (every data file there in full)."""
-    from pp_core.app.checkpoint import latest_checkpoint, resume_checkpoint  # lazy: DCP, seconds
+    from pp_core.checkpoint import latest_checkpoint, resume_checkpoint  # lazy: DCP, seconds
 
     resume = spec.checkpoint.resume
     if isinstance(resume, str) and not (Path(resume) / ".metadata").is_file():
@@ -275,7 +275,7 @@ def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
     directory = spec.checkpoint.dir
     if directory is not None and _check_path("checkpoint.dir", Path(directory), True, problems) \
             and not resume and any(Path(directory).glob("step_*")):
-        from pp_core.app.checkpoint import latest_checkpoint  # lazy: DCP, seconds
+        from pp_core.checkpoint import latest_checkpoint  # lazy: DCP, seconds
 
         latest = latest_checkpoint(directory)
         if latest is not None:

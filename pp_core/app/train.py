@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pp_core import build_pipeline
-from pp_core.app.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from pp_core.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from pp_core.app.checkpoint_identity import identity_files
 from pp_core.app.data_metrics import batch_figures
 from pp_core.app.export_hf import export_files

@@ -218,7 +218,7 @@ def _parallelisms(spec) -> str:
 
 
 def export_command(args) -> int:
-    from pp_core.app.checkpoint import export_checkpoint, latest_checkpoint  # lazy: DCP, seconds
+    from pp_core.checkpoint import export_checkpoint, latest_checkpoint  # lazy: DCP, seconds
     from pp_core.app.output_paths import refuse_export_collisions
     from pp_core.app.peft_export import lora_settings  # lazy: with the checkpoint to read
 
@@ -229,7 +229,7 @@ def export_command(args) -> int:
             source = latest
     refuse_export_collisions(args.checkpoint, str(source), args.output)
     if args.merge or (args.format == "hf" and lora_settings(source) is not None):
-        from pp_core.app.checkpoint_checksums import verify_checkpoint  # lazy: with an export
+        from pp_core.checkpoint.checksums import verify_checkpoint  # lazy: with an export
         from pp_core.app.peft_export import export_lora_command  # lazy: peft, transformers
 
         verify_checkpoint(source, args.verify)

@@ -1,6 +1,6 @@
 """Reading a checkpoint without trusting it: DCP's ``.metadata`` through an unpickler that admits
 only DCP's own metadata classes and torch dtypes/sizes, non-tensor items with ``weights_only=True``
-(used by :mod:`pp_core.app.checkpoint`)."""
+(used by :mod:`pp_core.checkpoint`)."""
 
 from __future__ import annotations
 
