@@ -54,7 +54,7 @@ def make_checkpoint(size: str, root: Path) -> tuple[Path, int]:
 def child(checkpoint: str, output: str, mode: str) -> None:
     from benchmarks._common import proc_status, reset_peak
     from pp_core.checkpoint import export_checkpoint
-    from pp_core.app.export_hf import _record, export_directory, hf_target
+    from pp_core.app.export.hf import _record, export_directory, hf_target
 
     hf_target(_record(Path(checkpoint))["model"])  # transformers imported, meta model built
     reset_peak()

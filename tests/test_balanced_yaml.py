@@ -10,10 +10,10 @@ import pytest
 from test_run import TINY, pp_core, write_spec
 
 from pp_core import ConfigError
-from pp_core.app.decide import balanced_spec
+from pp_core.app.launch.decide import balanced_spec
 from pp_core.app.launch import launch
 from pp_core.planning.units import model_units
-from pp_core.app.preflight import preflight
+from pp_core.app.check import preflight
 from pp_core.app.spec import SpecError, parse_spec
 from pp_core_builtins.models import GPT
 

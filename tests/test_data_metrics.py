@@ -4,7 +4,7 @@ TensorBoard sink on ``pp_report_metrics`` (``output.tensorboard``)."""
 import pytest
 import torch
 
-from pp_core.app.data_metrics import TensorBoardSink, batch_figures
+from pp_core.app.rank.data_metrics import TensorBoardSink, batch_figures
 
 
 def test_batch_figures_count_like_the_loss():

@@ -77,11 +77,11 @@ def test_a_full_metrics_disk_ends_the_metrics_and_trace_not_the_training(tmp_pat
     assert 3 <= len(records) < 30 and [r["step"] for r in records] == list(
         range(1, len(records) + 1))
     warned = _warnings(done.stderr)
-    assert warned[0] == (f"pp-core rank 0: WARNING: pp_core.app.output_files: output.metrics: "
+    assert warned[0] == (f"pp-core rank 0: WARNING: pp_core.app.rank.output_files: output.metrics: "
                          f"cannot write {path!r}: {reason}; it keeps the lines before step "
                          f"{len(records) + 1} and gets no more; training goes on; {fix}")
     if disk == "tmpfs":
-        assert warned[1:] == [f"pp-core rank 0: WARNING: pp_core.app.output_files: "
+        assert warned[1:] == [f"pp-core rank 0: WARNING: pp_core.app.rank.output_files: "
                               f"output.trace: cannot write '{full}/trace.json': {reason}; it was "
                               f"not written; the run's result is unaffected; {fix}"]
         assert left == [".filler", "m.jsonl"]  # no trace, no temporary file, no lock left
@@ -147,7 +147,7 @@ def test_tensorboard_on_a_full_disk_stops_with_one_warning_not_an_error(tmp_path
     import logging
 
     pytest.importorskip("tensorboard")
-    from pp_core.app.data_metrics import TensorBoardSink
+    from pp_core.app.rank.data_metrics import TensorBoardSink
 
     with small_disk(tmp_path / "full", 256 << 10) as full:
         sink = TensorBoardSink(str(full / "tb"))

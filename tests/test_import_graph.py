@@ -182,13 +182,13 @@ def test_validation_reaches_neither_the_launcher_nor_the_trainer():
     """``pp-core validate`` checks a file; what launches or trains must not be part of it."""
     files = module_files()
     edges = graph(files)
-    seen, todo = set(), ["pp_core.app.preflight"]
+    seen, todo = set(), ["pp_core.app.check"]
     while todo:
         module = todo.pop()
         if module not in seen:
             seen.add(module)
             todo.extend(edges[module])
-    assert not seen & {"pp_core.app.launch", "pp_core.app.train"}, sorted(seen)
+    assert not seen & {"pp_core.app.launch", "pp_core.app.rank"}, sorted(seen)
 
 
 def test_schedule_command_imports_torch_only_lazily():

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pp_core.app.layout import local_ranks
+from pp_core.app.machine import local_ranks
 from pp_core.devices import choose_device
 from pp_core.errors import ConfigError, PipelineError
 from pp_core.app.launch import launch
 from pp_core.app.rendezvous import _wait_for_listener, prepare_endpoint
 from pp_core.app.spec import SpecError, parse_spec
-from pp_core.app.spec_sections import DistributedSpec
+from pp_core.app.spec.sections import DistributedSpec
 from pp_core_builtins.models import GPT
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -115,7 +115,7 @@ def test_the_adapter_export_of_an_hf_model_loads_with_peft(tmp_path):
     from peft import PeftModel
 
     from pp_core.app.adapters import apply_adapters
-    from pp_core.app.peft_export import export_peft_adapter
+    from pp_core.app.export.peft import export_peft_adapter
     from test_transformers_models import batch, tiny_config, tiny_model
 
     settings = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"],

@@ -53,7 +53,7 @@ def test_validate_checks_ep_against_dp_and_num_experts():
     not divide dp (spec) or num_experts (the model's plan) is refused naming the key."""
     import yaml
 
-    from pp_core.app.preflight import preflight
+    from pp_core.app.check import preflight
     from pp_core.app.spec import SpecError, parse_spec
 
     example = yaml.safe_load((ROOT / "examples" / "moe.yaml").read_text())

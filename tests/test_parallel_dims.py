@@ -68,7 +68,7 @@ def test_problems_name_the_key_and_the_fix():
 
 def test_too_many_local_processes_names_tp_when_tp_is_the_large_degree():
     """It used to say ``distributed.dp_size: pp_size * dp_size / nnodes = 2 * 1 / 1 = 2,048``."""
-    from pp_core.app.preflight_build import check_local_ranks
+    from pp_core.app.check.build import check_local_ranks
     from pp_core.app.spec import parse_spec
 
     spec = parse_spec({"model": {"name": "gpt"}, "data": {"name": "synthetic"},
@@ -151,7 +151,7 @@ AUTO_EP = ("pipeline.pp_schedule: auto profiles each stage with all of its exper
 def test_auto_at_ep_above_one_is_refused_plainly():
     """The spec (validate, run) and plan_spec (``pp-core plan`` makes any file auto) say it with
     one message, before anything is profiled."""
-    from pp_core.app.decide import plan_spec
+    from pp_core.app.launch.decide import plan_spec
     from pp_core.app.spec import SpecError, parse_spec
     from pp_core.errors import ConfigError
 

@@ -105,7 +105,7 @@ def test_compile_helper_keeps_names_and_gradients():
 
 def test_hf_gradient_checkpointing_is_the_same_switch():
     pytest.importorskip("transformers")
-    from pp_core.app.train import activation_checkpointing_of
+    from pp_core.app.rank import activation_checkpointing_of
     from test_transformers_models import tiny_model
 
     model = tiny_model("llama", 2)

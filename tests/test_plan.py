@@ -18,7 +18,7 @@ from _dist import DistPool
 from pp_core.app import cli
 from pp_core.app.factories import model_factory
 from pp_core.planning.plan import plan_pipeline
-from pp_core.app.preflight import preflight
+from pp_core.app.check import preflight
 from pp_core.app.spec import SpecError, apply_overrides, parse_spec
 
 BASE = {
@@ -49,7 +49,7 @@ def build_on_rank(overrides):
     import torch.distributed as dist
 
     from pp_core import build_pipeline
-    from pp_core.app.run_outputs import RunRecorder
+    from pp_core.app.rank.run_outputs import RunRecorder
 
     torch.set_num_threads(1)
     spec = spec_of(overrides)

@@ -29,7 +29,7 @@ BASE = {
 
 def ran(spec):
     """On every rank: train, and report the pipeline section this rank was given."""
-    from pp_core.app.train import train
+    from pp_core.app.rank import train
 
     summary = train(spec)
     return {"pipeline": spec.pipeline.to_dict(), "summary": summary}
@@ -214,8 +214,8 @@ def test_sharded_profile_holds_each_units_shard():
     bytes, the norms all of theirs; the times include the stage's collectives."""
     from torch import nn
 
-    from pp_core.app.layout import RankLayout
-    from pp_core.app.measured import plan_sharded
+    from pp_core.app.machine import RankLayout
+    from pp_core.app.launch.measured import plan_sharded
 
     spec = parse_spec(apply_overrides(BASE, ["distributed.tp_size=2"]), "tp.yaml")
     plan = plan_sharded(spec, RankLayout.of(spec), microbatch_sizes=[1], repeats=1)

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from pp_core.app.preflight import preflight
+from pp_core.app.check import preflight
 from pp_core.app.spec import SpecError, parse_spec
 from pp_core.plugin_manager import load_plugins
 

@@ -75,7 +75,7 @@ def block_stage_modes(candidate) -> list[str]:
 @pytest.fixture(scope="module")
 def planned():
     """The spec's plan (profiled once) and a cap no AC-free plan fits but a per-stage one does."""
-    from pp_core.app.decide import plan_spec
+    from pp_core.app.launch.decide import plan_spec
     from pp_core.planning.choose import choose_plan
 
     spec = parse_spec(apply_overrides(BASE, ()), "ac.yaml")
@@ -92,7 +92,7 @@ def planned():
 
 
 def test_a_cap_no_ac_free_plan_fits_is_met_by_recomputing_on_some_stages_and_run_so(planned):
-    from pp_core.app.decide import resolved_spec
+    from pp_core.app.launch.decide import resolved_spec
     from pp_core.measure.plan_auto import AutoPlan, concrete_config
     from pp_core.planning.choose import choose_plan
 

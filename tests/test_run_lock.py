@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pp_core.app.run_lock import LOCK_NAME, holders, lock_files, run_locks
+from pp_core.app.commands.run_lock import LOCK_NAME, holders, lock_files, run_locks
 from pp_core.app.spec import parse_spec
 from pp_core.errors import PPCoreError
 

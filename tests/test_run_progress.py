@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from pp_core.app.progress import Progress, format_bytes, format_duration, format_summary
+from pp_core.app.rank.progress import Progress, format_bytes, format_duration, format_summary
 
 
 class Terminal(io.StringIO):

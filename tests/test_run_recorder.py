@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pp_core import PipelineConfig, build_pipeline
-from pp_core.app.run_outputs import TRACE_STEPS, RunRecorder
+from pp_core.app.rank.run_outputs import TRACE_STEPS, RunRecorder
 from pp_core.app.spec import parse_spec
 
 PER_STEP_SERIES = ("steps", "losses", "step_times", "tokens_per_s")
@@ -88,7 +88,7 @@ def test_a_failed_step_and_a_slow_step_reach_the_log(caplog):
     for _ in range(3):
         recorder.steady_totals.add(0.1, 0.05, 0.01)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="pp_core.app.run_outputs"):
+    with caplog.at_level("WARNING", logger="pp_core.app.rank.run_outputs"):
         recorder._check_pace(5, 0.25)  # 2.5x: not slow
         recorder._check_pace(6, 0.5)
     [slow] = caplog.records

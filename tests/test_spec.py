@@ -12,10 +12,10 @@ import yaml
 
 from pp_core.app import cli
 from pp_core.app.factories import dataset_args, dataset_factory
-from pp_core.app.preflight import preflight
+from pp_core.app.check import preflight
 from pp_core.app.spec import (SCHEMA, Spec, SpecError, apply_overrides, load_spec, parse_override,
                               parse_spec)
-from pp_core.app.spec_sections import SECTIONS
+from pp_core.app.spec.sections import SECTIONS
 from pp_core.config import PipelineConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,9 +16,9 @@ from pp_core.parallel.gradients import finish_gradients
 from pp_core.app.launch import launch
 from pp_core.losses import cross_entropy
 from pp_core.app.spec import parse_spec
-from pp_core.app.spec_sections import TrainSpec
+from pp_core.app.spec.sections import TrainSpec
 from pp_core.app.factories import dp_slice
-from pp_core.app.train import lr_factor
+from pp_core.app.rank import lr_factor
 from pp_core.runtime.microbatch import num_tokens
 from pp_core_builtins.models import GPT
 from pp_core_builtins.models.datasets import SyntheticLM
@@ -45,7 +45,7 @@ def spec_values(tmp_path) -> dict:
 def counting_train(spec):
     """Train, counting every all_reduce by the ranks of the group it ran on (a spy: the real
     collective still runs)."""
-    from pp_core.app.train import train
+    from pp_core.app.rank import train
 
     counts: dict[tuple, int] = {}
     real = dist.all_reduce
@@ -126,7 +126,7 @@ def test_dp_gradients_are_reduced_once_per_step_not_per_microbatch(pp2_dp2):
         assert calls[dp_group] == STEPS * 3 + counts, calls
         assert calls[pp_group] == STEPS, calls  # the global gradient norm for clipping
         # the reported loss, and before the one checkpoint (save_final) whether every rank's
-        # weights are finite (pp_core.app.health: a save never writes NaN weights)
+        # weights are finite (pp_core.app.rank.health: a save never writes NaN weights)
         assert calls[(0, 1, 2, 3)] == STEPS + 1, calls
 
 

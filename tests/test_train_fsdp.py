@@ -14,7 +14,7 @@ import torch
 
 from pp_core.app.launch import launch
 from pp_core.app.spec import SpecError, parse_spec
-from pp_core.app.train import train
+from pp_core.app.rank import train
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"vocab_size": 32, "dim": 16, "num_layers": 4, "num_heads": 2, "max_seq_len": 8}

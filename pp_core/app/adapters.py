@@ -11,7 +11,7 @@ every rank), to the whole model before it is split:
   FQN lists and ``layers_per_stage`` see the model's own module names (``layers.3``), and the
   parameter names are PEFT's inner ones (``layers.3.attn.q_proj.base_layer.weight``,
   ``layers.3.attn.q_proj.lora_A.default.weight``) in the parts, the checkpoints and the optimizer
-  state. The PEFT export (:mod:`pp_core.app.peft_export`) maps them back to PEFT's file names.
+  state. The PEFT export (:mod:`pp_core.app.export.peft`) maps them back to PEFT's file names.
   ``target_modules`` left out: PEFT's default for a Hugging Face architecture it knows, else
   every ``nn.Linear`` but the output head (the built-in ``gpt``: ``qkv``, ``proj``, ``ffn.0``,
   ``ffn.2``).

@@ -1,7 +1,7 @@
 """The model and dataset factories a spec names, and the arguments the dataset gets.
 
-One module, used by ``pp-core validate`` (:mod:`pp_core.app.preflight`) and by every training
-process (:mod:`pp_core.app.train`), so what validation checks is exactly what a run builds. A
+One module, used by ``pp-core validate`` (:mod:`pp_core.app.check`) and by every training
+process (:mod:`pp_core.app.rank`), so what validation checks is exactly what a run builds. A
 factory a plugin registered is called through the plugin guard
 (:func:`pp_core.plugin_faults.factory_call`): one that raises is one error naming the YAML key,
 the model or dataset, its plugin and distribution - at validate and on the ranks alike.

@@ -4,8 +4,8 @@ torch's c10d rendezvous trusts its endpoint blindly: on a port another program h
 that program forever; on a bind-all or unrecognised own address it waits minutes for a store
 nobody hosts. So the launcher settles the endpoint first, in Python (so Ctrl-C acts at once):
 
-- the syntax of ``master_addr`` / ``master_port`` / ``rdzv_endpoint`` (:func:`address_problem`,
-  :func:`split_endpoint`; the spec schema uses them, so ``validate`` refuses the same values);
+- the syntax of ``master_addr`` / ``master_port`` / ``rdzv_endpoint``
+  (:mod:`pp_core.app.spec.endpoint`: the spec schema checks the same values with it);
 - that the address resolves, and whether it is this machine's (a test bind);
 - that a named port is free, or (several nodes) held by another node's torch store;
 - on a node that is not the host, that the host listens, waiting at most ``timeout_s``.
@@ -16,9 +16,7 @@ The result says whether this node hosts the store, so torch never has to guess.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import os
-import re
 import socket
 import threading
 import time
@@ -26,63 +24,20 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from pp_core.app.spec.endpoint import address_problem, port_problem, split_endpoint
 from pp_core.errors import ConfigError, PipelineError
 
 if TYPE_CHECKING:
-    from pp_core.app.spec_sections import DistributedSpec
+    from pp_core.app.spec.sections import DistributedSpec
 
 __all__ = ["Endpoint", "address_problem", "split_endpoint", "port_problem", "prepare_endpoint",
            "resolve", "started_by_torchrun"]
-
-BIND_ALL = "a bind-all address, meaning every interface of a machine"
-_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
-_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?$")
 
 
 def started_by_torchrun(environ=None) -> bool:
     """Whether this process is already one rank of a launched job (torchrun, elastic agent)."""
     env = os.environ if environ is None else environ
     return "RANK" in env and "WORLD_SIZE" in env
-
-
-def address_problem(host: str) -> str | None:
-    """Why ``host`` cannot name the rendezvous host (``None`` when it can); no lookups."""
-    text = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    try:
-        ip = ipaddress.ip_address(text)
-    except ValueError:
-        ip = None
-    if ip is not None:
-        if ip.is_unspecified:
-            return (f"an address peers can connect to ({host} is {BIND_ALL}): 127.0.0.1 on one "
-                    f"machine, or the rendezvous host's reachable address")
-        return None
-    if ":" in text:
-        return "a host name or IP address without a port (the port goes in master_port)"
-    if not _HOSTNAME.match(text) or text.replace(".", "").isdigit():
-        return "a host name or IP address, e.g. 127.0.0.1 or node0.cluster"
-    return None
-
-
-def port_problem(port: int) -> str | None:
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        return "a TCP port 1..65535 (leave it unset for a free one)"
-    return None
-
-
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` for IPv6) into its parts; ValueError says what is wrong."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError("host:port, e.g. 127.0.0.1:29500")
-    if ":" in host and not host.startswith("["):
-        raise ValueError("host:port with an IPv6 host in brackets, e.g. [::1]:29500")
-    problem = address_problem(host) or port_problem(int(port))
-    if problem is None and int(port) == 0:
-        problem = "host:port with a port 1..65535"
-    if problem is not None:
-        raise ValueError(problem)
-    return host.strip("[]"), int(port)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ class ParallelDims:
 
     @classmethod
     def of(cls, distributed: Any) -> "ParallelDims":
-        """From a ``distributed`` section: a :class:`~pp_core.app.spec_sections.DistributedSpec`
+        """From a ``distributed`` section: a :class:`~pp_core.app.spec.sections.DistributedSpec`
         or a mapping of its keys (missing keys: 1; ``dp_size`` alone means ``dp_replicate``)."""
         get = distributed.get if isinstance(distributed, Mapping) else \
             (lambda key, default=None: getattr(distributed, key, default))

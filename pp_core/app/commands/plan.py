@@ -63,10 +63,10 @@ def _positive(text: str) -> int:
 
 
 def plan_command(args) -> int:
-    from pp_core.app.decide import as_auto, plan_spec  # lazy: only when `pp-core plan` runs
+    from pp_core.app.launch.decide import as_auto, plan_spec  # lazy: only when `pp-core plan` runs
     from pp_core.planning.report import format_ranking
     from pp_core.planning.sizes import parse_size
-    from pp_core.app.preflight import preflight
+    from pp_core.app.check import preflight
     from pp_core.app.spec import load_spec
 
     cap = None if args.memory_cap is None else parse_size(args.memory_cap)
@@ -97,7 +97,7 @@ def _write(spec, plan, path: str) -> None:
     """``-o FILE``: the chosen layout as a runnable YAML pipeline."""
     import yaml  # lazy: only with -o
 
-    from pp_core.app.decide import written_spec  # lazy: as plan_command's imports
+    from pp_core.app.launch.decide import written_spec  # lazy: as plan_command's imports
 
     import os  # lazy: as above
 

@@ -107,7 +107,7 @@ def register(subparsers) -> None:
 
 
 def _checked(args):
-    from pp_core.app.preflight import preflight  # lazy: only when the command runs
+    from pp_core.app.check import preflight  # lazy: only when the command runs
     from pp_core.app.spec import load_spec
 
     spec = load_spec(args.pipeline, args.overrides)
@@ -130,7 +130,7 @@ def run_command(args) -> int:
             print(f"pp-core: note: {note}", flush=True)
     from torch.distributed.elastic.multiprocessing import SignalException  # lazy: torch
 
-    from pp_core.app.run_lock import run_locks  # lazy: only when a run starts
+    from pp_core.app.commands.run_lock import run_locks  # lazy: only when a run starts
 
     try:
         taken: list[str] = []
@@ -185,7 +185,7 @@ def validate_command(args) -> int:
     if found.initializers is not None:
         print("  " + _initializers(found.initializers).replace("\n", "\n  "))
     print(f"  {_parallelisms(spec)}")
-    from pp_core.app.run_lock import holders  # lazy: only when `pp-core validate` runs
+    from pp_core.app.commands.run_lock import holders  # lazy: only when `pp-core validate` runs
 
     for note in found.notes + holders(spec):
         print(f"  note: {note}")
@@ -220,7 +220,7 @@ def _parallelisms(spec) -> str:
 def export_command(args) -> int:
     from pp_core.checkpoint import export_checkpoint, latest_checkpoint  # lazy: DCP, seconds
     from pp_core.app.output_paths import refuse_export_collisions
-    from pp_core.app.peft_export import lora_settings  # lazy: with the checkpoint to read
+    from pp_core.app.export.peft import lora_settings  # lazy: with the checkpoint to read
 
     source = Path(args.checkpoint)
     if not (source / ".metadata").is_file():
@@ -230,12 +230,12 @@ def export_command(args) -> int:
     refuse_export_collisions(args.checkpoint, str(source), args.output)
     if args.merge or (args.format == "hf" and lora_settings(source) is not None):
         from pp_core.checkpoint.checksums import verify_checkpoint  # lazy: with an export
-        from pp_core.app.peft_export import export_lora_command  # lazy: peft, transformers
+        from pp_core.app.export.peft import export_lora_command  # lazy: peft, transformers
 
         verify_checkpoint(source, args.verify)
         return export_lora_command(source, args)  # a model.lora run: PEFT's adapter directory
     if args.format is not None or args.dtype or args.max_shard_size:
-        from pp_core.app.export_cli import export_command as export_as  # lazy: DCP, seconds
+        from pp_core.app.export.command import export_command as export_as  # lazy: DCP, seconds
 
         return export_as(source, args)
     output = export_checkpoint(source, args.output, verify=args.verify)

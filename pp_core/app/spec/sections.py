@@ -1,7 +1,7 @@
 """One frozen dataclass per section of a pipeline file: what a checked :class:`~pp_core.app.spec.Spec`
 holds, read as attributes (``spec.train.steps``).
 
-The fields are the keys of :data:`pp_core.app.spec_schema.SCHEMA`, with its defaults (a test keeps
+The fields are the keys of :data:`pp_core.app.spec.schema.SCHEMA`, with its defaults (a test keeps
 the two equal). The ``pipeline`` section is :class:`~pp_core.config.PipelineConfig` itself. A
 free-form mapping (``model.args``, ``data.args``, ``train.optimizer``, ...) stays a ``dict``.
 Nothing here checks a value: :func:`pp_core.app.spec.parse_spec` does, before building these.
@@ -112,4 +112,4 @@ SECTIONS: dict[str, type] = {
     "distributed": DistributedSpec, "train": TrainSpec, "checkpoint": CheckpointSpec,
     "output": OutputSpec,
 }
-"""The class of each section, in the order of :data:`~pp_core.app.spec_schema.SCHEMA`."""
+"""The class of each section, in the order of :data:`~pp_core.app.spec.schema.SCHEMA`."""

@@ -1,7 +1,7 @@
 """Decide once, in the launching process, the pipeline every rank runs: :func:`decide`.
 
 Every rank must run the same plan, and a plan made from timings differs from one process to the
-next; so what is measured is measured here, before any rank starts (:mod:`pp_core.app.measured`),
+next; so what is measured is measured here, before any rank starts (:mod:`pp_core.app.launch.measured`),
 and the ranks receive a *concrete* pipeline section - identical inputs everywhere, nothing
 decided there. Three cases, one entry point:
 
@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Callable
 
 from pp_core.app.factories import build_model
-from pp_core.app.layout import RankLayout
+from pp_core.app.machine import RankLayout
 from pp_core.app.rendezvous import started_by_torchrun
 from pp_core.app.spec import Spec, auto_expert_parallel_refusal
 from pp_core.config import is_auto
@@ -84,7 +84,7 @@ def plan_spec(spec: Spec, layout: RankLayout | None = None, memory_cap=None, plu
               measure_link: bool = True, say: Say | None = None):
     """Profile the spec's model as a rank runs it and choose: a
     :class:`pp_core.measure.plan_auto.AutoPlan`."""
-    from pp_core.app.measured import (  # lazy: torch, only when measuring
+    from pp_core.app.launch.measured import (  # lazy: torch, only when measuring
         as_a_rank, model_and_batch, plan_sharded)
     from pp_core.measure.link import measure_local_link
     from pp_core.measure.plan_auto import plan_auto
@@ -174,7 +174,7 @@ def balanced_spec(spec: Spec, plugins=None, say: Say | None = None,
     The stage count is the one the run plans (the schedule's stages per rank, or
     ``layers_per_stage``); ``say`` gets one line per stage with its measured seconds.
     """
-    from pp_core.app.measured import profile_spec  # lazy: torch, only when measuring
+    from pp_core.app.launch.measured import profile_spec  # lazy: torch, only when measuring
     from pp_core.planning.balance import balance, stage_fqns, unit_costs
 
     if spec.pipeline.module_fqns_per_model_part is not None:

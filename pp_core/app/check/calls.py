@@ -70,7 +70,7 @@ def module_call_counts(model, split, config, microbatch):
     from pp_core.planning.parts import build_model_parts
     from pp_core.runtime.stage import as_outputs
 
-    from pp_core.app.preflight_data import meta_friendly
+    from pp_core.app.check.data import meta_friendly
 
     try:
         with torch.no_grad(), meta_friendly(model):

@@ -8,12 +8,12 @@ mistakes into one :class:`SpecError` whose lines read::
     pipe.yaml: train.stpes: unknown key; did you mean 'train.steps'?
     pipe.yaml: train.steps: expected a positive int, found 'ten' (str)
 
-A checked :class:`Spec` is frozen: one dataclass per section (:mod:`pp_core.app.spec_sections`),
+A checked :class:`Spec` is frozen: one dataclass per section (:mod:`pp_core.app.spec.sections`),
 read as attributes (``spec.train.steps``); ``spec.pipeline`` is the run's
 :class:`~pp_core.config.PipelineConfig`, built once here.
 
 Checks that need the installed plugins (model and dataset names, the schedule, the split) live in
-:mod:`pp_core.app.preflight`. YAML is parsed by :mod:`pp_core.app.spec_yaml` (a ``yaml.SafeLoader`` that
+:mod:`pp_core.app.check`. YAML is parsed by :mod:`pp_core.app.spec.yaml` (a ``yaml.SafeLoader`` that
 also refuses duplicate keys, alias bombs, deep nesting and non-UTF-8 bytes): plain data only, but a
 ``"module:attr"`` value (``model.target``, ``pipeline.loss_fn``) *imports code* when the
 pipeline is built.
@@ -28,10 +28,10 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from pp_core.app.spec_schema import REQUIRED_SECTIONS, SCHEMA, Key, Mismatch, describe_value
-from pp_core.app.spec_sections import (SECTIONS, CheckpointSpec, DataSpec, DistributedSpec,
+from pp_core.app.spec.schema import REQUIRED_SECTIONS, SCHEMA, Key, Mismatch, describe_value
+from pp_core.app.spec.sections import (SECTIONS, CheckpointSpec, DataSpec, DistributedSpec,
                                        ModelSpec, OutputSpec, TrainSpec)
-from pp_core.app.spec_yaml import YamlProblem, load_yaml_text, read_yaml
+from pp_core.app.spec.yaml import YamlProblem, load_yaml_text, read_yaml
 from pp_core.config import PipelineConfig, is_auto
 from pp_core.errors import ConfigError, closest, did_you_mean, quoted
 from pp_core.parallel.dims import ParallelDims

@@ -19,11 +19,11 @@ from pathlib import Path
 from pp_core.app.adapters import adapted_meta_model
 from pp_core.app.factories import EVALUATION_NOTE, call_factory, dataset_args, dp_slice
 from pp_core.app.output_paths import collisions, path_problems, run_paths
-from pp_core.app.preflight_data import check_sequence_shards, check_vocab, meta_friendly
-from pp_core.app.preflight_fit import check_fit, check_memory
-from pp_core.app.preflight_initializers import initializers_to_prepare
+from pp_core.app.check.data import check_sequence_shards, check_vocab, meta_friendly
+from pp_core.app.check.fit import check_fit, check_memory
+from pp_core.app.check.initializers import initializers_to_prepare
 from pp_core.app.rendezvous import started_by_torchrun
-from pp_core.app.returns import initializer_problem, loss_problem, output_problem
+from pp_core.app.check.returns import initializer_problem, loss_problem, output_problem
 from pp_core.app.spec import Spec
 from pp_core.errors import PluginError, PPCoreError, quoted, shorten
 from pp_core.losses import resolve_loss

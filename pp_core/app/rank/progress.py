@@ -107,7 +107,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """The end-of-run table; ``summary`` is what :func:`pp_core.app.train.train` returns on rank 0."""
+    """The end-of-run table; ``summary`` is what :func:`pp_core.app.rank.train` returns on rank 0."""
     losses = summary.get("losses") or []
     times = summary.get("step_times") or []
     tps = summary.get("tokens_per_s") or []

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pp_core.app.rendezvous import address_problem, port_problem, split_endpoint
+from pp_core.app.spec.endpoint import address_problem, port_problem, split_endpoint
 from pp_core.config import field_specs, resolve_dtype
 from pp_core.errors import ConfigError, did_you_mean, quoted
 

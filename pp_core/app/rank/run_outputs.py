@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pp_core.app.output_files import MetricsFile, write_output
-from pp_core.app.progress import format_summary
+from pp_core.app.rank.output_files import MetricsFile, write_output
+from pp_core.app.rank.progress import format_summary
 from pp_core.runtime.observers import ActionObserver
 from pp_core.schedule.labels import KINDS, WAIT, category
 from pp_core.schedule.render import render_svg
@@ -132,7 +132,7 @@ class RunRecorder:
         self.metrics = None  # opened by open_metrics once the first step is known
         self.tensorboard = None
         if spec.output.tensorboard and self.rank == 0:  # a pp_report_metrics sink
-            from pp_core.app.data_metrics import TensorBoardSink  # lazy: tensorboard
+            from pp_core.app.rank.data_metrics import TensorBoardSink  # lazy: tensorboard
 
             self.tensorboard = TensorBoardSink(spec.output.tensorboard)
             self.plugins.pm.register(self.tensorboard, name="pp_core.tensorboard")
@@ -202,7 +202,7 @@ class RunRecorder:
 
     def record_step(self, step, loss, step_time, tokens, grad_norm, lr, started,
                     data: dict | None = None, extra: dict | None = None) -> None:
-        """``data``: the batch's figures (:func:`pp_core.app.data_metrics.batch_figures`);
+        """``data``: the batch's figures (:func:`pp_core.app.rank.data_metrics.batch_figures`);
         ``extra``: more figures for the metrics line (``aux_loss`` of MoE models)."""
         self.steps.append(step)
         self.step_times.append(step_time)

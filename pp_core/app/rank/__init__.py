@@ -32,16 +32,16 @@ import torch.distributed as dist
 from pp_core import build_pipeline
 from pp_core.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from pp_core.app.checkpoint_identity import identity_files
-from pp_core.app.data_metrics import batch_figures
-from pp_core.app.export_hf import export_files
-from pp_core.app.export_run import export_due, export_from_run
+from pp_core.app.rank.data_metrics import batch_figures
+from pp_core.app.export.hf import export_files
+from pp_core.app.export.run import export_due, export_from_run
 from pp_core.app.factories import build_dataset, build_model, dp_slice
-from pp_core.app.health import apply_update, weights_finite
-from pp_core.app.layout import RankLayout
-from pp_core.app.progress import Progress
-from pp_core.app.run_outputs import RunRecorder
+from pp_core.app.rank.health import apply_update, weights_finite
+from pp_core.app.machine import RankLayout
+from pp_core.app.rank.progress import Progress
+from pp_core.app.rank.run_outputs import RunRecorder
 from pp_core.app.spec import Spec
-from pp_core.app.spec_sections import TrainSpec
+from pp_core.app.spec.sections import TrainSpec
 from pp_core.errors import ConfigError, PipelineError
 from pp_core.losses import pop_aux_losses
 from pp_core.parallel.activation import apply_stage_checkpointing
@@ -279,7 +279,7 @@ def train(spec: Spec) -> dict[str, Any]:
         grad_norm = clip_grad_norm(params, train_cfg.grad_clip, ctx.pp_group, counted_once,
                                    ep_group=ctx.ep_group)
         global_loss = _mean_over_dp(None if loss is None else float(loss), ctx)
-        # the same loss and norm on every rank, so every rank decides alike (pp_core.app.health)
+        # the same loss and norm on every rank, so every rank decides alike (pp_core.app.rank.health)
         if apply_update(step, global_loss, grad_norm, train_cfg.on_nonfinite, say):
             for optimizer in optimizers:
                 if optimizer is not None:

@@ -54,7 +54,7 @@ def export_command(source: Path, args) -> int:
         print(f"wrote {export_checkpoint(source, output, verify=args.verify)} from {source}")
         return 0
     from pp_core.checkpoint.checksums import verify_checkpoint  # lazy: with a directory
-    from pp_core.app.export_hf import export_directory  # lazy: DCP, transformers
+    from pp_core.app.export.hf import export_directory  # lazy: DCP, transformers
 
     verify_checkpoint(source, args.verify)
     started = time.perf_counter()

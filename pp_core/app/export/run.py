@@ -2,9 +2,9 @@
 
 At the end of training (and every ``every`` steps, into ``DIR/step_NNNNNNNN``) every rank hands
 its parts' state - DTensor shards of tp and FSDP2 included - to DCP's Hugging Face writer, and
-every rank consolidates its share of the output files (:func:`pp_core.app.export_stream.
+every rank consolidates its share of the output files (:func:`pp_core.app.export.stream.
 write_from_ranks`): no rank gathers the model. The directory is the one ``pp-core export
---format hf`` writes from a checkpoint of the same weights (:mod:`pp_core.app.export_hf`); a
+--format hf`` writes from a checkpoint of the same weights (:mod:`pp_core.app.export.hf`); a
 model that is not an HF model gets the directory form (weights, index, ``pp_core_model.yaml``).
 """
 
@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pp_core.app.export_hf import (EXPORT_FILE, MODEL_FILE, default_max_shard_size,
+from pp_core.app.export.hf import (EXPORT_FILE, MODEL_FILE, default_max_shard_size,
                                    export_files, hf_target, write_hf_files)
 from pp_core.checkpoint.expert_state import expert_dtensors
-from pp_core.app.export_stream import plan_layout, write_from_ranks
+from pp_core.app.export.stream import plan_layout, write_from_ranks
 from pp_core.config import resolve_dtype
 from pp_core.parallel.dtensor_state import unstride
 

@@ -25,12 +25,12 @@ import tempfile
 from typing import Any, Callable
 
 from pp_core.app.logs import configure_logging
-from pp_core.app.decide import decide
+from pp_core.app.launch.decide import decide
 from pp_core.app.interrupts import interrupt_once, signals_raise
-from pp_core.app.layout import RankLayout
+from pp_core.app.machine import RankLayout
 from pp_core.app.rendezvous import prepare_endpoint, started_by_torchrun
 from pp_core.app.spec import Spec
-from pp_core.app.spec_sections import DistributedSpec
+from pp_core.app.spec.sections import DistributedSpec
 from pp_core.errors import ConfigError, PPCoreError, PipelineError
 
 __all__ = ["launch", "started_by_torchrun", "rank_main", "is_loopback"]
@@ -54,7 +54,7 @@ def rank_main(spec_values: dict, entrypoint: Callable | None = None,
     spec = Spec.from_dict(spec_values, source)
     if entrypoint is not None:
         return entrypoint(spec)
-    from pp_core.app.train import train  # lazy: torch, only the ranks need it
+    from pp_core.app.rank import train  # lazy: torch, only the ranks need it
 
     return train(spec)
 
@@ -85,7 +85,7 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
     """Run the pipeline on this machine's ranks; returns each local rank's return value.
 
     :param entrypoint: a picklable ``entrypoint(spec)`` to run on every rank instead of
-        :func:`pp_core.app.train.train` (tests use it to inspect a rank from inside).
+        :func:`pp_core.app.rank.train` (tests use it to inspect a rank from inside).
     :param announce: called with one line (ranks, device and why) once every check passed,
         just before the processes start.
     :param memory_cap: bytes per rank for ``pipeline.pp_schedule: auto`` (planned here, once).
@@ -231,7 +231,7 @@ def _failure_message(exc) -> str:
 
 def _own_error(message: str, trace: str = "") -> bool:
     """Whether a rank's recorded ``"Type: text"`` is one of pp-core's error types: one this
-    process has loaded, or - named in the traceback's last line (``pp_core.app.health.
+    process has loaded, or - named in the traceback's last line (``pp_core.app.rank.health.
     NonFiniteStep: ...``) - one from a module only the ranks import (the NaN stop's)."""
     def names(cls):
         yield cls.__name__

@@ -19,7 +19,7 @@ __all__ = ["check_vocab", "check_sequence_shards", "meta_friendly"]
 
 
 def _embedding_rows(model) -> int | None:
-    from pp_core.app.preflight_fit import _input_embedding  # lazy: torch, with a model in hand
+    from pp_core.app.check.fit import _input_embedding  # lazy: torch, with a model in hand
 
     embedding = _input_embedding(model) if model is not None else None
     return None if embedding is None else int(embedding.num_embeddings)

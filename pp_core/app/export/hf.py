@@ -14,7 +14,7 @@ Hugging Face's ``save_pretrained`` writes for the run's model:
 
 The keys are the unsplit model's names, so every layout (pp, tp, dp_shard / dp_replicate, ep,
 any splitter) gives the same directory; the weights stream through
-:mod:`pp_core.app.export_stream` (never the whole model in one process). A model that is not
+:mod:`pp_core.app.export.stream` (never the whole model in one process). A model that is not
 an HF model gets the directory form: the same weight files and index, and
 ``pp_core_model.yaml``, the YAML ``model`` section that rebuilds it.
 
@@ -219,13 +219,13 @@ def directory_from_state_keys(checkpoint, output, names: list[tuple[str, str]], 
                               converted: HFTarget | None = None):
     """Write the weights of a directory from a DCP checkpoint: ``names`` lists
     ``(output name, checkpoint key)`` in file order (keys as DCP stores them,
-    ``model.<fqn>``); returns the :class:`~pp_core.app.export_stream.Layout` written.
+    ``model.<fqn>``); returns the :class:`~pp_core.app.export.stream.Layout` written.
     ``converted``: an :class:`HFTarget` whose ``convert`` renames the tensors read from
     ``names``' keys into its ``saved`` names (the file's)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # lazy: DCP
 
     from pp_core.checkpoint.directory import check_dir
-    from pp_core.app.export_stream import plan_layout, write_from_checkpoint
+    from pp_core.app.export.stream import plan_layout, write_from_checkpoint
 
     checkpoint = Path(checkpoint)
     metadata = metadata or check_dir(checkpoint)

@@ -4,7 +4,7 @@
 differ from process to process (another rank's load, a cold cache); so they are taken once,
 here, before any rank exists: the model built with the run's recipe
 (:func:`pp_core.app.factories.build_model`), the dataset's first batch, on the device and with
-the thread count a rank gets (:class:`~pp_core.app.layout.RankLayout`). :func:`profile_spec` is
+the thread count a rank gets (:class:`~pp_core.app.machine.RankLayout`). :func:`profile_spec` is
 reusable by anything that measures or plans from a YAML file.
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pp_core.app.factories import build_dataset, build_model
-from pp_core.app.layout import RankLayout
+from pp_core.app.machine import RankLayout
 from pp_core.app.spec import Spec
 from pp_core.losses import resolve_loss
 from pp_core.measure.helpers import HELPER_TIMEOUT_S, run_helpers

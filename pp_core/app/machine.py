@@ -22,7 +22,7 @@ from pp_core.devices import (
 
 if TYPE_CHECKING:
     from pp_core.app.spec import Spec
-    from pp_core.app.spec_sections import DistributedSpec
+    from pp_core.app.spec.sections import DistributedSpec
 
 __all__ = ["RankLayout", "local_ranks"]
 

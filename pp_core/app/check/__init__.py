@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pp_core.app.factories import dataset_factory, model_factory
-from pp_core.app.layout import RankLayout
-from pp_core.app.preflight_calls import check_module_calls
-from pp_core.app.preflight_build import (
+from pp_core.app.machine import RankLayout
+from pp_core.app.check.calls import check_module_calls
+from pp_core.app.check.build import (
     build_meta_model, check_build, check_local_ranks, check_outputs,
 )
-from pp_core.app.preflight_initializers import stage_initializers
+from pp_core.app.check.initializers import stage_initializers
 from pp_core.app.spec import Spec, SpecError
 from pp_core.config import is_auto
 from pp_core.errors import PPCoreError, did_you_mean
@@ -47,7 +47,7 @@ class Preflight:
 
 def _splitter(spec: Spec):
     """``model.splitter`` as the meta-device plan uses it: ``balanced`` cuts where measured time
-    says, at launch (:mod:`pp_core.app.decide`); its stage count is its base splitter's."""
+    says, at launch (:mod:`pp_core.app.launch.decide`); its stage count is its base splitter's."""
     name = spec.model.splitter
     return None if name is not None and name.lower() == "balanced" else name
 
@@ -74,7 +74,7 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
     """Check names, arguments, batch sizes, the split and the schedule; raise one SpecError.
 
     With ``run_checks`` it also builds what a rank builds (datasets and a batch, the optimizer,
-    the resume path, the output paths: :mod:`pp_core.app.preflight_build`), so that what would fail
+    the resume path, the output paths: :mod:`pp_core.app.check.build`), so that what would fail
     after the ranks start is refused before.
     """
     plugins = plugins_or_default(plugins)

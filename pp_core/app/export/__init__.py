@@ -1,0 +1,6 @@
+"""The hand-back chapter: a run's weights written out for the tools users bring next.
+
+``hf`` plans a Hugging Face directory (``save_pretrained`` or the directory form), ``stream``
+writes it from a checkpoint or from the ranks, ``run`` is ``checkpoint.export_hf`` (the ranks
+write it as the run ends), ``command`` is ``pp-core export``, ``peft`` a LoRA run's adapter.
+"""
