@@ -181,7 +181,7 @@ def _run_case(name, mode, args, csv_path):
 
     from pp_core import PipelineConfig
     from pp_core.plugin_manager import load_plugins
-    from pp_core.runtime.pipeline import build_pipeline
+    from pp_core.runtime.build import build_pipeline
 
     plugins = None
     if mode != "pool":

@@ -7,7 +7,7 @@ shared machine hits them alike:
 
 * ``plain`` - no observer, no profiler (every run of ``pp-core`` without tracing);
 * ``observer`` - one do-nothing :class:`~pp_core.runtime.observers.ActionObserver`;
-* ``timer`` - the run recorder's :class:`~pp_core.app.rank.run_outputs.ActionTimer`;
+* ``timer`` - the run recorder's :class:`~pp_core.app.rank.timing.ActionTimer`;
 * ``profiler`` - inside ``torch.profiler.profile()`` (a ``PP:`` record per action; for scale).
 
 Each mode's cost is the median over rounds of (mode's step / plain step of the same round).
@@ -109,7 +109,7 @@ def observe(pipe, mode: str):
         pipe.add_action_observer(observer)
         return observer
     if mode == "timer":
-        from pp_core.app.rank.run_outputs import ActionTimer
+        from pp_core.app.rank.timing import ActionTimer
 
         timer = ActionTimer(torch.device("cpu"))
         pipe.add_action_observer(timer)

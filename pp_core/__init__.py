@@ -47,13 +47,23 @@ __all__ = [
 def build_pipeline(model, config, pp_group=None, device="cpu", **options):
     """Split ``model`` into this rank's stages and return a :class:`pp_core.runtime.Pipeline`.
 
-    ``options`` are those of :func:`pp_core.runtime.pipeline.build_pipeline`: ``plugins=``,
-    ``timeout=``, ``splitter=`` (a name or a splitter object), ``dp_group=`` (the dp ranks a
-    token-normalised loss counts over) and ``expert_groups=`` (``step`` then averages the expert
-    gradients over their ranks). Imported lazily so that ``import pp_core`` stays light (no
-    torch.distributed).
+    :param pp_group: a ProcessGroup or a 1-D DeviceMesh of the pipeline ranks; ``None``: the
+        default group (a single-process pipeline when torch.distributed is not initialised).
+    :param device: where this rank's parts and tensors live (``"cuda:0"``, ``"cpu"``).
+
+    Every option (keyword-only, as :func:`pp_core.runtime.build.build_pipeline` takes them):
+
+    * ``plugins=``: a :class:`pp_core.plugin_manager.Plugins`; default the installed plugins;
+    * ``timeout=``: seconds a single wait may take before the step fails;
+    * ``splitter=``: a splitter name or object (``BalancedSplitter(profile)``); None: automatic;
+    * ``dp_group=``: this rank's data-parallel ranks, over which a token-normalised loss counts
+      the step's valid tokens; None: no dp;
+    * ``expert_groups=``: with expert parallelism, ``ParallelDims.build(...).experts``: ``step``
+      then averages the experts' gradients over the ranks holding the same experts; None: no ep.
+
+    Imported lazily so that ``import pp_core`` stays light (no torch.distributed).
     """
-    from pp_core.runtime.pipeline import build_pipeline as _build  # lazy: torch
+    from pp_core.runtime.build import build_pipeline as _build  # lazy: torch
 
     return _build(model, config, pp_group=pp_group, device=device, **options)
 

@@ -109,7 +109,7 @@ def train(schedule: str, pool: bool, checkpointed: bool, seq_lens, csv_path=None
     """Losses (last stage's rank) and gradients of this rank's parameters, step by step."""
     from pp_core import PipelineConfig
     from pp_core.plugin_manager import load_plugins
-    from pp_core.runtime.pipeline import build_pipeline
+    from pp_core.runtime.build import build_pipeline
 
     stages_per_rank = 2 if schedule not in ("1f1b", "gpipe", "zero_bubble", "zb_h2") else 1
     num_stages = NUM_RANKS * stages_per_rank

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pp_core.config import PipelineConfig
-from pp_core.runtime.pipeline import build_pipeline
+from pp_core.runtime.build import build_pipeline
 
 __all__ = ["measure_action_overhead"]
 

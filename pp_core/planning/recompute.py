@@ -13,7 +13,7 @@ candidate (schedule, stages per rank, microbatch size, split) :func:`choose_mode
    an early one unneeded).
 
 Memory is separable per rank (a rank's bytes follow its own order of actions), so each trial is
-one byte replay (:func:`pp_core.schedule.simulate.peak_activation_bytes`), not a timing
+one byte replay (:func:`pp_core.schedule.peak_bytes.peak_activation_bytes`), not a timing
 simulation. :func:`plan_stages` then lets the split follow: with the modes fixed, the units are
 re-cut so each stage's time *under its own mode* is balanced (a recomputing stage gets fewer
 units, the others more), the modes are chosen again for that cut, and the faster of the two
@@ -32,7 +32,7 @@ from typing import Sequence
 from pp_core.planning.costs import ModelProfile, UnitCost
 from pp_core.planning.memory import predict_memory, stage_held_bytes
 from pp_core.planning.refine import simulate_split
-from pp_core.schedule.simulate import peak_activation_bytes
+from pp_core.schedule.peak_bytes import peak_activation_bytes
 from pp_core.schedule.lower import lower
 from pp_core.schedule.validate import encode_validated
 

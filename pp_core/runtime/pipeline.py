@@ -1,12 +1,7 @@
-"""``build_pipeline`` and :class:`Pipeline`: a model split over ranks, run by a lowered schedule.
+""":class:`Pipeline`: a model split over ranks, run by a lowered schedule.
 
-``build_pipeline(model, config, pp_group=None, device="cpu")`` plans the split, the schedule (a
-registered name or a CSV) and its lowered program with
-:func:`~pp_core.planning.plan.plan_pipeline` - the same function ``pp-core validate`` plans with -
-keeps only this rank's model parts (moved to ``device``; ``config.dtype`` is the dtype of the
-floating tensors stages send and receive, parameters are never cast by it), collects
-the runtime initializers and the receive-buffer allocator - all before any pipeline traffic, so
-configuration mistakes fail fast and identically on every rank. :meth:`Pipeline.step` then runs one training step.
+:func:`~pp_core.runtime.build.build_pipeline` plans and builds it (before any pipeline traffic);
+:meth:`Pipeline.step` then runs one training step.
 
 What ``step`` returns: on the rank holding the last stage, the mean of the microbatch losses as a
 detached 0-dim float32 tensor on ``device`` (a tensor, so that CUDA need not synchronise; call
@@ -39,14 +34,10 @@ from pp_core.errors import ConfigError, PipelineError, PPCoreError
 from pp_core.losses import counts_tokens, resolve_loss
 from pp_core.parallel.expert import sync_expert_gradients
 from pp_core.parallel.tensor_parallel import reduce_partial_gradients
-from pp_core.parallel.tied import align_tied_copies, grad_baseline, sync_tied_gradients_of
-from pp_core.planning.parts import build_model_parts
+from pp_core.parallel.tied import grad_baseline, sync_tied_gradients_of
 from pp_core.plugin_manager import plugins_or_default
-from pp_core.planning.plan import plan_pipeline
 from pp_core.runtime.frozen import check_frozen, mark_frozen
 from pp_core.runtime.call_agreement import CallAgreement
-from pp_core.runtime.build_checks import check_device, check_materialised, check_not_wrapped
-from pp_core.runtime.agreement import check_ranks_agree, config_fields, model_fields, plan_fields
 from pp_core.runtime.allocator import make_recv_buffer_allocator
 from pp_core.runtime.comm import P2P, PeerFailure
 from pp_core.runtime.dp_sync import make_data_parallel
@@ -63,7 +54,7 @@ from pp_core.schedule.ir import Schedule
 from pp_core.schedule.lower import Program, forward_only, lower
 from pp_core.schedule.validate import validate_schedule
 
-__all__ = ["Pipeline", "build_pipeline"]
+__all__ = ["Pipeline"]
 
 _pipeline_ids = itertools.count()
 
@@ -331,57 +322,3 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline(rank={self.rank}/{self.num_ranks}, stages={self.stage_indices}, "
                 f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
-
-
-def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, device="cpu", *,
-                   plugins=None, timeout=None, splitter=None, dp_group=None,
-                   expert_groups=None) -> Pipeline:
-    """Split ``model`` over the ranks of ``pp_group`` and return this rank's :class:`Pipeline`.
-
-    :param pp_group: a ProcessGroup or a 1-D DeviceMesh; ``None`` = the default group (or a
-        single-process pipeline when torch.distributed is not initialised).
-    :param device: where this rank's parts and tensors live (``"cuda:0"``, ``"cpu"``).
-    :param plugins: a :class:`pp_core.plugin_manager.Plugins`; default: the installed plugins.
-    :param timeout: seconds a single wait may take before the step fails.
-    :param splitter: a splitter name or object (``BalancedSplitter(profile)``); None: automatic.
-    :param dp_group: the data-parallel ranks of this rank (ProcessGroup or DeviceMesh), over
-        which a token-normalised loss counts the step's valid tokens; None: no dp.
-    :param expert_groups: with expert parallelism, this rank's
-        :class:`~pp_core.parallel.dims.ExpertGroups` (``ParallelDims.build(...).experts``):
-        ``step`` then averages the experts' gradients over the ranks holding the same experts,
-        beside TP's partial-gradient reduction; apply the experts' plan with
-        :func:`pp_core.parallel.apply_expert_parallel` after building. None: no ep.
-    """
-    if not isinstance(config, PipelineConfig):
-        raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
-
-    check_device(device)  # before any collective, each a mistake every rank makes alike
-    check_not_wrapped(model)  # a wrapped model's hooks would run collectives of their own
-    if getattr(model, "pp_checkpoint", None) is None:  # else each part loads its own weights
-        check_materialised(model)
-    plugins = plugins_or_default(plugins)
-    group, rank, num_ranks = resolve_group(pp_group)
-    if num_ranks > 1:  # ranks that disagree would train on wrong gradients, then hang
-        check_ranks_agree(group, {**config_fields(config), **model_fields(model)}, device,
-                          "configurations or models")
-    try:
-        plan = plan_pipeline(model, config, num_ranks, rank=rank, plugins=plugins,
-                             splitter=splitter)
-        failure, built = None, plan_fields(plan.schedule, plan.split)
-    except Exception as exc:  # the others must still learn that this rank failed
-        failure, built = exc, plan_fields(None, None, exc)
-    if num_ranks > 1:  # the same installed plugins plan the same schedule and split
-        check_ranks_agree(group, built, device, "schedules or splits")
-    if failure is not None:
-        raise failure
-    parts = build_model_parts(model, plan.split, plan.stage_indices, config, device=device)
-    for part in parts:
-        check_materialised(part, "a model part of this rank")
-    pipe = Pipeline(parts, plan.stage_indices, plan.schedule, config, group, device,
-                    program=plan.program, plugins=plugins, timeout=timeout, plan=plan,
-                    dp_group=dp_group, expert_groups=expert_groups)
-    if num_ranks > 1 and plan.split.tied_parameters:  # every copy starts as the lowest stage's
-        align_tied_copies(pipe.model_parts, plan.schedule.stage_ranks, rank, group)
-    return pipe

@@ -31,7 +31,8 @@ from typing import Literal
 from pp_core.errors import ScheduleError, ScheduleFileNotFoundError, quoted, shorten
 from pp_core.schedule.ir import COMPUTE_KINDS, Schedule, parse_action
 from pp_core.schedule.lower import lower
-from pp_core.schedule.torch_comms import CommCell, check_comms, comms_rows, parse_comm_cell
+from pp_core.schedule.torch_comms import CommCell, comms_rows, parse_comm_cell
+from pp_core.schedule.torch_comms_check import check_comms
 from pp_core.schedule.validate import validate_schedule
 
 __all__ = ["read_csv", "parse_csv", "write_csv", "format_csv", "format_comms_csv",

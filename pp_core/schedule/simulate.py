@@ -28,10 +28,12 @@ from typing import Mapping, Sequence
 from pp_core.errors import ScheduleError
 from pp_core.schedule.ir import B, F, I, W, Action, Schedule
 from pp_core.schedule.build import gc_paused
+from pp_core.schedule.peak_bytes import bytes_per_stage, rank_peak_bytes
 from pp_core.schedule.sharing import replay_shared
-from pp_core.schedule.validate import encode_validated, raise_deadlock
+from pp_core.schedule.deadlock import raise_deadlock
+from pp_core.schedule.validate import encode_validated
 
-__all__ = ["Costs", "SimResult", "simulate", "peak_activation_bytes"]
+__all__ = ["Costs", "SimResult", "simulate"]
 
 _KINDS = (F, B, I, W)
 
@@ -199,8 +201,8 @@ def simulate(
     if processors is not None and (isinstance(processors, bool) or not isinstance(
             processors, (int, float)) or not processors > 0):
         raise ScheduleError(f"processors must be a number > 0 (or None), got {processors!r}")
-    held = _stage_bytes(input_grad_held_bytes, schedule.num_stages, "input_grad_held_bytes")
-    stage_bytes = _stage_bytes(activation_bytes if held is None or activation_bytes is not None
+    held = bytes_per_stage(input_grad_held_bytes, schedule.num_stages, "input_grad_held_bytes")
+    stage_bytes = bytes_per_stage(activation_bytes if held is None or activation_bytes is not None
                                else 0.0, schedule.num_stages)
     cost = costs.table(schedule.num_stages)
     ends = None
@@ -241,7 +243,7 @@ def simulate(
                         else st[-1] + cost[(row[-1] >> 2) // M][row[-1] & 3])
         peaks.append(peak)
         if stage_bytes is not None:
-            peak_bytes.append(_rank_peak_bytes(row, M, stage_bytes, held))
+            peak_bytes.append(rank_peak_bytes(row, M, stage_bytes, held))
     return SimResult(
         schedule=schedule, costs=costs, comm_latency=float(comm_latency),
         makespan=max(last), busy=busy, first_start=first, last_end=last,
@@ -250,58 +252,6 @@ def simulate(
         processors=float(processors) if ends is not None else None, starts=starts,
         _encoded=encoded, _cost=cost, _ends=ends,
     )
-
-
-def peak_activation_bytes(schedule: Schedule, activation_bytes: Sequence[float],
-                          input_grad_held_bytes: Sequence[float] | None = None,
-                          encoded: list[list[int]] | None = None) -> list[float]:
-    """Per rank, the ``peak_activation_bytes`` of :func:`simulate` without the timing replay
-    (the bytes follow each rank's own order, not the clock): what a planner that tries many
-    byte figures on one schedule calls. ``encoded``: the schedule's
-    :func:`~pp_core.schedule.validate.encode_validated` rows, to skip encoding again."""
-    held = _stage_bytes(input_grad_held_bytes, schedule.num_stages, "input_grad_held_bytes")
-    stage_bytes = _stage_bytes(activation_bytes, schedule.num_stages)
-    if encoded is None:
-        encoded = encode_validated(schedule, check_deadlock=False)
-    return [_rank_peak_bytes(row, schedule.num_microbatches, stage_bytes, held)
-            for row in encoded]
-
-
-def _rank_peak_bytes(row, M: int, stage_bytes: list[float], held: list[float] | None) -> float:
-    """The most bytes one rank's saved activations (and split-backward holdings) reach."""
-    live_b = peak_b = 0.0
-    for c in row:
-        kc = c & 3
-        stage = (c >> 2) // M
-        if kc == 0:
-            live_b += stage_bytes[stage]
-            if live_b > peak_b:
-                peak_b = live_b
-        elif kc != 2:
-            if held is not None:  # what the I before it left, not seen at an F yet
-                if live_b > peak_b:
-                    peak_b = live_b
-                if kc == 3:
-                    live_b -= held[stage]
-            live_b -= stage_bytes[stage]
-        elif held is not None:  # the state before it: while it runs its own additions
-            if live_b > peak_b:  # are among its temporaries (the memory model's transient),
-                peak_b = live_b  # after it they are counted here
-            live_b += held[stage]
-    return peak_b
-
-
-def _stage_bytes(activation_bytes, num_stages: int,
-                 name: str = "activation_bytes") -> list[float] | None:
-    if activation_bytes is None:
-        return None
-    if isinstance(activation_bytes, (int, float)) and not isinstance(activation_bytes, bool):
-        return [float(activation_bytes)] * num_stages
-    values = list(activation_bytes)
-    if len(values) != num_stages:
-        raise ScheduleError(f"{name} has {len(values)} entries; give one per stage "
-                            f"({num_stages}) or a single number for every stage")
-    return [float(v) for v in values]
 
 
 def _replay(schedule: Schedule, encoded: list[list[int]], cost,

@@ -22,12 +22,12 @@ advances per-rank pointers and wakes only the one rank that consumes each finish
 from __future__ import annotations
 
 from pp_core.errors import ScheduleError
+from pp_core.schedule.deadlock import KIND_CODE, list_schedule
 from pp_core.schedule.grid import format_grid  # re-exported
 from pp_core.schedule.ir import B, COMM_KINDS, F, I, W, Action, Schedule
 
-__all__ = ["validate_schedule", "encode_validated", "raise_deadlock", "format_grid"]
+__all__ = ["validate_schedule", "encode_validated", "format_grid"]
 
-_KIND_CODE = {F: 0, B: 1, I: 2, W: 3}
 _F_BIT, _B_BIT, _I_BIT, _W_BIT = 1, 2, 4, 8
 _DONE_FULL, _DONE_SPLIT = _F_BIT | _B_BIT, _F_BIT | _I_BIT | _W_BIT
 _MAX_PROBLEMS = 6
@@ -44,18 +44,13 @@ def encode_validated(schedule: Schedule, check_deadlock: bool = True) -> list[li
     ``key = stage * num_microbatches + microbatch``, kind F=0, B=1, I=2, W=3. The simulator and
     other linear-time passes reuse this encoding instead of re-reading the Action tuples. With
     ``check_deadlock=False`` the caller runs its own list scheduling and calls
-    :func:`raise_deadlock` when ranks stay blocked.
+    :func:`~pp_core.schedule.deadlock.raise_deadlock` when ranks stay blocked.
     """
     _num_ranks, num_stages, num_microbatches = _check_shape(schedule)
     encoded = _encode(schedule, num_stages, num_microbatches)
     if check_deadlock:
-        _check_deadlock(schedule, encoded, num_stages, num_microbatches)
+        list_schedule(schedule, encoded, num_stages, num_microbatches)
     return encoded
-
-
-def raise_deadlock(schedule: Schedule, encoded: list[list[int]], ptr: list[int]) -> None:
-    """Raise the deadlock error for a list-scheduling run stuck at per-rank positions ``ptr``."""
-    _deadlock(schedule, encoded, ptr, schedule.num_microbatches)
 
 
 # ----------------------------------------------------------------------------- shape
@@ -102,7 +97,7 @@ def _encode(schedule: Schedule, num_stages: int, num_microbatches: int) -> list[
     stage_ranks = schedule.stage_ranks
     M = num_microbatches
     state = bytearray(num_stages * M)
-    kind_code = _KIND_CODE
+    kind_code = KIND_CODE
     encoded: list[list[int]] = []
     for r, row in enumerate(schedule.actions):
         enc: list[int] = []
@@ -238,125 +233,3 @@ def _incomplete(schedule: Schedule, state: bytearray, M: int) -> None:
         f"actions; every pair needs one F and either one B or one I followed by one W "
         f"(num_stages={len(schedule.stage_ranks)}, num_microbatches={M})\n  "
         + "\n  ".join(problems) + more)
-
-
-# ----------------------------------------------------------------------------- pass 2
-
-
-def _check_deadlock(schedule: Schedule, encoded: list[list[int]], num_stages: int, M: int) -> None:
-    """List-schedule the ranks; each finished F/B/I wakes the one rank that consumes it."""
-    stage_ranks = schedule.stage_ranks
-    num_ranks = len(encoded)
-    fdone = bytearray(num_stages * M)
-    bdone = bytearray(num_stages * M)
-    last_key = (num_stages - 1) * M  # keys >= this are on the last stage
-    ptr = [0] * num_ranks
-    blocked = [False] * num_ranks
-    queue = list(range(num_ranks - 1, -1, -1))
-    while queue:
-        r = queue.pop()
-        row = encoded[r]
-        p = ptr[r]
-        n = len(row)
-        while p < n:
-            c = row[p]
-            kc = c & 3
-            key = c >> 2
-            if kc == 0:
-                if key >= M and not fdone[key - M]:
-                    break
-                fdone[key] = 1
-                if key < last_key:
-                    t = stage_ranks[key // M + 1]
-                    if blocked[t]:
-                        blocked[t] = False
-                        queue.append(t)
-            elif kc != 3:
-                if key < last_key and not bdone[key + M]:
-                    break
-                bdone[key] = 1
-                if key >= M:
-                    t = stage_ranks[key // M - 1]
-                    if blocked[t]:
-                        blocked[t] = False
-                        queue.append(t)
-            p += 1
-        ptr[r] = p
-        if p < n:
-            blocked[r] = True
-    if any(blocked):
-        _deadlock(schedule, encoded, ptr, M)
-
-
-def _raw_step(schedule: Schedule, r: int, index: int) -> int:
-    """The position in ``schedule.actions[r]`` (idle cells counted) of the index-th action."""
-    seen = -1
-    for step, a in enumerate(schedule.actions[r]):
-        if a is not None:
-            seen += 1
-            if seen == index:
-                return step
-    return len(schedule.actions[r])
-
-
-def _decode(code: int, M: int) -> Action:
-    s, mb = divmod(code >> 2, M)
-    return Action(s, (F, B, I, W)[code & 3], mb)
-
-
-def _deadlock(schedule: Schedule, encoded: list[list[int]], ptr: list[int], M: int) -> None:
-    """Explain the wait cycle, starting at the first rank of the cycle the first stuck rank hits."""
-    r = next(r for r in range(len(encoded)) if ptr[r] < len(encoded[r]))
-    _text, _marks, r = _wait_chain(schedule, encoded, ptr, M, r)  # find a rank on the cycle
-    text, marks, _ = _wait_chain(schedule, encoded, ptr, M, r)
-    head = _decode(encoded[r][ptr[r]], M)
-    raise ScheduleError(
-        f"schedule {schedule.name!r} deadlocks at rank {r} step {_raw_step(schedule, r, ptr[r])} "
-        f"({head}): no rank can make progress\n  {text}.\nReorder the actions so every F(s,k) "
-        f"comes after F(s-1,k) and every I/B(s,k) after I/B(s+1,k) can have finished.\n"
-        f"{format_grid(schedule, marks)}")
-
-
-def _wait_chain(schedule, encoded, ptr, M, r):
-    """Follow "waits for" from rank ``r``'s next action until a rank repeats; return the text."""
-    head = _decode(encoded[r][ptr[r]], M)
-    step = _raw_step(schedule, r, ptr[r])
-    marks = {(r, step)}
-    visited = {r: f"rank {r} step {step}"}
-    text = f"rank {r} step {step}: {head}"
-    while True:
-        dep = _dependency(schedule, encoded, head, M)
-        dr = schedule.stage_ranks[dep.stage]
-        dindex = _index_of(encoded[dr], _encode_one(dep, M))
-        text += f" waits for {dep} at rank {dr} step {_raw_step(schedule, dr, dindex)}"
-        head = _decode(encoded[dr][ptr[dr]], M)
-        hstep = _raw_step(schedule, dr, ptr[dr])
-        marks.add((dr, hstep))
-        if dindex != ptr[dr]:
-            text += f",\n  which comes after {head} at rank {dr} step {hstep}"
-        if dr in visited:
-            text += f",\n  which closes the cycle (back at {visited[dr]})"
-            return text, marks, dr
-        visited[dr] = f"rank {dr} step {hstep}"
-        text += ",\n  which"
-
-
-def _dependency(schedule: Schedule, encoded: list[list[int]], action: Action, M: int) -> Action:
-    s, kind, mb = action
-    if kind == F:
-        return Action(s - 1, F, mb)
-    nxt = s + 1
-    row = encoded[schedule.stage_ranks[nxt]]
-    has_i = _index_of(row, _encode_one(Action(nxt, I, mb), M)) >= 0
-    return Action(nxt, I if has_i else B, mb)
-
-
-def _encode_one(action: Action, M: int) -> int:
-    return (action.stage * M + action.microbatch) * 4 + _KIND_CODE[action.kind]
-
-
-def _index_of(row: list[int], code: int) -> int:
-    try:
-        return row.index(code)
-    except ValueError:
-        return -1

@@ -22,22 +22,23 @@ pipeline is built.
 from __future__ import annotations
 
 import copy
-import inspect
-import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from pp_core.app.spec.schema import REQUIRED_SECTIONS, SCHEMA, Key, Mismatch, describe_value
+from pp_core.app.spec.combinations import auto_expert_parallel_refusal, check_combinations
+from pp_core.app.spec.checkers import Mismatch, describe_value
+from pp_core.app.spec.schema import REQUIRED_SECTIONS, SCHEMA, Key
 from pp_core.app.spec.sections import (SECTIONS, CheckpointSpec, DataSpec, DistributedSpec,
                                        ModelSpec, OutputSpec, TrainSpec)
 from pp_core.app.spec.yaml import YamlProblem, load_yaml_text, read_yaml
-from pp_core.config import PipelineConfig, is_auto
-from pp_core.errors import ConfigError, closest, did_you_mean, quoted
+from pp_core.config import PipelineConfig
+from pp_core.errors import ConfigError, did_you_mean, quoted
 from pp_core.parallel.dims import ParallelDims
 
 __all__ = ["Key", "SCHEMA", "REQUIRED_SECTIONS", "Spec", "SpecError", "load_spec",
-           "parse_spec", "apply_overrides", "parse_override", "describe_value"]
+           "parse_spec", "apply_overrides", "parse_override", "describe_value",
+           "auto_expert_parallel_refusal"]
 
 
 class SpecError(ConfigError):
@@ -167,8 +168,8 @@ def parse_spec(data: Any, source: str = "pipeline") -> Spec:
             problems.append(f"{section}: expected a mapping of keys, found {describe_value(raw)}")
             raw = {}
         values[section] = _check_section(section, keys, raw, problems)
-    pipeline = _check_combinations(values, problems,
-                                   checkpoints_off=_explicit_null(data, "checkpoint", "dir"))
+    pipeline = check_combinations(values, problems,
+                                  checkpoints_off=_explicit_null(data, "checkpoint", "dir"))
     if problems:
         raise SpecError(problems, source)
     sections = {name: kind(**values[name]) for name, kind in SECTIONS.items() if name != "pipeline"}
@@ -203,144 +204,6 @@ def _explicit_null(data: dict, section: str, key: str) -> bool:
     """Whether ``section.key: null`` was written out (in the file or a ``--set``), not left out."""
     raw = data.get(section)
     return isinstance(raw, dict) and key in raw and raw[key] is None
-
-
-def _check_combinations(values: dict, problems: list[str],
-                        checkpoints_off: bool = False) -> PipelineConfig | None:
-    """Combinations no single key can judge: both/neither, implied keys, divisibility; returns
-    the spec's :class:`PipelineConfig` (``None`` when the pipeline section is wrong).
-
-    ``checkpoints_off``: ``checkpoint.dir: null`` was written out (``--set checkpoint.dir=null``
-    turns a file's checkpoints off), so ``checkpoint.every`` is moot; an ``every`` with no ``dir``
-    at all is a forgotten ``dir``.
-    """
-    model, dist = values["model"], values["distributed"]
-    if (model["name"] is None) == (model["target"] is None):
-        found = "both" if model["name"] else "neither"
-        problems.append(f"model: expected exactly one of model.name (a registered model) or "
-                        f"model.target ('module:callable'), found {found}")
-    ckpt = values["checkpoint"]
-    if ckpt["dir"] is None:
-        for name, value in (("every", ckpt["every"] and not checkpoints_off),
-                            ("resume", ckpt["resume"] is True)):
-            if value:
-                problems.append(f"checkpoint.{name}: needs checkpoint.dir, found "
-                                f"checkpoint.dir unset; add checkpoint.dir: <path>")
-    export = ckpt.get("export_hf")
-    if export and ckpt["dir"] and os.path.abspath(export["dir"]) == os.path.abspath(ckpt["dir"]):
-        problems.append(f"checkpoint.export_hf: {export['dir']!r} is checkpoint.dir too (both "
-                        f"write step_NNNNNNNN there); export into another directory, e.g. "
-                        f"{os.path.join(export['dir'], 'hf')!r}")
-    _fold_dp_size(dist, problems)
-    dims = ParallelDims.of(dist)
-    problems.extend(dims.problems(dist["nnodes"], dist["nproc_per_node"]))
-    if dims.ep > 1 and is_auto(values["pipeline"].get("pp_schedule")):
-        problems.append(auto_expert_parallel_refusal(dims.ep))
-    if dist["nnodes"] > 1 and dist["master_port"] is None and dist["rdzv_endpoint"] is None:
-        problems.append("distributed.master_port: expected a port every node can reach when "
-                        "nnodes > 1 (or set distributed.rdzv_endpoint: host:port), found none")
-    if dist["node_rank"] is not None and dist["node_rank"] >= dist["nnodes"]:
-        problems.append(f"distributed.node_rank: expected this machine's index 0.."
-                        f"{dist['nnodes'] - 1} (nnodes={dist['nnodes']}), found "
-                        f"{dist['node_rank']}; no rank would ever join from it")
-    if dist["rdzv_backend"] == "static" and dist["nnodes"] > 1 and dist["node_rank"] is None:
-        problems.append("distributed.node_rank: expected this machine's index (0.."
-                        f"{dist['nnodes'] - 1}) with rdzv_backend: static, found none")
-    if dist["backend"] == "nccl" and dist["device"] == "cpu":
-        problems.append("distributed.backend: expected 'gloo' or 'auto' with device: cpu, "
-                        "found 'nccl' (nccl needs CUDA tensors)")
-    config = None
-    if not any(p.startswith("pipeline.") for p in problems):  # defaults in for bad keys mislead
-        config = _check_pipeline(values["pipeline"], problems)
-    _check_optimizer(values["train"]["optimizer"], problems)
-    return config
-
-
-def auto_expert_parallel_refusal(ep: int) -> str:
-    """Why ``pp_schedule: auto`` does not plan an expert-parallel run (the one message)."""
-    return (f"pipeline.pp_schedule: auto profiles each stage with all of its experts on one "
-            f"rank, so it cannot plan distributed.ep_size: {ep} (each rank holding 1/{ep} of "
-            f"the experts and routing tokens by all-to-all); name a schedule (e.g. 1f1b), or "
-            f"plan at ep_size: 1 with 'pp-core plan' and run what it chose at ep_size: {ep}")
-
-
-def _fold_dp_size(dist: dict, problems: list[str]) -> None:
-    """``dp_size`` is the whole data-parallel degree ``dp_replicate * dp_shard``.
-
-    Written alone (files from before ``dp_replicate``/``dp_shard``) it means replicas of the
-    pipeline, as it always did. Everything that counts ranks or samples (world size, global
-    batch, launch) reads ``dp_size``.
-    """
-    product = dist["dp_replicate"] * dist["dp_shard"]
-    if dist["dp_size"] != 1 and product == 1:
-        dist["dp_replicate"] = product = dist["dp_size"]
-    elif dist["dp_size"] not in (1, product):
-        problems.append(f"distributed.dp_size: expected dp_replicate * dp_shard = "
-                        f"{dist['dp_replicate']} * {dist['dp_shard']} = {product}, found "
-                        f"{dist['dp_size']}; drop dp_size (it is the older name of dp_replicate)")
-    dist["dp_size"] = product
-    if dist["mixed_precision"] and product == 1:
-        problems.append("distributed.mixed_precision: applies to the data-parallel engines, "
-                        "found dp_replicate = dp_shard = 1; set dp_shard or dp_replicate > 1, or "
-                        "drop mixed_precision")
-
-
-from pp_core.schedule.limits import MAX_MICROBATCHES  # noqa: E402 - the schedule half's limit
-
-
-def _check_pipeline(pipeline: dict, problems: list[str]) -> PipelineConfig | None:
-    """The one :class:`PipelineConfig` a spec builds, or ``None`` with its problem added."""
-    try:
-        config = PipelineConfig(**pipeline)
-    except ConfigError as exc:
-        key = f"pipeline.{exc.field}" if exc.field in pipeline else "pipeline"
-        problems.append(f"{key}: {exc}")
-        return None
-    if config.num_microbatches > MAX_MICROBATCHES:
-        problems.append(f"pipeline.pp_batch_size: pp_batch_size / pp_microbatch_size = "
-                        f"{config.pp_batch_size:,} / {config.pp_microbatch_size:,} = "
-                        f"{config.num_microbatches:,} microbatches per step, more than "
-                        f"{MAX_MICROBATCHES:,}; use a larger pp_microbatch_size")
-    return config
-
-
-def _check_optimizer(optimizer: dict, problems: list[str]) -> None:
-    """``train.optimizer.name`` is a torch.optim class and every other key one of its arguments."""
-    import torch  # lazy: torch, only when an optimizer is named
-
-    name = optimizer.get("name", "AdamW")
-    classes = {n: c for n, c in vars(torch.optim).items()
-               if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
-               and c is not torch.optim.Optimizer}
-    cls = classes.get(name) if isinstance(name, str) else None
-    if cls is None:
-        lower = {n.lower(): n for n in classes}
-        guess = lower.get(str(name).lower()) or closest(name, classes, cutoff=0.5)
-        hint = f"did you mean {guess!r}? " if guess else ""
-        problems.append(f"train.optimizer.name: expected a torch.optim class, found "
-                        f"{describe_value(name)}; {hint}e.g. AdamW, Adam, SGD")
-        return
-    optimizer["name"] = name
-    params = inspect.signature(cls.__init__).parameters
-    accepted = {n: p for n, p in params.items() if n not in ("self", "params")
-                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    for key, value in list(optimizer.items()):
-        if key == "name":
-            continue
-        if key not in accepted:
-            hint = did_you_mean(key, accepted, cutoff=0.5, after=" ",
-                                show=lambda arg: f"'train.optimizer.{arg}'")
-            problems.append(f"train.optimizer.{key}: unknown argument of torch.optim.{name}; "
-                            f"{hint}its arguments: {', '.join(accepted)}")
-            continue
-        default = accepted[key].default
-        if isinstance(default, float) and isinstance(value, (str, int)) and \
-                not isinstance(value, bool):
-            try:
-                optimizer[key] = float(value)
-            except ValueError:
-                problems.append(f"train.optimizer.{key}: expected a number, found "
-                                f"{describe_value(value)}")
 
 
 def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> Spec:

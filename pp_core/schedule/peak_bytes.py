@@ -1,0 +1,69 @@
+"""Peak bytes of saved activations per rank, replayed from a schedule's own order (no clock).
+
+An F saves its stage's activations until the B (or, with a split backward, the W) of the same
+microbatch; a split backward's I holds ``input_grad_held_bytes`` until its W. :func:`simulate
+<pp_core.schedule.simulate.simulate>` reports the same figure beside its timings; a planner that
+tries many byte figures on one schedule calls :func:`peak_activation_bytes` alone.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from pp_core.errors import ScheduleError
+from pp_core.schedule.ir import Schedule
+from pp_core.schedule.validate import encode_validated
+
+__all__ = ["peak_activation_bytes", "rank_peak_bytes", "bytes_per_stage"]
+
+
+def peak_activation_bytes(schedule: Schedule, activation_bytes: Sequence[float],
+                          input_grad_held_bytes: Sequence[float] | None = None,
+                          encoded: list[list[int]] | None = None) -> list[float]:
+    """Per rank, the ``peak_activation_bytes`` of :func:`simulate` without the timing replay
+    (the bytes follow each rank's own order, not the clock): what a planner that tries many
+    byte figures on one schedule calls. ``encoded``: the schedule's
+    :func:`~pp_core.schedule.validate.encode_validated` rows, to skip encoding again."""
+    held = bytes_per_stage(input_grad_held_bytes, schedule.num_stages, "input_grad_held_bytes")
+    stage_bytes = bytes_per_stage(activation_bytes, schedule.num_stages)
+    if encoded is None:
+        encoded = encode_validated(schedule, check_deadlock=False)
+    return [rank_peak_bytes(row, schedule.num_microbatches, stage_bytes, held)
+            for row in encoded]
+
+
+def rank_peak_bytes(row, M: int, stage_bytes: list[float], held: list[float] | None) -> float:
+    """The most bytes one rank's saved activations (and split-backward holdings) reach."""
+    live_b = peak_b = 0.0
+    for c in row:
+        kc = c & 3
+        stage = (c >> 2) // M
+        if kc == 0:
+            live_b += stage_bytes[stage]
+            if live_b > peak_b:
+                peak_b = live_b
+        elif kc != 2:
+            if held is not None:  # what the I before it left, not seen at an F yet
+                if live_b > peak_b:
+                    peak_b = live_b
+                if kc == 3:
+                    live_b -= held[stage]
+            live_b -= stage_bytes[stage]
+        elif held is not None:  # the state before it: while it runs its own additions
+            if live_b > peak_b:  # are among its temporaries (the memory model's transient),
+                peak_b = live_b  # after it they are counted here
+            live_b += held[stage]
+    return peak_b
+
+
+def bytes_per_stage(activation_bytes, num_stages: int,
+                 name: str = "activation_bytes") -> list[float] | None:
+    if activation_bytes is None:
+        return None
+    if isinstance(activation_bytes, (int, float)) and not isinstance(activation_bytes, bool):
+        return [float(activation_bytes)] * num_stages
+    values = list(activation_bytes)
+    if len(values) != num_stages:
+        raise ScheduleError(f"{name} has {len(values)} entries; give one per stage "
+                            f"({num_stages}) or a single number for every stage")
+    return [float(v) for v in values]
