@@ -96,6 +96,16 @@ def pp_register_datasets(register: Callable[[str, Callable[..., Iterable]], None
         an iterable of ``(inputs, target)`` pairs, each one whole training step's batch (leading
         dimension = the global batch size; ``inputs`` a tensor, or a tuple or dict of tensors).
 
+    Optional, what the run asks of the iterable when it is there:
+
+    * ``skip(n)``: a resumed run at step ``n`` calls ``dataset.skip(n)`` and then iterates, so
+      the first batch is the ``n``-th; without it the run iterates and drops ``n`` batches.
+    * packed rows: ``inputs = {"input_ids": [B, S], "position_ids": [B, S]}`` whose position
+      ids restart at 0 where a document starts (and at each row's start); a document starts
+      wherever a position id is not its predecessor's plus one, and a target whose token belongs
+      to another document is ``-100``. The ids are split by microbatch like the input ids, reach
+      every stage with the activations, and give the step's ``docs`` figure (docs/data.md).
+
     Calling: every implementation runs; a name registered twice is an error naming both plugins.
     Built-ins: ``pp_core_builtins.models``.
     """

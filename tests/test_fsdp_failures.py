@@ -80,7 +80,7 @@ def pool():
 
 
 HANG = pytest.mark.xfail(strict=True, reason=(
-    "known limit (docs/composition.md): the failing rank destroys its FSDP groups, but that "
+    "known limit (docs/data_parallel.md): the failing rank destroys its FSDP groups, but that "
     "does not close the gloo connections its dp peer waits on in the step's reduce-scatter, "
     "which is released by the dp group's timeout (DP_TIMEOUT_S here), not at once; it then "
     "raises the named error"))

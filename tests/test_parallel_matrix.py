@@ -1,5 +1,5 @@
 """Every schedule x {AC full, AC selective, compile, AC + compile} x pool on/off equals the
-unsplit eager model on one process, on 2 gloo ranks (the matrix of docs/composition.md).
+unsplit eager model on one process, on 2 gloo ranks (the matrix of docs/activation_and_compile.md).
 
 Eager AC is exact (the recompute is bitwise the forward). Compiled cells use the ``aot_eager``
 backend for the whole matrix: it builds the same autograd structure as inductor (one

@@ -12,7 +12,7 @@ Because every key is a parameter name, a checkpoint written with one pipeline la
 any other (pp=4 -> pp=2, or the unsplit model): each rank asks DCP for the keys its parts hold.
 Parts sharded by FSDP2 / HSDP need nothing more: their parameters and optimizer moments are
 DTensors, which DCP writes shard by shard under the same keys (with the whole shape) and reads
-back into whatever shards or whole tensors the loading layout has (docs/composition.md).
+back into whatever shards or whole tensors the loading layout has (docs/data_parallel.md).
 
 Crash-safe: a checkpoint is written beside its final place (``step_00000100.tmp-<id>``); once
 every rank has finished, rank 0 moves an existing ``step_00000100`` aside, renames the new one in,

@@ -31,7 +31,7 @@ Failures. A rank whose step fails publishes its report in the store of each of i
 process groups and destroys them (:meth:`DataParallelDriver.fail`), as it does for the
 pipeline's group; a dp peer whose collective of the step fails raises
 :class:`~pp_core.runtime.comm.PeerFailure` with that report and passes it on to its own pp peers.
-Known limit (docs/composition.md): destroying the group does not close the gloo connections a
+Known limit (docs/data_parallel.md): destroying the group does not close the gloo connections a
 peer already waiting in a collective is blocked on, so it fails only at the dp group's timeout
 (then with the named error), not at once.
 

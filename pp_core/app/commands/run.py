@@ -214,7 +214,7 @@ def _parallelisms(spec) -> str:
     options = ", ".join(f"{k} {v}" for k, v in compiled.items() if k != "enabled")
     text += ", compile " + (f"on ({options or 'torch defaults'})" if compiled["enabled"]
                             else "off")
-    return text + "; with the schedule: supported (docs/composition.md)"
+    return text + "; with the schedule: supported (docs/activation_and_compile.md)"
 
 
 def export_command(args) -> int:

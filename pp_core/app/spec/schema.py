@@ -88,7 +88,7 @@ SCHEMA: dict[str, list[Key]] = {
             "activations between blocks and stages along the sequence"),
         Key("ep_size", integer(1), 1, "expert-parallel degree: each MoE layer's experts are sharded "
             "over this many of the dp ranks (it divides dp_replicate * dp_shard and num_experts; "
-            "docs/composition.md)"),
+            "docs/experts.md)"),
         Key("mixed_precision", optional(mixed_precision), None, "{param_dtype, reduce_dtype} "
             "of the dp engines (FSDP2's MixedPrecisionPolicy), e.g. bfloat16 / float32"),
         Key("backend", one_of("auto", "gloo", "nccl"), "auto", "auto: nccl on CUDA, else gloo"),
@@ -124,11 +124,11 @@ SCHEMA: dict[str, list[Key]] = {
         Key("activation_checkpointing", activation_checkpointing,
             {"mode": "none", "every": 1}, "{mode: none | full | selective | auto (chosen per stage "
             "by pp_schedule: auto), or a list with one mode per stage, every: N} per block "
-            "(docs/composition.md, docs/planning.md)"),
+            "(docs/activation_and_compile.md, docs/planning.md)"),
         Key("on_nonfinite", one_of("stop", "skip"), "stop", "a step with a NaN/inf loss or "
             "gradient norm: stop the run (exit 1) or skip its update (docs/refuses.md)"),
         Key("compile", compile_options, {"enabled": False}, "{enabled: bool, mode, fullgraph, "
-            "dynamic, backend}: torch.compile each block (docs/composition.md)"),
+            "dynamic, backend}: torch.compile each block (docs/activation_and_compile.md)"),
     ],
     "checkpoint": [
         Key("dir", optional(text), None, "where checkpoints go (one step_NNNNNNNN dir each)"),
