@@ -3,7 +3,7 @@
 Each local rank takes one GPU (``cuda:LOCAL_RANK``), so CUDA works only when this machine has at
 least as many GPUs as ranks it runs. :func:`choose_device` decides from three numbers alone (what
 the file asks, how many ranks run here, how many GPUs torch sees), so the rule is testable on any
-machine; :class:`pp_core.app.machine.RankLayout` feeds it this machine's facts, once, for the
+machine; :class:`pp_core.app.machine.MachineShare` feeds it this machine's facts, once, for the
 launcher, ``validate`` and every rank alike. Nothing here reads the YAML spec.
 """
 

@@ -214,11 +214,11 @@ def test_sharded_profile_holds_each_units_shard():
     bytes, the norms all of theirs; the times include the stage's collectives."""
     from torch import nn
 
-    from pp_core.app.machine import RankLayout
+    from pp_core.app.machine import MachineShare
     from pp_core.app.launch.measured import plan_sharded
 
     spec = parse_spec(apply_overrides(BASE, ["distributed.tp_size=2"]), "tp.yaml")
-    plan = plan_sharded(spec, RankLayout.of(spec), microbatch_sizes=[1], repeats=1)
+    plan = plan_sharded(spec, MachineShare.of(spec), microbatch_sizes=[1], repeats=1)
     model = GPT(**MODEL)
     units = plan.profiles[1].units
     assert [u.fqns for u in units][-1] == ("norm", "output")

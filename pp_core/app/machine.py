@@ -1,4 +1,4 @@
-"""Where this run's ranks live, decided once from the spec: :class:`RankLayout`.
+"""Where this run's ranks live, decided once from the spec: :class:`MachineShare`.
 
 The device and backend (:func:`pp_core.devices.choose_device` fed this machine's facts), how
 many ranks run on this machine, the CPU threads each gets and the processors one pipeline's
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from pp_core.app.spec import Spec
     from pp_core.app.spec.sections import DistributedSpec
 
-__all__ = ["RankLayout", "local_ranks"]
+__all__ = ["MachineShare", "local_ranks"]
 
 
 def local_ranks(distributed: "DistributedSpec", environ=None) -> int:
@@ -34,7 +34,7 @@ def local_ranks(distributed: "DistributedSpec", environ=None) -> int:
 
 
 @dataclass(frozen=True)
-class RankLayout:
+class MachineShare:
     """This machine's share of the run: device type (``"cpu"``/``"cuda"``), backend, why that
     device, local ranks, intra-op threads per CPU rank, and the processors one pipeline's CPU
     ranks share (``None``: a processor each, or GPUs)."""
@@ -47,7 +47,7 @@ class RankLayout:
     processors: float | None
 
     @classmethod
-    def of(cls, spec: "Spec", environ=None) -> "RankLayout":
+    def of(cls, spec: "Spec", environ=None) -> "MachineShare":
         """The layout for ``spec`` on this machine. Raises :class:`~pp_core.errors.ConfigError`
         (naming ``distributed.device`` / ``backend``) for a device the machine cannot give."""
         dist = spec.distributed

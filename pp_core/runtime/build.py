@@ -20,7 +20,8 @@ from pp_core.parallel.tied import align_tied_copies
 from pp_core.planning.parts import build_model_parts
 from pp_core.planning.plan import plan_pipeline
 from pp_core.plugin_manager import plugins_or_default
-from pp_core.runtime.agreement import check_ranks_agree, config_fields, model_fields, plan_fields
+from pp_core.runtime.agreement.build import (check_ranks_agree, config_fields, model_fields,
+                                             plan_fields)
 from pp_core.runtime.build_checks import check_device, check_materialised, check_not_wrapped
 from pp_core.runtime.group import resolve_group
 from pp_core.runtime.pipeline import Pipeline

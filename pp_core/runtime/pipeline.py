@@ -37,7 +37,7 @@ from pp_core.parallel.tensor_parallel import reduce_partial_gradients
 from pp_core.parallel.tied import grad_baseline, sync_tied_gradients_of
 from pp_core.plugin_manager import plugins_or_default
 from pp_core.runtime.frozen import check_frozen, mark_frozen
-from pp_core.runtime.call_agreement import CallAgreement
+from pp_core.runtime.agreement.calls import CallAgreement
 from pp_core.runtime.allocator import make_recv_buffer_allocator
 from pp_core.runtime.comm import P2P, PeerFailure
 from pp_core.runtime.dp_sync import make_data_parallel

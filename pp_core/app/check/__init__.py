@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pp_core.app.factories import dataset_factory, model_factory
-from pp_core.app.machine import RankLayout
+from pp_core.app.machine import MachineShare
 from pp_core.app.check.calls import check_module_calls
 from pp_core.app.check.build import (
     build_meta_model, check_build, check_local_ranks, check_outputs,
@@ -98,7 +98,7 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
         problems.append("pipeline.loss_fn: expected a loss for the last stage, found none; "
                         "e.g. loss_fn: cross_entropy, or 'module:attr'")
     try:
-        RankLayout.of(spec)  # a device this machine cannot give
+        MachineShare.of(spec)  # a device this machine cannot give
     except PPCoreError as exc:
         problems.append(str(exc))
     if run_checks:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from pp_core.app.logs import configure_logging
 from pp_core.app.launch.decide import decide
 from pp_core.app.interrupts import interrupt_once, signals_raise
-from pp_core.app.machine import RankLayout
+from pp_core.app.machine import MachineShare
 from pp_core.app.rendezvous import prepare_endpoint, started_by_torchrun
 from pp_core.app.spec import Spec
 from pp_core.app.spec.sections import DistributedSpec
@@ -94,7 +94,7 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
     from pp_core.runtime.group import resolve_timeout  # lazy: torch, once launching
 
     resolve_timeout(None)  # a bad $PP_CORE_TIMEOUT fails here, not in every rank
-    layout = RankLayout.of(spec)
+    layout = MachineShare.of(spec)
     if started_by_torchrun():
         spec = decide(spec, layout)  # refuses what only a launching process can measure
         dims = spec.dims

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Callable
 
 from pp_core.app.factories import build_model
-from pp_core.app.machine import RankLayout
+from pp_core.app.machine import MachineShare
 from pp_core.app.rendezvous import started_by_torchrun
 from pp_core.app.spec import Spec, auto_expert_parallel_refusal
 from pp_core.config import is_auto
@@ -45,7 +45,7 @@ def is_balanced(spec: Spec) -> bool:
     return name is not None and name.lower() == "balanced"
 
 
-def decide(spec: Spec, layout: RankLayout, *, announce: Say | None = None,
+def decide(spec: Spec, layout: MachineShare, *, announce: Say | None = None,
            memory_cap: int | None = None) -> Spec:
     """The spec every rank runs: ``auto`` planned, a ``balanced`` cut measured, or ``spec``."""
     auto = is_auto(spec.pipeline.pp_schedule)
@@ -69,7 +69,7 @@ def decide(spec: Spec, layout: RankLayout, *, announce: Say | None = None,
     return spec
 
 
-def _planned(spec: Spec, layout: RankLayout, announce: Say | None, memory_cap) -> Spec:
+def _planned(spec: Spec, layout: MachineShare, announce: Say | None, memory_cap) -> Spec:
     from pp_core.planning.report import describe  # lazy: the planner, only when planning
 
     plan = plan_spec(spec, layout, memory_cap=memory_cap, say=announce)
@@ -80,7 +80,7 @@ def _planned(spec: Spec, layout: RankLayout, announce: Say | None, memory_cap) -
     return resolved_spec(spec, plan)
 
 
-def plan_spec(spec: Spec, layout: RankLayout | None = None, memory_cap=None, plugins=None,
+def plan_spec(spec: Spec, layout: MachineShare | None = None, memory_cap=None, plugins=None,
               measure_link: bool = True, say: Say | None = None):
     """Profile the spec's model as a rank runs it and choose: a
     :class:`pp_core.measure.plan_auto.AutoPlan`."""
@@ -89,7 +89,7 @@ def plan_spec(spec: Spec, layout: RankLayout | None = None, memory_cap=None, plu
     from pp_core.measure.link import measure_local_link
     from pp_core.measure.plan_auto import plan_auto
 
-    layout = RankLayout.of(spec) if layout is None else layout
+    layout = MachineShare.of(spec) if layout is None else layout
     dims = spec.dims
     if dims.ep > 1:  # the spec refuses it too; 'pp-core plan' makes any file auto
         raise ConfigError(auto_expert_parallel_refusal(dims.ep))
@@ -168,7 +168,7 @@ def written_spec(spec: Spec, plan) -> dict:
 
 
 def balanced_spec(spec: Spec, plugins=None, say: Say | None = None,
-                  layout: RankLayout | None = None) -> Spec:
+                  layout: MachineShare | None = None) -> Spec:
     """The spec every rank gets: ``module_fqns_per_model_part`` cut by measured time.
 
     The stage count is the one the run plans (the schedule's stages per rank, or

@@ -4,7 +4,7 @@
 differ from process to process (another rank's load, a cold cache); so they are taken once,
 here, before any rank exists: the model built with the run's recipe
 (:func:`pp_core.app.factories.build_model`), the dataset's first batch, on the device and with
-the thread count a rank gets (:class:`~pp_core.app.machine.RankLayout`). :func:`profile_spec` is
+the thread count a rank gets (:class:`~pp_core.app.machine.MachineShare`). :func:`profile_spec` is
 reusable by anything that measures or plans from a YAML file.
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pp_core.app.factories import build_dataset, build_model
-from pp_core.app.machine import RankLayout
+from pp_core.app.machine import MachineShare
 from pp_core.app.spec import Spec
 from pp_core.losses import resolve_loss
 from pp_core.measure.helpers import HELPER_TIMEOUT_S, run_helpers
@@ -33,7 +33,7 @@ from pp_core.parallel.tensor_parallel import apply_tensor_parallel
 __all__ = ["model_and_batch", "as_a_rank", "profile_spec", "plan_sharded"]
 
 
-def model_and_batch(spec: Spec, layout: RankLayout, plugins=None):
+def model_and_batch(spec: Spec, layout: MachineShare, plugins=None):
     """``(model, inputs, target, device)`` as a rank builds and feeds them: the model on the
     ranks' device (``cuda:0`` when they get GPUs), and the dataset's first batch."""
     device = torch.device("cuda", 0) if layout.device == "cuda" else torch.device("cpu")
@@ -43,7 +43,7 @@ def model_and_batch(spec: Spec, layout: RankLayout, plugins=None):
 
 
 @contextlib.contextmanager
-def as_a_rank(layout: RankLayout, device: torch.device):
+def as_a_rank(layout: MachineShare, device: torch.device):
     """Measure with the thread count a rank gets on ``device`` (CPU:
     ``layout.threads_per_rank``), so that times taken here are a rank's; restored after."""
     threads = torch.get_num_threads()
@@ -56,11 +56,11 @@ def as_a_rank(layout: RankLayout, device: torch.device):
 
 
 def profile_spec(spec: Spec, microbatch_sizes: Optional[Sequence[int]] = None, plugins=None,
-                 *, repeats: int = 5, layout: RankLayout | None = None):
+                 *, repeats: int = 5, layout: MachineShare | None = None):
     """``{microbatch_size: ModelProfile}`` of the spec's model, measured in this process
     (:func:`model_and_batch`); on the CPU with a rank's thread count. Activation
     checkpointing and compile (``train.*``) are not applied: their costs are not in it."""
-    layout = RankLayout.of(spec) if layout is None else layout
+    layout = MachineShare.of(spec) if layout is None else layout
     config = spec.pipeline
     sizes = list(microbatch_sizes or [config.pp_microbatch_size])
     model, inputs, target, device = model_and_batch(spec, layout, plugins)
@@ -69,7 +69,7 @@ def profile_spec(spec: Spec, microbatch_sizes: Optional[Sequence[int]] = None, p
                              repeats=repeats, config=config, plugins=plugins)
 
 
-def plan_sharded(spec: Spec, layout: RankLayout, **plan_args):
+def plan_sharded(spec: Spec, layout: MachineShare, **plan_args):
     """The :class:`~pp_core.measure.plan_auto.AutoPlan` of ``spec`` with its stages sharded
     ``distributed.tp_size`` ways, profiled by that many local processes together (module
     docstring); ``plan_args`` go to :func:`~pp_core.measure.plan_auto.plan_auto` (no
@@ -86,7 +86,7 @@ def plan_sharded(spec: Spec, layout: RankLayout, **plan_args):
             return pickle.load(fh)
 
 
-def _sharded_worker(rank: int, values: dict, layout: RankLayout, store_path: str,
+def _sharded_worker(rank: int, values: dict, layout: MachineShare, store_path: str,
                     out_path: str, plan_args: dict) -> None:
     """One tp rank of :func:`plan_sharded`: build, shard, profile and plan; the first writes
     the plan."""

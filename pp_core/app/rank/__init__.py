@@ -37,7 +37,7 @@ from pp_core.app.export.hf import export_files
 from pp_core.app.export.run import export_due, export_from_run
 from pp_core.app.factories import build_dataset, build_model, dp_slice
 from pp_core.app.rank.health import apply_update, weights_finite
-from pp_core.app.machine import RankLayout
+from pp_core.app.machine import MachineShare
 from pp_core.app.rank.progress import Progress
 from pp_core.app.rank.run_outputs import RunRecorder
 from pp_core.app.spec import Spec
@@ -74,7 +74,7 @@ class RankContext:
     as ``pp_rank``, ``dp_rank``, ``pp_group``, ``tp_mesh``, ``expert_groups``, ..."""
 
     def __init__(self, spec: Spec):
-        layout = RankLayout.of(spec)
+        layout = MachineShare.of(spec)
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if layout.device == "cuda":
             torch.cuda.set_device(local_rank)
