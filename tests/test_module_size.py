@@ -1,7 +1,9 @@
 """No module of pp_core or of the built-in plugins is over 400 lines: one job per module.
 
 A module that grows past the bound has taken on a second job; split it where the jobs part
-(as ``preflight`` / ``preflight_build`` or ``schedule.ir`` / ``schedule.validate`` did).
+(as ``check`` / ``check.build`` or ``schedule.validate`` / ``schedule.deadlock`` did). 400 is the
+alarm, not the aim: at 350 lines a module is cut by job before it reaches it (issue 30 left none
+over 350); there is no softer check, since a test that only warns cannot fail.
 """
 
 from pathlib import Path
