@@ -105,6 +105,8 @@ def _checkpoint_bytes() -> int:
         return sum(-(-p.stat().st_size // 4096) * 4096 for p in path.iterdir())
 
 
+@pytest.mark.cli
+@pytest.mark.ranks
 def test_a_checkpoint_the_disk_refuses_is_removed_and_the_last_good_one_stays(tmp_path):
     (tmp_path / "pipe.yaml").write_text(PIPE)
     size = _checkpoint_bytes()

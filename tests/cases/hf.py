@@ -7,8 +7,6 @@ module skips the importing test module when ``transformers`` is not installed.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
