@@ -4,8 +4,8 @@ builds. Not a pytest test because 8 gloo ranks take 40-60 s to start and run on 
 
     .venv/bin/python benchmarks/check_hsdp.py
 
-It runs the same case functions as the 4-rank tests (``tests/_fsdp_cases.py``,
-``tests/_dcp_cases.py``): for 1f1b and zero_bubble, the loss and every full gradient against one
+It runs the same case functions as the 4-rank tests (``tests/cases/fsdp.py``,
+``tests/cases/dcp.py``): for 1f1b and zero_bubble, the loss and every full gradient against one
 process on the global batch and the FSDP collectives per unit and step; then a DCP checkpoint of
 the HSDP parts resumed at pp4 x fsdp2. Prints JSON (one line per check) and a markdown table;
 exits 1 when a check fails.
@@ -20,12 +20,12 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT]  # the tests package: its case functions
 
 from pp_core.checkpoint import checkpoint_path  # noqa: E402
 from pp_core.testing import DistPool  # noqa: E402
-from tests._dcp_cases import check_resumed, merged, resume, train_and_save  # noqa: E402
-from tests._fsdp_cases import dp_case  # noqa: E402
+from tests.cases.dcp import check_resumed, merged, resume, train_and_save  # noqa: E402
+from tests.cases.fsdp import dp_case  # noqa: E402
 
 ATOL = 1e-5
 

@@ -170,7 +170,7 @@ send/receive order, torch's UNSHARD/RESHARD and REDUCE_GRAD, and in 2.15's diale
 torch 2.15's own lowering puts them) for `_load_csv(path, format="compute_comms")`. The dialect is
 the installed torch's (read from its metadata, torch is not imported), or `--torch VERSION`: a
 2.15 file cannot be read by 2.11-2.14, whose parser takes `0WAIT_SEND_F0` for `0W`, and 2.15
-refuses a file without waits. tests/test_torch_runtime_csv.py runs every built-in schedule's
+refuses a file without waits. tests/runtime/test_torch_runtime_csv.py runs every built-in schedule's
 export in torch's runtime, and every torch class's dump in pp-core, against one process (2.13 and
 2.15: all pass; torch 2.11's runtime hangs on the export of the V-placed schedules).
 """

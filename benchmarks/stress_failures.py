@@ -1,10 +1,10 @@
-"""Stress the failure paths: run tests/test_runtime_errors.py many times under parallel load.
+"""Stress the failure paths: run tests/runtime/test_runtime_errors.py many times under parallel load.
 
 Run by hand (not part of the suite): ``python benchmarks/stress_failures.py [--rounds 200]
 [--workers 3] [--burners 2] [--timeout 60] [--only NAME ...] [--json FILE]``.
 
 A refused or failed step must end every rank, whatever the timing. One pass of the check runs
-every test of ``tests/test_runtime_errors.py`` (3 gloo ranks each: a rank that raises, one that
+every test of ``tests/runtime/test_runtime_errors.py`` (3 gloo ranks each: a rank that raises, one that
 stalls, one that dies, misuse refused before traffic, ...). ``--rounds`` passes are shared by
 ``--workers`` concurrent worker processes, each with its own pool of ranks (started once, as
 the suite does), while ``--burners`` processes spin on the CPU, so the ranks of one case are
@@ -24,12 +24,12 @@ import time
 import traceback
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _cases(only):
-    sys.path.insert(0, str(TESTS))
-    import test_runtime_errors as module
+    sys.path.insert(0, str(ROOT))  # the tests package
+    from tests.runtime import test_runtime_errors as module
 
     cases = [(name, fn) for name, fn in vars(module).items()
              if name.startswith("test_") and callable(fn)]

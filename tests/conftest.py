@@ -1,4 +1,15 @@
-"""Shared fixtures. Multi-rank helpers live in tests/_dist.py."""
+"""Shared fixtures and the two tiers.
+
+A test module that runs cases on gloo ranks says how many with ``pytestmark =
+pytest.mark.ranks(N)`` (``timeout=`` as :class:`pp_core.testing.DistPool` takes it) and asks for
+the ``pool`` fixture: one pool of N spawned ranks per module, shared by its cases, because
+starting ranks (importing torch N times) costs more than most cases. Tests that start ranks any
+other way carry ``ranks`` too, and tests that run ``pp-core`` (or any Python) in a subprocess
+carry ``cli``; ``scripts/test.sh --fast`` runs everything else (``-m "not ranks and not cli"``)
+and fails a test that starts a process without saying so (:class:`_refusing_processes`).
+"""
+
+import os
 
 import pytest
 
@@ -9,3 +20,90 @@ from pp_core.testing import plugin_manager
 def pm():
     """A fresh plugin manager with no entry points loaded: tests add exactly what they need."""
     return plugin_manager()
+
+
+@pytest.fixture(scope="module")
+def pool(request):
+    """The module's ranks: ``DistPool(*args, **kwargs)`` of its ``ranks`` marker, started once."""
+    from pp_core.testing import DistPool  # lazy: torch, which a schedule-only run never needs
+
+    marker = request.node.get_closest_marker("ranks")
+    if marker is None or not marker.args:
+        raise pytest.UsageError(f"{request.node.nodeid} uses the pool fixture without saying how "
+                                f"many ranks: add pytestmark = pytest.mark.ranks(N)")
+    with DistPool(*marker.args, **marker.kwargs) as ranks:
+        yield ranks
+
+
+def pytest_collection_modifyitems(items):
+    """A test that takes a pool of ranks (``pool``, or a module's own ``pool2``/``pools``...)
+    starts processes: it is marked ``ranks`` without saying so twice."""
+    for item in items:
+        if any(name.startswith("pool") for name in getattr(item, "fixturenames", ())):
+            if item.get_closest_marker("ranks") is None:
+                item.add_marker("ranks")
+
+
+_QUICK_TOOLS = {"mount", "umount"}  # a tmpfs for the full-disk tests: milliseconds, no Python
+
+
+class UnmarkedProcess(Exception):
+    """A test of the fast tier started a process: it belongs to the ``ranks`` or ``cli`` tier."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _refusing_processes(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _refusing_processes(item):
+        return (yield)
+
+
+class _refusing_processes:
+    """Under ``scripts/test.sh --fast`` (``PP_CORE_FAST_TIER=1``), a test without a ``ranks`` or
+    ``cli`` marker that starts a process fails at once naming the marker it needs, so the fast
+    tier stays fast as tests are added. The full suite runs as written."""
+
+    def __init__(self, item):
+        self.active = (os.environ.get("PP_CORE_FAST_TIER") == "1"
+                       and item.get_closest_marker("ranks") is None
+                       and item.get_closest_marker("cli") is None)
+        self.nodeid = item.nodeid
+
+    def __enter__(self):
+        if not self.active:
+            return self
+        import multiprocessing.process
+        import subprocess
+
+        self.saved = subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start
+        execute, nodeid = self.saved[0], self.nodeid
+
+        def refuse(what):
+            raise UnmarkedProcess(f"{nodeid} starts {what} but is marked neither ranks nor cli: "
+                                  f"add @pytest.mark.cli (a subprocess) or @pytest.mark.ranks "
+                                  f"(processes or a process group), so --fast leaves it out")
+
+        def execute_child(popen, args, *rest, **kwargs):
+            command = [str(a) for a in ([args] if isinstance(args, (str, bytes)) else args)]
+            if command and os.path.basename(command[0]) in _QUICK_TOOLS:
+                return execute(popen, args, *rest, **kwargs)
+            refuse(f"a subprocess ({' '.join(command)[:120]})")
+
+        def start(process):
+            refuse("a multiprocessing process")
+
+        subprocess.Popen._execute_child = execute_child
+        multiprocessing.process.BaseProcess.start = start
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            import multiprocessing.process
+            import subprocess
+
+            subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start = self.saved

@@ -80,8 +80,8 @@ class UnitCost:
     # - output_grad_held_bytes: of the gradient of its output it receives, what its W holds.
     # Per stage (memory.split_held_bytes): the sum of the first and third over its units less
     # the second of its last unit - exact against a stage of two blocks and one of a block and
-    # the head run whole (tests/test_split_held.py): the gradient between two units of a stage
-    # is held as the earlier unit's third term. Default 0: as above.
+    # the head run whole (tests/measure/test_split_held.py): the gradient between two units of a
+    # stage is held as the earlier unit's third term. Default 0: as above.
     input_grad_held_bytes: int = 0
     input_grad_freed_bytes: int = 0
     output_grad_held_bytes: int = 0

@@ -32,8 +32,8 @@ schedule x stages per rank x microbatch size, in well under a second each. The p
 * **the optimizer step's temporaries**: ``step()`` runs after the last backward, when the
   activations are gone (pooled receive buffers stay), so it competes with them rather than adding
   to them: ``optimizer_step_bytes_per_param_byte`` times the rank's parameters (AdamW with
-  ``foreach``: 1.0, measured, tests/test_transient.py; the for-loop form holds three times its
-  largest parameter).
+  ``foreach``: 1.0, measured, tests/measure/test_transient.py; the for-loop form holds three times
+  its largest parameter).
 
 What it leaves out (and so under-predicts by): the allocator's caching and fragmentation, and the
 input batch itself.

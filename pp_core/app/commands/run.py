@@ -7,7 +7,7 @@ launcher, or runs as one rank under ``torchrun``.
 
 Every command module is imported to build the parser, so each command imports what it runs
 inside its function: ``pp-core schedule ...`` and ``--help`` never pay for the spec machinery or
-torch (``tests/test_schedule_torch_free.py``).
+torch (``tests/schedule/test_schedule_torch_free.py``).
 """
 
 from __future__ import annotations

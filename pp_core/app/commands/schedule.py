@@ -2,7 +2,7 @@
 
 Each sub-command imports the parts of the schedule half it uses inside its function, so that
 ``pp-core --help`` and every other command, which import this module to build the parser, do
-not pay for them. Nothing here imports torch (``tests/test_schedule_torch_free.py``).
+not pay for them. Nothing here imports torch (``tests/schedule/test_schedule_torch_free.py``).
 """
 
 from __future__ import annotations
