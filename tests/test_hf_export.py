@@ -7,8 +7,8 @@ the DCP checkpoint writes the same bytes as the ranks' own export; the directory
 ``save_pretrained`` writes (config with the dtype, generation config, the same tensor names, tied
 weight stored once, the tokenizer) and ``AutoModelForCausalLM.from_pretrained`` gives the trained
 model's logits exactly (fp32). The tied run's directory then starts a pp2 x tp1 run
-(``model.args.config: DIR``) whose losses are those of the trained weights stepping on in one
-process. Sharding by ``--max-shard-size`` gives HF's shard names and index; the directory form
+(``model.args.config: DIR``) whose losses are those of the same layout resumed from the DCP
+checkpoint (and of the trained weights stepping on in one process). Sharding by ``--max-shard-size`` gives HF's shard names and index; the directory form
 of a model that is not an HF model holds the weights, an index and the YAML model section.
 """
 
@@ -157,15 +157,25 @@ def test_shards_dtype_and_the_directory_form(tp_tied, tmp_path):
     assert _keys(flat) == set(read_model_state_dict(tp_tied["checkpoint"]))
 
 
-def test_an_exported_directory_starts_training_at_another_layout(tp_tied):
-    """pp2 x tp1 from ``model.args.config: DIR`` steps on as the trained weights do in one
-    process (SGD, the same batches)."""
+def test_an_exported_directory_resumes_as_the_dcp_checkpoint_does(tp_tied):
+    """pp2 x tp1 from ``model.args.config: DIR`` (on the batches the run would have seen next:
+    ``data.args.start``) steps on with the losses of the same layout resumed from the DCP
+    checkpoint, and both with those of the trained weights stepping on in one process. SGD
+    without momentum: an HF directory carries no optimizer state, so only a stateless optimizer
+    continues the same from both."""
     tmp = tp_tied["tmp"]
-    values = _spec(tmp, tp_tied["export"], {"tp_size": 1})
-    values["train"]["steps"] = 2
-    values["checkpoint"] = {}
-    values["output"]["metrics"] = str(tmp / "resumed.jsonl")
-    losses = _run(tmp, values)
+    from_dcp = _spec(tmp, tp_tied["source"], {"tp_size": 1})
+    from_dcp["train"]["steps"] = STEPS + 2
+    from_dcp["checkpoint"] = {"dir": str(tmp / "ckpt_resumed"),
+                              "resume": str(tp_tied["checkpoint"])}
+    from_dcp["output"]["metrics"] = str(tmp / "from_dcp.jsonl")
+    from_export = _spec(tmp, tp_tied["export"], {"tp_size": 1})
+    from_export["train"]["steps"] = 2
+    from_export["data"]["args"]["start"] = STEPS
+    from_export["checkpoint"] = {}
+    from_export["output"]["metrics"] = str(tmp / "from_export.jsonl")
+    resumed, started = _run(tmp, from_dcp), _run(tmp, from_export)
+    assert len(started) == 2 and started == pytest.approx(resumed, rel=1e-6, abs=0)
     from pp_core_builtins.models.datasets import SyntheticLM
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -174,7 +184,7 @@ def test_an_exported_directory_starts_training_at_another_layout(tp_tied):
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     data = SyntheticLM(batch_size=4, seq_len=8, vocab_size=64)
     expected = []
-    for index in range(2):
+    for index in range(STEPS, STEPS + 2):
         inputs, target = data.batch(index)
         loss = torch.nn.functional.cross_entropy(model(inputs).logits.reshape(-1, 64),
                                                  target.reshape(-1))
@@ -182,7 +192,7 @@ def test_an_exported_directory_starts_training_at_another_layout(tp_tied):
         loss.backward()
         optimizer.step()
         expected.append(float(loss.detach()))
-    assert losses == pytest.approx(expected, rel=1e-5)
+    assert resumed == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_qwen3_moe_checkpoint_exports_as_save_pretrained_lays_it_out(tmp_path):
