@@ -8,8 +8,9 @@ the DCP checkpoint writes the same bytes as the ranks' own export; the directory
 weight stored once, the tokenizer) and ``AutoModelForCausalLM.from_pretrained`` gives the trained
 model's logits exactly (fp32). The tied run's directory then starts a pp2 x tp1 run
 (``model.args.config: DIR``) whose losses are those of the same layout resumed from the DCP
-checkpoint (and of the trained weights stepping on in one process). Sharding by ``--max-shard-size`` gives HF's shard names and index; the directory form
-of a model that is not an HF model holds the weights, an index and the YAML model section.
+checkpoint (and of the trained weights stepping on in one process). Sharding by
+``--max-shard-size`` gives HF's shard names and index; the directory form of a model that is not
+an HF model holds the weights, an index and the YAML model section.
 """
 
 from __future__ import annotations
