@@ -104,14 +104,17 @@ def test_lora_on_a_model_each_stage_loads_from_a_save_pretrained_directory(tmp_p
 
 def test_the_adapter_export_of_an_hf_model_loads_with_peft(tmp_path):
     """A LoRA Llama's checkpoint (as DCP keys ``model.<name>``, its run recorded beside it)
-    exports to what ``PeftModel.from_pretrained`` loads onto the base: the same logits."""
+    exports to what ``PeftModel.from_pretrained`` loads onto the base: the same logits; merged
+    (streamed, ``--merge``), to what ``merge_and_unload().save_pretrained`` writes."""
     import json
 
     import torch.distributed.checkpoint as dcp
     from peft import PeftModel
 
     from pp_core.app.adapters import apply_adapters
-    from pp_core.app.export.peft import export_peft_adapter
+    from pp_core.app.export.peft import export_merged, export_peft_adapter
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
     from tests.cases.hf import batch, tiny_config, tiny_model
 
     settings = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"],
@@ -131,3 +134,18 @@ def test_the_adapter_export_of_an_hf_model_loads_with_peft(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).logits, trained.eval()(**inputs).logits,
                                    rtol=0, atol=1e-6)
+    merged = export_merged(step, tmp_path / "merged")
+    reference = loaded.merge_and_unload()  # PEFT's own merge of the exported adapter
+    reference.save_pretrained(str(tmp_path / "reference"))
+    assert sorted(p.name for p in merged.iterdir()) == \
+        sorted(p.name for p in (tmp_path / "reference").iterdir())
+    with safe_open(str(merged / "model.safetensors"), "pt") as ours, \
+            safe_open(str(tmp_path / "reference" / "model.safetensors"), "pt") as theirs:
+        assert set(ours.keys()) == set(theirs.keys())
+        for name in theirs.keys():
+            torch.testing.assert_close(ours.get_tensor(name), theirs.get_tensor(name), rtol=0,
+                                       atol=1e-7)
+    unmerged = AutoModelForCausalLM.from_pretrained(str(merged), attn_implementation="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(unmerged(**inputs).logits, trained(**inputs).logits,
+                                   rtol=1e-5, atol=1e-5)

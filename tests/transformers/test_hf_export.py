@@ -7,16 +7,16 @@ the DCP checkpoint writes the same bytes as the ranks' own export; the directory
 ``save_pretrained`` writes (config with the dtype, generation config, the same tensor names, tied
 weight stored once, the tokenizer) and ``AutoModelForCausalLM.from_pretrained`` gives the trained
 model's logits exactly (fp32). The tied run's directory then starts a pp2 x tp1 run
-(``model.args.config: DIR``) whose losses are those of the trained weights stepping on in one
-process. Sharding by ``--max-shard-size`` gives HF's shard names and index; the directory form
-of a model that is not an HF model holds the weights, an index and the YAML model section.
+(``model.args.config: DIR``) whose losses are those of the same layout resumed from the DCP
+checkpoint (and of the trained weights stepping on in one process). Sharding by
+``--max-shard-size`` gives HF's shard names and index; the directory form of a model that is not
+an HF model holds the weights, an index and the YAML model section.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import os
 from pathlib import Path
 
 import pytest
@@ -24,13 +24,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from safetensors import safe_open  # noqa: E402
 
 from pp_core.app import cli  # noqa: E402
 from pp_core.checkpoint import checkpoint_path, read_model_state_dict  # noqa: E402
-from tests.cases.specs import pp_core, write_spec  # noqa: E402
+from tests.cases.hf_export import pretrained_logits, run_losses  # noqa: E402
+from tests.cases.hf_export import safetensors_keys  # noqa: E402
 
-ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # 4 cpu ranks on a GPU machine too
 STEPS, LR = 4, 0.05
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
@@ -61,18 +60,10 @@ def _spec(tmp: Path, source: Path, distributed: dict, **extra) -> dict:
         **extra}
 
 
-def _run(tmp: Path, values: dict) -> list[float]:
-    spec = write_spec(tmp / "pipe.yaml", values)
-    done = pp_core("run", str(spec), env=ENV, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in Path(values["output"]["metrics"]).read_text().splitlines()]
-    return [row["loss"] for row in rows if "loss" in row]
-
-
 def _trained(tmp_path_factory, name: str, tied: bool, distributed: dict) -> dict:
     tmp = tmp_path_factory.mktemp(name)
     source = _source(tmp / "source", tied)
-    _run(tmp, _spec(tmp, source, distributed))
+    run_losses(tmp, _spec(tmp, source, distributed))
     step = checkpoint_path(tmp / "ckpt", STEPS)
     assert cli.main(["export", str(step), "--format", "hf", "-o", str(tmp / "export")]) == 0
     return {"tmp": tmp, "source": source, "checkpoint": step, "export": tmp / "export",
@@ -89,17 +80,6 @@ def fsdp_untied(tmp_path_factory):
     return _trained(tmp_path_factory, "fsdp_untied", False, {"dp_shard": 2})
 
 
-def _keys(directory: Path) -> set[str]:
-    with safe_open(str(directory / "model.safetensors"), "pt") as handle:
-        return set(handle.keys())
-
-
-def _logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(directory), attn_implementation="eager", local_files_only=True)
-    return model(ids).logits
-
-
 def _trained_logits(run: dict, ids: torch.Tensor) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(run["source"]), attn_implementation="eager", local_files_only=True)
@@ -114,17 +94,17 @@ def test_export_is_a_save_pretrained_directory_with_the_trained_logits(which, re
     run = request.getfixturevalue(which)
     export, source = run["export"], run["source"]
     assert sorted(p.name for p in export.iterdir()) == sorted(p.name for p in source.iterdir())
-    assert _keys(export) == _keys(source)  # tied: lm_head.weight stored once, as HF does
-    assert ("lm_head.weight" in _keys(export)) is not run["tied"]
+    assert safetensors_keys(export) == safetensors_keys(source)  # tied: lm_head.weight stored once, as HF does
+    assert ("lm_head.weight" in safetensors_keys(export)) is not run["tied"]
     config, original = (json.loads((d / "config.json").read_text()) for d in (export, source))
     assert config == original and config["dtype"] == "float32"
     for name in ("config.json", "generation_config.json", "model.safetensors"):  # no gather
         assert (run["run_export"] / name).read_bytes() == (export / name).read_bytes(), name
     ids = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        exported, trained = _logits(export, ids), _trained_logits(run, ids)
+        exported, trained = pretrained_logits(export, ids), _trained_logits(run, ids)
         torch.testing.assert_close(exported, trained, rtol=0, atol=1e-6)
-        assert not torch.allclose(_logits(source, ids), trained, atol=1e-4)  # it did train
+        assert not torch.allclose(pretrained_logits(source, ids), trained, atol=1e-4)  # it did train
 
 
 @pytest.mark.cli
@@ -158,20 +138,30 @@ def test_shards_dtype_and_the_directory_form(tp_tied, tmp_path):
     assert cli.main(["export", str(tp_tied["checkpoint"]), "--format", "safetensors", "-o",
                      str(flat)]) == 0
     assert "name: hf_causal_lm" in (flat / "pp_core_model.yaml").read_text()
-    assert _keys(flat) == set(read_model_state_dict(tp_tied["checkpoint"]))
+    assert safetensors_keys(flat) == set(read_model_state_dict(tp_tied["checkpoint"]))
 
 
 @pytest.mark.cli
 @pytest.mark.ranks
-def test_an_exported_directory_starts_training_at_another_layout(tp_tied):
-    """pp2 x tp1 from ``model.args.config: DIR`` steps on as the trained weights do in one
-    process (SGD, the same batches)."""
+def test_an_exported_directory_resumes_as_the_dcp_checkpoint_does(tp_tied):
+    """pp2 x tp1 from ``model.args.config: DIR`` (on the batches the run would have seen next:
+    ``data.args.start``) steps on with the losses of the same layout resumed from the DCP
+    checkpoint, and both with those of the trained weights stepping on in one process. SGD
+    without momentum: an HF directory carries no optimizer state, so only a stateless optimizer
+    continues the same from both."""
     tmp = tp_tied["tmp"]
-    values = _spec(tmp, tp_tied["export"], {"tp_size": 1})
-    values["train"]["steps"] = 2
-    values["checkpoint"] = {}
-    values["output"]["metrics"] = str(tmp / "resumed.jsonl")
-    losses = _run(tmp, values)
+    from_dcp = _spec(tmp, tp_tied["source"], {"tp_size": 1})
+    from_dcp["train"]["steps"] = STEPS + 2
+    from_dcp["checkpoint"] = {"dir": str(tmp / "ckpt_resumed"),
+                              "resume": str(tp_tied["checkpoint"])}
+    from_dcp["output"]["metrics"] = str(tmp / "from_dcp.jsonl")
+    from_export = _spec(tmp, tp_tied["export"], {"tp_size": 1})
+    from_export["train"]["steps"] = 2
+    from_export["data"]["args"]["start"] = STEPS
+    from_export["checkpoint"] = {}
+    from_export["output"]["metrics"] = str(tmp / "from_export.jsonl")
+    resumed, started = run_losses(tmp, from_dcp), run_losses(tmp, from_export)
+    assert len(started) == 2 and started == pytest.approx(resumed, rel=1e-6, abs=0)
     from pp_core_builtins.models.datasets import SyntheticLM
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -180,7 +170,7 @@ def test_an_exported_directory_starts_training_at_another_layout(tp_tied):
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     data = SyntheticLM(batch_size=4, seq_len=8, vocab_size=64)
     expected = []
-    for index in range(2):
+    for index in range(STEPS, STEPS + 2):
         inputs, target = data.batch(index)
         loss = torch.nn.functional.cross_entropy(model(inputs).logits.reshape(-1, 64),
                                                  target.reshape(-1))
@@ -188,7 +178,7 @@ def test_an_exported_directory_starts_training_at_another_layout(tp_tied):
         loss.backward()
         optimizer.step()
         expected.append(float(loss.detach()))
-    assert losses == pytest.approx(expected, rel=1e-5)
+    assert resumed == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_qwen3_moe_checkpoint_exports_as_save_pretrained_lays_it_out(tmp_path):
@@ -219,7 +209,7 @@ def test_a_qwen3_moe_checkpoint_exports_as_save_pretrained_lays_it_out(tmp_path)
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in index["weight_map"]
     ids = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(_logits(out, ids), model(ids).logits, rtol=0, atol=1e-6)
+        torch.testing.assert_close(pretrained_logits(out, ids), model(ids).logits, rtol=0, atol=1e-6)
 
 
 def test_export_refusals_name_the_fix(tmp_path, capsys):

@@ -3,7 +3,9 @@
 Each is an endless, deterministic stream of whole-step batches ``(inputs, target)`` whose leading
 dimension is the global batch size (the trainer slices it per data-parallel rank). Batch ``i``
 depends only on ``(seed, i)``, so ``skip(n)`` is free and a resumed run sees exactly the batches
-the uninterrupted run would have seen.
+the uninterrupted run would have seen. ``start: N`` begins the stream at batch ``N``: a run
+started from another run's exported weights (``model.args.config: DIR``) carries no data position,
+so this is how it sees the batches its source run would have seen next.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ DEFAULT_TEXT = DATA_DIR / "public_domain.txt"
 class BatchStream:
     """An endless stream of batches where batch ``i`` is ``make(generator seeded by (seed, i))``."""
 
-    def __init__(self, batch_size: int, seed: int = 0, num_batches: int | None = None):
+    def __init__(self, batch_size: int, seed: int = 0, num_batches: int | None = None,
+                 start: int = 0):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be a positive int")
+        if not isinstance(start, int) or start < 0:
+            raise ValueError(f"start={start!r} must be an int >= 0 (the first batch's index)")
         self.batch_size = batch_size
         self.seed = seed
         self.num_batches = num_batches
-        self.position = 0
+        self.position = start
 
     def make(self, generator: torch.Generator):
         raise NotImplementedError
@@ -58,9 +63,10 @@ class SyntheticLM(BatchStream):
     """
 
     def __init__(self, batch_size: int = 8, seq_len: int = 32, vocab_size: int = 256,
-                 seed: int = 0, num_batches: int | None = None, successors: int = 4):
+                 seed: int = 0, num_batches: int | None = None, successors: int = 4,
+                 start: int = 0):
         check_arg_types("synthetic", SyntheticLM.__init__, locals())
-        super().__init__(batch_size, seed, num_batches)
+        super().__init__(batch_size, seed, num_batches, start)
         self.seq_len, self.vocab_size = seq_len, vocab_size
         table_generator = torch.Generator().manual_seed(seed)
         self.next_tokens = torch.randint(vocab_size, (vocab_size, successors),
@@ -80,9 +86,10 @@ class SyntheticRegression(BatchStream):
     """``x ~ N(0, 1)`` of shape ``[batch, in_dim]`` (or ``[batch, seq_len, in_dim]``), ``y = x @ M``."""
 
     def __init__(self, batch_size: int = 8, in_dim: int = 16, out_dim: int = 16,
-                 seq_len: int | None = None, seed: int = 0, num_batches: int | None = None):
+                 seq_len: int | None = None, seed: int = 0, num_batches: int | None = None,
+                 start: int = 0):
         check_arg_types("synthetic", SyntheticRegression.__init__, locals())
-        super().__init__(batch_size, seed, num_batches)
+        super().__init__(batch_size, seed, num_batches, start)
         self.shape = (batch_size, in_dim) if seq_len is None else (batch_size, seq_len, in_dim)
         self.mixing = torch.randn(in_dim, out_dim, generator=torch.Generator().manual_seed(seed))
 

@@ -4,7 +4,9 @@ A checkpoint directory is what ``save_pretrained`` writes: ``model.safetensors``
 listed by ``model.safetensors.index.json``. Each rank opens only the files holding its own
 tensors and reads only those tensors (safetensors maps the file; nothing else is read), so no rank
 ever holds the whole model. A tied weight saved once (``lm_head.weight`` is omitted when
-``tie_word_embeddings=True``) is read from the name it was saved under.
+``tie_word_embeddings=True``) is read from the name it was saved under. A tensor transformers 5
+saves converted (stacked MoE experts as ``experts.<i>.gate_proj.weight`` ...) is read from the
+names ``save_pretrained`` gives it, each copied into its view of the model's tensor.
 """
 
 from __future__ import annotations
@@ -65,6 +67,32 @@ def _sources(part: nn.Module, targets: dict) -> dict[str, list[str]]:
             for name, tensor in targets.items()}
 
 
+def _converted_sources(part: nn.Module, targets: dict, index: dict) -> dict[str, dict]:
+    """``{name: {saved name: positions in the part's tensor}}`` for the tensors
+    ``save_pretrained`` writes converted. transformers 5's ``revert_weight_conversion`` (what it
+    runs on the way out: split, unbind, transpose) applied to the positions of the part's tensor
+    (an index tensor of its shape) says where each element of each saved tensor belongs; the
+    positions are transient, one tensor at a time."""
+    try:
+        from transformers import PreTrainedModel  # lazy: transformers, seconds to import
+        from transformers.modeling_utils import revert_weight_conversion  # transformers 5
+    except ImportError:
+        return {}
+    if not targets or not isinstance(part, PreTrainedModel):
+        return {}
+    found = {}
+    for name, tensor in targets.items():
+        shape_only = torch.empty(tensor.shape, device="meta")
+        if revert_weight_conversion(part, {name: shape_only}).keys() == {name}:
+            continue  # not converted: told without memory
+        dtype = torch.int32 if tensor.numel() < 2**31 else torch.int64
+        positions = torch.arange(tensor.numel(), dtype=dtype).view(tensor.shape)
+        saved = revert_weight_conversion(part, {name: positions})
+        if all(source in index for source in saved):
+            found[name] = saved
+    return found
+
+
 def load_part(part: nn.Module, path, strict: bool = True) -> list[str]:
     """Copy this part's parameters and persistent buffers from checkpoint ``path``, in place.
 
@@ -86,6 +114,11 @@ def load_part(part: nn.Module, path, strict: bool = True) -> list[str]:
         else:
             by_file[index[source]].append((name, source, tensor))
     missing = [name for name in missing if ".lora_" not in name]  # adapters: not in a base
+    converted = _converted_sources(part, {name: targets[name] for name in missing}, index)
+    for name, saved in converted.items():
+        missing.remove(name)
+        for source, positions in saved.items():
+            by_file[index[source]].append((name, source, (targets[name], positions)))
     if missing and strict:
         raise ConfigError(
             f"checkpoint {str(path)!r} has no tensor for {missing[:5]}"
@@ -97,6 +130,11 @@ def load_part(part: nn.Module, path, strict: bool = True) -> list[str]:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for name, source, tensor in items:
                     value = handle.get_tensor(source)
+                    if isinstance(tensor, tuple):  # converted: its elements go to their places
+                        tensor, positions = tensor
+                        tensor.view(-1).index_copy_(0, positions.reshape(-1).long(),
+                                                    value.reshape(-1).to(tensor.dtype))
+                        continue
                     if value.shape != tensor.shape:
                         raise ConfigError(
                             f"checkpoint tensor {source!r} in {file.name} has shape "

@@ -216,12 +216,14 @@ def write_hf_files(output: Path, target: HFTarget, dtype: torch.dtype,
 
 def directory_from_state_keys(checkpoint, output, names: list[tuple[str, str]], dtype=None,
                               max_shard_size=None, total_parameters: int = 0, metadata=None,
-                              converted: HFTarget | None = None):
+                              converted: HFTarget | None = None, change=None):
     """Write the weights of a directory from a DCP checkpoint: ``names`` lists
     ``(output name, checkpoint key)`` in file order (keys as DCP stores them,
     ``model.<fqn>``); returns the :class:`~pp_core.app.export.stream.Layout` written.
     ``converted``: an :class:`HFTarget` whose ``convert`` renames the tensors read from
-    ``names``' keys into its ``saved`` names (the file's)."""
+    ``names``' keys into its ``saved`` names (the file's). ``change``: ``{output name: tensor}
+    -> {output name: tensor}`` applied to each batch read before that (``--merge`` adds the
+    LoRA deltas there), so no more than a batch is ever held."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # lazy: DCP
 
     from pp_core.checkpoint.directory import check_dir
@@ -239,17 +241,26 @@ def directory_from_state_keys(checkpoint, output, names: list[tuple[str, str]], 
     entries = [(name, key, tuple(stored[key].size), stored[key].properties.dtype)
                for name, key in names]
     size = max_shard_size or default_max_shard_size()
-    if converted is None:
+    if converted is None and change is None:
         layout = plan_layout(entries, dtype, size, total_parameters)
         write_from_checkpoint(checkpoint, output, layout, stored)
         return layout
-    trained = _training_dtype(plan_layout(entries, None, size))
-    layout = plan_layout([(n, "", shape, trained if d.is_floating_point else d)
-                          for n, (shape, d) in converted.saved.items()],
-                         dtype, size, total_parameters, converted.groups)
-    write_from_checkpoint(
-        checkpoint, output, layout, stored, source_keys=[key for _, key in names],
-        convert=lambda state: converted.convert({k[len("model."):]: v for k, v in state.items()}))
+    named = {key: name for name, key in names}
+    change = change or (lambda batch: batch)
+
+    def read(state: dict) -> dict:
+        return change({named[key]: value for key, value in state.items()})
+
+    if converted is None:
+        layout, convert = plan_layout(entries, dtype, size, total_parameters), read
+    else:
+        trained = _training_dtype(plan_layout(entries, None, size))
+        layout = plan_layout([(n, "", shape, trained if d.is_floating_point else d)
+                              for n, (shape, d) in converted.saved.items()],
+                             dtype, size, total_parameters, converted.groups)
+        convert = lambda state: converted.convert(read(state))  # noqa: E731
+    write_from_checkpoint(checkpoint, output, layout, stored,
+                          source_keys=[key for _, key in names], convert=convert)
     return layout
 
 

@@ -6,8 +6,9 @@ PEFT's own ``save_pretrained``: the base model is built on the meta device (no m
 weights), ``get_peft_model`` adds the run's adapters, and only the adapter tensors are read from
 the checkpoint (any layout wrote it: DCP keys are the unsplit model's names) and put in place -
 adapters are small, so one process holds them. ``--merge`` writes the merged model instead
-(``merge_and_unload``): ``save_pretrained``'s directory for a Hugging Face model, else
-``model.safetensors`` with the model's own names; it holds the whole model in this process.
+(what ``merge_and_unload`` gives): ``save_pretrained``'s directory for a Hugging Face model, else
+``model.safetensors`` with the model's own names, streamed from the checkpoint as the base's
+export is (:mod:`pp_core.app.export_stream`), each LoRA layer's delta added per batch.
 
 What the run was: the ``model`` section of the checkpoint's ``pp_core_run.json``
 (:mod:`pp_core.app.checkpoint_identity`), which records ``model.lora``.
@@ -104,11 +105,7 @@ def export_peft_adapter(checkpoint, output, section: Optional[dict] = None) -> P
         raise ConfigError(f"{str(checkpoint)!r} is not a checkpoint of a model.lora run (its "
                           f"{IDENTITY_FILE} records no model.lora); export its weights with "
                           f"pp-core export CKPT -o model.safetensors")
-    model = _peft_model(section, meta=True)
-    adapters = [n for n, p in model.named_parameters() if p.requires_grad]
-    inner = [n[len(_PREFIX):] for n in adapters]
-    tensors = _read(checkpoint, inner)
-    model.load_state_dict({_PREFIX + n: t for n, t in tensors.items()}, strict=False, assign=True)
+    model = _with_adapters(checkpoint, section)
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(output), safe_serialization=True)
@@ -116,38 +113,61 @@ def export_peft_adapter(checkpoint, output, section: Optional[dict] = None) -> P
 
 
 def export_merged(checkpoint, output, section: Optional[dict] = None) -> Path:
-    """``--merge``: the base with the adapters merged in (``merge_and_unload``), whole."""
-    from pp_core.checkpoint import read_model_state_dict  # lazy: DCP
+    """``--merge``: the base with the adapters merged in, streamed - the directory ``pp-core
+    export --format hf`` (or the directory form) writes of the base, each LoRA layer's weight
+    read batch by batch and given PEFT's own ``get_delta_weight`` as ``merge_and_unload`` adds
+    it; only the adapters are held whole."""
+    from pp_core.checkpoint.directory import check_dir  # lazy: DCP, only for an export
+    from pp_core.app.export.hf import (_record, directory_from_state_keys,  # lazy: torch
+                                       hf_target, write_hf_files)
 
     section = section or lora_settings(checkpoint)
     if section is None:
         raise ConfigError(f"--merge merges LoRA adapters, and {str(checkpoint)!r} is not a "
                           f"checkpoint of a model.lora run; drop --merge")
-    model = _peft_model(section, meta=False)
-    # assign: a model whose factory builds on meta (an HF directory loaded per stage) gets the
-    # checkpoint's tensors themselves
-    model.base_model.model.load_state_dict(read_model_state_dict(checkpoint), assign=True)
-    merged = model.merge_and_unload()
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    if hasattr(merged, "save_pretrained"):
-        merged.save_pretrained(str(output), safe_serialization=True)
-    else:
-        from safetensors.torch import save_file  # lazy: safetensors, only for an export
+    checkpoint, output = Path(checkpoint), Path(output)
+    metadata = check_dir(checkpoint)
+    model = _with_adapters(checkpoint, section)
+    layers = {f"{name}.weight": module for name, module in model.base_model.model.named_modules()
+              if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
+    if any(any(getattr(layer, "use_dora", {}).values()) for layer in layers.values()):
+        raise ConfigError("--merge adds each LoRA layer's delta on the way through, and DoRA "
+                          "(model.lora.use_dora) also rescales the weight; export the adapter "
+                          "(drop --merge) and merge it with PEFT's merge_and_unload")
+    stored = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
+    key_of = {name.replace(".base_layer.", "."): f"model.{name}" for name in stored
+              if ".lora_" not in name}
 
-        state = {k: v.detach().contiguous() for k, v in merged.state_dict().items()}
-        save_file(_untied(state), str(output / "model.safetensors"))
+    def merge(batch: dict) -> dict:
+        for name in batch.keys() & layers.keys():
+            layer = layers[name]
+            delta = sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)
+            batch[name] = batch[name] + delta.to(batch[name].dtype)
+        return batch
+
+    target = hf_target({k: v for k, v in section.items() if k != "lora"})
+    if target is None:
+        directory_from_state_keys(checkpoint, output, list(key_of.items()), metadata=metadata,
+                                  change=merge)
+        return output
+    layout = directory_from_state_keys(checkpoint, output,
+                                       [(n, key_of[n]) for n in target.names], None, None,
+                                       target.total_parameters, metadata,
+                                       converted=target if target.convert else None,
+                                       change=merge)
+    floating = [d for d in layout.dtypes.values() if d.is_floating_point]
+    write_hf_files(output, target, max(set(floating), key=floating.count),
+                   _record(checkpoint).get("data"))
     return output
 
 
-def _untied(state: dict) -> dict:
-    """safetensors refuses two names of one storage (a tied head): the second gets a copy."""
-    seen, out = {}, {}
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        out[name] = tensor.clone() if key in seen else tensor
-        seen[key] = name
-    return out
+def _with_adapters(checkpoint, section: dict):
+    """The run's PEFT model on the meta device with the checkpoint's adapters put in place."""
+    model = _peft_model(section, meta=True)
+    inner = [n[len(_PREFIX):] for n, p in model.named_parameters() if p.requires_grad]
+    tensors = _read(checkpoint, inner)
+    model.load_state_dict({_PREFIX + n: t for n, t in tensors.items()}, strict=False, assign=True)
+    return model
 
 
 def export_lora_command(source: Path, args) -> int:
