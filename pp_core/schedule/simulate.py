@@ -254,25 +254,35 @@ def simulate(
 
 def peak_activation_bytes(schedule: Schedule, activation_bytes: Sequence[float],
                           input_grad_held_bytes: Sequence[float] | None = None,
-                          encoded: list[list[int]] | None = None) -> list[float]:
+                          encoded: list[list[int]] | None = None,
+                          transient_bytes: Sequence[float] | None = None) -> list[float]:
     """Per rank, the ``peak_activation_bytes`` of :func:`simulate` without the timing replay
     (the bytes follow each rank's own order, not the clock): what a planner that tries many
     byte figures on one schedule calls. ``encoded``: the schedule's
-    :func:`~pp_core.schedule.validate.encode_validated` rows, to skip encoding again."""
+    :func:`~pp_core.schedule.validate.encode_validated` rows, to skip encoding again.
+    ``transient_bytes`` (per stage): the temporaries a stage's backward holds while it runs
+    (a checkpointed block's recomputed activations), counted on top of what is live when each
+    ``B`` or ``I`` starts - not on top of the rank's peak, which may come where they are not."""
     held = _stage_bytes(input_grad_held_bytes, schedule.num_stages, "input_grad_held_bytes")
     stage_bytes = _stage_bytes(activation_bytes, schedule.num_stages)
+    transient = _stage_bytes(transient_bytes, schedule.num_stages, "transient_bytes")
     if encoded is None:
         encoded = encode_validated(schedule, check_deadlock=False)
-    return [_rank_peak_bytes(row, schedule.num_microbatches, stage_bytes, held)
+    return [_rank_peak_bytes(row, schedule.num_microbatches, stage_bytes, held, transient)
             for row in encoded]
 
 
-def _rank_peak_bytes(row, M: int, stage_bytes: list[float], held: list[float] | None) -> float:
-    """The most bytes one rank's saved activations (and split-backward holdings) reach."""
+def _rank_peak_bytes(row, M: int, stage_bytes: list[float], held: list[float] | None,
+                     transient: list[float] | None = None) -> float:
+    """The most bytes one rank's saved activations (and split-backward holdings, and with
+    ``transient`` each backward's temporaries while it runs) reach."""
     live_b = peak_b = 0.0
     for c in row:
         kc = c & 3
         stage = (c >> 2) // M
+        if transient is not None and (kc == 1 or kc == 2) and \
+                live_b + transient[stage] > peak_b:
+            peak_b = live_b + transient[stage]
         if kc == 0:
             live_b += stage_bytes[stage]
             if live_b > peak_b:
