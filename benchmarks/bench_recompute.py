@@ -131,12 +131,15 @@ def bench_pp(pp: int, steps: int, rounds: int, link, uniform_plans: int) -> dict
                               activation_checkpointing="auto")
         uniform = choose_plan(profiles, pp, BATCH, memory_cap=cap,
                               activation_checkpointing="full")
-        if not (ranking.kept and uniform.kept and len(set(block_modes(ranking.chosen))) > 1):
+        if not (ranking.kept and uniform.kept):
+            print(f"pp={pp}: cap {fraction:.2f}: nothing fits", flush=True)
             continue
         ratio = ranking.chosen.predicted_step_s / uniform.chosen.predicted_step_s
+        mixed = len(set(block_modes(ranking.chosen))) > 1
         print(f"pp={pp}: cap {fraction:.2f} x {lowest / 2 ** 20:.2f} MiB: "
-              f"{describe(ranking.chosen)}, predicted {ratio:.3f}x uniform full", flush=True)
-        if best is None or ratio < best[0]:
+              f"{describe(ranking.chosen)}, predicted {ratio:.3f}x uniform full"
+              + ("" if mixed else " (not mixed)"), flush=True)
+        if mixed and (best is None or ratio < best[0]):
             best = (ratio, cap, fraction, ranking, uniform)
     if best is None:
         raise SystemExit(f"pp={pp}: no cap gave a mixed per-stage plan")

@@ -260,9 +260,10 @@ def peak_activation_bytes(schedule: Schedule, activation_bytes: Sequence[float],
     (the bytes follow each rank's own order, not the clock): what a planner that tries many
     byte figures on one schedule calls. ``encoded``: the schedule's
     :func:`~pp_core.schedule.validate.encode_validated` rows, to skip encoding again.
-    ``transient_bytes`` (per stage): the temporaries a stage's backward holds while it runs
-    (a checkpointed block's recomputed activations), counted on top of what is live when each
-    ``B`` or ``I`` starts - not on top of the rank's peak, which may come where they are not."""
+    ``transient_bytes`` (per stage): the temporaries a stage's actions hold while they run (a
+    checkpointed block's recomputed activations), counted on top of what is live when each of
+    its ``B``, ``I`` or ``W`` starts and each ``F`` ends - not on top of the rank's peak, which
+    may come where they are not."""
     held = _stage_bytes(input_grad_held_bytes, schedule.num_stages, "input_grad_held_bytes")
     stage_bytes = _stage_bytes(activation_bytes, schedule.num_stages)
     transient = _stage_bytes(transient_bytes, schedule.num_stages, "transient_bytes")
@@ -280,13 +281,14 @@ def _rank_peak_bytes(row, M: int, stage_bytes: list[float], held: list[float] | 
     for c in row:
         kc = c & 3
         stage = (c >> 2) // M
-        if transient is not None and (kc == 1 or kc == 2) and \
-                live_b + transient[stage] > peak_b:
+        if transient is not None and kc and live_b + transient[stage] > peak_b:
             peak_b = live_b + transient[stage]
         if kc == 0:
             live_b += stage_bytes[stage]
             if live_b > peak_b:
                 peak_b = live_b
+            if transient is not None and live_b + transient[stage] > peak_b:
+                peak_b = live_b + transient[stage]  # its forward's, on what it saved
         elif kc != 2:
             if held is not None:  # what the I before it left, not seen at an F yet
                 if live_b > peak_b:
