@@ -142,7 +142,8 @@ def bench_pp(pp: int, steps: int, rounds: int, link, uniform_plans: int) -> dict
         if mixed and (best is None or ratio < best[0]):
             best = (ratio, cap, fraction, ranking, uniform)
     if best is None:
-        raise SystemExit(f"pp={pp}: no cap gave a mixed per-stage plan")
+        print(f"pp={pp}: no cap gave a mixed per-stage plan", flush=True)
+        return None
     _, cap, fraction, ranking, uniform = best
     chosen = ranking.chosen
     print(format_ranking(ranking, top=4), flush=True)
@@ -228,13 +229,16 @@ def main(argv=None) -> int:
     report = {"model": MODEL, "batch": BATCH, "seq_len": SEQ, "load_before": os.getloadavg(),
               "pp": []}
     for pp in (int(r) for r in args.ranks.split(",")):
-        report["pp"].append(bench_pp(pp, args.steps, args.rounds, link,
-                                       args.uniform_plans))
-    report["load_after"] = os.getloadavg()
-    print(table(report))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=1)
+        entry = bench_pp(pp, args.steps, args.rounds, link, args.uniform_plans)
+        if entry is None:
+            report.setdefault("no_mixed_plan", []).append(pp)
+            continue
+        report["pp"].append(entry)
+        report["load_after"] = os.getloadavg()
+        print(table({"pp": [entry]}), flush=True)  # each as it ends: a later one may fail
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(report, fh, indent=1)
     return 0
 
 
