@@ -4,21 +4,24 @@ On 2 and 4 gloo ranks of this machine (one thread per rank), for a GPT whose sav
 outweigh its parameters (long sequence, narrow model):
 
 * the model is profiled once with the AC modes measured (``activation_checkpointing="auto"``);
-* the **cap** is the largest fraction (0.99, 0.98, ...) of the smallest AC-free predicted peak at
-  which the planner's chosen plan recomputes on some block stages and not on others: no AC-free
-  plan fits it;
+* the **cap** is the fraction (0.99, 0.97, ... 0.51) of the smallest AC-free predicted peak
+  - so no AC-free plan fits it - at which the planner's chosen plan recomputes on some block
+  stages and not on others and is predicted to gain the most over every stage ``full``: where
+  memory binds so that choosing per stage matters (at most fractions it changes one stage);
 * **per stage**: the planner's chosen plan (schedule, microbatch size, split and AC per stage);
-  **uniform**: the 3 fastest predicted plans with every stage ``full`` under the same cap (the
-  planner picking schedule, microbatch size and split for the user's uniform setting: the best
-  a hand layout could do), the fastest of them by measurement kept;
-* each case runs ``rounds`` times, alternating (a burst of load from elsewhere hits all alike):
-  the slowest rank's ``Pipeline.step`` per step (median), and each rank's live-tensor peak (one
-  more untimed step + AdamW step under :mod:`pp_core.measure.transient`'s log, plus parameters
-  and optimizer state) against the prediction and the cap; and the busiest rank's CPU time
-  per step (median): the work a step puts on its busiest rank, which other processes' load
-  stretches far less than the wall clock (the bubble is not in it).
+  **uniform**: the ``--uniform-plans`` fastest predicted plans with every stage ``full`` under
+  the same cap (the planner picking schedule, microbatch size and split for the user's uniform
+  setting: the best a hand layout could do), the fastest of them by measurement kept;
+* the cases run in turn, ``rounds`` times (A B B' A B B' ...: drift in the machine's load hits
+  every case alike): per step the slowest rank's ``Pipeline.step``; the ratio is reported as
+  the median over all steps and as the median of the per-round ratios (each round's A against
+  its neighbouring B); each rank's live-tensor peak (one more untimed step + AdamW step under
+  :mod:`pp_core.measure.transient`'s log, plus parameters and optimizer state) against the
+  prediction and the cap; and the busiest rank's CPU time per step (median): the work a step
+  puts on its busiest rank, which other processes' load stretches far less than the wall clock
+  (the bubble is not in it).
 
-    python benchmarks/bench_recompute.py [--ranks 2,4] [--steps 4] [--rounds 2] [--json out]
+    python benchmarks/bench_recompute.py [--ranks 2,4] [--steps 3] [--rounds 5] [--json out]
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 
 MODEL = {"vocab_size": 64, "dim": 64, "num_layers": 8, "num_heads": 4, "max_seq_len": 256}
 BATCH, SEQ = 8, 256
-FRACTIONS = (0.99, 0.98, 0.97, 0.96, 0.95, 0.93, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+FRACTIONS = tuple(round(0.99 - 0.02 * i, 2) for i in range(25))  # 0.99 ... 0.51
 
 
 def make_model():
@@ -105,7 +108,14 @@ def profiles_for(pp: int, link):
     return base, {size: dataclasses.replace(p) for size, p in plan.profiles.items()}
 
 
-def bench_pp(pp: int, steps: int, rounds: int, link) -> dict:
+def paired_ratios(per_round: dict, label: str, against: str) -> list[float]:
+    """Per round, ``label``'s median step over ``against``'s: the two ran back to back, so
+    drift in the machine's load between rounds cancels out of each ratio."""
+    return [statistics.median(a) / statistics.median(b)
+            for a, b in zip(per_round[label], per_round[against])]
+
+
+def bench_pp(pp: int, steps: int, rounds: int, link, uniform_plans: int) -> dict:
     from pp_core.measure.plan_auto import concrete_config
     from pp_core.planning.choose import choose_plan
     from pp_core.planning.report import describe, format_ranking
@@ -114,49 +124,66 @@ def bench_pp(pp: int, steps: int, rounds: int, link) -> dict:
     base, profiles = profiles_for(pp, link)
     free = choose_plan(profiles, pp, BATCH)
     lowest = min(c.peak_bytes for c in free.kept)
-    chosen = cap = ranking = None
+    best = None  # (predicted per-stage / uniform, cap, fraction, auto ranking, uniform ranking)
     for fraction in FRACTIONS:
         cap = int(lowest * fraction)
         ranking = choose_plan(profiles, pp, BATCH, memory_cap=cap,
                               activation_checkpointing="auto")
-        if ranking.kept and len(set(block_modes(ranking.chosen))) > 1:
-            chosen = ranking.chosen
-            break
-    if chosen is None:
-        raise SystemExit(f"pp={pp}: no cap gave a mixed per-stage plan")
+        uniform = choose_plan(profiles, pp, BATCH, memory_cap=cap,
+                              activation_checkpointing="full")
+        if not (ranking.kept and uniform.kept):
+            print(f"pp={pp}: cap {fraction:.2f}: nothing fits", flush=True)
+            continue
+        ratio = ranking.chosen.predicted_step_s / uniform.chosen.predicted_step_s
+        mixed = len(set(block_modes(ranking.chosen))) > 1
+        print(f"pp={pp}: cap {fraction:.2f} x {lowest / 2 ** 20:.2f} MiB: "
+              f"{describe(ranking.chosen)}, predicted {ratio:.3f}x uniform full"
+              + ("" if mixed else " (not mixed)"), flush=True)
+        if mixed and (best is None or ratio < best[0]):
+            best = (ratio, cap, fraction, ranking, uniform)
+    if best is None:
+        print(f"pp={pp}: no cap gave a mixed per-stage plan", flush=True)
+        return None
+    _, cap, fraction, ranking, uniform = best
+    chosen = ranking.chosen
     print(format_ranking(ranking, top=4), flush=True)
-    uniform = choose_plan(profiles, pp, BATCH, memory_cap=cap, activation_checkpointing="full")
     cases = [("per stage: " + describe(chosen), chosen)]
-    cases += [(f"uniform full #{i + 1}: {describe(c)}", c) for i, c in enumerate(uniform.kept[:3])]
-    times = {label: [] for label, _ in cases}
+    cases += [(f"uniform full #{i + 1}: {describe(c)}", c)
+              for i, c in enumerate(uniform.kept[:uniform_plans])]
+    per_round = {label: [] for label, _ in cases}  # per round, the slowest rank's step times
     cpu = {label: [] for label, _ in cases}
     lives = {label: [] for label, _ in cases}
     with DistPool(pp) as pool:
-        for _ in range(rounds):
+        for _ in range(rounds):  # A B B' A B B' ...: drift hits every case alike
             for label, c in cases:
                 values = concrete_config(base, c).to_dict()
                 per_rank = pool.run(run_case, values, c.stage_modes(), steps)
-                times[label] += [max(s) for s in zip(*(r["times"] for r in per_rank))]
+                per_round[label].append([max(s) for s in zip(*(r["times"] for r in per_rank))])
                 cpu[label] += [max(s) for s in zip(*(r["cpu"] for r in per_rank))]
                 lives[label].append([r["live_peak_bytes"] for r in per_rank])
     rows = []
     for label, c in cases:
         live = [max(p) for p in zip(*lives[label])]
         predicted = [m.total(c.pool) for m in c.memory]
+        over = [a / b for a, b in zip(live, predicted)]
         rows.append({"label": label, "modes": c.stage_modes(),
                      "counts": [len(f) for f in c.fqns_per_stage],
                      "predicted_step_s": c.predicted_step_s,
-                     "measured_step_s": statistics.median(times[label]),
+                     "measured_step_s": statistics.median(
+                         [t for times in per_round[label] for t in times]),
+                     "round_medians_s": [statistics.median(t) for t in per_round[label]],
                      "busiest_rank_cpu_s": statistics.median(cpu[label]),
                      "predicted_peak_bytes": predicted, "live_peak_bytes": live,
-                     "live_over_predicted": [a / b for a, b in zip(live, predicted)],
-                     "fits_cap": max(live) <= cap})
-    best_uniform = min(rows[1:], key=lambda r: r["measured_step_s"])
-    return {"pp": pp, "cap_bytes": cap, "lowest_ac_free_peak_bytes": lowest,
-            "planning_s": ranking.planning_s, "rows": rows,
-            "ratio": rows[0]["measured_step_s"] / best_uniform["measured_step_s"],
-            "cpu_ratio": rows[0]["busiest_rank_cpu_s"] / min(
-                r["busiest_rank_cpu_s"] for r in rows[1:]),
+                     "live_over_predicted": over, "fits_cap": max(live) <= cap,
+                     "within_10_percent": all(0.9 <= r <= 1.1 for r in over)})
+    fastest = min(rows[1:], key=lambda r: r["measured_step_s"])
+    paired = paired_ratios(per_round, rows[0]["label"], fastest["label"])
+    return {"pp": pp, "cap_bytes": cap, "cap_fraction": fraction,
+            "lowest_ac_free_peak_bytes": lowest,
+            "planning_s": ranking.planning_s, "rows": rows, "best_uniform": fastest["label"],
+            "ratio": rows[0]["measured_step_s"] / fastest["measured_step_s"],
+            "paired_ratios": paired, "paired_ratio_median": statistics.median(paired),
+            "cpu_ratio": rows[0]["busiest_rank_cpu_s"] / fastest["busiest_rank_cpu_s"],
             "predicted_ratio": rows[0]["predicted_step_s"] / min(
                 r["predicted_step_s"] for r in rows[1:])}
 
@@ -167,7 +194,8 @@ def table(report: dict) -> str:
         lines.append(f"pp={entry['pp']}: cap {entry['cap_bytes'] / 2 ** 20:.2f} MiB "
                      f"(smallest AC-free peak {entry['lowest_ac_free_peak_bytes'] / 2 ** 20:.2f}"
                      f" MiB), planned in {entry['planning_s']:.2f} s; per stage / best uniform "
-                     f"full: measured {entry['ratio']:.3f}x, busiest rank's CPU time "
+                     f"full: measured {entry['ratio']:.3f}x (median of per-round pairs "
+                     f"{entry['paired_ratio_median']:.3f}x), busiest rank's CPU time "
                      f"{entry['cpu_ratio']:.3f}x, predicted {entry['predicted_ratio']:.3f}x")
         lines.append("| plan | AC per stage | units per stage | predicted ms | measured ms | "
                      "busiest rank CPU ms | live peak per rank MiB | live / predicted | "
@@ -187,8 +215,11 @@ def table(report: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="2,4")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per case and round")
-    parser.add_argument("--rounds", type=int, default=2, help="passes over all cases")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per case and round")
+    parser.add_argument("--rounds", type=int, default=5, help="passes over all cases")
+    parser.add_argument("--uniform-plans", type=int, default=2,
+                        help="the fastest predicted uniform-full plans run (the fastest measured "
+                             "counts)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     sys.path.insert(0, os.path.dirname(__file__))
@@ -198,12 +229,16 @@ def main(argv=None) -> int:
     report = {"model": MODEL, "batch": BATCH, "seq_len": SEQ, "load_before": os.getloadavg(),
               "pp": []}
     for pp in (int(r) for r in args.ranks.split(",")):
-        report["pp"].append(bench_pp(pp, args.steps, args.rounds, link))
-    report["load_after"] = os.getloadavg()
-    print(table(report))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=1)
+        entry = bench_pp(pp, args.steps, args.rounds, link, args.uniform_plans)
+        if entry is None:
+            report.setdefault("no_mixed_plan", []).append(pp)
+            continue
+        report["pp"].append(entry)
+        report["load_after"] = os.getloadavg()
+        print(table({"pp": [entry]}), flush=True)  # each as it ends: a later one may fail
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(report, fh, indent=1)
     return 0
 
 

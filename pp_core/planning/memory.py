@@ -26,8 +26,11 @@ schedule x stages per rank x microbatch size, in well under a second each. The p
   the spare sets (the interval colouring of :mod:`pp_core.schedule.buffer_plan`).
 
 * **transients**: one action runs at a time on a rank, so on top of the above it holds the
-  temporaries of one unit's forward + backward: the largest ``transient_bytes`` among its units
-  (measured by the profiler; a vocabulary head's logits, log-softmax and their gradients).
+  temporaries of one unit's forward + backward (``transient_bytes``, measured by the profiler:
+  a vocabulary head's logits, log-softmax and their gradients; a checkpointed block's
+  recomputed activations). The byte replay adds each stage's largest at the start of each of
+  its ``B``/``I`` (:func:`transient_over_peak`): the peak with AC on some stages only comes
+  where the stages that do not recompute hold the most, not where a recompute runs.
 
 * **the optimizer step's temporaries**: ``step()`` runs after the last backward, when the
   activations are gone (pooled receive buffers stay), so it competes with them rather than adding
@@ -48,9 +51,11 @@ from pp_core.planning.costs import ModelProfile
 from pp_core.schedule.buffer_plan import max_live
 from pp_core.schedule.ir import Schedule
 from pp_core.schedule.lower import lower
+from pp_core.schedule.peak_bytes import peak_activation_bytes
 
 __all__ = ["RankMemory", "predict_memory", "recv_buffer_bytes", "split_held_bytes",
-           "stage_held_bytes"]
+           "stage_held_bytes", "posts_grads_at_forward", "stage_transients",
+           "transient_over_peak"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ class RankMemory:
     activations: int
     recv_default: int   # receive buffers as the runtime keeps them without the pool
     recv_pool: int      # with the receive-buffer pool (``pp_recv_buffer_pool: true``)
-    transient: int = 0  # the largest temporaries of one of its units' forward + backward
+    transient: int = 0  # what its backwards' temporaries add on top of ``activations``
     optimizer_step: int = 0  # the optimizer step's temporaries
 
     def total(self, pool: bool) -> int:
@@ -135,27 +140,40 @@ def stage_held_bytes(profile: ModelProfile,
 
 
 def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
-                      program=None) -> tuple[list[int], list[int]]:
+                      program=None, early_grads: bool = False) -> tuple[list[int], list[int]]:
     """Per rank, receive-buffer bytes ``(without the pool, with it)``.
 
     Without the pool every message gets a fresh tensor that autograd keeps until the backward
     that releases it, so a class needs as many sets as receives live on ``[posted, released]``
     (a gradient: ``[posted, consumed]``, as what ``W`` keeps of it is :func:`split_held_bytes`);
     the pool copies out at consumption: ``[posted, consumed]`` plus ``slack`` spare sets.
+    ``early_grads`` (:func:`posts_grads_at_forward`): without the pool a gradient's buffer
+    exists from its stage's forward on, so a stage holds one per microbatch in flight, like its
+    outputs (up to 1.16x under-predicted on rank 0 of a looped schedule without it).
     """
     program = lower(schedule) if program is None else program
     default, pooled = [0] * schedule.num_ranks, [0] * schedule.num_ranks
     for rank in range(schedule.num_ranks):
-        classes: dict[tuple[int, bool], tuple[list, list]] = {}
-        for stage, is_grad, posted, consumed, released in program.recv_intervals(rank):
-            held, copied = classes.setdefault((stage, is_grad), ([], []))
-            held.append((posted, consumed if is_grad else released))
-            copied.append((posted, consumed))
-        for (stage, is_grad), (held, copied) in classes.items():
+        held: dict[tuple[int, bool], list] = {}
+        for stage, is_grad, posted, consumed, released in program.recv_intervals(rank,
+                                                                                 early_grads):
+            held.setdefault((stage, is_grad), []).append(
+                (posted, consumed if is_grad else released))
+        copied: dict[tuple[int, bool], list] = {}
+        for stage, is_grad, posted, consumed, _ in program.recv_intervals(rank):
+            copied.setdefault((stage, is_grad), []).append((posted, consumed))
+        for (stage, is_grad), intervals in held.items():
             size = boundary[stage] if is_grad else boundary[stage - 1]
-            default[rank] += max_live(held) * size
-            pooled[rank] += (max_live(copied) + slack) * size
+            default[rank] += max_live(intervals) * size
+            pooled[rank] += (max_live(copied[(stage, is_grad)]) + slack) * size
     return default, pooled
+
+
+def posts_grads_at_forward(profile: ModelProfile) -> bool:
+    """Whether the runtime posts a gradient's receive at its forward (without the pool): on a
+    backend that matches messages by tag, gloo, which is what pp-core runs on the CPU
+    (:mod:`pp_core.runtime.executor`, ``early_receives``)."""
+    return profile.device.startswith("cpu")
 
 
 def predict_memory(profile: ModelProfile, schedule: Schedule,
@@ -169,17 +187,38 @@ def predict_memory(profile: ModelProfile, schedule: Schedule,
     params = stage_sums(profile, units_per_stage, "param_bytes")
     trained = stage_sums(profile, units_per_stage, "trained_bytes")  # frozen: no grad, no state
     boundary = boundary_bytes(profile, units_per_stage)
-    default, pooled = recv_buffer_bytes(schedule, boundary, slack, program)
+    default, pooled = recv_buffer_bytes(schedule, boundary, slack, program,
+                                        posts_grads_at_forward(profile))
+    extra = transient_over_peak(profile, schedule, units_per_stage)
     out = []
     for rank in range(schedule.num_ranks):
         p = sum(params[s] for s in schedule.stages_of(rank))
         t = sum(trained[s] for s in schedule.stages_of(rank))
-        held = [u for s in schedule.stages_of(rank) for u in units_per_stage[s]]
         out.append(RankMemory(
             rank=rank, params=p, grads=t,
             optimizer=int(t * profile.optimizer_bytes_per_param_byte),
             optimizer_step=int(t * profile.optimizer_step_bytes_per_param_byte),
             activations=int(peak_activation_bytes[rank]),
             recv_default=default[rank], recv_pool=pooled[rank],
-            transient=max((profile.units[u].transient_bytes for u in held), default=0)))
+            transient=extra[rank]))
     return out
+
+
+def stage_transients(profile: ModelProfile, units_per_stage: Sequence[Sequence[int]]):
+    """Per stage, the largest ``transient_bytes`` of its units."""
+    return [max((profile.units[u].transient_bytes for u in units), default=0)
+            for units in units_per_stage]
+
+
+def transient_over_peak(profile: ModelProfile, schedule: Schedule,
+                        units_per_stage: Sequence[Sequence[int]], encoded=None) -> list[int]:
+    """Per rank, what its backwards' temporaries add to its activation peak: each stage's
+    largest transient on top of what is live when one of its ``B``/``I`` starts. Not the
+    rank's largest transient on top of its peak: a stage holding many microbatches without
+    recomputation peaks where a recomputing stage's large transient is not (that sum was up to
+    1.3x over the live tensors)."""
+    saved, held = stage_held_bytes(profile, units_per_stage)
+    plain = peak_activation_bytes(schedule, saved, held, encoded)
+    with_transients = peak_activation_bytes(schedule, saved, held, encoded,
+                                            stage_transients(profile, units_per_stage))
+    return [int(max(0, a - b)) for a, b in zip(with_transients, plain)]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pp_core.planning.costs import ModelProfile, UnitCost
-from pp_core.planning.memory import predict_memory, stage_held_bytes
+from pp_core.planning.memory import predict_memory, stage_held_bytes, stage_transients
 from pp_core.planning.refine import simulate_split
 from pp_core.schedule.peak_bytes import peak_activation_bytes
 from pp_core.schedule.lower import lower
@@ -96,6 +96,10 @@ def with_modes(profile: ModelProfile, units: Sequence[Sequence[int]], modes: Seq
     return dataclasses.replace(profile, units=tuple(out))
 
 
+def _seconds(unit: UnitCost) -> float:
+    return unit.forward_s + unit.backward_s
+
+
 class _Ranks:
     """Predicted totals per rank for any modes on one schedule and split. A stage's terms
     (bytes per microbatch, split-backward holdings, transient) depend on its own units only, so
@@ -115,9 +119,7 @@ class _Ranks:
             eff = with_modes(self.profile, self.units, [mode] * len(self.units),
                              self.settings.every)
             saved, held = stage_held_bytes(eff, self.units)
-            transient = [max((eff.units[u].transient_bytes for u in stage), default=0)
-                         for stage in self.units]
-            self.terms[mode] = (saved, held, transient)
+            self.terms[mode] = (saved, held, stage_transients(eff, self.units))
         return self.terms[mode]
 
     def totals(self, modes) -> list[int]:
@@ -125,13 +127,13 @@ class _Ranks:
         or the better of the two when the planner chooses it)."""
         terms = [self._terms(mode) for mode in modes]
         act = peak_activation_bytes(self.schedule, [t[0][s] for s, t in enumerate(terms)],
-                                    [t[1][s] for s, t in enumerate(terms)], self.encoded)
+                                    [t[1][s] for s, t in enumerate(terms)], self.encoded,
+                                    [t[2][s] for s, t in enumerate(terms)])
         pool = self.settings.pool
         out = []
         for rank, base in enumerate(self.base):
-            transient = max((terms[s][2][s] for s in self.stages[rank]), default=0)
             fixed = base.params + base.grads + base.optimizer
-            running = act[rank] + transient
+            running = act[rank]  # its backwards' temporaries included
             totals = [fixed + max(running + (base.recv_pool if pooled else base.recv_default),
                                   (base.recv_pool if pooled else 0) + base.optimizer_step)
                       for pooled in ((pool,) if pool is not None else (False, True))]
@@ -139,12 +141,14 @@ class _Ranks:
         return out
 
     def extra_s(self, stage: int, mode: str) -> float:
-        """Recompute seconds a stage adds per step in ``mode``."""
+        """Seconds a stage adds per step in ``mode``: the recompute, and what the mode's
+        forward costs over the plain one (``selective``'s contexts, measured dearer than the
+        matmuls they save on a narrow CPU model)."""
         key = (stage, mode)
         if key not in self.extra:
             units = [self.profile.units[u] for u in self.units[stage]]
             self.extra[key] = self.schedule.num_microbatches * sum(
-                _under(u, mode, self.settings.every).backward_s - u.backward_s for u in units)
+                _seconds(_under(u, mode, self.settings.every)) - _seconds(u) for u in units)
         return self.extra[key]
 
 
@@ -230,21 +234,35 @@ def units_of_counts(counts: Sequence[int]) -> list[list[int]]:
     return out
 
 
+def _uniform(allowed, dearest: str) -> list[str]:
+    """Per stage, ``dearest`` or the dearest mode below it the stage allows (a stage without
+    blocks allows only ``none``)."""
+    return [max((m for m in options if LADDER.index(m) <= LADDER.index(dearest)),
+                key=LADDER.index) for options in allowed]
+
+
 def plan_stages(schedule, profile: ModelProfile, units: Sequence[Sequence[int]],
                 settings: Recompute, slack: int = 2):
-    """``(units per stage, modes per stage)``: the modes for this cut, then the cut re-balanced
-    under those modes with its own modes, whichever fits and is predicted faster."""
+    """``(units per stage, modes per stage)``: the modes for this cut; the cut re-balanced under
+    those modes, and the cut balanced for the dearest of them on every stage, each with its own
+    modes and with that dearest mode everywhere (what a uniform setting runs: without it ``auto``
+    could lose to every stage ``full``); whichever fits and is predicted faster."""
     program = lower(schedule)
     modes = choose_modes(schedule, profile, units, settings, slack, program)
     if isinstance(modes, str) or all(m == "none" for m in modes) or settings.setting != "auto":
         return [list(u) for u in units], modes
     options = [([list(u) for u in units], modes)]
-    counts = balance_by_mode(profile, len(units), modes, settings.every)
-    moved = units_of_counts(counts)
-    if moved != [list(u) for u in units]:
-        again = choose_modes(schedule, profile, moved, settings, slack, program)
-        if not isinstance(again, str):
-            options.append((moved, again))
+    dearest = LADDER[max(LADDER.index(m) for m in modes)]
+    for balanced_for in (modes, [dearest] * len(units)):  # the second: a uniform setting's cut
+        moved = units_of_counts(balance_by_mode(profile, len(units), balanced_for,
+                                                settings.every))
+        if all(moved != cut for cut, _ in options):
+            again = choose_modes(schedule, profile, moved, settings, slack, program)
+            if not isinstance(again, str):
+                options.append((moved, again))
+        uniform = _uniform(settings.allowed(profile, moved), dearest)
+        if (moved, uniform) not in options:
+            options.append((moved, uniform))
     if len(options) == 1:
         return options[0]
 

@@ -146,13 +146,22 @@ class Program:
             self._decoded[rank] = found
         return found
 
-    def recv_intervals(self, rank: int):
+    def recv_intervals(self, rank: int, grads_from_forward: bool = False):
         """``(stage, is_grad, posted, consumed, released)`` per receive of ``rank``, without
-        decoding its actions: what a planner sizing thousands of programs needs."""
+        decoding its actions: what a planner sizing thousands of programs needs.
+
+        ``grads_from_forward``: a gradient's receive counts as posted at the forward whose
+        output it is the gradient of - where the executor posts it on a backend that matches
+        by tag (gloo) when buffers do not follow the program's lifetimes (no pool)."""
         flat, M = self._lifetimes[rank], self.num_microbatches
+        forwards = {}
+        if grads_from_forward:  # the forward of stage * M + mb, by its code (kind F is 0)
+            forwards = {code >> 3: i for i, code in enumerate(self._codes[rank]) if not code & 7}
         for i in range(0, len(flat), 4):
             key, kind = divmod(flat[i], 8)
-            yield key // M, kind == _C_RECV_B, flat[i + 1], flat[i + 2], flat[i + 3]
+            is_grad = kind == _C_RECV_B
+            posted = forwards.get(key, flat[i + 1]) if is_grad else flat[i + 1]
+            yield key // M, is_grad, posted, flat[i + 2], flat[i + 3]
 
     @property
     def actions(self) -> tuple[tuple[Action, ...], ...]:

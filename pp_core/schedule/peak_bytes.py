@@ -19,29 +19,41 @@ __all__ = ["peak_activation_bytes", "rank_peak_bytes", "bytes_per_stage"]
 
 def peak_activation_bytes(schedule: Schedule, activation_bytes: Sequence[float],
                           input_grad_held_bytes: Sequence[float] | None = None,
-                          encoded: list[list[int]] | None = None) -> list[float]:
+                          encoded: list[list[int]] | None = None,
+                          transient_bytes: Sequence[float] | None = None) -> list[float]:
     """Per rank, the ``peak_activation_bytes`` of :func:`simulate` without the timing replay
     (the bytes follow each rank's own order, not the clock): what a planner that tries many
     byte figures on one schedule calls. ``encoded``: the schedule's
-    :func:`~pp_core.schedule.validate.encode_validated` rows, to skip encoding again."""
+    :func:`~pp_core.schedule.validate.encode_validated` rows, to skip encoding again.
+    ``transient_bytes`` (per stage): the temporaries a stage's actions hold while they run (a
+    checkpointed block's recomputed activations), counted on top of what is live when each of
+    its ``B``, ``I`` or ``W`` starts and each ``F`` ends - not on top of the rank's peak, which
+    may come where they are not."""
     held = bytes_per_stage(input_grad_held_bytes, schedule.num_stages, "input_grad_held_bytes")
     stage_bytes = bytes_per_stage(activation_bytes, schedule.num_stages)
+    transient = bytes_per_stage(transient_bytes, schedule.num_stages, "transient_bytes")
     if encoded is None:
         encoded = encode_validated(schedule, check_deadlock=False)
-    return [rank_peak_bytes(row, schedule.num_microbatches, stage_bytes, held)
+    return [rank_peak_bytes(row, schedule.num_microbatches, stage_bytes, held, transient)
             for row in encoded]
 
 
-def rank_peak_bytes(row, M: int, stage_bytes: list[float], held: list[float] | None) -> float:
-    """The most bytes one rank's saved activations (and split-backward holdings) reach."""
+def rank_peak_bytes(row, M: int, stage_bytes: list[float], held: list[float] | None,
+                    transient: list[float] | None = None) -> float:
+    """The most bytes one rank's saved activations (and split-backward holdings, and with
+    ``transient`` each action's temporaries while it runs) reach."""
     live_b = peak_b = 0.0
     for c in row:
         kc = c & 3
         stage = (c >> 2) // M
+        if transient is not None and kc and live_b + transient[stage] > peak_b:
+            peak_b = live_b + transient[stage]
         if kc == 0:
             live_b += stage_bytes[stage]
             if live_b > peak_b:
                 peak_b = live_b
+            if transient is not None and live_b + transient[stage] > peak_b:
+                peak_b = live_b + transient[stage]  # its forward's, on what it saved
         elif kc != 2:
             if held is not None:  # what the I before it left, not seen at an F yet
                 if live_b > peak_b:
@@ -57,7 +69,7 @@ def rank_peak_bytes(row, M: int, stage_bytes: list[float], held: list[float] | N
 
 
 def bytes_per_stage(activation_bytes, num_stages: int,
-                 name: str = "activation_bytes") -> list[float] | None:
+                    name: str = "activation_bytes") -> list[float] | None:
     if activation_bytes is None:
         return None
     if isinstance(activation_bytes, (int, float)) and not isinstance(activation_bytes, bool):

@@ -1,5 +1,6 @@
 """Activation checkpointing per stage, measured and run: the profile's costs per mode, a cap that
-only a per-stage choice meets (chosen, then run: each stage's blocks checkpointed by its own mode),
+only a per-stage choice meets (chosen, then run: each stage's blocks checkpointed by its own mode,
+training as the unsplit model does on one process: losses, gradients, parameters),
 ``pp-core plan --json`` keys and ``-o FILE`` run by ``pp-core run``."""
 
 from __future__ import annotations
@@ -46,20 +47,46 @@ def test_the_profile_measures_what_each_mode_costs_and_saves_and_leaves_the_mode
 
 
 def ran(spec):
-    """On every rank: train, recording each local stage's blocks and their AC mode."""
-    from pp_core.app import train as train_module
+    """On every rank: train, recording each local stage's blocks and their AC mode, and after
+    the last step its parameters and their gradients (that step's: set afresh each step)."""
+    from pp_core.app import rank as train_module
 
-    seen = {}
+    seen, parts_of = {}, []
     original = train_module.apply_parallelisms
 
     def recording(parts, checkpointing, compile_options, stages=None, num_stages=None):
         original(parts, checkpointing, compile_options, stages, num_stages)
+        parts_of.extend(parts)
         for part, stage in zip(parts, stages):
             seen[stage] = {(checkpoint_mode(b) or ("none",))[0] for _, b in find_blocks(part)}
 
     train_module.apply_parallelisms = recording
-    summary = train_module.train(spec)
-    return {"blocks": seen, "losses": summary.get("losses")}
+    summary = train_module.train(spec) or {}
+    named = {n: p for part in parts_of for n, p in part.named_parameters()}
+    return {"blocks": seen, "losses": summary.get("losses"),
+            "params": {n: p.detach().clone() for n, p in named.items()},
+            "grads": {n: p.grad.clone() for n, p in named.items() if p.grad is not None}}
+
+
+def one_process(spec):
+    """The unsplit model trained on one process over the same batches: per step the loss of
+    the whole batch, then its gradients and the AdamW step; the losses, the last step's
+    gradients and the parameters after it."""
+    from pp_core.app.factories import build_dataset, build_model
+
+    model = build_model(spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=BASE["train"]["optimizer"]["lr"])
+    losses, batches = [], iter(build_dataset(spec))
+    for _ in range(spec.train.steps):
+        inputs, target = next(batches)
+        model.zero_grad(set_to_none=True)
+        loss = cross_entropy(model(inputs), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    named = dict(model.named_parameters())
+    return (losses, {n: p.detach() for n, p in named.items()},
+            {n: p.grad for n, p in named.items()})
 
 
 def block_stage_modes(candidate) -> list[str]:
@@ -110,6 +137,20 @@ def test_a_cap_no_ac_free_plan_fits_is_met_by_recomputing_on_some_stages_and_run
             assert seen[stage] == {mode}, (stage, seen)
     assert any(m == "none" for s, m in enumerate(modes) if seen.get(s))
     assert any(m != "none" for s, m in enumerate(modes) if seen.get(s))
+    # and it trains as the unsplit model on one process does (fp32)
+    losses, params, grads = one_process(run_spec)
+    assert results[0]["losses"] == pytest.approx(losses, rel=1e-5)
+    got = {"params": {}, "grads": {}}
+    for r in results.values():
+        for kind in got:
+            got[kind].update(r[kind])
+    assert got["params"].keys() == params.keys() and got["grads"].keys() == grads.keys()
+    for name, want in grads.items():
+        torch.testing.assert_close(got["grads"][name], want, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"grad of {name}: {m}")
+    for name, want in params.items():
+        torch.testing.assert_close(got["params"][name], want, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.ranks

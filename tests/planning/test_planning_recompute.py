@@ -2,6 +2,8 @@
 under a cap no AC-free plan fits, the early stages (many microbatches in flight) recompute and
 the late ones do not; the user's setting is a constraint; the plan objects carry it."""
 
+import dataclasses
+
 import pytest
 
 from pp_core import ConfigError
@@ -113,3 +115,27 @@ def test_a_profile_with_recompute_round_trips_through_plain_data():
     assert again == PROFILES[1] and again.units[0].modes() == ("none", "full", "selective")
     with pytest.raises(ValueError, match="no measured activation checkpointing mode"):
         UnitCost(("x",), 0, 0, 0, 0, 0, 0, 0).under("full")
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_choosing_per_stage_is_never_predicted_slower_than_every_stage_full(pp):
+    """``auto`` may run every stage ``full`` on the cut a uniform setting gets, so under any cap
+    its choice is at least as fast as the uniform plan (it was up to 1.05x slower when it only
+    tried the cuts balanced for its own modes, and 1.11x when it picked ``selective`` by its
+    recompute alone while its forward, slower than the plain one, made the step slower)."""
+    def dear_selective(u):  # selective's forward three times the plain one
+        return dataclasses.replace(u, recompute=(u.recompute[0], (
+            "selective", 3 * u.forward_s, 2.3 * u.forward_s, 1.3 * u.forward_s,
+            *u.recompute[1][4:])))
+
+    dear = {m: dataclasses.replace(p, units=tuple(dear_selective(u) for u in p.units))
+            for m, p in PROFILES.items()}
+    free = choose_plan(dear, pp, 8)
+    lowest = min(c.peak_bytes for c in free.kept)
+    for fraction in (0.95, 0.85, 0.75, 0.65, 0.55, 0.45):
+        cap = int(lowest * fraction)
+        uniform = choose_plan(dear, pp, 8, memory_cap=cap, activation_checkpointing="full")
+        chosen = choose_plan(dear, pp, 8, memory_cap=cap, activation_checkpointing="auto")
+        if uniform.kept:
+            assert chosen.chosen.predicted_step_s <= uniform.chosen.predicted_step_s * (1 + 1e-9), \
+                (fraction, format_ranking(chosen, top=2), format_ranking(uniform, top=2))
