@@ -63,9 +63,9 @@ class WorldPlan:
     @property
     def chosen_layout(self) -> LayoutPlan:
         if not self.layouts:
-            reasons = "; ".join(f"{d.dims.describe()}: {d.reason}" for d in self.dropped[:4])
+            reasons = "; ".join(dict.fromkeys(d.reason for d in self.dropped))
             raise ConfigError(f"--world {self.world}: no layout of {self.world} processes runs "
-                              f"this model ({reasons}); use another --world")
+                              f"this model: {reasons}; use another --world")
         return self.layouts[0]
 
     @property
@@ -137,6 +137,8 @@ def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = 
 
     model = meta_model(spec)
     admitted, dropped = enumerate_layouts(world, model_shape(spec, model), fixed)
+    if not admitted:  # say so before measuring anything
+        WorldPlan(world, [], dropped, memory_cap, 0.0, 0.0).chosen_layout
     started = time.perf_counter()
     base = RankLayout.of(spec)
     link = measure_local_link(base.backend, base.device) if measure_link and \
