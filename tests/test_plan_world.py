@@ -173,9 +173,13 @@ def test_world_4_ranks_tp_layouts_and_the_chosen_one_runs(tmp_path, capsys):
 
 
 def test_world_4_moe_ranks_expert_parallel_layouts(tmp_path, capsys):
+    """moe_gpt at world 4: ep 2 layouts (experts sharded over 2 dp ranks, tokens by
+    all-to-all, costed from its measured fit) ranked; tp dropped (no plan for the model)."""
     path = _file(tmp_path, MOE)
     assert cli.main(["plan", path, "--world", "4", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     _check_contract(data, 4)
     assert any(c["ep_size"] == 2 and c["pp_size"] == 2 for c in data["ranking"]["kept"])
     assert "all_to_all@2" in data["collectives"]
+    assert {d["dropped"] for d in data["ranking"]["dropped"] if d["tp_size"] == 2} == \
+        {"tp_size 2: no plugin provides a tensor-parallel plan for the model MoEGPT"}

@@ -107,12 +107,16 @@ def model_shape(spec: Spec, model, plugins=None) -> ModelShape:
     """The model's units, heads and experts and the global batch."""
     from pp_core.measure.layout_costs import expert_layers
     from pp_core.planning.units import model_units
+    from pp_core.plugin_manager import plugins_or_default
 
     heads = {getattr(m, "num_heads") for m in model.modules()
              if isinstance(getattr(m, "num_heads", None), int)}
     experts = {layer.num_experts for layer in expert_layers(model)}
+    no_plan = ""
+    if plugins_or_default(plugins).tensor_parallel_plan(model, False) is None:
+        no_plan = f"no plugin provides a tensor-parallel plan for the model {type(model).__name__}"
     return ModelShape(len(model_units(model, plugins)), min(heads) if heads else 0,
-                      min(experts) if experts else 0, spec.global_batch_size)
+                      min(experts) if experts else 0, spec.global_batch_size, no_plan)
 
 
 def layout_spec(spec: Spec, dims: ParallelDims) -> Spec:

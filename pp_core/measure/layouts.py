@@ -33,6 +33,7 @@ class ModelShape:
     num_heads: int
     num_experts: int
     global_batch_size: int
+    no_tensor_parallel: str = ""  # why tp > 1 cannot shard it (no plan for the model), if so
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ def _reason(dims: ParallelDims, shape: ModelShape) -> str | None:
     if dims.pp > shape.num_units:
         return (f"pp_size {dims.pp} > the model's {shape.num_units} units (every pipeline "
                 f"rank holds at least one)")
+    if dims.tp > 1 and shape.no_tensor_parallel:
+        return f"tp_size {dims.tp}: {shape.no_tensor_parallel}"
     if shape.num_heads and shape.num_heads % dims.tp:
         return f"tp_size {dims.tp} does not divide the model's {shape.num_heads} attention heads"
     if dims.ep > 1 and shape.num_experts % dims.ep:
