@@ -20,14 +20,28 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+import torch
+
+from pp_core.app.decide import plan_spec
+from pp_core.app.factories import build_model
 from pp_core.app.layout import RankLayout
 from pp_core.app.spec import Spec
 from pp_core.errors import ConfigError
+from pp_core.measure.collectives import measure_collectives
+from pp_core.measure.layout_costs import (expert_layers, layout_profile, unit_experts,
+                                          with_gradient_sync)
 from pp_core.measure.layouts import DroppedLayout, ModelShape, degrees, enumerate_layouts
+from pp_core.measure.link import measure_local_link
+from pp_core.measure.plan_auto import AutoPlan, concrete_config, default_microbatch_sizes
 from pp_core.parallel.dims import ParallelDims
+from pp_core.planning.choose import choose_plan
+from pp_core.planning.report import ac_letters, describe
+from pp_core.planning.sizes import format_bytes
+from pp_core.planning.units import model_units
+from pp_core.plugin_manager import default_plugins, plugins_or_default
 
-__all__ = ["WorldPlan", "LayoutPlan", "plan_world", "layout_spec", "model_shape", "meta_model",
-           "format_world"]
+__all__ = ["WorldPlan", "LayoutPlan", "plan_world", "plan_layout", "layout_spec", "model_shape",
+           "meta_model", "format_world"]
 
 Say = Callable[[str], None]
 
@@ -59,6 +73,8 @@ class WorldPlan:
     collectives: Any = None  # pp_core.planning.collectives.Collectives
     link: Any = None
     kept: list = field(default_factory=list)  # every plan that fits, fastest first
+    profiles: dict = field(default_factory=dict)  # tp -> {microbatch size: ModelProfile}
+    experts: list = field(default_factory=list)  # per unit (layout_costs.unit_experts)
 
     @property
     def chosen_layout(self) -> LayoutPlan:
@@ -95,19 +111,12 @@ class WorldPlan:
 
 def meta_model(spec: Spec, plugins=None):
     """The spec's model on the meta device (shapes, no memory)."""
-    import torch  # lazy: torch, only when planning
-
-    from pp_core.app.factories import build_model
-
     with torch.device("meta"):
         return build_model(spec, plugins)
 
 
 def model_shape(spec: Spec, model, plugins=None) -> ModelShape:
     """The model's units, heads and experts and the global batch."""
-    from pp_core.measure.layout_costs import expert_layers
-    from pp_core.planning.units import model_units
-    from pp_core.plugin_manager import plugins_or_default
 
     heads = {getattr(m, "num_heads") for m in model.modules()
              if isinstance(getattr(m, "num_heads", None), int)}
@@ -132,12 +141,7 @@ def layout_spec(spec: Spec, dims: ParallelDims) -> Spec:
 def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = True,
                fixed: Mapping[str, int] | None = None, say: Say | None = None) -> WorldPlan:
     """Rank every layout of ``world`` processes the model admits (module docstring)."""
-    from pp_core.app.decide import plan_spec  # lazy: the planner, only when planning
-    from pp_core.measure.collectives import measure_collectives
-    from pp_core.measure.link import measure_local_link
-    from pp_core.measure.plan_auto import default_microbatch_sizes
 
-    from pp_core.measure.layout_costs import unit_experts
 
     model = meta_model(spec)
     admitted, dropped = enumerate_layouts(world, model_shape(spec, model), fixed)
@@ -168,24 +172,20 @@ def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = 
     started = time.perf_counter()
     planned = []
     for dims in admitted:
-        outcome = _plan_layout(spec, dims, world, profiles[dims.tp], memory_cap, link,
+        outcome = plan_layout(spec, dims, world, profiles[dims.tp], memory_cap, link,
                                collectives, experts)
         (planned if isinstance(outcome, LayoutPlan) else dropped).append(outcome)
     planned.sort(key=lambda lp: (lp.best.predicted_step_s, lp.best.peak_bytes))
     kept = sorted((c for lp in planned for c in lp.plan.ranking.kept),
                   key=lambda c: (c.predicted_step_s, c.peak_bytes))
     return WorldPlan(world, planned, dropped, memory_cap, profile_s,
-                     time.perf_counter() - started, collectives, link, kept)
+                     time.perf_counter() - started, collectives, link, kept, profiles, experts)
 
 
-def _plan_layout(spec: Spec, dims: ParallelDims, world: int, profiles, memory_cap, link,
+def plan_layout(spec: Spec, dims: ParallelDims, world: int, profiles, memory_cap, link,
                  collectives, experts):
     """The per-layout search on the layout's profile: a LayoutPlan, or a DroppedLayout
     saying why nothing of it runs (memory, or no schedule at its sizes)."""
-    from pp_core.measure.layout_costs import layout_profile, with_gradient_sync
-    from pp_core.measure.plan_auto import AutoPlan, concrete_config
-    from pp_core.plugin_manager import default_plugins
-    from pp_core.planning.choose import choose_plan
 
     placed = layout_spec(spec, dims)
     config = placed.pipeline
@@ -215,8 +215,6 @@ def _plan_layout(spec: Spec, dims: ParallelDims, world: int, profiles, memory_ca
 
 def format_world(found: WorldPlan, top: int = 8) -> str:
     """The layouts ranked, one row each with its best plan; those dropped, and why."""
-    from pp_core.planning.report import ac_letters, describe
-    from pp_core.planning.sizes import format_bytes
 
     cap = "no memory cap" if found.memory_cap is None else \
         f"memory cap {format_bytes(found.memory_cap)} per rank"

@@ -318,17 +318,17 @@ SCHEMA: dict[str, list[Key]] = {
         Key("ep_size", _int(1), 1, "expert-parallel degree: each MoE layer's experts are sharded "
             "over this many of the dp ranks (it divides dp_replicate * dp_shard and num_experts; "
             "docs/composition.md)"),
-        Key("mixed_precision", _optional(_mixed_precision), None, "{param_dtype, reduce_dtype} "
-            "of the dp engines (FSDP2's MixedPrecisionPolicy), e.g. bfloat16 / float32"),
-        Key("backend", _choice("auto", "gloo", "nccl"), "auto", "auto: nccl on CUDA, else gloo"),
-        Key("device", _choice("auto", "cpu", "cuda"), "auto",
-            "auto: cuda when every rank on the machine gets a GPU of its own, else cpu"),
         Key("world_size", _optional(_int(1)), None, "processes of the job; with layout: "
             "fixed it must equal pp_size * dp_size * tp_size, with layout: auto 'pp-core plan' "
             "searches its factorisations"),
         Key("layout", _choice("fixed", "auto"), "fixed", "auto: 'pp-core plan FILE' ranks every "
             "pp x dp_replicate x dp_shard x tp (x ep) layout of world_size processes and -o "
             "writes the chosen one; 'pp-core run' runs only fixed layouts"),
+        Key("mixed_precision", _optional(_mixed_precision), None, "{param_dtype, reduce_dtype} "
+            "of the dp engines (FSDP2's MixedPrecisionPolicy), e.g. bfloat16 / float32"),
+        Key("backend", _choice("auto", "gloo", "nccl"), "auto", "auto: nccl on CUDA, else gloo"),
+        Key("device", _choice("auto", "cpu", "cuda"), "auto",
+            "auto: cuda when every rank on the machine gets a GPU of its own, else cpu"),
         Key("nnodes", _int(1), 1, "machines taking part; each runs the same command"),
         Key("nproc_per_node", _optional(_int(1)), None, "ranks per machine; default "
             "pp_size * dp_replicate * dp_shard * tp_size / nnodes"),

@@ -129,7 +129,7 @@ DEGREE_OVERRIDES = ("pp_size", "dp_replicate", "dp_shard", "tp_size", "ep_size")
 def _plan_world(args, spec, world: int, cap) -> int:
     """``--world N``: rank the layouts (:mod:`pp_core.app.plan_world`)."""
     from pp_core.app.plan_world import format_world, plan_world  # lazy: torch, the planner
-    from pp_core.app.spec import parse_override
+    from pp_core.app.spec import parse_override  # lazy: as plan_command's imports
 
     fixed = {}
     for text in args.overrides:
