@@ -183,3 +183,53 @@ def test_world_4_moe_ranks_expert_parallel_layouts(tmp_path, capsys):
     assert "all_to_all@2" in data["collectives"]
     assert {d["dropped"] for d in data["ranking"]["dropped"] if d["tp_size"] == 2} == \
         {"tp_size 2: no plugin provides a tensor-parallel plan for the model MoEGPT"}
+
+
+# ------------------------------------------------------------------ what a degree costs
+def test_a_layout_profile_charges_experts_optimizer_shards_and_shared_cores():
+    """ep 2: a MoE unit keeps half its experts' bytes and pays the all-to-alls (counts,
+    dispatch, combine) in F and again in B; dp_shard 2 halves the optimizer state; 4 processes
+    of one thread on this machine's cores share them as shared_processors says."""
+    import types
+
+    from pp_core.devices import cpu_cores, shared_processors
+    from pp_core.measure.layout_costs import layout_profile
+    from pp_core.parallel.dims import ParallelDims
+    from pp_core.planning.costs import ModelProfile, UnitCost
+
+    def unit(name):
+        return UnitCost((name,), 1e-3, 2e-3, 1e-3, 1e-3, 4096, 8192, 1024)
+
+    profile = ModelProfile(2, (unit("embed"), unit("layers.0")), 1e-5, 1e9)
+    costs = Collectives({("all_to_all", 2): (1e-5, 1e8)})
+    experts = [(0, 0, 0, 0), (1, 4000, 2, 4)]  # the block: one MoE layer, 4000 expert bytes
+    layout = types.SimpleNamespace(threads_per_rank=1, device="cpu")
+    dims = ParallelDims(pp=2, dp_shard=2, ep=2)
+    found = layout_profile(profile, dims, 4, layout, costs, experts)
+    traffic = costs.seconds("all_to_all", 2, 8 * 4) + 2 * costs.seconds("all_to_all", 2, 2048)
+    embed, block = found.units
+    assert embed == profile.units[0]
+    assert block.param_bytes == 8192 - 2000
+    assert math.isclose(block.forward_s, 1e-3 + traffic)
+    assert math.isclose(block.backward_s, 2e-3 + traffic)
+    assert found.optimizer_bytes_per_param_byte == profile.optimizer_bytes_per_param_byte / 2
+    assert found.processors == (shared_processors(cpu_cores(), 1, 4, 2) or 0.0)
+
+
+def test_gradient_sync_is_added_once_per_step_for_the_slowest_rank():
+    from pp_core.measure.layout_costs import with_gradient_sync
+    from pp_core.parallel.dims import ParallelDims
+    from pp_core.planning.choose import Candidate, Option, Ranking
+    from pp_core.planning.memory import RankMemory
+
+    costs = Collectives({(kind, 2): (1e-5, 1e9) for kind in ("all_reduce", "all_gather",
+                                                              "reduce_scatter")})
+    small, large = RankMemory(0, 1000, 1000, 0, 0, 0, 0), RankMemory(1, 9000, 9000, 0, 0, 0, 0)
+    fast = Candidate(Option("1f1b", 1, 1, 4), predicted_step_s=0.010, memory=[small, large])
+    ranking = Ranking([fast], [], None, 0.0, 2, 4)
+    with_gradient_sync(ranking, ParallelDims(pp=2, dp_replicate=2, dp_shard=2), costs)
+    assert math.isclose(fast.predicted_step_s,
+                        0.010 + costs.gradient_sync_s(9000, 9000, 2, 2))
+    assert costs.gradient_sync_s(9000, 9000, 2, 2) == pytest.approx(
+        costs.seconds("all_gather", 2, 9000) + costs.seconds("reduce_scatter", 2, 9000)
+        + costs.seconds("all_reduce", 2, 4500))
