@@ -225,11 +225,12 @@ def test_gradient_sync_is_added_once_per_step_for_the_slowest_rank():
     costs = Collectives({(kind, 2): (1e-5, 1e9) for kind in ("all_reduce", "all_gather",
                                                               "reduce_scatter")})
     small, large = RankMemory(0, 1000, 1000, 0, 0, 0, 0), RankMemory(1, 9000, 9000, 0, 0, 0, 0)
-    fast = Candidate(Option("1f1b", 1, 1, 4), predicted_step_s=0.010, memory=[small, large])
+    fast = Candidate(Option("1f1b", 1, 1, 4), predicted_step_s=0.010, memory=[small, large],
+                     fqns_per_stage=[["embed", "layers.0"], ["layers.1", "head"]])
     ranking = Ranking([fast], [], None, 0.0, 2, 4)
     with_gradient_sync(ranking, ParallelDims(pp=2, dp_replicate=2, dp_shard=2), costs)
-    assert math.isclose(fast.predicted_step_s,
-                        0.010 + costs.gradient_sync_s(9000, 9000, 2, 2))
-    assert costs.gradient_sync_s(9000, 9000, 2, 2) == pytest.approx(
-        costs.seconds("all_gather", 2, 9000) + costs.seconds("reduce_scatter", 2, 9000)
-        + costs.seconds("all_reduce", 2, 4500))
+    assert math.isclose(fast.predicted_step_s,  # 4 modules over 2 ranks: 2 FSDP units each
+                        0.010 + costs.gradient_sync_s(9000, 9000, 2, 2, pieces=2))
+    assert costs.gradient_sync_s(9000, 9000, 2, 2, pieces=2) == pytest.approx(2 * (
+        costs.seconds("all_gather", 2, 4500) + costs.seconds("reduce_scatter", 2, 4500)
+        + costs.seconds("all_reduce", 2, 2250)))

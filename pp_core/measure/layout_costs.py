@@ -14,7 +14,8 @@ The profile is measured once per tp degree; the other degrees change arithmetic 
   forward pays the token all-to-all (counts, dispatch, combine) at the ep degree, its backward
   the same again (and once more when it recomputes the forward);
 * **gradient sync** (``dp``): FSDP2's all-gather and reduce-scatter and the replicas'
-  all-reduce, once per stage and step after the pipeline drains, added to each plan's step
+  all-reduce, once per FSDP unit and step after the pipeline drains (a rank's share of the
+  split's modules counts its units), added to each plan's step
   (:meth:`pp_core.planning.collectives.Collectives.gradient_sync_s`), the slowest rank's.
 """
 
@@ -111,7 +112,10 @@ def with_gradient_sync(ranking, dims: ParallelDims, collectives: Collectives | N
     for candidate in ranking.kept + ranking.dropped:
         if candidate.predicted_step_s is None or not candidate.memory:
             continue
+        # FSDP units on a rank: its share of the split's modules (a block each, the rest
+        # of a stage with its root)
+        pieces = -(-sum(map(len, candidate.fqns_per_stage or [[]])) // dims.pp)
         candidate.predicted_step_s += max(
-            collectives.gradient_sync_s(m.grads, m.params, dims.dp_replicate, dims.dp_shard)
-            for m in candidate.memory)
+            collectives.gradient_sync_s(m.grads, m.params, dims.dp_replicate, dims.dp_shard,
+                                        pieces) for m in candidate.memory)
     ranking.kept.sort(key=lambda c: (c.predicted_step_s, c.peak_bytes))

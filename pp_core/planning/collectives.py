@@ -67,13 +67,18 @@ class Collectives:
         return steps * latency + volume * num_bytes / rate
 
     def gradient_sync_s(self, trained_bytes: int, param_bytes: int, dp_replicate: int,
-                        dp_shard: int) -> float:
-        """One stage's data-parallel collectives per step: FSDP2's all-gather of the
-        parameters and reduce-scatter of the gradients over ``dp_shard``, then the all-reduce
-        of the (shard of the) gradients over ``dp_replicate`` (HSDP when both)."""
-        shard_s = self.seconds("all_gather", dp_shard, param_bytes) + \
-            self.seconds("reduce_scatter", dp_shard, trained_bytes)
-        return shard_s + self.seconds("all_reduce", dp_replicate, trained_bytes / dp_shard)
+                        dp_shard: int, pieces: int = 1) -> float:
+        """A rank's data-parallel collectives per step, its bytes in ``pieces`` equal FSDP
+        units (one collective each: pp-core drives FSDP2 and ``replicate`` once per unit and
+        step): the all-gather of the parameters and reduce-scatter of the gradients over
+        ``dp_shard``, then the all-reduce of the (shard of the) gradients over
+        ``dp_replicate`` (HSDP when both)."""
+        pieces = max(1, pieces)
+        trained, params = trained_bytes / pieces, param_bytes / pieces
+        one = self.seconds("all_gather", dp_shard, params) + \
+            self.seconds("reduce_scatter", dp_shard, trained) + \
+            self.seconds("all_reduce", dp_replicate, trained / dp_shard)
+        return pieces * one
 
     def to_dict(self) -> dict:
         return {f"{kind}@{group}": {"latency_s": latency, "bytes_per_s": rate}
