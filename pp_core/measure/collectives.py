@@ -48,10 +48,17 @@ def measure_collectives(largest_group: int, backend: str = "gloo", device: str =
             return Collectives(pickle.load(fh))
 
 
-def time_collectives(group, device: torch.device, repeats: int = 5) -> dict:
+def time_collectives(group, device: torch.device, repeats: int = 5,
+                     compute_s: float = 2e-3) -> dict:
     """``{(kind, size): (latency_s, bytes_per_s)}`` over ``group`` (every rank of it calls
-    this); the slowest rank's median of ``repeats`` after one warm-up, per kind and size."""
+    this); the slowest rank's median of ``repeats`` after one warm-up, per kind and size.
+
+    Each rank computes ``compute_s`` of matmuls before each collective, as a rank of a step
+    does: where the ranks outnumber the cores, a collective then also waits for peers the
+    scheduler has not run yet - what it costs a run, not an idle group
+    (:func:`pp_core.measure.link.measure_p2p_busy` times a hand-off the same way)."""
     size = dist.get_world_size(group)
+    work = torch.randn(64, 64, device=device)
     found = torch.zeros(len(KINDS), len(SIZES), dtype=torch.float64)
     for k, kind in enumerate(KINDS):
         for s, numel in enumerate(SIZES):
@@ -60,6 +67,7 @@ def time_collectives(group, device: torch.device, repeats: int = 5) -> dict:
             times = []
             for _ in range(repeats + 1):
                 dist.barrier(group=group)
+                _compute(work, compute_s)  # as in a step: the peers arrive from compute
                 start = time.perf_counter()
                 run()
                 times.append(time.perf_counter() - start)
@@ -68,6 +76,14 @@ def time_collectives(group, device: torch.device, repeats: int = 5) -> dict:
     return {(kind, size): fit(kind, size, (SIZES[0] * 4, found[k, 0].item()),
                               (SIZES[1] * 4, found[k, 1].item()))
             for k, kind in enumerate(KINDS)}
+
+
+def _compute(work, seconds: float) -> None:
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        work @ work
+    if work.device.type == "cuda":
+        torch.cuda.synchronize(work.device)
 
 
 def _collective(kind: str, numel: int, size: int, group, device):
