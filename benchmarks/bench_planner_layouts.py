@@ -163,7 +163,8 @@ def bench_layouts(world: int = 4) -> dict:
 
 
 def table(report: dict) -> str:
-    lines = ["| layout | plan | AC | predicted ms | measured ms | error |", "|---|---|---|---|---|---|"]
+    lines = ["| layout | plan | AC | predicted ms | measured ms | error |",
+             "|---|---|---|---|---|---|"]
     for row in report["runs"] + report["moe_runs"]:
         lines.append(f"| {row['label']}: {row['layout']} | {row['plan']} | {row['ac']} "
                      f"| {row['predicted_step_s'] * 1e3:.1f} | {row['measured_step_s'] * 1e3:.1f} "
