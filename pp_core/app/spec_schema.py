@@ -319,7 +319,7 @@ SCHEMA: dict[str, list[Key]] = {
             "over this many of the dp ranks (it divides dp_replicate * dp_shard and num_experts; "
             "docs/composition.md)"),
         Key("world_size", _optional(_int(1)), None, "processes of the job; with layout: "
-            "fixed it must equal pp_size * dp_size * tp_size, with layout: auto 'pp-core plan' "
+            "fixed it must equal the product of the degrees, with layout: auto 'pp-core plan' "
             "searches its factorisations"),
         Key("layout", _choice("fixed", "auto"), "fixed", "auto: 'pp-core plan FILE' ranks every "
             "pp x dp_replicate x dp_shard x tp (x ep) layout of world_size processes and -o "

@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 from pp_core.measure.helpers import HELPER_TIMEOUT_S, run_helpers
+from pp_core.parallel.dims import ParallelDims
 from pp_core.planning.collectives import KINDS, Collectives, fit
 
 __all__ = ["measure_collectives", "time_collectives", "MAX_GROUP", "SIZES"]
 
 MAX_GROUP = 4
-"""The largest group timed: more local processes than that on a small machine measure only
+"""The largest group timed (even: its ranks are also timed in pairs): more local processes than that on a small machine measure only
 how they share its cores; larger groups reuse the fit (the ring factors carry the size)."""
 
 SIZES = (256, 1 << 18)
@@ -35,8 +36,10 @@ SIZES = (256, 1 << 18)
 
 def measure_collectives(largest_group: int, backend: str = "gloo", device: str = "cpu",
                         repeats: int = 5) -> Collectives:
-    """The fits for groups of 2 and ``min(largest_group, MAX_GROUP)`` (none below 2)."""
+    """The fits for groups of 2 and the largest even group up to ``largest_group`` and
+    :data:`MAX_GROUP` (none below 2)."""
     group = min(largest_group, MAX_GROUP)
+    group -= group % 2  # timed in pairs too: an odd group uses the fit below it
     if group < 2:
         return Collectives()
     with tempfile.TemporaryDirectory(prefix="pp-core-coll-") as tmp:
@@ -111,10 +114,10 @@ def _worker(rank: int, size: int, store_path: str, backend: str, device_type: st
     dist.init_process_group(backend, store=dist.FileStore(store_path, size), rank=rank,
                             world_size=size, timeout=timedelta(seconds=HELPER_TIMEOUT_S))
     try:
-        pair = dist.new_group([0, 1])  # every rank creates every group, in the same order
-        fits = {}
-        if rank < 2:
-            fits.update(time_collectives(pair, device, repeats))
+        # pairs as a run's dp groups pair ranks (every pair at once), built where every
+        # group is built (ParallelDims)
+        meshes = ParallelDims(pp=size // 2, dp_replicate=2).build(device.type)
+        fits = time_collectives(meshes.mesh["dp_replicate"].get_group(), device, repeats)
         dist.barrier()
         if size > 2:
             fits.update(time_collectives(dist.group.WORLD, device, repeats))
