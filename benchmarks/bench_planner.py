@@ -20,9 +20,11 @@ On 2 and 4 gloo ranks of this machine (one thread per rank), for a GPT with a la
   log: what the memory model predicts, without the allocator's retained pages); the capped
   plan is run once more on ranks whose allocator returns freed pages (``MALLOC_MMAP_THRESHOLD_``),
   where the resident set follows the live tensors;
-* **planning time** at pp=8 with every installed schedule (profile excluded).
+* **planning time** at pp=8 with every installed schedule (profile excluded);
+* ``--world N``: the whole layout chosen instead (``benchmarks/bench_planner_layouts.py``).
 
     python benchmarks/bench_planner.py [--ranks 2,4] [--steps 6] [--json out.json]
+    python benchmarks/bench_planner.py --world 4 --json layouts.json
 """
 
 from __future__ import annotations
@@ -366,7 +368,19 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per case and round")
     parser.add_argument("--rounds", type=int, default=2, help="passes over all cases")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--world", type=int, metavar="N",
+                        help="instead: the whole-layout planner at N processes "
+                             "(benchmarks/bench_planner_layouts.py)")
     args = parser.parse_args(argv)
+    if args.world is not None:
+        from bench_planner_layouts import bench_layouts, table as layouts_table
+
+        report = bench_layouts(args.world)
+        print(layouts_table(report))
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(report, fh, indent=1)
+        return 0
     from pp_core.measure.link import measure_local_link
 
     load = os.getloadavg()

@@ -46,6 +46,11 @@ def register(subparsers) -> None:
                         help="write the chosen layout as a YAML pipeline that 'pp-core run' "
                              "runs as it stands (schedule, split, microbatch size, activation "
                              "checkpointing per stage, degrees)")
+    parser.add_argument("--world", type=_int, metavar="N",
+                        help="rank every pp x dp_replicate x dp_shard x tp (x ep) layout of N "
+                             "processes the model admits, each with its best plan (as "
+                             "distributed: {world_size: N, layout: auto}); a degree given with "
+                             "--set distributed.KEY=V stays fixed")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY.PATH=VALUE", help="override a key (as for run)")
     parser.set_defaults(func=plan_command)
@@ -62,6 +67,15 @@ def _positive(text: str) -> int:
     return value
 
 
+def _int(text: str) -> int:
+    """``--world``: an int (its range is checked with the layouts, in one message)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of processes, found "
+                                         f"{text[:40]!r}") from None
+
+
 def plan_command(args) -> int:
     from pp_core.app.launch.decide import as_auto, plan_spec  # lazy: only when `pp-core plan` runs
     from pp_core.planning.report import format_ranking
@@ -71,6 +85,9 @@ def plan_command(args) -> int:
 
     cap = None if args.memory_cap is None else parse_size(args.memory_cap)
     spec = as_auto(load_spec(args.pipeline, args.overrides))
+    world = _world(args, spec)
+    if world is not None:
+        return _plan_world(args, spec, world, cap)
     preflight(spec, run_checks=False)  # names, arguments, batch sizes: fail before profiling
     plan = plan_spec(spec, memory_cap=cap, measure_link=not args.no_link)
     if args.output is not None:
@@ -90,6 +107,44 @@ def plan_command(args) -> int:
     if plan.ranking.kept:
         stages = plan.chosen.fqns_per_stage
         print("split: " + " | ".join(", ".join(s) for s in stages))
+    return 0
+
+
+def _world(args, spec) -> int | None:
+    """The world the layouts are searched for: ``--world``, or the file's ``world_size`` with
+    ``layout: auto``; ``None``: plan the file's own degrees."""
+    from pp_core.errors import ConfigError  # lazy: as plan_command's imports
+
+    dist = spec.distributed
+    written = dist.world_size if dist.layout == "auto" else None
+    if args.world is not None and written is not None and args.world != written:
+        raise ConfigError(f"--world {args.world} contradicts distributed.world_size: {written} "
+                          f"of {spec.source}; give one of them")
+    return args.world if args.world is not None else written
+
+
+DEGREE_OVERRIDES = ("pp_size", "dp_replicate", "dp_shard", "tp_size", "ep_size")
+
+
+def _plan_world(args, spec, world: int, cap) -> int:
+    """``--world N``: rank the layouts (:mod:`pp_core.app.launch.plan_world`)."""
+    from pp_core.app.launch.plan_world import format_world, plan_world  # lazy: torch, the planner
+    from pp_core.app.spec import parse_override  # lazy: as plan_command's imports
+
+    fixed = {}
+    for text in args.overrides:
+        path, value = parse_override(text)
+        if path[:1] == ["distributed"] and path[-1] in DEGREE_OVERRIDES:
+            fixed[path[-1]] = value
+    found = plan_world(spec, world, memory_cap=cap, measure_link=not args.no_link,
+                       fixed=fixed)
+    if args.output is not None:
+        chosen = found.chosen_layout
+        _write(chosen.spec, chosen.plan, args.output)
+    if args.json:
+        print(json.dumps(found.to_dict(), indent=1))
+        return 0
+    print(format_world(found, top=args.top))
     return 0
 
 

@@ -48,6 +48,11 @@ def is_balanced(spec: Spec) -> bool:
 def decide(spec: Spec, layout: MachineShare, *, announce: Say | None = None,
            memory_cap: int | None = None) -> Spec:
     """The spec every rank runs: ``auto`` planned, a ``balanced`` cut measured, or ``spec``."""
+    if spec.distributed.layout == "auto":  # the degrees decide how many processes start
+        raise ConfigError(
+            f"distributed.layout: auto is chosen by 'pp-core plan {spec.source} -o chosen.yaml' "
+            f"(it ranks the layouts of {spec.distributed.world_size} processes); run the file it "
+            f"writes, or write the degrees and drop layout: auto")
     auto = is_auto(spec.pipeline.pp_schedule)
     if started_by_torchrun():  # every process is a rank: nobody can measure for all of them
         if auto:
@@ -81,9 +86,12 @@ def _planned(spec: Spec, layout: MachineShare, announce: Say | None, memory_cap)
 
 
 def plan_spec(spec: Spec, layout: MachineShare | None = None, memory_cap=None, plugins=None,
-              measure_link: bool = True, say: Say | None = None):
+              measure_link: bool = True, say: Say | None = None, link=None,
+              microbatch_sizes=None):
     """Profile the spec's model as a rank runs it and choose: a
-    :class:`pp_core.measure.plan_auto.AutoPlan`."""
+    :class:`pp_core.measure.plan_auto.AutoPlan`. ``link``: one measured already (the layout
+    search measures it once); ``microbatch_sizes``: those to profile (default: as
+    :func:`~pp_core.measure.plan_auto.default_microbatch_sizes`)."""
     from pp_core.app.launch.measured import (  # lazy: torch, only when measuring
         as_a_rank, model_and_batch, plan_sharded)
     from pp_core.measure.link import measure_local_link
@@ -96,9 +104,8 @@ def plan_spec(spec: Spec, layout: MachineShare | None = None, memory_cap=None, p
     pp_size, tp = dims.pp, dims.tp
     ac = spec.train.activation_checkpointing
     planning = {"activation_checkpointing": ac["mode"], "every": ac["every"],
-                "degrees": degrees_of(spec)}
-    link = None
-    if measure_link and pp_size > 1:
+                "degrees": degrees_of(spec), "microbatch_sizes": microbatch_sizes}
+    if link is None and measure_link and pp_size > 1:
         if say is not None:
             say("auto: measuring the link between two local ranks")
         link = measure_local_link(layout.backend, layout.device)
@@ -164,6 +171,7 @@ def written_spec(spec: Spec, plan) -> dict:
     values.pop("plan", None)
     values["distributed"].update(plan.chosen.degrees)
     values["distributed"].pop("dp_size", None)  # derived from dp_replicate x dp_shard
+    values["distributed"].update(world_size=None, layout="fixed")  # the degrees are written
     return values
 
 
@@ -183,7 +191,7 @@ def balanced_spec(spec: Spec, plugins=None, say: Say | None = None,
     if spec.distributed.nnodes > 1:
         raise ConfigError("model.splitter: balanced profiles on the launching machine, and each "
                           "of several nodes would measure its own cut; profile once (pp_core."
-                          "app.measured.profile_spec) and put the cut into pipeline."
+                          "app.launch.measured.profile_spec) and put the cut into pipeline."
                           "module_fqns_per_model_part")
     num_stages = _num_stages(spec, plugins)
     size = spec.pipeline.pp_microbatch_size

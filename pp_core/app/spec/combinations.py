@@ -49,6 +49,7 @@ def check_combinations(values: dict, problems: list[str],
     _fold_dp_size(dist, problems)
     dims = ParallelDims.of(dist)
     problems.extend(dims.problems(dist["nnodes"], dist["nproc_per_node"]))
+    problems.extend(_layout_problems(dist, dims))
     if dims.ep > 1 and is_auto(values["pipeline"].get("pp_schedule")):
         problems.append(auto_expert_parallel_refusal(dims.ep))
     if dist["nnodes"] > 1 and dist["master_port"] is None and dist["rdzv_endpoint"] is None:
@@ -77,6 +78,19 @@ def auto_expert_parallel_refusal(ep: int) -> str:
             f"rank, so it cannot plan distributed.ep_size: {ep} (each rank holding 1/{ep} of "
             f"the experts and routing tokens by all-to-all); name a schedule (e.g. 1f1b), or "
             f"plan at ep_size: 1 with 'pp-core plan' and run what it chose at ep_size: {ep}")
+
+
+def _layout_problems(dist: dict, dims) -> list[str]:
+    """``distributed.world_size`` / ``layout``: auto needs the world, fixed must agree with it."""
+    world = dist["world_size"]
+    if dist["layout"] == "auto" and world is None:
+        return ["distributed.layout: auto searches the layouts of distributed.world_size "
+                "processes, found no world_size; add distributed.world_size: N"]
+    if dist["layout"] == "fixed" and world is not None and world != dims.world_size:
+        return [f"distributed.world_size: expected {dims.formula()} = {dims.figures()} = "
+                f"{dims.world_size}, found {world}; drop world_size, correct it, or set "
+                f"distributed.layout: auto to let 'pp-core plan' choose the degrees"]
+    return []
 
 
 def _fold_dp_size(dist: dict, problems: list[str]) -> None:

@@ -89,6 +89,12 @@ SCHEMA: dict[str, list[Key]] = {
         Key("ep_size", integer(1), 1, "expert-parallel degree: each MoE layer's experts are sharded "
             "over this many of the dp ranks (it divides dp_replicate * dp_shard and num_experts; "
             "docs/experts.md)"),
+        Key("world_size", optional(integer(1)), None, "processes of the job; with layout: "
+            "fixed it must equal the product of the degrees, with layout: auto 'pp-core plan' "
+            "searches its factorisations"),
+        Key("layout", one_of("fixed", "auto"), "fixed", "auto: 'pp-core plan FILE' ranks every "
+            "pp x dp_replicate x dp_shard x tp (x ep) layout of world_size processes and -o "
+            "writes the chosen one; 'pp-core run' runs only fixed layouts"),
         Key("mixed_precision", optional(mixed_precision), None, "{param_dtype, reduce_dtype} "
             "of the dp engines (FSDP2's MixedPrecisionPolicy), e.g. bfloat16 / float32"),
         Key("backend", one_of("auto", "gloo", "nccl"), "auto", "auto: nccl on CUDA, else gloo"),

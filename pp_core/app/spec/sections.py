@@ -50,6 +50,8 @@ class DistributedSpec:
     tp_size: int = 1
     sequence_parallel: bool = False
     ep_size: int = 1
+    world_size: int | None = None
+    layout: str = "fixed"
     mixed_precision: dict[str, str] | None = None
     backend: str = "auto"
     device: str = "auto"

@@ -1,0 +1,187 @@
+"""The whole-layout planner (``pp-core plan --world N``) against runs of the layouts it ranks.
+
+``python benchmarks/bench_planner.py --world 4`` runs this part (or this file directly). On
+this machine's cores, one thread per rank, gloo:
+
+* **prediction**: ``plan_world`` ranks every layout of 4 processes of a GPT; the best plan of
+  pp 4, pp 2 x dp 2, pp 2 x tp 2 and the chosen layout are written (``-o``'s YAML) and run
+  through ``pp-core run``; measured step = median ``step_time_s`` of the timed steps (rank 0's
+  whole step, optimizer included) against the predicted; the same for moe_gpt at
+  pp 2 x dp 2 x ep 2;
+* **auto vs by hand**: the chosen plan against each of those layouts written by hand (1f1b,
+  the even ``layers`` split, no activation checkpointing, 2 x pp microbatches), measured;
+* **planning time** at world 8 and 64: the search over every layout with the costs measured
+  for world 4 (no run; layouts at a tp degree not profiled reuse the largest profiled one's
+  profile, which changes nothing of the search's work).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import yaml
+
+MODEL = {"vocab_size": 512, "dim": 128, "num_layers": 4, "num_heads": 4, "max_seq_len": 64}
+MOE_ARGS = {"num_experts": 4, "top_k": 2}
+BASE = {
+    "model": {"name": "gpt", "args": MODEL},
+    "data": {"name": "synthetic", "args": {"seq_len": 64, "vocab_size": 512}},
+    "pipeline": {"pp_schedule": "auto", "pp_batch_size": 16, "loss_fn": "cross_entropy"},
+    "distributed": {"pp_size": 2, "device": "cpu"},
+    "train": {"steps": 8, "log_every": 1, "optimizer": {"name": "AdamW", "lr": 1e-3}},
+    "output": {"progress": "off", "summary": False},
+}
+TIMED_FROM = 3  # steps before it warm up
+
+
+def spec_of(values: dict, tmp: str, name: str):
+    from pp_core.app.spec import load_spec
+
+    path = os.path.join(tmp, name)
+    with open(path, "w") as fh:
+        yaml.safe_dump(values, fh)
+    return load_spec(path)
+
+
+def run_yaml(values: dict, tmp: str, name: str) -> float:
+    """Run ``values`` through ``pp-core run``; the median step time of the timed steps."""
+    path, metrics = os.path.join(tmp, name + ".yaml"), os.path.join(tmp, name + ".jsonl")
+    values = json.loads(json.dumps(values))
+    values["train"].update(steps=BASE["train"]["steps"], log_every=1)
+    values["output"] = {**values.get("output", {}), "metrics": metrics, "progress": "off",
+                        "summary": False}
+    values.get("checkpoint", {}).pop("dir", None)
+    with open(path, "w") as fh:
+        yaml.safe_dump(values, fh)
+    subprocess.run([sys.executable, "-m", "pp_core", "run", path], check=True,
+                   stdout=subprocess.DEVNULL)
+    with open(metrics) as fh:
+        rows = [json.loads(line) for line in fh if '"step_time_s"' in line]
+    return statistics.median(r["step_time_s"] for r in rows if r["step"] >= TIMED_FROM)
+
+
+def find(world_plan, pp, dp_replicate, tp, ep=1):
+    for lp in world_plan.layouts:
+        d = lp.dims
+        if (d.pp, d.dp_replicate, d.dp_shard, d.tp, d.ep) == (pp, dp_replicate, 1, tp, ep):
+            return lp
+    return None
+
+
+def measured_layouts(spec, world_plan, tmp: str, targets, tag: str) -> list[dict]:
+    from pp_core.app.launch.decide import written_spec
+    from pp_core.planning.report import ac_letters, describe
+
+    rows, seen = [], set()
+    for label, dims in targets:
+        lp = find(world_plan, *dims) if dims else world_plan.chosen_layout
+        if lp is None or lp.dims in seen:
+            continue
+        seen.add(lp.dims)
+        measured = run_yaml(written_spec(lp.spec, lp.plan), tmp, f"{tag}-{len(rows)}")
+        predicted = lp.best.predicted_step_s
+        rows.append({"label": label, "layout": lp.dims.describe(), "plan": describe(lp.best),
+                     "ac": ac_letters(lp.best), "predicted_step_s": predicted,
+                     "measured_step_s": measured, "error": predicted / measured - 1})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def by_hand(spec, dims_list, tmp: str) -> list[dict]:
+    from pp_core.app.launch.plan_world import layout_spec
+    from pp_core.parallel.dims import ParallelDims
+
+    rows = []
+    for pp, dp, tp in dims_list:
+        placed = layout_spec(spec, ParallelDims(pp, dp, 1, tp)).to_dict()
+        placed.pop("plan", None)
+        batch = placed["pipeline"]["pp_batch_size"]
+        placed["pipeline"].update(pp_schedule="1f1b", pp_microbatch_size=max(1, batch // (2 * pp)))
+        placed["distributed"].pop("dp_size", None)
+        measured = run_yaml(placed, tmp, f"hand-{pp}-{dp}-{tp}")
+        rows.append({"label": f"by hand: 1f1b, even split, pp {pp} x dp {dp} x tp {tp}",
+                     "measured_step_s": measured})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def planning_time(world_plan, spec, world: int) -> dict:
+    """The search alone over every layout of ``world`` with world 4's measured costs."""
+    from pp_core.app.launch.plan_world import model_shape, meta_model, plan_layout
+    from pp_core.measure.layouts import enumerate_layouts
+
+    big = spec.with_("pipeline", pp_batch_size=world * 2)
+    started = time.perf_counter()
+    admitted, _ = enumerate_layouts(world, model_shape(big, meta_model(big)))
+    profiled = sorted(world_plan.profiles)
+    for dims in admitted:
+        profiles = world_plan.profiles[max(t for t in profiled if t <= dims.tp)]
+        plan_layout(big, dims, world, profiles, None, world_plan.link, world_plan.collectives,
+                    world_plan.experts)
+    return {"world": world, "layouts": len(admitted),
+            "planning_s": time.perf_counter() - started}
+
+
+def bench_layouts(world: int = 4) -> dict:
+    from pp_core.app.launch.plan_world import plan_world
+
+    report = {"torch": __import__("torch").__version__, "load_before": os.getloadavg(),
+              "cores": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="bench-layouts-") as tmp:
+        spec = spec_of(BASE, tmp, "gpt.yaml")
+        found = plan_world(spec, world)
+        report["profile_s"], report["search_s"] = found.profile_s, found.planning_s
+        report["ranked"] = [{"layout": lp.dims.describe(), "dp_shard": lp.dims.dp_shard,
+                             "predicted_step_s": lp.best.predicted_step_s}
+                            for lp in found.layouts]
+        report["runs"] = measured_layouts(spec, found, tmp, [
+            ("chosen", None), ("pp 4", (4, 1, 1)), ("pp 2 x dp 2", (2, 2, 1)),
+            ("pp 2 x tp 2", (2, 1, 2))], "gpt")
+        report["by_hand"] = by_hand(spec, [(4, 1, 1), (2, 2, 1), (2, 1, 2)], tmp)
+        auto = report["runs"][0]["measured_step_s"]
+        best = min(report["by_hand"], key=lambda r: r["measured_step_s"])
+        report["auto_over_best_by_hand"] = auto / best["measured_step_s"]
+        report["best_by_hand"] = best["label"]
+        report["planning"] = [planning_time(found, spec, w) for w in (8, 64)]
+        moe_values = json.loads(json.dumps(BASE))
+        moe_values["model"] = {"name": "moe_gpt", "args": {**MODEL, **MOE_ARGS}}
+        moe_spec = spec_of(moe_values, tmp, "moe.yaml")
+        moe = plan_world(moe_spec, world)
+        report["moe_ranked"] = [{"layout": lp.dims.describe(),
+                                 "predicted_step_s": lp.best.predicted_step_s}
+                                for lp in moe.layouts]
+        report["moe_runs"] = measured_layouts(moe_spec, moe, tmp, [
+            ("moe pp 2 x dp 2 x ep 2", (2, 2, 1, 2)), ("moe chosen", None)], "moe")
+    report["load_after"] = os.getloadavg()
+    return report
+
+
+def table(report: dict) -> str:
+    lines = ["| layout | plan | AC | predicted ms | measured ms | error |",
+             "|---|---|---|---|---|---|"]
+    for row in report["runs"] + report["moe_runs"]:
+        lines.append(f"| {row['label']}: {row['layout']} | {row['plan']} | {row['ac']} "
+                     f"| {row['predicted_step_s'] * 1e3:.1f} | {row['measured_step_s'] * 1e3:.1f} "
+                     f"| {100 * row['error']:+.0f}% |")
+    for row in report["by_hand"]:
+        lines.append(f"| {row['label']} | | | | {row['measured_step_s'] * 1e3:.1f} | |")
+    lines.append(f"\nauto (chosen layout) / best by hand ({report['best_by_hand']}) = "
+                 f"{report['auto_over_best_by_hand']:.3f}")
+    for p in report["planning"]:
+        lines.append(f"planning at world {p['world']}: {p['layouts']} layouts searched in "
+                     f"{p['planning_s']:.2f} s")
+    lines.append(f"torch {report['torch']}, {report['cores']} cores, load "
+                 f"{report['load_before']} -> {report['load_after']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    result = bench_layouts()
+    print(json.dumps(result, indent=1))
+    print(table(result))
