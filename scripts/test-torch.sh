@@ -33,7 +33,7 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
     "${pip[@]}" --upgrade "pip>=23" "setuptools>=77"
     "${pip[@]}" "torch==$version"
     # torch pinned again, so that resolving pp-core's extras can never move it
-    "${pip[@]}" -e ".[test,transformers,tensorboard,data]" "torch==$version"
+    "${pip[@]}" -e ".[suite]" "torch==$version"
     "${pip[@]}" --no-deps ./examples/pp_example_plugin
     echo "$want" > "$stamp"
 fi
