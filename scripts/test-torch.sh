@@ -2,7 +2,7 @@
 # Run the test suite on another torch release than CI's (CI: scripts/test.sh, torch 2.13.0):
 #
 #   bash scripts/test-torch.sh 2.15.0                              # the whole suite
-#   bash scripts/test-torch.sh 2.11.0 tests/test_runtime_schedules.py -x   # pytest arguments follow
+#   bash scripts/test-torch.sh 2.14.1 tests/test_runtime_schedules.py -x   # pytest arguments follow
 #
 # Creates (or reuses) .venv-torch-VERSION with that torch from the package index, pp-core
 # (editable) with the suite's extras and the example plugin, then runs pytest in it. A pip
