@@ -23,7 +23,7 @@ The model is a chain of cheap elementwise blocks (``tanh(x * w + b)`` over ``[se
 the receive buffers are a large share of the memory and the CPU time stays small.
 
 The steps run pp-core's runtime on the installed torch (its version is printed first). *torch*
-models torch 2.11-2.14's allocation; torch 2.15 allocates each receive buffer just before its
+models torch 2.13-2.14's allocation; torch 2.15 allocates each receive buffer just before its
 receive and drops it with its use (pytorch PR 193872), which is what *fresh* does, so against
 2.15 compare the pool with *fresh* (benchmarks/bench_runtime.py reads the buffers torch's own
 stages hold after a step).

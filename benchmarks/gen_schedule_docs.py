@@ -146,7 +146,7 @@ def pp_register_schedules(register):
 
 ## CSV files
 
-The format of torch's `_PipelineScheduleRuntime._load_csv(format="compute_only")` (2.11 to
+The format of torch's `_PipelineScheduleRuntime._load_csv(format="compute_only")` (2.13 to
 2.15): one row per rank, cells `<stage><F|B|I|W><mb>`, an empty cell an idle step, written with
 `csv.writer` defaults (CRLF). `read_csv` also reads torch's default `compute_comms` dumps and
 DualPipeV's `(a;b)OVERLAP_F_B` cells (split into `a` then `b`). Cells are parsed strictly
@@ -160,7 +160,7 @@ consumer, every hand-off between ranks with both), `UNSHARD/RESHARD` (FSDP: alte
 compute of the stage between them), `REDUCE_GRAD` (after the stage's last backward) and torch
 2.15's waits: `WAIT_SEND_F/WAIT_SEND_B` (one per send, after it: 2.15's runtime retires a send
 only there) and `WAIT_REDUCE_GRAD` (one per reduction, at most one pending per rank). A file with
-any wait is held to 2.15's rules, one without to 2.11-2.14's, which have no waits. Finally the
+any wait is held to 2.15's rules, one without to 2.13-2.14's, which have no waits. Finally the
 rows are run as torch's runtime would (a compute fed from another rank waits for the peer's send,
 a send's wait for the peer's receive): a file that would hang is refused with each blocked cell
 and what it waits for.
@@ -169,10 +169,10 @@ and what it waits for.
 send/receive order, torch's UNSHARD/RESHARD and REDUCE_GRAD, and in 2.15's dialect the waits where
 torch 2.15's own lowering puts them) for `_load_csv(path, format="compute_comms")`. The dialect is
 the installed torch's (read from its metadata, torch is not imported), or `--torch VERSION`: a
-2.15 file cannot be read by 2.11-2.14, whose parser takes `0WAIT_SEND_F0` for `0W`, and 2.15
+2.15 file cannot be read by 2.13-2.14, whose parser takes `0WAIT_SEND_F0` for `0W`, and 2.15
 refuses a file without waits. tests/runtime/test_torch_runtime_csv.py runs every built-in schedule's
 export in torch's runtime, and every torch class's dump in pp-core, against one process (2.13 and
-2.15: all pass; torch 2.11's runtime hangs on the export of the V-placed schedules).
+2.15: all pass).
 """
 
 

@@ -5,11 +5,11 @@ speed or because torch offers no public way; each shim says what it is for, what
 torch lacks the internal, and the torch releases it was checked on. A torch release that moves
 one of them breaks here, not across the code base.
 
-"Checked on" names the releases where the shim ran: 2.13.0 (CI) and 2.14.1 ran the whole suite;
-2.15.0 ran it on 2026-12-02 (README, Install: what passed), and a shim names 2.15.0 where the
-tests that exercise it passed there; 2.11 ran every schedule against the unsplit model on 2 CPU
-ranks (the runtime's shims only). A new release: ``bash scripts/test-torch.sh VERSION``, then add
-it here, to ``pyproject.toml``'s range and to README.
+"Checked on" names the releases where the shim ran: 2.13.0 (CI, the oldest supported), 2.14.1
+and 2.15.0 ran the whole suite (README, Install: what passed). 2.11 and 2.12 are outside the range:
+both lack ``FSDPState._reset_iter_state`` (``fsdp_reset``), and 2.11's runtime hangs on pp-core's
+V-placed compute_comms exports. A new release: ``bash scripts/test-torch.sh VERSION``, then add it
+here, to ``pyproject.toml``'s range and to README.
 
 torch 2.15's new public pipelining APIs (pre-split microbatches in ``step``,
 ``register_forward_context``, ``analyze_pipeline_activation_liveness``, per-edge P2P groups) serve
@@ -42,7 +42,7 @@ __all__ = ["engine_run_backward", "ACCUMULATE_GRAD", "process_group_store", "set
 try:  # The engine entry point under torch.autograd.backward/grad, without their argument
     # normalisation (~80 us per call with GradientEdge roots: a third of a small W's time).
     # Signature (roots, grads, retain_graph, create_graph, inputs, *, allow_unreachable,
-    # accumulate_grad); checked on 2.11, 2.13, 2.14, 2.15.0. Missing: None, and backward.py calls the
+    # accumulate_grad); checked on 2.13, 2.14, 2.15.0. Missing: None, and backward.py calls the
     # public torch.autograd.backward/grad, which do the same, slower.
     from torch.autograd.graph import _engine_run_backward as engine_run_backward
 except ImportError:  # pragma: no cover - a torch without it
@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - a torch without it
 
 # The autograd node type of a leaf tensor (its ``.variable`` is the leaf). backward.py tells leaf
 # nodes apart by type, since ``getattr(node, "variable")`` raises, slowly, on every other node.
-# Checked on 2.11, 2.13, 2.14, 2.15.0. Missing: None, and backward.py falls back to that getattr.
+# Checked on 2.13, 2.14, 2.15.0. Missing: None, and backward.py falls back to that getattr.
 ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
 
 # ---------------------------------------------------------------------------------- c10d (comm.py)
@@ -59,7 +59,7 @@ ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad
 def process_group_store(group):
     """The key-value store behind ``group``, where a failing rank publishes why it failed so
     its peers can say it (:mod:`pp_core.runtime.comm`). torch has no public getter; this is
-    ``distributed_c10d._get_process_group_store``, checked on 2.11, 2.13, 2.14, 2.15.0."""
+    ``distributed_c10d._get_process_group_store``, checked on 2.13, 2.14, 2.15.0."""
     from torch.distributed.distributed_c10d import _get_process_group_store  # lazy: private API
 
     return _get_process_group_store(group)
@@ -227,8 +227,8 @@ def fsdp_reduce_and_reshard(modules) -> None:
 
 def fsdp_reset(modules) -> None:
     """After a failed step: drop FSDP2's per-iteration state of the roots among ``modules``.
-    ``FSDPState._reset_iter_state`` is on 2.13 and 2.15.0, not on 2.11 (there this does
-    nothing)."""
+    ``FSDPState._reset_iter_state``, checked on 2.13 and 2.15.0; 2.11 and 2.12 lack it, which
+    is one reason the supported range starts at 2.13."""
     from torch.distributed._composable_state import _get_module_state  # lazy: private torch API
 
     for module in modules:

@@ -31,7 +31,7 @@ fi
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --upgrade "pip>=23" "setuptools>=77"
 "${pip[@]}" "torch==$torch_version"
-"${pip[@]}" -e ".[test,transformers,tensorboard,data,lora]"
+"${pip[@]}" -e ".[suite]"
 # The example third-party plugin package, installed as a user would (examples/plugin_model.yaml
 # names its model and dataset).
 "${pip[@]}" --no-deps ./examples/pp_example_plugin

@@ -2,7 +2,7 @@
 # Run the test suite on another torch release than CI's (CI: scripts/test.sh, torch 2.13.0):
 #
 #   bash scripts/test-torch.sh 2.15.0                              # the whole suite
-#   bash scripts/test-torch.sh 2.11.0 tests/runtime/test_runtime_schedules.py -x   # pytest arguments follow
+#   bash scripts/test-torch.sh 2.14.1 tests/runtime/test_runtime_schedules.py -x   # pytest arguments follow
 #
 # Creates (or reuses) .venv-torch-VERSION with that torch from the package index, pp-core
 # (editable) with the suite's extras and the example plugin, then runs pytest in it. A pip
@@ -33,7 +33,7 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
     "${pip[@]}" --upgrade "pip>=23" "setuptools>=77"
     "${pip[@]}" "torch==$version"
     # torch pinned again, so that resolving pp-core's extras can never move it
-    "${pip[@]}" -e ".[test,transformers,tensorboard,data]" "torch==$version"
+    "${pip[@]}" -e ".[suite]" "torch==$version"
     "${pip[@]}" --no-deps ./examples/pp_example_plugin
     echo "$want" > "$stamp"
 fi

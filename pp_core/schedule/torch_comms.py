@@ -17,7 +17,7 @@ holds these cells (``<stage><kind>[<microbatch>]``; the stage is always one of *
   Torch 2.15 only starts it there and ``2WAIT_REDUCE_GRAD`` waits for it, at most one reduction
   pending per rank; before 2.15 there is no wait.
 
-Dialects: ``"2.15"`` writes the waits, ``"2.13"`` (what 2.11 to 2.14 read) does not - those
+Dialects: ``"2.15"`` writes the waits, ``"2.13"`` (what 2.13 and 2.14 read) does not - those
 releases' parser reads ``0WAIT_SEND_F0`` as ``0W``. When reading, a file that holds any wait
 is held to 2.15's rules (one wait per send, each reduction waited), one without to the older.
 

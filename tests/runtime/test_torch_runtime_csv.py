@@ -93,15 +93,6 @@ def test_torch_dumps_load_and_validate(tmp_path, cls, num_ranks, num_microbatche
     assert schedule.num_ranks == num_ranks and schedule.num_microbatches == num_microbatches
 
 
-V_PLACED = ("v_schedule", "v_half", "v_min", "dualpipe_v")
-
-
-def _torch_before(version: tuple) -> bool:
-    import torch
-
-    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < version
-
-
 # The pool is swapped once: every 2-rank case first, then every 4-rank case.
 RUNS = [(way, name, num_ranks, m) for num_ranks, m in SIZES
         for way, names in (("pp-core export in torch", SCHEDULES), ("torch dump in pp-core",
@@ -112,9 +103,6 @@ RUNS = [(way, name, num_ranks, m) for num_ranks, m in SIZES
 @pytest.mark.parametrize("way, name, num_ranks, num_microbatches", RUNS,
                          ids=[f"{w.split()[0]}-{n}-pp{p}-m{m}" for w, n, p, m in RUNS])
 def test_one_process_gradients(pools, tmp_path, way, name, num_ranks, num_microbatches):
-    if way == "pp-core export in torch" and name in V_PLACED and _torch_before((2, 13)):
-        pytest.xfail("torch 2.11's runtime hangs on pp-core's V-placed compute_comms export "
-                     "(seen 2026-12-02, not investigated; 2.13 and 2.15 run it; README, Install)")
     if way == "pp-core export in torch":
         text = exported(name, num_ranks, num_microbatches)
         results = pools(num_ranks).run(torch_runtime_case, text, num_microbatches)

@@ -264,7 +264,7 @@ def test_torch_215_cells_are_checked_with_torchs_meaning(text, message):
 
 
 def test_pre_215_dialect_has_no_waits():
-    """A file without any wait is torch 2.11-2.14's dialect: sends and reductions unwaited."""
+    """A file without any wait is torch 2.13-2.14's dialect: sends and reductions unwaited."""
     text = TORCH_215_GPIPE
     for cell in (",0WAIT_SEND_F0", ",0WAIT_SEND_F1", ",0WAIT_REDUCE_GRAD", ",1WAIT_REDUCE_GRAD",
                  ",1WAIT_SEND_B0", ",1WAIT_SEND_B1"):

@@ -35,7 +35,7 @@ Build a pipeline schedule (a registered name or a torch-format CSV), check it
   export    write it as a CSV that torch's _load_csv (and pp-core) read: compute-only,
             or with --format compute_comms the whole lowered program in the dialect of
             the installed torch (or --torch VERSION): 2.15 adds WAIT_SEND_F/_B and
-            WAIT_REDUCE_GRAD, which 2.11 to 2.14 cannot read
+            WAIT_REDUCE_GRAD, which 2.13 and 2.14 cannot read
 
 Times are per action (default F=1, B=2, I=1, W=1, no communication cost);
 peak activations count (stage, microbatch) pairs whose F has started and whose
@@ -102,7 +102,7 @@ def register(subparsers) -> None:
                                   "program with its communication")
             sub.add_argument("--torch", metavar="VERSION", dest="torch_version",
                              help="the torch release that will load a compute_comms file "
-                                  "(its dialect: 2.15 and later write waits, 2.11 to 2.14 "
+                                  "(its dialect: 2.15 and later write waits, 2.13 and 2.14 "
                                   "do not); default: the installed torch's, else 2.15")
         sub.set_defaults(func=globals()[f"_{name}"])
 
@@ -306,7 +306,7 @@ def _export(args) -> int:
         stages = f", {schedule.num_stages} stages" if schedule.num_stages != schedule.num_ranks \
             else ""
         what = f", compute_comms for torch {dialect}+" if dialect == "2.15" else \
-            ", compute_comms for torch 2.11-2.14" if dialect else ""
+            ", compute_comms for torch 2.13-2.14" if dialect else ""
         print(f"wrote {args.output}: {schedule.name}, pp={schedule.num_ranks}{stages}, "
               f"microbatches={schedule.num_microbatches} ({schedule.num_ranks} rows, one per "
               f"rank{what})")
