@@ -30,7 +30,9 @@ def _warn(key: str, path, exc: OSError, what: str) -> None:
 class MetricsFile:
     """``output.metrics``: one JSON object per line. A run that continues after ``start_step``
     keeps the lines of the steps up to it (a resumed run writes the later ones again, so every
-    step appears once); a fresh run starts an empty file."""
+    step appears once); a fresh run starts an empty file. Written unbuffered: a line the disk
+    refuses half-way is cut back to the last whole one, and no buffered tail of it can reach the
+    file later (a buffered writer flushes what it holds when it is closed)."""
 
     KEY = "output.metrics"
 
@@ -44,9 +46,9 @@ class MetricsFile:
                 kept = _metrics_lines_up_to(self.path, start_step)
                 staging.write_text("".join(kept), encoding="utf-8")
                 os.replace(staging, self.path)
-                self.handle = open(self.path, "a", encoding="utf-8")
+                self.handle = open(self.path, "ab", buffering=0)
             else:
-                self.handle = open(self.path, "w", encoding="utf-8")
+                self.handle = open(self.path, "wb", buffering=0)
             self.good = self.handle.tell()
         except OSError as exc:
             remove_partial(staging)
@@ -55,9 +57,10 @@ class MetricsFile:
     def write(self, record: dict) -> None:
         if self.handle is None:
             return
+        line = memoryview((json.dumps(record) + "\n").encode("utf-8"))
         try:
-            self.handle.write(json.dumps(record) + "\n")
-            self.handle.flush()
+            while line:  # an unbuffered write may take part of it
+                line = line[self.handle.write(line):]
             self.good = self.handle.tell()
         except OSError as exc:
             self._give_up(exc, f"it keeps the lines before step {record.get('step')} and gets "
@@ -72,18 +75,12 @@ class MetricsFile:
                 os.ftruncate(handle.fileno(), self.good)  # no torn last line
             except OSError:
                 pass
-            try:
-                handle.close()
-            except OSError:  # the buffered rest of the line cannot be flushed either
-                pass
+            handle.close()
         _warn(self.KEY, self.path, disk_error(exc), what)
 
     def close(self) -> None:
         if self.handle is not None:
-            try:
-                self.handle.close()
-            except OSError as exc:
-                self._give_up(exc, "its last lines may be missing")
+            self.handle.close()  # unbuffered: nothing is left to write
 
 
 def write_output(key: str, path: str | os.PathLike, write: Callable[[Path], None]) -> bool:
