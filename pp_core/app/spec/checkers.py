@@ -2,8 +2,8 @@
 
 Each checker takes the YAML value and returns it (normalised: ``1e-3`` read as a string becomes a
 float) or raises :class:`Mismatch` saying what would have been accepted; :mod:`pp_core.app.spec`
-turns that into ``key.path: expected ..., found ...``. The schema (:mod:`pp_core.app.spec.schema`)
-names one per key.
+turns that into ``key.path: expected ..., found ...``. Each key's declaration
+(:func:`pp_core.app.spec.sections.key`) names one.
 """
 
 from __future__ import annotations
