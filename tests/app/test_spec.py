@@ -75,8 +75,8 @@ def test_to_dict_and_from_dict_give_back_the_same_spec():
     assert again == spec and again.to_dict() == values and again.source == "pipe.yaml"
     values["model"]["args"]["dim"] = 1  # a copy: the spec keeps its own values
     assert spec.model.args["dim"] == 32 and again.model.args["dim"] == 32
-    planned = dataclasses.replace(spec, plan={"schedule": "gpipe"})
-    assert Spec.from_dict(planned.to_dict(), "x.yaml").plan == {"schedule": "gpipe"}
+    planned = dataclasses.replace(spec, prediction={"schedule": "gpipe"})
+    assert Spec.from_dict(planned.to_dict(), "x.yaml").prediction == {"schedule": "gpipe"}
 
 
 def test_unknown_section_and_key_name_the_closest_valid_one():

@@ -129,7 +129,7 @@ def test_a_cap_no_ac_free_plan_fits_is_met_by_recomputing_on_some_stages_and_run
     assert set(block_stage_modes(chosen)) - {"none"}
     run_spec = resolved_spec(spec, AutoPlan(concrete_config(spec.pipeline, chosen), ranking))
     assert run_spec.train.activation_checkpointing["mode"] == modes
-    assert run_spec.plan["activation_checkpointing"] == modes
+    assert run_spec.prediction["activation_checkpointing"] == modes
     results = launch(run_spec, entrypoint=ran)
     seen = {stage: got for r in results.values() for stage, got in r["blocks"].items()}
     for stage, mode in enumerate(modes):
@@ -168,7 +168,7 @@ def test_plan_json_keys_and_the_written_yaml_runs_as_it_stands(tmp_path, capsys)
     assert written["pipeline"]["pp_schedule"] == data["chosen"]["schedule"]
     assert written["train"]["activation_checkpointing"]["mode"] == \
         data["chosen"]["activation_checkpointing"]
-    assert written["pipeline"]["pp_schedule"] != "auto" and "plan" not in written
+    assert written["pipeline"]["pp_schedule"] != "auto" and "prediction" not in written
     assert cli.main(["run", str(out), "--set", "train.steps=1"]) == 0
     assert cli.main(["plan", str(path), "--no-link", "-o", str(path)]) == 1
     assert "that is the pipeline being planned" in capsys.readouterr().err

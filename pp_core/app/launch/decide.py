@@ -146,8 +146,8 @@ def as_auto(spec: Spec) -> Spec:
 
 
 def resolved_spec(spec: Spec, plan) -> Spec:
-    """The spec every rank runs: the plan's concrete pipeline keys, and ``plan`` (what was
-    predicted, for the run summary)."""
+    """The spec every rank runs: the plan's concrete pipeline keys, and ``prediction`` (what
+    was chosen and predicted, for the run summary)."""
     chosen = plan.config.to_dict()
     best = plan.chosen
     predicted = {"schedule": best.option.schedule,
@@ -161,14 +161,14 @@ def resolved_spec(spec: Spec, plan) -> Spec:
     if ac["mode"] == "auto":  # the planner's choice, one mode per stage; else as written
         planned = planned.with_("train", activation_checkpointing={
             **ac, "mode": list(best.stage_modes())})
-    return replace(planned, plan=predicted)
+    return replace(planned, prediction=predicted)
 
 
 def written_spec(spec: Spec, plan) -> dict:
     """The chosen layout as a plain YAML pipeline (``pp-core plan -o FILE``): the file with
     the plan's concrete keys, which ``pp-core run`` runs as it stands (no ``auto`` left)."""
     values = resolved_spec(spec, plan).to_dict()
-    values.pop("plan", None)
+    values.pop("prediction", None)
     values["distributed"].update(plan.chosen.degrees)
     values["distributed"].pop("dp_size", None)  # derived from dp_replicate x dp_shard
     values["distributed"].update(world_size=None, layout="fixed")  # the degrees are written

@@ -248,7 +248,7 @@ class RunRecorder:
                         "schedule image": out.schedule_image,
                         "checkpoints": spec.checkpoint.dir},
         }
-        planned = spec.plan
+        planned = spec.prediction
         if planned is not None:  # pipeline.pp_schedule: auto - what the planner predicted
             measured = [r["pipeline_step_s"] for r in ranks if r["pipeline_step_s"] is not None]
             summary["plan"] = {**planned, "measured_step_s": max(measured) if measured else None}

@@ -58,7 +58,8 @@ class SpecError(ConfigError):
 class Spec:
     """A checked pipeline: one frozen section each (``spec.train.steps``), every default filled
     in; ``spec.pipeline`` is the run's :class:`~pp_core.config.PipelineConfig`. A changed spec is
-    a new one (:meth:`with_`); ``plan`` is what ``pipeline.pp_schedule: auto`` predicted."""
+    a new one (:meth:`with_`); ``prediction`` is what ``pipeline.pp_schedule: auto`` chose and
+    predicted for the run (the planner's figures, for the run summary), else ``None``."""
 
     model: ModelSpec
     data: DataSpec
@@ -68,18 +69,19 @@ class Spec:
     checkpoint: CheckpointSpec
     output: OutputSpec
     source: str = "pipeline"
-    plan: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
 
     def with_(self, section: str, **changes: Any) -> "Spec":
         """This spec with ``changes`` to one section (a :class:`PipelineConfig` checks its own)."""
         return replace(self, **{section: replace(getattr(self, section), **changes)})
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """``{section: {key: value}}``, plain data as in the file (and ``plan`` when planned)."""
+        """``{section: {key: value}}``, plain data as in the file (and ``prediction`` when
+        planned)."""
         out = {name: {f.name: copy.deepcopy(getattr(getattr(self, name), f.name))
                       for f in fields(cls)} for name, cls in SECTIONS.items()}
-        if self.plan is not None:
-            out["plan"] = copy.deepcopy(self.plan)
+        if self.prediction is not None:
+            out["prediction"] = copy.deepcopy(self.prediction)
         return out
 
     @classmethod
@@ -88,7 +90,7 @@ class Spec:
         than :class:`PipelineConfig` checks itself."""
         values = copy.deepcopy(values)
         sections = {name: kind(**values.get(name, {})) for name, kind in SECTIONS.items()}
-        return cls(**sections, source=source, plan=values.get("plan"))
+        return cls(**sections, source=source, prediction=values.get("prediction"))
 
     @property
     def dims(self) -> ParallelDims:
