@@ -6,9 +6,11 @@ the built-in plan), at pp2 x tp2 on 4 gloo ranks: the loss and every adapter gra
 (``full_tensor()``) equal the unsplit PEFT model's on one process (1e-5) for 1F1B and for zero
 bubble (split backward) with sequence parallelism, and the base gets no gradient. Column-wise
 layers hold ``lora_B`` sharded and ``lora_A`` replicated, row-wise ones ``lora_A`` sharded and
-``lora_B`` replicated. Dropout > 0: each tp rank drops its own slice of the features, so the
-sharded layer computes exactly what PEFT's layer computes with one mask (the one the ranks
-drew together). Layers the plan cannot shard are refused with one line naming the key.
+``lora_B`` replicated; the demo GPT's fused ``qkv`` shards its ``lora_B`` strided like its base;
+FSDP2 over tp (dp_shard2 x tp2) gives the same gradients. Dropout > 0: each tp rank drops its own
+slice of the features, so the sharded layer computes exactly what PEFT's layer computes with one
+mask (the one the ranks drew together). A ``pp-core run`` at pp2 x tp2 hands the adapter back as
+PEFT writes it. (Refusals: test_lora_tp_checks.py.)
 """
 
 from __future__ import annotations
@@ -111,6 +113,50 @@ def test_lora_on_the_demo_gpt_with_its_strided_qkv(pool):
     placements = {k: v for r in results for k, v in r["placements"].items()}
     assert "_StridedShard" in placements["layers.0.qkv.lora_B.default.weight"], placements
     assert placements["layers.0.qkv.lora_A.default.weight"] == "(Replicate(),)"
+
+
+def fsdp_case() -> dict:
+    """dp_shard2 x tp2 (sequence parallel; pp 1): FSDP2 shards the tp-sharded LoRA layers again,
+    on the 2-D (dp_shard, tp) mesh; one step on a global batch of 8 against one process."""
+    from pp_core import PipelineConfig, build_pipeline
+    from pp_core.app.adapters import apply_adapters
+    from pp_core.parallel import apply_data_parallel, apply_tensor_parallel
+    from pp_core_builtins.transformers import causal_lm_loss
+    from tests.cases import hf
+    from tests.cases.tp import pp_tp_mesh
+
+    torch.set_num_threads(1)
+    mesh = pp_tp_mesh((1, 2, 2), ("pp", "dp_shard", "tp"))
+    torch.manual_seed(3)
+    reference = apply_adapters(hf.tiny_model("llama", 2), LORA, None, tp_size=2)
+    config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=4, pp_microbatch_size=2,
+                            loss_fn=causal_lm_loss)
+    pipe = build_pipeline(copy.deepcopy(reference), config, pp_group=mesh["pp"],
+                          dp_group=mesh["dp_shard"])
+    apply_tensor_parallel(pipe.model_parts, mesh["tp"], sequence_parallel=True)
+    apply_data_parallel(pipe, mesh["dp_shard"])
+    inputs, labels = hf.batch(8)
+    start = 4 * mesh["dp_shard"].get_local_rank()
+    mine = slice(start, start + 4)
+    loss = pipe.step({k: v[mine] for k, v in inputs.items()}, target=labels[mine])
+    expected, grads = hf.reference_step(reference, inputs, labels, 4)
+    worst, trained = 0.0, 0
+    for name, param in pipe.model_parts[0].named_parameters():
+        if param.requires_grad:  # the dp mean of the sums over each rank's 2 microbatches
+            trained += 1
+            worst = max(worst, (param.grad.full_tensor() - grads[name] / 2).abs().max().item())
+        else:
+            worst = max(worst, float(param.grad is not None))
+    return {"loss": float(loss), "expected": float(expected), "worst": worst,
+            "trained": trained, "mesh": str(param.device_mesh.mesh_dim_names)}
+
+
+def test_lora_with_fsdp2_over_tp(pool):
+    results = pool.run(fsdp_case)
+    assert abs(sum(r["loss"] for r in results) / 4 - results[0]["expected"]) <= ATOL
+    for result in results:
+        assert result["worst"] <= ATOL and result["trained"] == 2 * len(TARGETS) * 2, result
+        assert result["mesh"] == "('dp_shard', 'tp')", result
 
 
 class TwoLayers(torch.nn.Module):
