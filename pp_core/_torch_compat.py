@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import socket
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -35,7 +36,7 @@ __all__ = ["engine_run_backward", "ACCUMULATE_GRAD", "process_group_store", "set
            "dcp_metadata_path", "consolidate_hf_safetensors", "tcp_stores_listening_on_their_host", "nn_init_skipped",
            "donated_buffers_on", "donated_buffers_off", "disable_donated_buffers",
            "fsdp_reduce_and_reshard", "fsdp_reset", "ddp_arm_reducer", "fsdp_replicate",
-           "profiler_enabled", "TorchDispatchMode", "flatten_mesh"]
+           "profiler_enabled", "TorchDispatchMode", "flatten_mesh", "linear_style_functions"]
 
 # -------------------------------------------------------------------------- autograd (backward.py)
 
@@ -319,6 +320,15 @@ def inductor_options() -> set[str]:
 
     lister = getattr(torch._inductor, "list_options", None)
     return set(lister()) if callable(lister) else set()
+
+
+def linear_style_functions(style, desired_input_layouts) -> tuple:
+    """A Colwise/RowwiseParallel's (or subclass's) ``(partition, input_fn, output_fn)`` for a
+    Linear, as its ``_apply`` hands them to ``distribute_module``, for the PEFT layer wrapping it
+    (parallel/lora_tp.py): private methods custom styles override. Ran on 2.13.0 (2.15.0 alike)."""
+    return (style._partition_linear_fn,
+            partial(style._prepare_input_fn, style.input_layouts, desired_input_layouts),
+            partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
 
 
 # ------------------------------------------------------------------ the profiler (runtime/observers.py)

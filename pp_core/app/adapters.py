@@ -20,7 +20,9 @@ every rank), to the whole model before it is split:
   (``layers.0`` freezes the whole block, ``"*_embeddings"`` every embedding: YAML wants a
   pattern that starts with ``*`` quoted).
 
-The pipeline then skips what frozen stages need not do (:mod:`pp_core.schedule.frozen`).
+The pipeline then skips what frozen stages need not do (:mod:`pp_core.schedule.frozen`). With
+``distributed.tp_size`` > 1 the tensor-parallel plan's entry for an adapted Linear shards its LoRA
+layer whole (:mod:`pp_core.parallel.lora_tp`); DoRA is refused here, at once.
 """
 
 from __future__ import annotations
@@ -130,11 +132,11 @@ def apply_adapters(model, lora: Optional[dict], freeze, tp_size: int = 1):
     """``model`` with ``model.lora``'s adapters (the module PEFT changed in place, unwrapped)
     and ``model.freeze`` applied; ``model`` itself when neither is set."""
     if lora is not None:
-        if tp_size > 1:
+        if tp_size > 1 and lora.get("use_dora"):  # the rest: pp_core.parallel.lora_tp's checks
             raise ConfigError(
-                f"model.lora with distributed.tp_size={tp_size}: the tensor-parallel plans shard "
-                f"nn.Linear modules, and LoRA replaces them with PEFT's layers; set "
-                f"distributed.tp_size: 1 (use dp_shard for memory), or drop model.lora")
+                f"model.lora.use_dora with distributed.tp_size={tp_size}: DoRA's magnitude "
+                f"vectors are not sharded (plain LoRA adapters are, by the tensor-parallel plan); "
+                f"set model.lora.use_dora: false, or distributed.tp_size: 1")
         try:
             from peft import get_peft_model  # lazy: peft is an extra
         except ImportError:

@@ -77,11 +77,13 @@ def _style_mismatches(model, plan, key: str, provider) -> list[str]:
     from torch import nn  # lazy: torch, with a model in hand
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    from pp_core.parallel.lora_tp import base_module, is_peft_layer
     from pp_core.parallel.tensor_parallel import plan_modules
 
     for name, module, style in plan_modules(model, plan):
-        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and \
-                not isinstance(module, (nn.Linear, nn.Embedding)):
+        # a PEFT layer: its base's kind; what else keeps it from sharding is adapter_problems'
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not is_peft_layer(module) \
+                and not isinstance(base_module(module), (nn.Linear, nn.Embedding)):
             return [f"{key}: {provider()}'s plan shards {name!r} ({type(module).__name__}) with "
                     f"{type(style).__name__}, which torch applies only to nn.Linear and "
                     f"nn.Embedding; use SequenceParallel() for a norm, or leave it out of the "

@@ -15,7 +15,8 @@ later stage) are skipped, so one plan serves every part. Plans come from plugins
 plugin facade: the hook ``pp_tensor_parallel_plan(model, sequence_parallel)`` (docs/plugins.md);
 the built-in plugins answer for the demo GPT and the supported Hugging Face decoders. The rule
 for parts is EP's: a part no plugin has a plan for is left alone, no plan for any part is
-refused.
+refused. A plan entry that names a Linear PEFT has wrapped (``model.lora``) shards the LoRA layer
+whole: base and adapters, one input and output preparation (:mod:`pp_core.parallel.lora_tp`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Optional
 from torch import nn
 
 from pp_core.errors import ConfigError
+from pp_core.parallel.lora_tp import adapter_problems, base_module, lora_style, style_side
 from pp_core.parallel.plans import matching_modules, plans_of_parts
 
 __all__ = ["apply_tensor_parallel", "tensor_parallel_plan", "check_tensor_parallel",
@@ -90,22 +92,19 @@ def apply_tensor_parallel(model_parts: list[nn.Module], tp_mesh, plan: Optional[
         if problems:
             raise ConfigError("; ".join(problems))
         for name, module, style in plan_modules(part, part_plan):
-            parallelize_module(module, tp_mesh, style)
+            frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+            parallelize_module(module, tp_mesh, lora_style(module, style))  # PEFT's: whole
+            _refreeze(module, frozen)
             count += 1
     return count
 
 
-def _style_dim(style) -> Optional[str]:
-    """Which side of a Linear / Embedding a style shards: ``"out"`` (column-wise), ``"in"``
-    (row-wise), or ``None`` (replicated weights, input/output preparation)."""
-    from torch.distributed.tensor.parallel import (  # lazy: torch.distributed.tensor, seconds
-        ColwiseParallel, RowwiseParallel)
-
-    if isinstance(style, ColwiseParallel):
-        return "out"
-    if isinstance(style, RowwiseParallel):
-        return "in"
-    return None
+def _refreeze(module: nn.Module, frozen: list[str]) -> None:
+    """Freeze again what was frozen (``model.freeze``, LoRA's base): torch's
+    ``SequenceParallel`` (2.13 to 2.15) makes new parameters that all require a gradient."""
+    params = dict(module.named_parameters())
+    for name in frozen:
+        params[name].requires_grad_(False)
 
 
 _HEAD_NAMES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_heads",
@@ -117,14 +116,15 @@ def check_tensor_parallel(model: nn.Module, plan: dict, tp_size: int,
     """What keeps ``plan`` from sharding ``model`` ``tp_size`` ways: each sharded dimension
     (out features of a column-wise Linear, in features of a row-wise one, rows of a row-wise
     Embedding) and every head count of the model (``num_heads``, ``num_key_value_heads``, ... on
-    its modules or its ``config``) must be divisible by ``tp_size``. Problems name the key, the
+    its modules or its ``config``) must be divisible by ``tp_size``, and its PEFT layers
+    shardable (:func:`~pp_core.parallel.lora_tp.adapter_problems`). Problems name the key, the
     module and the fix; none when the plan fits."""
     problems = []
     if tp_size <= 1:
         return problems
     fix = f"use a {key} that divides it, or change the model"
     for name, module, style in plan_modules(model, plan):
-        side = _style_dim(style)
+        side, module = style_side(style), base_module(module)  # a LoRA layer: its Linear's
         if side is None:
             continue
         if isinstance(module, nn.Linear):
@@ -148,7 +148,7 @@ def check_tensor_parallel(model: nn.Module, plan: dict, tp_size: int,
         if value % tp_size:
             problems.append(f"{key}: {tp_size} does not divide {attr} = {value} (of {where}); "
                             f"each tp rank computes whole heads; {fix}")
-    return problems
+    return problems + adapter_problems(model, plan, key)
 
 
 def reduce_partial_gradients(params) -> int:

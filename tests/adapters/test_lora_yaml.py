@@ -122,8 +122,8 @@ def test_freeze_patterns_freeze_and_a_pattern_that_matches_nothing_is_named():
 def test_bad_lora_settings_name_the_key_and_the_fix():
     with pytest.raises(ConfigError, match=r"model.lora.rank is not a LoRA setting"):
         build_model(spec_of("model.lora.rank=4"))
-    with pytest.raises(ConfigError, match=r"distributed.tp_size: 1"):
-        apply_adapters(GPT(**MODEL), LORA, None, tp_size=2)
+    with pytest.raises(ConfigError, match=r"model.lora.use_dora with distributed.tp_size=2"):
+        apply_adapters(GPT(**MODEL), {**LORA, "use_dora": True}, None, tp_size=2)
     with pytest.raises(SpecError) as info:
         spec_of("model.lora=3")
     assert "model.lora" in str(info.value)
