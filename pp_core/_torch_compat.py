@@ -323,9 +323,8 @@ def inductor_options() -> set[str]:
 
 
 def linear_style_functions(style, desired_input_layouts) -> tuple:
-    """A Colwise/RowwiseParallel's (or subclass's) ``(partition, input_fn, output_fn)`` for a
-    Linear, as its ``_apply`` hands them to ``distribute_module``, for the PEFT layer wrapping it
-    (parallel/lora_tp.py): private methods custom styles override. Ran on 2.13.0 (2.15.0 alike)."""
+    """A Colwise/RowwiseParallel's ``(partition, input_fn, output_fn)`` as its ``_apply`` gives
+    them to ``distribute_module``, for a PEFT layer (parallel/lora_tp.py). Ran on 2.13, 2.15."""
     return (style._partition_linear_fn,
             partial(style._prepare_input_fn, style.input_layouts, desired_input_layouts),
             partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
@@ -334,11 +333,9 @@ def linear_style_functions(style, desired_input_layouts) -> tuple:
 # ------------------------------------------------------------------ the profiler (runtime/observers.py)
 
 def profiler_enabled() -> bool:
-    """Whether a torch profiler is recording now. Torch has no public flag: this is the one its
-    own ``record_function`` consults, a C++ read costing well under a microsecond, where
-    entering ``record_function`` costs ~10 us even with no profiler (benchmarks/bench_seam.py).
-    Without the internal, every step is treated as profiled (records cost time, stay correct).
-    Checked on 2.13.0, 2.14.1 and 2.15.0."""
+    """Whether a torch profiler records now: the flag torch's own ``record_function`` reads (a
+    C++ read under a microsecond; entering ``record_function`` costs ~10 us, bench_seam.py).
+    Without it every step counts as profiled (slower, still correct). Checked on 2.13-2.15."""
     enabled = getattr(torch.autograd, "_profiler_enabled", None)
     return True if enabled is None else bool(enabled())
 
