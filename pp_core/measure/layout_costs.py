@@ -7,9 +7,9 @@ The profile is measured once per tp degree; the other degrees change arithmetic 
   ``cores / threads * pp / world`` ranks' worth (:func:`pp_core.devices.shared_processors`),
   counted in units of what a tp stage had when it was profiled (its tp processes on
   ``min(cores, tp * threads)`` cores), and the simulator shares them out;
-* **FSDP2** (``dp_shard``): the optimizer state is sharded ``dp_shard`` ways; the parameters
-  and gradients are held whole through the step (pp-core reshards once per stage and step), so
-  they are charged whole;
+* **FSDP2** (``dp_shard``): the optimizer state and its step are sharded ``dp_shard`` ways;
+  the parameters and gradients are held whole through the step (pp-core reshards once per
+  stage and step), so they are charged whole;
 * **experts** (``ep``): a MoE layer's unit keeps ``1/ep`` of its experts' parameters, and its
   forward pays the token all-to-all (counts, dispatch, combine) at the ep degree, its backward
   the same again (and once more when it recomputes the forward);
@@ -81,7 +81,8 @@ def layout_profile(profile: ModelProfile, dims: ParallelDims, world: int, layout
                    processors=layout_processors(dims, world, layout.threads_per_rank,
                                                 layout.device),
                    optimizer_bytes_per_param_byte=profile.optimizer_bytes_per_param_byte
-                   / dims.dp_shard)
+                   / dims.dp_shard,
+                   optimizer_s_per_param_byte=profile.optimizer_s_per_param_byte / dims.dp_shard)
 
 
 def _at_ep(unit: UnitCost, entry, ep: int, collectives: Collectives) -> UnitCost:

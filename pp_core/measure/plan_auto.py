@@ -24,6 +24,7 @@ from pp_core.devices import cpu_cores, shared_processors
 from pp_core.errors import ConfigError
 from pp_core.losses import resolve_loss
 from pp_core.measure.link import measure_p2p, measure_p2p_busy
+from pp_core.measure.optimizer_step import measure_optimizer_rate
 from pp_core.measure.overhead import measure_action_overhead
 from pp_core.measure.profile import profile_model
 from pp_core.measure.recompute import RECOMPUTE_MODES
@@ -168,10 +169,13 @@ def _profiles(model, config, inputs, target, pp_size, device, sizes, link, plugi
     sizes = list(sizes) if sizes is not None else \
         default_microbatch_sizes(config.pp_batch_size, pp_size)
     parts_like = dataclasses.replace(config, pp_schedule="1f1b")  # dtype, patches: as run
-    return profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device,
-                         repeats=repeats, config=parts_like, plugins=plugins,
-                         p2p=link if link is not None else Link(), shard_parts=shard_parts,
-                         recompute_modes=modes)
+    profiles = profile_model(model, inputs, target, resolve_loss(config.loss_fn), sizes, device,
+                             repeats=repeats, config=parts_like, plugins=plugins,
+                             p2p=link if link is not None else Link(), shard_parts=shard_parts,
+                             recompute_modes=modes)
+    rate = measure_optimizer_rate(model, device)
+    return {size: dataclasses.replace(p, optimizer_s_per_param_byte=rate)
+            for size, p in profiles.items()}
 
 
 def _processors(processors, device, pp_size: int) -> float:

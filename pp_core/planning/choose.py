@@ -67,6 +67,7 @@ class Candidate:
     dropped: str | None = None
     activation_checkpointing: list[str] | None = None   # the mode per stage
     degrees: dict[str, int] = field(default_factory=dict)  # pp_size, dp_replicate, ... (YAML)
+    optimizer_step_s: float = 0.0   # of predicted_step_s, the slowest rank's optimizer step
 
     @property
     def peak_bytes(self) -> int | None:
@@ -77,6 +78,7 @@ class Candidate:
         return {"schedule": o.schedule, "stages_per_rank": o.stages_per_rank,
                 "microbatch_size": o.microbatch_size, "num_microbatches": o.num_microbatches,
                 "predicted_step_s": self.predicted_step_s, "bubble_ratio": self.bubble_ratio,
+                "optimizer_step_s": self.optimizer_step_s,
                 "peak_bytes": self.peak_bytes, "recv_buffer_pool": self.pool,
                 "memory_per_rank": [m.to_dict(self.pool) for m in self.memory],
                 "fqns_per_stage": self.fqns_per_stage, "dropped": self.dropped,
@@ -252,11 +254,24 @@ def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: 
         profile = with_modes(profile, units, modes, ac.every)
     candidate.fqns_per_stage = fqns
     result = simulate_split(schedule, profile, units, with_memory=True)
-    candidate.predicted_step_s = result.makespan
+    candidate.optimizer_step_s = optimizer_step_s(schedule, profile, units)
+    candidate.predicted_step_s = result.makespan + candidate.optimizer_step_s
     candidate.bubble_ratio = result.bubble_ratio
     candidate.memory = predict_memory(profile, schedule, units, result.peak_activation_bytes,
                                       slack)
     return candidate
+
+
+def optimizer_step_s(schedule, profile: ModelProfile, units) -> float:
+    """The optimizer step that ends a step on its slowest rank: the bytes a rank trains (its
+    stages' units) at the measured rate; every rank steps at once, so ranks sharing fewer
+    processors (``profile.processors``) share them."""
+    if not profile.optimizer_s_per_param_byte:
+        return 0.0
+    trained = [sum(profile.units[u].trained_bytes for s in schedule.stages_of(rank)
+                   for u in units[s]) for rank in range(schedule.num_ranks)]
+    sharing = schedule.num_ranks / profile.processors if profile.processors else 1.0
+    return max(trained) * profile.optimizer_s_per_param_byte * max(1.0, sharing)
 
 
 def _schedule(option: Option, sdef, pp_size: int):
@@ -284,7 +299,7 @@ def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int,
                 return simulate_split(schedule, with_modes(profile, units, modes, ac.every),
                                       units).makespan
         better, seconds = refine_counts(schedule, profile, counts, makespan)
-        if better == counts or seconds >= candidate.predicted_step_s:
+        if better == counts or seconds >= candidate.predicted_step_s - candidate.optimizer_step_s:
             continue
         fqns = stage_fqns([unit.fqns for unit in profile.units], better,
                           _shared(profile, candidate.fqns_per_stage))

@@ -151,6 +151,9 @@ class ModelProfile:
     p2p_recv_busy_s: float = 0.0
     p2p_busy_bytes_per_s: float = float("inf")
     action_overhead_s: float = 0.0      # the executor's own time per compute action (any kind)
+    # The optimizer step after the pipeline drains, per trained parameter byte on one processor
+    # (pp_core.measure.optimizer_step); 0: not measured, and not charged.
+    optimizer_s_per_param_byte: float = 0.0
     # How many ranks' worth of processors the pipeline's ranks share, when fewer than its ranks
     # (one-thread CPU ranks on a machine with fewer cores: pp_core.devices.shared_processors);
     # 0: every rank has a processor of its own. The simulator then shares them out.
