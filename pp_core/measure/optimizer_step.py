@@ -2,7 +2,7 @@
 
 Every rank ends a step with its optimizer over the parameters it trains, after the pipeline has
 drained: time the pipeline makespan does not hold. The planner charges it per rank
-(:func:`pp_core.planning.choose.optimizer_step_s`) from one rate measured here: AdamW (torch's
+(:func:`pp_core.planning.refine.optimizer_step_s`) from one rate measured here: AdamW (torch's
 default ``foreach`` implementation, as ``train.optimizer`` builds it) stepping over copies of the
 model's trainable parameters with gradients, warmed up once (the first step allocates its
 state), the median of ``repeats`` steps over their bytes.

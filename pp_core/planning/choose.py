@@ -27,7 +27,7 @@ from pp_core.planning.balance import split_by_profile, stage_fqns
 from pp_core.planning.costs import ModelProfile
 from pp_core.planning.memory import RankMemory, predict_memory
 from pp_core.planning.recompute import Recompute, plan_stages, units_of_counts, with_modes
-from pp_core.planning.refine import refine_counts, simulate_split
+from pp_core.planning.refine import optimizer_step_s, refine_counts, simulate_split
 from pp_core.planning.sizes import format_bytes
 from pp_core.plugin_manager import default_plugins
 from pp_core.schedule.build import schedule_from_def
@@ -260,18 +260,6 @@ def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: 
     candidate.memory = predict_memory(profile, schedule, units, result.peak_activation_bytes,
                                       slack)
     return candidate
-
-
-def optimizer_step_s(schedule, profile: ModelProfile, units) -> float:
-    """The optimizer step that ends a step on its slowest rank: the bytes a rank trains (its
-    stages' units) at the measured rate; every rank steps at once, so ranks sharing fewer
-    processors (``profile.processors``) share them."""
-    if not profile.optimizer_s_per_param_byte:
-        return 0.0
-    trained = [sum(profile.units[u].trained_bytes for s in schedule.stages_of(rank)
-                   for u in units[s]) for rank in range(schedule.num_ranks)]
-    sharing = schedule.num_ranks / profile.processors if profile.processors else 1.0
-    return max(trained) * profile.optimizer_s_per_param_byte * max(1.0, sharing)
 
 
 def _schedule(option: Option, sdef, pp_size: int):

@@ -20,7 +20,8 @@ from pp_core.planning.memory import stage_held_bytes, stage_sums
 from pp_core.schedule.frozen import backward_from, frozen_table
 from pp_core.schedule.simulate import Costs, simulate
 
-__all__ = ["refine_counts", "makespan_of", "simulate_split", "handoff_charges"]
+__all__ = ["refine_counts", "makespan_of", "simulate_split", "handoff_charges",
+           "optimizer_step_s"]
 
 MAX_MOVES = 64
 """An upper bound on accepted moves (each one strictly shortens the step, so it ends anyway)."""
@@ -88,6 +89,18 @@ def simulate_split(schedule, profile: ModelProfile, units: Sequence[Sequence[int
               "input_grad_held_bytes": held} if with_memory else {}
     return simulate(schedule, costs, comm_latency=profile.transfer_s(boundary),
                     processors=profile.processors or None, **memory)
+
+
+def optimizer_step_s(schedule, profile: ModelProfile, units) -> float:
+    """The optimizer step that ends a step on its slowest rank: the bytes a rank trains (its
+    stages' units) at the measured rate; every rank steps at once, so ranks sharing fewer
+    processors (``profile.processors``) share them."""
+    if not profile.optimizer_s_per_param_byte:
+        return 0.0
+    trained = [sum(profile.units[u].trained_bytes for s in schedule.stages_of(rank)
+                   for u in units[s]) for rank in range(schedule.num_ranks)]
+    sharing = schedule.num_ranks / profile.processors if profile.processors else 1.0
+    return max(trained) * profile.optimizer_s_per_param_byte * max(1.0, sharing)
 
 
 def stage_trainable_units(profile: ModelProfile, units: Sequence[Sequence[int]]):

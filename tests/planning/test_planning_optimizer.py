@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pp_core.measure.optimizer_step import measure_optimizer_rate
-from pp_core.planning.choose import Option, optimizer_step_s, predict
+from pp_core.planning.choose import Option, predict
 from pp_core.planning.costs import ModelProfile, UnitCost
-from pp_core.planning.refine import simulate_split
+from pp_core.planning.refine import optimizer_step_s, simulate_split
 from pp_core.plugin_manager import default_plugins
 from pp_core.schedule.build import build_schedule, resolve_schedule_def
 
