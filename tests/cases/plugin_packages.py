@@ -7,14 +7,33 @@ import sys
 import textwrap
 from pathlib import Path
 
+PYPROJECT = """
+[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
 
-def install_package(root: Path, package: str, pyproject: str, modules: dict[str, str]) -> Path:
-    """Write ``package`` (``{module name: source}`` and its ``pyproject``) under ``root`` and
-    pip-install it into ``root / "site"`` (no network: setuptools from this environment);
-    returns that directory, for ``PYTHONPATH``."""
+[project]
+name = "{name}"
+version = "0.1.0"
+dependencies = ["pp-core"]
+
+[project.entry-points.pp_core]
+{entry} = "{package}"
+
+[tool.setuptools]
+packages = ["{package}"]
+"""
+
+
+def install_package(root: Path, package: str, modules: dict[str, str]) -> Path:
+    """Write ``package`` (``{module name: source}``; its distribution is ``package`` with
+    dashes, its ``pp_core`` entry point the package itself, named after its last part) under
+    ``root`` and pip-install it into ``root / "site"`` (no network: setuptools from this
+    environment); returns that directory, for ``PYTHONPATH``."""
     source = root / f"{package}_src"
     (source / package).mkdir(parents=True)
-    (source / "pyproject.toml").write_text(pyproject)
+    (source / "pyproject.toml").write_text(PYPROJECT.format(
+        name=package.replace("_", "-"), entry=package.split("_")[-1], package=package))
     for name, text in modules.items():
         (source / package / f"{name}.py").write_text(textwrap.dedent(text))
     target = root / "site"

@@ -16,28 +16,10 @@ from __future__ import annotations
 import copy
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
 from pp_core.testing import DistPool
-
-PYPROJECT = """
-[build-system]
-requires = ["setuptools>=61"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "pp-tinymoe"
-version = "0.1.0"
-dependencies = ["pp-core"]
-
-[project.entry-points.pp_core]
-tinymoe = "pp_tinymoe"
-
-[tool.setuptools]
-packages = ["pp_tinymoe"]
-"""
 
 PLUGIN = '''
 """A mixture-of-experts model and its expert-parallel plan, from outside pp-core."""
@@ -158,7 +140,7 @@ def site(tmp_path_factory):
     """The package built and pip-installed (no network: setuptools from this environment)."""
     from tests.cases.plugin_packages import install_package
 
-    return install_package(tmp_path_factory.mktemp("tinymoe"), "pp_tinymoe", PYPROJECT,
+    return install_package(tmp_path_factory.mktemp("tinymoe"), "pp_tinymoe",
                            {"__init__": PLUGIN, "model": MODEL})
 
 

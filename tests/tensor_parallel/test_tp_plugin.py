@@ -11,23 +11,6 @@ import sys
 import pytest
 import yaml
 
-PYPROJECT = """
-[build-system]
-requires = ["setuptools>=61"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "pp-tinytp"
-version = "0.1.0"
-dependencies = ["pp-core"]
-
-[project.entry-points.pp_core]
-tinytp = "pp_tinytp"
-
-[tool.setuptools]
-packages = ["pp_tinytp"]
-"""
-
 PLUGIN = '''
 """A model and its tensor-parallel plan, from outside pp-core."""
 import pp_core
@@ -87,7 +70,7 @@ def site(tmp_path_factory):
     """The package built and pip-installed (no network: setuptools from this environment)."""
     from tests.cases.plugin_packages import install_package
 
-    return install_package(tmp_path_factory.mktemp("tinytp"), "pp_tinytp", PYPROJECT,
+    return install_package(tmp_path_factory.mktemp("tinytp"), "pp_tinytp",
                            {"__init__": PLUGIN, "model": MODEL})
 
 
