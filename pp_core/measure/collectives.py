@@ -5,7 +5,8 @@ The layout search costs dp, FSDP2 and expert-parallel traffic with
 processes (:func:`pp_core.measure.helpers.run_helpers`, the run's backend, one thread each as a
 CPU rank runs) time every kind at a small and a large message, for a group of 2 and for the
 largest group asked (at most :data:`MAX_GROUP`), a handful of repeats each; the slowest rank's
-median counts. A few seconds, once per ``pp-core plan`` call.
+median counts. The same processes then time the data-parallel engine's own work
+(:mod:`pp_core.measure.engine`). A few seconds, once per ``pp-core plan`` call.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch.distributed as dist
 
 from pp_core.measure.helpers import HELPER_TIMEOUT_S, run_helpers
 from pp_core.parallel.dims import ParallelDims
-from pp_core.planning.collectives import KINDS, Collectives, fit
+from pp_core.measure.engine import time_engine
+from pp_core.planning.collectives import KINDS, Collectives, EngineCosts, fit
 
 __all__ = ["measure_collectives", "time_collectives", "MAX_GROUP", "SIZES"]
 
@@ -48,7 +50,7 @@ def measure_collectives(largest_group: int, backend: str = "gloo", device: str =
                     group, died="a process timing collectives ended before it finished ({})",
                     failed="timing the collectives between local processes failed")
         with open(out, "rb") as fh:
-            return Collectives(pickle.load(fh))
+            return pickle.load(fh)
 
 
 def time_collectives(group, device: torch.device, repeats: int = 5,
@@ -121,8 +123,10 @@ def _worker(rank: int, size: int, store_path: str, backend: str, device_type: st
         dist.barrier()
         if size > 2:
             fits.update(time_collectives(dist.group.WORLD, device, repeats))
+        engine = time_engine(meshes.mesh["dp_replicate"]) if device.type == "cpu" \
+            else EngineCosts()  # (on a GPU the hooks overlap the kernels: not timed)
         if rank == 0:
             with open(out_path, "wb") as fh:
-                pickle.dump(fits, fh)
+                pickle.dump(Collectives(fits, engine), fh)
     finally:
         dist.destroy_process_group()

@@ -13,6 +13,9 @@ The profile is measured once per tp degree; the other degrees change arithmetic 
 * **experts** (``ep``): a MoE layer's unit keeps ``1/ep`` of its experts' parameters, and its
   forward pays the token all-to-all (counts, dispatch, combine) at the ep degree, its backward
   the same again (and once more when it recomputes the forward);
+* **the data-parallel engine** (``dp``): FSDP2's hooks in every forward and backward of a
+  wrapped module (a unit each), and DTensor's dispatch per parameter tensor in the optimizer
+  step, as measured beside the collectives (:mod:`pp_core.measure.engine`);
 * **gradient sync** (``dp``): FSDP2's all-gather and reduce-scatter and the replicas'
   all-reduce, once per FSDP unit and step after the pipeline drains (a rank's share of the
   split's modules counts its units), added to each plan's step
@@ -25,7 +28,7 @@ from dataclasses import replace
 
 from pp_core.devices import cpu_cores
 from pp_core.parallel.dims import ParallelDims
-from pp_core.planning.collectives import Collectives
+from pp_core.planning.collectives import Collectives, EngineCosts
 from pp_core.planning.costs import ModelProfile, UnitCost
 
 __all__ = ["expert_layers", "unit_experts", "layout_profile", "with_gradient_sync",
@@ -73,16 +76,34 @@ def layout_processors(dims: ParallelDims, world: int, threads: int, device: str)
 def layout_profile(profile: ModelProfile, dims: ParallelDims, world: int, layout,
                    collectives: Collectives | None, experts) -> ModelProfile:
     """``profile`` (measured at ``dims.tp``) as the layout ``dims`` of ``world`` runs it."""
-    units = profile.units
+    units, costs = profile.units, collectives or Collectives()
     if dims.ep > 1 and experts:
-        units = tuple(_at_ep(unit, entry, dims.ep, collectives or Collectives())
+        units = tuple(_at_ep(unit, entry, dims.ep, costs)
                       for unit, entry in zip(units, experts))
+    per_tensor = 0.0
+    if dims.dp > 1:
+        units = tuple(_wrapped(unit, costs.engine) for unit in units)
+        # a tp profile's parameters were DTensors already: its rate holds their dispatch
+        per_tensor = costs.engine.step_s_per_tensor if dims.tp == 1 else 0.0
     return replace(profile, units=units,
                    processors=layout_processors(dims, world, layout.threads_per_rank,
                                                 layout.device),
                    optimizer_bytes_per_param_byte=profile.optimizer_bytes_per_param_byte
                    / dims.dp_shard,
-                   optimizer_s_per_param_byte=profile.optimizer_s_per_param_byte / dims.dp_shard)
+                   optimizer_s_per_param_byte=profile.optimizer_s_per_param_byte / dims.dp_shard,
+                   optimizer_s_per_tensor=per_tensor)
+
+
+def _wrapped(unit: UnitCost, engine: EngineCosts) -> UnitCost:
+    """``unit`` in one FSDP2 module (a block is one; the rest of a stage shares its part's):
+    the engine's hooks in every forward and backward."""
+    f, b = engine.forward_s, engine.backward_s
+    if not (f or b):
+        return unit
+    recompute = tuple((mode, fw + f, bw + b, i + b, saved, transient)
+                      for mode, fw, bw, i, saved, transient in unit.recompute)
+    return replace(unit, forward_s=unit.forward_s + f, backward_s=unit.backward_s + b,
+                   input_grad_s=unit.input_grad_s + b, recompute=recompute)
 
 
 def _at_ep(unit: UnitCost, entry, ep: int, collectives: Collectives) -> UnitCost:

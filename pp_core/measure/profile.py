@@ -326,7 +326,8 @@ def _profile_size(runner, units, x, y, loss_fn, size, repeats, exclude,
                  output_bytes=first[i][3], transient_bytes=transient[i],
                  input_grad_held_bytes=held[i].held, input_grad_freed_bytes=held[i].freed,
                  output_grad_held_bytes=held[i].received_held,
-                 trainable_param_bytes=_nbytes([p for p in runner.params[i] if p.requires_grad]))
+                 trainable_param_bytes=_nbytes([p for p in runner.params[i] if p.requires_grad]),
+                 trained_tensors=sum(p.requires_grad for p in runner.params[i]))
         for i in range(n))
     return ModelProfile(size, costs, shared_fqns=tuple(runner.shared), device=str(runner.device),
                         **link.profile_fields())

@@ -16,10 +16,10 @@ largest measured one below it serves (the ring factors carry the size). Pure: no
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
-__all__ = ["Collectives", "KINDS", "ring_factors", "fit"]
+__all__ = ["Collectives", "EngineCosts", "KINDS", "ring_factors", "fit"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -48,11 +48,25 @@ def fit(kind: str, group: int, small: tuple[int, float],
 
 
 @dataclass(frozen=True)
+class EngineCosts:
+    """What torch's data-parallel engine (FSDP2) costs a rank besides its collectives
+    (:mod:`pp_core.measure.engine`): its hooks per wrapped module and forward / backward call,
+    and DTensor's dispatch per parameter tensor in a step's gradient norm and optimizer step.
+    Zero: not measured."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    step_s_per_tensor: float = 0.0
+
+
+@dataclass(frozen=True)
 class Collectives:
     """``fits[(kind, group)] = (latency_s, bytes_per_s)``; empty: every collective is free
-    (nothing measured, e.g. ``--no-link``)."""
+    (nothing measured, e.g. ``--no-link``). ``engine``: what the data-parallel engine costs
+    besides (measured with the collectives, in the same helper processes)."""
 
     fits: Mapping[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    engine: EngineCosts = EngineCosts()
 
     def seconds(self, kind: str, group: int, num_bytes: float) -> float:
         """Predicted time of one ``kind`` over ``group`` ranks of a ``num_bytes`` tensor."""
@@ -81,5 +95,6 @@ class Collectives:
         return pieces * one
 
     def to_dict(self) -> dict:
-        return {f"{kind}@{group}": {"latency_s": latency, "bytes_per_s": rate}
-                for (kind, group), (latency, rate) in sorted(self.fits.items())}
+        found = {f"{kind}@{group}": {"latency_s": latency, "bytes_per_s": rate}
+                 for (kind, group), (latency, rate) in sorted(self.fits.items())}
+        return {**found, "engine": asdict(self.engine)}

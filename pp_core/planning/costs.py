@@ -89,6 +89,9 @@ class UnitCost:
     # A unit with none is frozen: the planner drops the backward of a frozen prefix and the W
     # of a later frozen stage (pp_core.schedule.frozen).
     trainable_param_bytes: Optional[int] = None
+    # How many parameter tensors get a gradient (the optimizer's per-tensor work). 0: not
+    # counted (a stored profile), and nothing is charged per tensor.
+    trained_tensors: int = 0
 
     @property
     def trained_bytes(self) -> int:
@@ -154,10 +157,30 @@ class ModelProfile:
     # The optimizer step after the pipeline drains, per trained parameter byte on one processor
     # (pp_core.measure.optimizer_step); 0: not measured, and not charged.
     optimizer_s_per_param_byte: float = 0.0
+    # ... and per trained tensor beyond it: DTensor's dispatch when a data-parallel engine
+    # holds plain-profiled parameters (pp_core.measure.layout_costs); 0: nothing.
+    optimizer_s_per_tensor: float = 0.0
     # How many ranks' worth of processors the pipeline's ranks share, when fewer than its ranks
     # (one-thread CPU ranks on a machine with fewer cores: pp_core.devices.shared_processors);
     # 0: every rank has a processor of its own. The simulator then shares them out.
     processors: float = 0.0
+
+    def scaled(self, factor: float) -> "ModelProfile":
+        """The profile with every compute time (F, B, I, W, their recomputing variants) and
+        the executor's per-action time ``factor`` times as long: the units as a running
+        pipeline pays for them (:mod:`pp_core.app.launch.pipeline_factor`)."""
+        if factor == 1.0:
+            return self
+
+        def unit(u: UnitCost) -> UnitCost:
+            recompute = tuple((mode, f * factor, b * factor, i * factor, saved, transient)
+                              for mode, f, b, i, saved, transient in u.recompute)
+            return replace(u, forward_s=u.forward_s * factor, backward_s=u.backward_s * factor,
+                           input_grad_s=u.input_grad_s * factor,
+                           weight_grad_s=u.weight_grad_s * factor, recompute=recompute)
+
+        return replace(self, units=tuple(unit(u) for u in self.units),
+                       action_overhead_s=self.action_overhead_s * factor)
 
     def transfer_s(self, num_bytes: int) -> float:
         """Predicted time of one point-to-point hand-off of ``num_bytes``."""

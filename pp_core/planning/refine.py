@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
-from pp_core.planning.costs import ModelProfile
+from pp_core.planning.costs import ModelProfile, UnitCost
 from pp_core.planning.memory import stage_held_bytes, stage_sums
 from pp_core.schedule.frozen import backward_from, frozen_table
 from pp_core.schedule.simulate import Costs, simulate
@@ -93,14 +93,19 @@ def simulate_split(schedule, profile: ModelProfile, units: Sequence[Sequence[int
 
 def optimizer_step_s(schedule, profile: ModelProfile, units) -> float:
     """The optimizer step that ends a step on its slowest rank: the bytes a rank trains (its
-    stages' units) at the measured rate; every rank steps at once, so ranks sharing fewer
-    processors (``profile.processors``) share them."""
-    if not profile.optimizer_s_per_param_byte:
+    stages' units) at the measured rate, and its tensors at the per-tensor one; every rank
+    steps at once, so ranks sharing fewer processors (``profile.processors``) share them."""
+    if not (profile.optimizer_s_per_param_byte or profile.optimizer_s_per_tensor):
         return 0.0
-    trained = [sum(profile.units[u].trained_bytes for s in schedule.stages_of(rank)
-                   for u in units[s]) for rank in range(schedule.num_ranks)]
+
+    def seconds(unit: UnitCost) -> float:
+        return unit.trained_bytes * profile.optimizer_s_per_param_byte + \
+            unit.trained_tensors * profile.optimizer_s_per_tensor
+
+    ranks = [sum(seconds(profile.units[u]) for s in schedule.stages_of(rank) for u in units[s])
+             for rank in range(schedule.num_ranks)]
     sharing = schedule.num_ranks / profile.processors if profile.processors else 1.0
-    return max(trained) * profile.optimizer_s_per_param_byte * max(1.0, sharing)
+    return max(ranks) * max(1.0, sharing)
 
 
 def stage_trainable_units(profile: ModelProfile, units: Sequence[Sequence[int]]):

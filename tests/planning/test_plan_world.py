@@ -163,6 +163,10 @@ def test_world_4_ranks_tp_layouts_and_the_chosen_one_runs(tmp_path, capsys):
     assert any(c["tp_size"] > 1 for c in data["ranking"]["kept"])
     assert {d["dropped"] for d in data["ranking"]["dropped"] if d["tp_size"] == 4} == \
         {"tp_size 4 does not divide the model's 2 attention heads"}
+    assert 0.5 <= data["pipeline_factor"] <= 3.0  # measured on 4 processes, clipped there
+    engine = data["collectives"]["engine"]  # FSDP2's hooks and DTensor's dispatch, measured
+    assert engine["forward_s"] > 0 and engine["backward_s"] > 0
+    assert engine["step_s_per_tensor"] > 0
     written = yaml.safe_load(open(out))
     chosen = data["chosen"]
     assert {k: written["distributed"][k] for k in DEGREES} == {k: chosen[k] for k in DEGREES}
@@ -218,6 +222,55 @@ def test_a_layout_profile_charges_experts_optimizer_shards_and_shared_cores():
     assert math.isclose(block.backward_s, 2e-3 + traffic)
     assert found.optimizer_bytes_per_param_byte == profile.optimizer_bytes_per_param_byte / 2
     assert found.processors == (shared_processors(cpu_cores(), 1, 4, 2) or 0.0)
+
+
+def test_a_dp_layout_charges_the_engine_per_unit_call_and_per_tensor_step():
+    """dp 2: every unit is in an FSDP2 module whose hooks cost the measured time in each F, B
+    and I (W runs no hook); the optimizer step pays DTensor's per-tensor dispatch, unless the
+    profile was measured at tp > 1 (its parameters were DTensors already). dp 1: nothing."""
+    import types
+
+    from pp_core.measure.layout_costs import layout_profile
+    from pp_core.parallel.dims import ParallelDims
+    from pp_core.planning.collectives import EngineCosts
+    from pp_core.planning.costs import ModelProfile, UnitCost
+
+    unit = UnitCost(("layers.0",), 1e-3, 2e-3, 1e-3, 1e-3, 4096, 8192, 1024, trained_tensors=4,
+                    recompute=(("full", 1e-3, 3e-3, 2e-3, 100, 0),))
+    profile = ModelProfile(2, (unit,), 1e-5, 1e9)
+    costs = Collectives(engine=EngineCosts(forward_s=2e-4, backward_s=3e-4,
+                                           step_s_per_tensor=5e-5))
+    layout = types.SimpleNamespace(threads_per_rank=1, device="cpu")
+    found = layout_profile(profile, ParallelDims(pp=1, dp_replicate=2), 2, layout, costs, [])
+    (wrapped,) = found.units
+    assert (wrapped.forward_s, wrapped.backward_s, wrapped.input_grad_s, wrapped.weight_grad_s) \
+        == pytest.approx((1.2e-3, 2.3e-3, 1.3e-3, 1e-3))
+    assert wrapped.recompute == (("full", pytest.approx(1.2e-3), pytest.approx(3.3e-3),
+                                  pytest.approx(2.3e-3), 100, 0),)
+    assert found.optimizer_s_per_tensor == 5e-5
+    tp = layout_profile(profile, ParallelDims(pp=1, dp_replicate=2, tp=2), 4, layout, costs, [])
+    assert tp.optimizer_s_per_tensor == 0.0 and tp.units[0].forward_s == pytest.approx(1.2e-3)
+    alone = layout_profile(profile, ParallelDims(pp=1), 1, layout, costs, [])
+    assert alone.units == profile.units and alone.optimizer_s_per_tensor == 0.0
+
+
+def test_a_scaled_profile_costs_every_compute_time_and_action_more_and_nothing_else():
+    from pp_core.planning.costs import ModelProfile, UnitCost
+
+    unit = UnitCost(("layers.0",), 1e-3, 2e-3, 1e-3, 1e-3, 4096, 8192, 1024,
+                    recompute=(("full", 1e-3, 3e-3, 2e-3, 100, 7),))
+    profile = ModelProfile(2, (unit,), 1e-5, 1e9, action_overhead_s=1e-4,
+                           optimizer_s_per_param_byte=1e-9)
+    scaled = profile.scaled(1.5)
+    (found,) = scaled.units
+    assert (found.forward_s, found.backward_s, found.input_grad_s, found.weight_grad_s) == \
+        pytest.approx((1.5e-3, 3e-3, 1.5e-3, 1.5e-3))
+    assert found.recompute == (("full", pytest.approx(1.5e-3), pytest.approx(4.5e-3),
+                                pytest.approx(3e-3), 100, 7),)
+    assert scaled.action_overhead_s == pytest.approx(1.5e-4)
+    assert (found.activation_bytes, found.param_bytes, scaled.p2p_latency_s,
+            scaled.optimizer_s_per_param_byte) == (4096, 8192, 1e-5, 1e-9)
+    assert profile.scaled(1.0) is profile
 
 
 def test_gradient_sync_is_added_once_per_step_for_the_slowest_rank():

@@ -1,7 +1,8 @@
 """The optimizer step in the predicted step: the rank that trains the most bytes, at the
-measured rate, slowed by the processors the ranks share (every rank steps at once); frozen
-bytes cost nothing; a profile without the rate predicts as before. And the rate itself: measured
-on copies, the model untouched."""
+measured rate, and the most tensors at the per-tensor one (a data-parallel engine's DTensors),
+slowed by the processors the ranks share (every rank steps at once); frozen bytes cost nothing;
+a profile without the rate predicts as before. And the rate itself: measured on copies, the
+model untouched."""
 
 import dataclasses
 
@@ -18,11 +19,13 @@ from pp_core.schedule.build import build_schedule, resolve_schedule_def
 RATE = 1e-9  # seconds per trained byte
 
 
-def profile(param_bytes=(1000, 3000, 2000, 8000), trainable=(None,) * 4, **extra):
+def profile(param_bytes=(1000, 3000, 2000, 8000), trainable=(None,) * 4, tensors=(0,) * 4,
+            **extra):
     units = tuple(UnitCost(fqns=(f"layers.{i}",), forward_s=1e-3, backward_s=2e-3,
                            input_grad_s=1e-3, weight_grad_s=1e-3, activation_bytes=1,
-                           param_bytes=b, output_bytes=100, trainable_param_bytes=t)
-                  for i, (b, t) in enumerate(zip(param_bytes, trainable)))
+                           param_bytes=b, output_bytes=100, trainable_param_bytes=t,
+                           trained_tensors=n)
+                  for i, (b, t, n) in enumerate(zip(param_bytes, trainable, tensors)))
     return ModelProfile(2, units, p2p_latency_s=1e-5, p2p_bytes_per_s=1e9,
                         optimizer_s_per_param_byte=RATE, **extra)
 
@@ -48,6 +51,17 @@ def test_shared_processors_slow_it_and_frozen_bytes_cost_nothing():
     assert optimizer_step_s(schedule, frozen, units) == pytest.approx(4000 * RATE)
     unmeasured = dataclasses.replace(profile(), optimizer_s_per_param_byte=0.0)
     assert optimizer_step_s(schedule, unmeasured, units) == 0.0
+
+
+def test_each_trained_tensor_costs_the_per_tensor_time_on_top():
+    """Rank 0: 4000 bytes in 30 tensors; rank 1: 10000 bytes in 2. At 1e-4 s a tensor rank 0
+    is the slower one: 4000 * RATE + 30e-4 against 10000 * RATE + 2e-4."""
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=4)
+    counted = profile(tensors=(10, 20, 1, 1), optimizer_s_per_tensor=1e-4)
+    assert optimizer_step_s(schedule, counted, [[0, 1], [2, 3]]) == \
+        pytest.approx(4000 * RATE + 30e-4)
+    assert optimizer_step_s(schedule, profile(tensors=(10, 20, 1, 1)), [[0, 1], [2, 3]]) == \
+        pytest.approx(10000 * RATE)  # no per-tensor time: as before
 
 
 def test_the_predicted_step_is_the_makespan_plus_the_step():

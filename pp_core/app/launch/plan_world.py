@@ -10,12 +10,15 @@ predicted step time under the memory cap.
 What is measured, once per call: the model's units at every tp degree the layouts use (a tp
 stage by its tp processes, collectives included, as :func:`pp_core.app.launch.decide.plan_spec`
 profiles it), the point-to-point link, and the collectives that dp, FSDP2 and ep add
-(:func:`pp_core.measure.collectives.measure_collectives`). Nothing is measured per layout: the
-layouts differ in arithmetic only.
+(:func:`pp_core.measure.collectives.measure_collectives`), and on CPU ranks how much more a
+unit costs inside a running pipeline than alone (:mod:`pp_core.app.launch.pipeline_factor`:
+the tp-1 profile's times are scaled by it). Nothing is measured per layout: the layouts differ
+in arithmetic only.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -23,10 +26,11 @@ from typing import Any, Callable, Mapping
 import torch
 
 from pp_core.app.launch.decide import plan_spec
+from pp_core.app.launch.pipeline_factor import measure_pipeline_factor
 from pp_core.app.factories import build_model
 from pp_core.app.machine import MachineShare
 from pp_core.app.spec import Spec
-from pp_core.errors import ConfigError
+from pp_core.errors import ConfigError, PipelineError
 from pp_core.measure.collectives import measure_collectives
 from pp_core.measure.layout_costs import (expert_layers, layout_profile, unit_experts,
                                           with_gradient_sync)
@@ -44,6 +48,7 @@ __all__ = ["WorldPlan", "LayoutPlan", "plan_world", "plan_layout", "layout_spec"
            "meta_model", "format_world"]
 
 Say = Callable[[str], None]
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,6 +80,7 @@ class WorldPlan:
     kept: list = field(default_factory=list)  # every plan that fits, fastest first
     profiles: dict = field(default_factory=dict)  # tp -> {microbatch size: ModelProfile}
     experts: list = field(default_factory=list)  # per unit (layout_costs.unit_experts)
+    pipeline_factor: float = 1.0  # the profiled times were scaled by it (pipeline_factor)
 
     @property
     def chosen_layout(self) -> LayoutPlan:
@@ -97,7 +103,7 @@ class WorldPlan:
         best = self.chosen.predicted_step_s
         return {
             "world_size": self.world, "chosen": self.chosen.to_dict(),
-            "profile_s": self.profile_s,
+            "profile_s": self.profile_s, "pipeline_factor": self.pipeline_factor,
             "link": None if self.link is None else self.link.to_dict(),
             "collectives": None if self.collectives is None else self.collectives.to_dict(),
             "layouts": [{**degrees(lp.dims), "predicted_step_s": lp.best.predicted_step_s,
@@ -166,6 +172,16 @@ def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = 
         rank = MachineShare.of(layout_spec(spec, layouts[0]))
         profiles[tp] = plan_spec(layout_spec(spec, first), rank, measure_link=False, link=link,
                                  microbatch_sizes=sizes).profiles
+    factor = 1.0
+    if measure_link and base.device == "cpu" and 1 in profiles:
+        if say is not None:
+            say("plan: running the model as a pipeline to measure what its units cost there")
+        try:
+            factor = measure_pipeline_factor(spec, profiles[1], world, base.backend)
+        except PipelineError as exc:  # the profile alone still ranks the layouts
+            logger.warning("plan: the model's units were not measured in a running pipeline, "
+                           "their profiled times are used as they are: %s", exc)
+        profiles[1] = {size: p.scaled(factor) for size, p in profiles[1].items()}
     profile_s = time.perf_counter() - started
     some = next(iter(next(iter(profiles.values())).values())) if profiles else None
     experts = [] if some is None else unit_experts(model, [u.fqns for u in some.units])
@@ -179,7 +195,8 @@ def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = 
     kept = sorted((c for lp in planned for c in lp.plan.ranking.kept),
                   key=lambda c: (c.predicted_step_s, c.peak_bytes))
     return WorldPlan(world, planned, dropped, memory_cap, profile_s,
-                     time.perf_counter() - started, collectives, link, kept, profiles, experts)
+                     time.perf_counter() - started, collectives, link, kept, profiles, experts,
+                     factor)
 
 
 def plan_layout(spec: Spec, dims: ParallelDims, world: int, profiles, memory_cap, link,
@@ -219,7 +236,8 @@ def format_world(found: WorldPlan, top: int = 8) -> str:
     cap = "no memory cap" if found.memory_cap is None else \
         f"memory cap {format_bytes(found.memory_cap)} per rank"
     lines = [f"world {found.world}: {len(found.layouts)} layouts ranked, {len(found.dropped)} "
-             f"dropped ({cap}); profiled in {found.profile_s:.1f} s, planned in "
+             f"dropped ({cap}); profiled in {found.profile_s:.1f} s (units cost "
+             f"{found.pipeline_factor:.2f}x their profile in a running pipeline), planned in "
              f"{found.planning_s:.2f} s",
              "  #   pp  dp_r dp_s  tp  ep  schedule            v  mbs    M  step (ms) bubble  "
              "vs best  AC       peak per rank"]
