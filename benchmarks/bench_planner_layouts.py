@@ -7,7 +7,8 @@ this machine's cores, one thread per rank, gloo:
   pp 4, pp 2 x dp 2, pp 2 x tp 2 and the chosen layout are written (``-o``'s YAML) and run
   through ``pp-core run``; measured step = median ``step_time_s`` of the timed steps (rank 0's
   whole step, optimizer included) against the predicted; the same for moe_gpt at
-  pp 2 x dp 2 x ep 2;
+  pp 2 x dp 2 x ep 2; the report keeps what the plan measured besides the profile (the
+  pipeline factor, the data-parallel engine's costs);
 * **auto vs by hand**: the chosen plan against each of those layouts written by hand (1f1b,
   the even ``layers`` split, no activation checkpointing, 2 x pp microbatches), measured;
 * **planning time** at world 8 and 64: the search over every layout with the costs measured
@@ -137,6 +138,8 @@ def bench_layouts(world: int = 4) -> dict:
         spec = spec_of(BASE, tmp, "gpt.yaml")
         found = plan_world(spec, world)
         report["profile_s"], report["search_s"] = found.profile_s, found.planning_s
+        report["pipeline_factor"] = found.pipeline_factor
+        report["engine"] = found.collectives.to_dict()["engine"]
         report["ranked"] = [{"layout": lp.dims.describe(), "dp_shard": lp.dims.dp_shard,
                              "predicted_step_s": lp.best.predicted_step_s}
                             for lp in found.layouts]
@@ -153,6 +156,7 @@ def bench_layouts(world: int = 4) -> dict:
         moe_values["model"] = {"name": "moe_gpt", "args": {**MODEL, **MOE_ARGS}}
         moe_spec = spec_of(moe_values, tmp, "moe.yaml")
         moe = plan_world(moe_spec, world)
+        report["moe_pipeline_factor"] = moe.pipeline_factor
         report["moe_ranked"] = [{"layout": lp.dims.describe(),
                                  "predicted_step_s": lp.best.predicted_step_s}
                                 for lp in moe.layouts]
@@ -176,6 +180,8 @@ def table(report: dict) -> str:
     for p in report["planning"]:
         lines.append(f"planning at world {p['world']}: {p['layouts']} layouts searched in "
                      f"{p['planning_s']:.2f} s")
+    lines.append(f"pipeline factor {report['pipeline_factor']:.2f} (moe_gpt "
+                 f"{report['moe_pipeline_factor']:.2f}); engine {report['engine']}")
     lines.append(f"torch {report['torch']}, {report['cores']} cores, load "
                  f"{report['load_before']} -> {report['load_after']}")
     return "\n".join(lines)
