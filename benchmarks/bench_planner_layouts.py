@@ -11,6 +11,9 @@ this machine's cores, one thread per rank, gloo:
   pipeline factor, the data-parallel engine's costs);
 * **auto vs by hand**: the chosen plan against each of those layouts written by hand (1f1b,
   the even ``layers`` split, no activation checkpointing, 2 x pp microbatches), measured;
+* **where memory binds** (``--capped``, run this file directly): a cap of 3/4 of the uncapped
+  choice's predicted peak, AC ``auto``; the chosen plan against the layouts by hand with every
+  stage recomputing;
 * **planning time** at world 8 and 64: the search over every layout with the costs measured
   for world 4 (no run; layouts at a tp degree not profiled reuse the largest profiled one's
   profile, which changes nothing of the search's work).
@@ -94,7 +97,7 @@ def measured_layouts(spec, world_plan, tmp: str, targets, tag: str) -> list[dict
     return rows
 
 
-def by_hand(spec, dims_list, tmp: str) -> list[dict]:
+def by_hand(spec, dims_list, tmp: str, ac: str = "none") -> list[dict]:
     from pp_core.app.launch.plan_world import layout_spec
     from pp_core.parallel.dims import ParallelDims
 
@@ -105,11 +108,39 @@ def by_hand(spec, dims_list, tmp: str) -> list[dict]:
         batch = placed["pipeline"]["pp_batch_size"]
         placed["pipeline"].update(pp_schedule="1f1b", pp_microbatch_size=max(1, batch // (2 * pp)))
         placed["distributed"].pop("dp_size", None)
-        measured = run_yaml(placed, tmp, f"hand-{pp}-{dp}-{tp}")
-        rows.append({"label": f"by hand: 1f1b, even split, pp {pp} x dp {dp} x tp {tp}",
-                     "measured_step_s": measured})
+        placed["train"]["activation_checkpointing"] = {"mode": ac, "every": 1}
+        measured = run_yaml(placed, tmp, f"hand-{pp}-{dp}-{tp}-{ac}")
+        rows.append({"label": f"by hand: 1f1b, even split, AC {ac}, pp {pp} x dp {dp} x "
+                              f"tp {tp}", "measured_step_s": measured})
         print(rows[-1], flush=True)
     return rows
+
+
+def bench_capped(world: int, tmp: str, share: float = 0.75) -> dict:
+    """Where memory binds: a cap of ``share`` x the uncapped choice's predicted peak; the
+    plan ``--world`` chooses under it (activation checkpointing ``auto``: per stage) against
+    each layout written by hand with every stage recomputing (``full``: the uniform setting
+    a user picks to fit), the even split, 1f1b, 2 x pp microbatches."""
+    from pp_core.app.launch.plan_world import plan_world
+
+    values = json.loads(json.dumps(BASE))
+    values["train"]["activation_checkpointing"] = {"mode": "auto"}
+    spec = spec_of(values, tmp, "capped.yaml")
+    free = plan_world(spec, world)
+    cap = int(share * free.chosen.peak_bytes)
+    capped = plan_world(spec, world, memory_cap=cap)
+    report = {"memory_cap": cap, "uncapped_peak": free.chosen.peak_bytes,
+              "runs": measured_layouts(spec, capped, tmp, [("chosen under the cap", None)],
+                                       "capped"),
+              "by_hand": by_hand(spec, [(4, 1, 1), (2, 2, 1), (2, 1, 2)], tmp, ac="full")}
+    chosen = capped.chosen
+    report["runs"][0].update(peak_bytes=chosen.peak_bytes,
+                             memory_per_rank=[m.total(chosen.pool) for m in chosen.memory])
+    best = min(report["by_hand"], key=lambda r: r["measured_step_s"])
+    report["auto_over_best_by_hand"] = report["runs"][0]["measured_step_s"] / \
+        best["measured_step_s"]
+    report["best_by_hand"] = best["label"]
+    return report
 
 
 def planning_time(world_plan, spec, world: int) -> dict:
@@ -187,7 +218,11 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1:2] == ["--capped"]:
+    with tempfile.TemporaryDirectory(prefix="bench-capped-") as scratch:
+        result = bench_capped(4, scratch)
+    print(json.dumps(result, indent=1))
+elif __name__ == "__main__":
     result = bench_layouts()
     print(json.dumps(result, indent=1))
     print(table(result))
