@@ -78,21 +78,31 @@ def find(world_plan, pp, dp_replicate, tp, ep=1):
     return None
 
 
-def measured_layouts(spec, world_plan, tmp: str, targets, tag: str) -> list[dict]:
+def measured_layouts(spec, world_plan, tmp: str, targets, tag: str,
+                     rounds: int = 1) -> list[dict]:
+    """Each target's plan run ``rounds`` times, the layouts in turn (A B C A B C: a drift of
+    the machine's speed then shows as the spread of each layout's rounds); the median counts."""
     from pp_core.app.launch.decide import written_spec
     from pp_core.planning.report import ac_letters, describe
 
-    rows, seen = [], set()
+    chosen, seen = [], set()
     for label, dims in targets:
         lp = find(world_plan, *dims) if dims else world_plan.chosen_layout
-        if lp is None or lp.dims in seen:
-            continue
-        seen.add(lp.dims)
-        measured = run_yaml(written_spec(lp.spec, lp.plan), tmp, f"{tag}-{len(rows)}")
-        predicted = lp.best.predicted_step_s
+        if lp is not None and lp.dims not in seen:
+            seen.add(lp.dims)
+            chosen.append((label, lp))
+    measured = [[] for _ in chosen]
+    for _ in range(rounds):
+        for index, (_, lp) in enumerate(chosen):
+            measured[index].append(run_yaml(written_spec(lp.spec, lp.plan), tmp,
+                                            f"{tag}-{index}"))
+    rows = []
+    for (label, lp), times in zip(chosen, measured):
+        predicted, median = lp.best.predicted_step_s, statistics.median(times)
         rows.append({"label": label, "layout": lp.dims.describe(), "plan": describe(lp.best),
                      "ac": ac_letters(lp.best), "predicted_step_s": predicted,
-                     "measured_step_s": measured, "error": predicted / measured - 1})
+                     "measured_step_s": median, "rounds_s": times,
+                     "error": predicted / median - 1})
         print(rows[-1], flush=True)
     return rows
 
@@ -160,7 +170,7 @@ def planning_time(world_plan, spec, world: int) -> dict:
             "planning_s": time.perf_counter() - started}
 
 
-def bench_layouts(world: int = 4) -> dict:
+def bench_layouts(world: int = 4, rounds: int = 1) -> dict:
     from pp_core.app.launch.plan_world import plan_world
 
     report = {"torch": __import__("torch").__version__, "load_before": os.getloadavg(),
@@ -176,7 +186,7 @@ def bench_layouts(world: int = 4) -> dict:
                             for lp in found.layouts]
         report["runs"] = measured_layouts(spec, found, tmp, [
             ("chosen", None), ("pp 4", (4, 1, 1)), ("pp 2 x dp 2", (2, 2, 1)),
-            ("pp 2 x tp 2", (2, 1, 2))], "gpt")
+            ("pp 2 x tp 2", (2, 1, 2))], "gpt", rounds)
         report["by_hand"] = by_hand(spec, [(4, 1, 1), (2, 2, 1), (2, 1, 2)], tmp)
         auto = report["runs"][0]["measured_step_s"]
         best = min(report["by_hand"], key=lambda r: r["measured_step_s"])
@@ -192,7 +202,7 @@ def bench_layouts(world: int = 4) -> dict:
                                  "predicted_step_s": lp.best.predicted_step_s}
                                 for lp in moe.layouts]
         report["moe_runs"] = measured_layouts(moe_spec, moe, tmp, [
-            ("moe pp 2 x dp 2 x ep 2", (2, 2, 1, 2)), ("moe chosen", None)], "moe")
+            ("moe pp 2 x dp 2 x ep 2", (2, 2, 1, 2)), ("moe chosen", None)], "moe", rounds)
     report["load_after"] = os.getloadavg()
     return report
 
@@ -222,7 +232,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--capped"]:
     with tempfile.TemporaryDirectory(prefix="bench-capped-") as scratch:
         result = bench_capped(4, scratch)
     print(json.dumps(result, indent=1))
-elif __name__ == "__main__":
-    result = bench_layouts()
+elif __name__ == "__main__":  # [--rounds N]: each layout's run N times, in turn
+    result = bench_layouts(rounds=int(sys.argv[2]) if sys.argv[1:2] == ["--rounds"] else 1)
     print(json.dumps(result, indent=1))
     print(table(result))
