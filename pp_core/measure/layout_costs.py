@@ -97,13 +97,9 @@ def layout_profile(profile: ModelProfile, dims: ParallelDims, world: int, layout
 def _wrapped(unit: UnitCost, engine: EngineCosts) -> UnitCost:
     """``unit`` in one FSDP2 module (a block is one; the rest of a stage shares its part's):
     the engine's hooks in every forward and backward."""
-    f, b = engine.forward_s, engine.backward_s
-    if not (f or b):
+    if not (engine.forward_s or engine.backward_s):
         return unit
-    recompute = tuple((mode, fw + f, bw + b, i + b, saved, transient)
-                      for mode, fw, bw, i, saved, transient in unit.recompute)
-    return replace(unit, forward_s=unit.forward_s + f, backward_s=unit.backward_s + b,
-                   input_grad_s=unit.input_grad_s + b, recompute=recompute)
+    return unit.retimed(forward_s=engine.forward_s, backward_s=engine.backward_s)
 
 
 def _at_ep(unit: UnitCost, entry, ep: int, collectives: Collectives) -> UnitCost:

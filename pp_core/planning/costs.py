@@ -116,6 +116,19 @@ class UnitCost:
         """The activation-checkpointing modes this unit can run: ``none`` and the measured."""
         return ("none",) + tuple(entry[0] for entry in self.recompute)
 
+    def retimed(self, scale: float = 1.0, forward_s: float = 0.0,
+                backward_s: float = 0.0) -> "UnitCost":
+        """This unit with every time ``scale`` times as long, plus ``forward_s`` on each
+        forward and ``backward_s`` on each backward and input-gradient pass (W runs alone),
+        its recomputing variants alike: what a layout or a running pipeline adds to it."""
+        recompute = tuple((mode, f * scale + forward_s, b * scale + backward_s,
+                           i * scale + backward_s, saved, transient)
+                          for mode, f, b, i, saved, transient in self.recompute)
+        return replace(self, forward_s=self.forward_s * scale + forward_s,
+                       backward_s=self.backward_s * scale + backward_s,
+                       input_grad_s=self.input_grad_s * scale + backward_s,
+                       weight_grad_s=self.weight_grad_s * scale, recompute=recompute)
+
     def under(self, mode: str) -> "UnitCost":
         """This unit as it costs with its blocks checkpointed by ``mode`` (``none``: itself).
 
@@ -171,15 +184,7 @@ class ModelProfile:
         pipeline pays for them (:mod:`pp_core.app.launch.pipeline_factor`)."""
         if factor == 1.0:
             return self
-
-        def unit(u: UnitCost) -> UnitCost:
-            recompute = tuple((mode, f * factor, b * factor, i * factor, saved, transient)
-                              for mode, f, b, i, saved, transient in u.recompute)
-            return replace(u, forward_s=u.forward_s * factor, backward_s=u.backward_s * factor,
-                           input_grad_s=u.input_grad_s * factor,
-                           weight_grad_s=u.weight_grad_s * factor, recompute=recompute)
-
-        return replace(self, units=tuple(unit(u) for u in self.units),
+        return replace(self, units=tuple(u.retimed(factor) for u in self.units),
                        action_overhead_s=self.action_overhead_s * factor)
 
     def transfer_s(self, num_bytes: int) -> float:

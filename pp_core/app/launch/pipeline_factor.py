@@ -6,7 +6,7 @@ rank of a pipeline pays more for the same units: activations of several microbat
 (fresh pages, colder caches), the kernel's share of every hand-off, peers on the same cores.
 On this machine's 2 cores, the benchmark GPT at pp 4 spent 15-45 % more CPU per rank and step
 than its units' profiled F and B and the executor's per-action time add up to (user and system
-time, ``getrusage``): the part of the planner's under-prediction that no one collective or
+time): the part of the planner's under-prediction that no one collective or
 engine explains (docs/benchmarks.md).
 
 So ``pp-core plan --world N`` measures it once, on the model itself: ``min(N, 4)`` local
@@ -25,9 +25,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import resource
 import statistics
 import tempfile
+import time
 from datetime import timedelta
 
 import torch
@@ -74,21 +74,16 @@ def measure_pipeline_factor(spec: Spec, profiles: dict[int, ModelProfile], world
                     failed="running the model as a pipeline to measure its CPU cost failed")
         with open(out, "rb") as fh:
             measured, alone = pickle.load(fh)
-    predicted = _predicted_cpu_s(alone, profile.action_overhead_s, stages, batch // size)
+    predicted = _predicted_cpu_s(alone, profile.action_overhead_s, ranks, batch // size)
     return min(max(sum(measured) / predicted, BOUNDS[0]), BOUNDS[1]) if predicted > 0 else 1.0
 
 
-def _predicted_cpu_s(alone: ModelProfile, action_overhead_s: float, stages,
+def _predicted_cpu_s(alone: ModelProfile, action_overhead_s: float, ranks: int,
                      microbatches: int) -> float:
     """What the profile says the ranks spend per step: their units' F and B for every
     microbatch, and the executor's time on each of those actions."""
     compute = sum(u.forward_s + u.backward_s for u in alone.units)
-    return microbatches * (compute + 2 * len(stages) * action_overhead_s)
-
-
-def _cpu_s() -> float:
-    used = resource.getrusage(resource.RUSAGE_SELF)
-    return used.ru_utime + used.ru_stime
+    return microbatches * (compute + 2 * ranks * action_overhead_s)
 
 
 def _worker(rank: int, values: dict, stages, microbatch_size: int, backend: str,
@@ -116,9 +111,9 @@ def _worker(rank: int, values: dict, stages, microbatch_size: int, backend: str,
         seconds = []
         for step in range(WARMUP + TIMED):
             dist.barrier()
-            started = _cpu_s()
+            started = time.process_time()  # user and system, as measure.overhead
             pipe.step(inputs, target=target)
-            seconds.append(_cpu_s() - started)
+            seconds.append(time.process_time() - started)
             for part in pipe.model_parts:
                 part.zero_grad(set_to_none=True)
         mine = torch.tensor([statistics.median(seconds[WARMUP:])], dtype=torch.float64)
