@@ -22,8 +22,12 @@ schedule x stages per rank x microbatch size, in well under a second each. The p
   of its output (``RECV_B``: the same size as its boundary activation). Without the pool a
   received input lives until the backward that releases it and a received gradient until the
   ``B`` or ``I`` that consumes it (what a split backward's ``W`` still holds of it is in the
-  part above, pool or not); with the pool every message lives only until it is consumed, plus
-  the spare sets (the interval colouring of :mod:`pp_core.schedule.buffer_plan`).
+  part above, pool or not), and the replay counts them beside the activations action by action
+  (:func:`recv_bytes_per_action`): the buffers of each kind peak at other moments than the
+  activations and than each other (their maxima summed were 1.13x the live tensors of a looped
+  schedule, once the runtime stopped holding sent tensors to the step's end). With the pool
+  every message lives only until it is consumed, plus the spare sets (the interval colouring of
+  :mod:`pp_core.schedule.buffer_plan`), allocated for the whole step.
 
 * **transients**: one action runs at a time on a rank, so on top of the above it holds the
   temporaries of one unit's forward + backward (``transient_bytes``, measured by the profiler:
@@ -44,6 +48,7 @@ input batch itself.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -52,8 +57,12 @@ from pp_core.schedule.buffer_plan import max_live
 from pp_core.schedule.ir import Schedule
 from pp_core.schedule.lower import lower
 from pp_core.schedule.peak_bytes import peak_activation_bytes
+from pp_core.schedule.validate import encode_validated
 
-__all__ = ["RankMemory", "predict_memory", "recv_buffer_bytes", "split_held_bytes",
+peak_activation_bytes_of = peak_activation_bytes  # predict_memory's parameter shadows the name
+
+__all__ = ["RankMemory", "predict_memory", "recv_buffer_bytes", "recv_bytes_per_action",
+           "split_held_bytes",
            "stage_held_bytes", "posts_grads_at_forward", "stage_transients",
            "transient_over_peak"]
 
@@ -67,7 +76,8 @@ class RankMemory:
     grads: int
     optimizer: int
     activations: int
-    recv_default: int   # receive buffers as the runtime keeps them without the pool
+    recv_default: int   # what receive buffers add to the peak without the pool (held as the
+                        # runtime holds them, counted where they are live with the rest)
     recv_pool: int      # with the receive-buffer pool (``pp_recv_buffer_pool: true``)
     transient: int = 0  # what its backwards' temporaries add on top of ``activations``
     optimizer_step: int = 0  # the optimizer step's temporaries
@@ -169,6 +179,30 @@ def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
     return default, pooled
 
 
+def recv_bytes_per_action(schedule: Schedule, boundary: Sequence[int], program=None,
+                          early_grads: bool = False) -> list[list[int]]:
+    """Per rank, per compute action of its row (the replay's ``floor``), the bytes of the
+    receive buffers live while it runs, without the pool: a buffer from the action after its
+    ``RECV`` (or, ``early_grads``, after the forward whose output the gradient is for) through
+    the action that releases it (a gradient: consumes it)."""
+    program = lower(schedule) if program is None else program
+    out = []
+    for rank in range(schedule.num_ranks):
+        computes = program.compute_positions(rank)
+        change = [0] * (len(computes) + 1)
+        for stage, is_grad, posted, consumed, released in program.recv_intervals(rank,
+                                                                                 early_grads):
+            size = boundary[stage] if is_grad else boundary[stage - 1]
+            change[bisect.bisect_right(computes, posted)] += size
+            change[bisect.bisect_right(computes, consumed if is_grad else released)] -= size
+        live, per_action = 0, []
+        for delta in change[:-1]:
+            live += delta
+            per_action.append(live)
+        out.append(per_action)
+    return out
+
+
 def posts_grads_at_forward(profile: ModelProfile) -> bool:
     """Whether the runtime posts a gradient's receive at its forward (without the pool): on a
     backend that matches messages by tag, gloo, which is what pp-core runs on the CPU
@@ -187,9 +221,18 @@ def predict_memory(profile: ModelProfile, schedule: Schedule,
     params = stage_sums(profile, units_per_stage, "param_bytes")
     trained = stage_sums(profile, units_per_stage, "trained_bytes")  # frozen: no grad, no state
     boundary = boundary_bytes(profile, units_per_stage)
-    default, pooled = recv_buffer_bytes(schedule, boundary, slack, program,
-                                        posts_grads_at_forward(profile))
-    extra = transient_over_peak(profile, schedule, units_per_stage)
+    program = lower(schedule) if program is None else program
+    early = posts_grads_at_forward(profile)
+    _, pooled = recv_buffer_bytes(schedule, boundary, slack, program, early)
+    encoded = encode_validated(schedule, check_deadlock=False)
+    saved, held = stage_held_bytes(profile, units_per_stage)
+    transients = stage_transients(profile, units_per_stage)
+    plain = peak_activation_bytes_of(schedule, saved, held, encoded)
+    with_transients = peak_activation_bytes_of(schedule, saved, held, encoded, transients)
+    joint = peak_activation_bytes_of(schedule, saved, held, encoded, transients,
+                                     recv_bytes_per_action(schedule, boundary, program, early))
+    extra = [int(max(0, a - b)) for a, b in zip(with_transients, plain)]
+    default = [int(max(0, a - b)) for a, b in zip(joint, with_transients)]
     out = []
     for rank in range(schedule.num_ranks):
         p = sum(params[s] for s in schedule.stages_of(rank))

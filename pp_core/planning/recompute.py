@@ -30,7 +30,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pp_core.planning.costs import ModelProfile, UnitCost
-from pp_core.planning.memory import predict_memory, stage_held_bytes, stage_transients
+from pp_core.planning.memory import (
+    boundary_bytes,
+    posts_grads_at_forward,
+    predict_memory,
+    recv_bytes_per_action,
+    stage_held_bytes,
+    stage_transients,
+)
 from pp_core.planning.refine import simulate_split
 from pp_core.schedule.peak_bytes import peak_activation_bytes
 from pp_core.schedule.lower import lower
@@ -110,6 +117,10 @@ class _Ranks:
         self.encoded = encode_validated(schedule, check_deadlock=False)
         self.base = predict_memory(profile, schedule, units, [0.0] * schedule.num_ranks, slack,
                                    program)
+        # receive buffers without the pool, beside the activations action by action (the
+        # split fixes them; the modes do not change a stage's boundary)
+        self.recv_floor = recv_bytes_per_action(
+            schedule, boundary_bytes(profile, units), program, posts_grads_at_forward(profile))
         self.stages = [list(schedule.stages_of(rank)) for rank in range(schedule.num_ranks)]
         self.terms: dict[str, tuple[list[int], list[int], list[int]]] = {}
         self.extra: dict[tuple[int, str], float] = {}
@@ -126,17 +137,25 @@ class _Ranks:
         """Per rank, :meth:`RankMemory.total` with these modes (the pool as the settings say,
         or the better of the two when the planner chooses it)."""
         terms = [self._terms(mode) for mode in modes]
-        act = peak_activation_bytes(self.schedule, [t[0][s] for s, t in enumerate(terms)],
-                                    [t[1][s] for s, t in enumerate(terms)], self.encoded,
-                                    [t[2][s] for s, t in enumerate(terms)])
         pool = self.settings.pool
+        replay = [[t[i][s] for s, t in enumerate(terms)] for i in range(3)]
+
+        def running(pooled: bool) -> list[float]:  # its backwards' temporaries included
+            if pooled:  # the pool's buffers are there the whole step
+                return [a + base.recv_pool for a, base in zip(
+                    peak_activation_bytes(self.schedule, replay[0], replay[1], self.encoded,
+                                          replay[2]), self.base)]
+            return peak_activation_bytes(self.schedule, replay[0], replay[1], self.encoded,
+                                         replay[2], self.recv_floor)
+
+        choices = (pool,) if pool is not None else (False, True)
+        peaks = {pooled: running(pooled) for pooled in choices}
         out = []
         for rank, base in enumerate(self.base):
             fixed = base.params + base.grads + base.optimizer
-            running = act[rank]  # its backwards' temporaries included
-            totals = [fixed + max(running + (base.recv_pool if pooled else base.recv_default),
+            totals = [fixed + max(peaks[pooled][rank],
                                   (base.recv_pool if pooled else 0) + base.optimizer_step)
-                      for pooled in ((pool,) if pool is not None else (False, True))]
+                      for pooled in choices]
             out.append(int(min(totals)))
         return out
 

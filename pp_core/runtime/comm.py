@@ -213,9 +213,12 @@ class Mailbox:
         self.shapes = shapes
         self.ordered = getattr(p2p, "ordered", True)
         self.unflushed: dict[int, deque] = {}
-        self.sends: deque = deque()  # (work, tensors) in issue order
+        self.sends: deque = deque()  # [work, tensor, peer, origin] in issue order
         self.sends_issued = 0
         self.sends_done = 0
+        self.origin = -1
+        """Program position of the action now running: the sends it issues carry it, and
+        :meth:`settle` names sends by it (set by the executor)."""
 
     def post(self, message: Incoming, with_header: bool) -> Incoming:
         if self.unflushed.get(message.peer):
@@ -312,28 +315,38 @@ class Mailbox:
              header: Optional[list] = None) -> None:
         if self.unflushed.get(peer):
             self.flush(peer, blocking=self.ordered)
-        p2p = self.p2p
+        p2p, origin = self.p2p, self.origin
         if header is not None:
             head = torch.tensor(header, dtype=torch.int64).to(self.device, non_blocking=True)
-            self.sends.append((p2p.isend(head, peer, TAG_HEADER), head, peer))
+            self.sends.append([p2p.isend(head, peer, TAG_HEADER), head, peer, origin])
             self.sends_issued += 1
         tags = (tag,) * len(tensors) if isinstance(tag, int) else tag  # or one per tensor
         for tensor, tag in zip(tensors, tags):
-            self.sends.append((p2p.isend(tensor, peer, tag), tensor, peer))
+            self.sends.append([p2p.isend(tensor, peer, tag), tensor, peer, origin])
             self.sends_issued += 1
+
+    def settle(self, origins) -> None:
+        """Wait for the sends issued at the program positions ``origins``, which the peer is
+        known to have received (:meth:`~pp_core.schedule.lower.Program.send_acks`), and drop
+        the tensors they hold; the wait returns at once."""
+        for entry in self.sends:
+            if entry[0] is not None and entry[3] in origins:
+                self.p2p.wait(entry[0], entry[2])
+                entry[0] = entry[1] = None
 
     def reap(self) -> None:
         """Forget finished sends, oldest first (never blocks)."""
         sends = self.sends
-        while sends and sends[0][0].is_completed():
+        while sends and (sends[0][0] is None or sends[0][0].is_completed()):
             sends.popleft()
             self.sends_done += 1
 
     def wait_sends(self) -> None:
         sends = self.sends
         while sends:
-            work, _, peer = sends[0]
-            self.p2p.wait(work, peer)
+            work, _, peer, _ = sends[0]
+            if work is not None:
+                self.p2p.wait(work, peer)
             sends.popleft()
             self.sends_done += 1
 

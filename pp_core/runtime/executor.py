@@ -58,8 +58,11 @@ class Executor:
     def __init__(self, program: RankProgram, stages: dict[int, Stage], p2p: P2P, allocator, *,
                  train: bool, loss_fn=None, scale: float = 1.0, initializers=(),
                  device: torch.device, dtype=None, static_shapes: bool = False,
-                 observers: Optional[list] = None):
+                 observers: Optional[list] = None, send_acks: Optional[dict] = None):
         self.program = program
+        # where this rank's sends are known received (Program.send_acks): waited there, so
+        # the tensors they hold go then and not at the step's end (gloo cannot poll a send)
+        self.send_acks = send_acks or {}
         self.rank = program.rank
         self.stages = stages
         self.p2p = p2p
@@ -128,16 +131,18 @@ class Executor:
             if self._aux_modules is None:
                 self._aux_modules = aux_loss_modules(s.module for s in self.stages.values())
             scale_aux_losses(self._aux_modules, state.aux_loss_scale)
-        release_at = self.release_at
+        release_at, send_acks = self.release_at, self.send_acks
         observers, profiled = self.observers, profiler_enabled()  # once per step: cheap
         plain = not observers and not profiled
         for position, action in enumerate(self.program.actions):
             state.current = action
-            state.position = position
+            state.position = mailbox.origin = position
             if plain:
                 handlers[action.kind](self, state, action)
             else:
                 run_action(handlers[action.kind], self, state, action, observers, profiled)
+            if position in send_acks:
+                mailbox.settle(send_acks[position])
             if mailbox.unflushed and not mailbox.ordered:
                 mailbox.poll()
             if position in release_at and self.track_release:

@@ -139,7 +139,8 @@ class Pipeline:
                                if config.scale_grads_in_schedule else 1.0,
                                initializers=self.initializers, device=self.device,
                                dtype=self.dtype, static_shapes=config.pp_seq_len is not None,
-                               observers=self._observers)
+                               observers=self._observers,
+                               send_acks=self.program.send_acks(rank))
         self._eval: Optional[Executor] = None
         self._plugins = plugins
         self.tracing = False

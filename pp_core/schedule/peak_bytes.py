@@ -20,7 +20,8 @@ __all__ = ["peak_activation_bytes", "rank_peak_bytes", "bytes_per_stage"]
 def peak_activation_bytes(schedule: Schedule, activation_bytes: Sequence[float],
                           input_grad_held_bytes: Sequence[float] | None = None,
                           encoded: list[list[int]] | None = None,
-                          transient_bytes: Sequence[float] | None = None) -> list[float]:
+                          transient_bytes: Sequence[float] | None = None,
+                          floor: Sequence[Sequence[float]] | None = None) -> list[float]:
     """Per rank, the ``peak_activation_bytes`` of :func:`simulate` without the timing replay
     (the bytes follow each rank's own order, not the clock): what a planner that tries many
     byte figures on one schedule calls. ``encoded``: the schedule's
@@ -28,20 +29,26 @@ def peak_activation_bytes(schedule: Schedule, activation_bytes: Sequence[float],
     ``transient_bytes`` (per stage): the temporaries a stage's actions hold while they run (a
     checkpointed block's recomputed activations), counted on top of what is live when each of
     its ``B``, ``I`` or ``W`` starts and each ``F`` ends - not on top of the rank's peak, which
-    may come where they are not."""
+    may come where they are not. ``floor`` (per rank, per compute action of its row): bytes
+    held beside the activations while that action runs (receive buffers), counted there."""
     held = bytes_per_stage(input_grad_held_bytes, schedule.num_stages, "input_grad_held_bytes")
     stage_bytes = bytes_per_stage(activation_bytes, schedule.num_stages)
     transient = bytes_per_stage(transient_bytes, schedule.num_stages, "transient_bytes")
     if encoded is None:
         encoded = encode_validated(schedule, check_deadlock=False)
-    return [rank_peak_bytes(row, schedule.num_microbatches, stage_bytes, held, transient)
-            for row in encoded]
+    return [rank_peak_bytes(row, schedule.num_microbatches, stage_bytes, held, transient,
+                            None if floor is None else floor[rank])
+            for rank, row in enumerate(encoded)]
 
 
 def rank_peak_bytes(row, M: int, stage_bytes: list[float], held: list[float] | None,
-                    transient: list[float] | None = None) -> float:
+                    transient: list[float] | None = None,
+                    floor: Sequence[float] | None = None) -> float:
     """The most bytes one rank's saved activations (and split-backward holdings, and with
-    ``transient`` each action's temporaries while it runs) reach."""
+    ``transient`` each action's temporaries while it runs, and with ``floor`` what else each
+    action has beside them) reach."""
+    if floor is not None:
+        return _floored_peak_bytes(row, M, stage_bytes, held, transient, floor)
     live_b = peak_b = 0.0
     for c in row:
         kc = c & 3
@@ -65,6 +72,30 @@ def rank_peak_bytes(row, M: int, stage_bytes: list[float], held: list[float] | N
             if live_b > peak_b:  # are among its temporaries (the memory model's transient),
                 peak_b = live_b  # after it they are counted here
             live_b += held[stage]
+    return peak_b
+
+
+def _floored_peak_bytes(row, M: int, stage_bytes, held, transient, floor) -> float:
+    """:func:`rank_peak_bytes` with ``floor[i]`` held beside everything while action ``i``
+    runs (its own loop: the plain one is the planner's inner loop)."""
+    live_b = peak_b = 0.0
+    for c, beside in zip(row, floor):
+        kc = c & 3
+        stage = (c >> 2) // M
+        extra = beside + (transient[stage] if transient is not None else 0.0)
+        if kc == 0:
+            peak_b = max(peak_b, live_b + beside)  # what it reads is there before it saves
+            live_b += stage_bytes[stage]
+            peak_b = max(peak_b, live_b + extra)
+        elif kc != 2:
+            peak_b = max(peak_b, live_b + extra)
+            if kc == 3 and held is not None:
+                live_b -= held[stage]
+            live_b -= stage_bytes[stage]
+        else:
+            peak_b = max(peak_b, live_b + extra)
+            if held is not None:
+                live_b += held[stage]
     return peak_b
 
 

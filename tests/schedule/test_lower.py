@@ -209,3 +209,54 @@ def test_lower_refuses_misplaced_and_comm_actions():
     rows = [[Action(0, F, 3)], []]
     with pytest.raises(ScheduleError, match="out of range"):
         lower(Schedule(rows, (0, 1), 1))
+
+
+def test_send_acks_1f1b_two_ranks_exact():
+    """A forward output is known received when its gradient arrives (rank 0 at each B); a
+    gradient when the upstream rank's next message after its backward does (rank 1's first
+    gradient at F2; the last ones have no later message and wait for the step's end)."""
+    program = lower(one_f_one_b(2, 3))
+    assert program.send_acks(0) == {5: (1,), 9: (3,), 11: (7,)}
+    assert program.send_acks(1) == {9: (4,)}
+
+
+@pytest.mark.parametrize("name,p,m", CASES)
+def test_send_acks_only_name_sends_the_peer_has_consumed(name, p, m):
+    """Replay every rank in the lowering's global order: wherever a rank settles a send, the
+    peer has already run the compute that consumes it, so the wait cannot block."""
+    program = lower(schedule_for(name, p, m))
+    rows = program.actions
+    consumer = {}  # (receiving rank, RECV action) -> position of the compute that reads it
+    for rank in range(p):
+        for lt in program.rank(rank).recv_lifetimes:
+            consumer[rank, lt.action] = lt.consumed
+    acks = [program.send_acks(rank) for rank in range(p)]
+    assert any(acks), "some send must be known received before the step's end"
+    ptr = [0] * p
+    sent = set()
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(p):
+            while ptr[rank] < len(rows[rank]):
+                a = rows[rank][ptr[rank]]
+                if a.kind is F and a.stage and program.stage_ranks[a.stage - 1] != rank \
+                        and ("F", a.stage - 1, a.microbatch) not in sent:
+                    break
+                if a.kind in (B, I) and a.stage < program.num_stages - 1 \
+                        and program.stage_ranks[a.stage + 1] != rank \
+                        and ("B", a.stage + 1, a.microbatch) not in sent:
+                    break
+                if a.kind in (SEND_F, SEND_B):
+                    sent.add(("F" if a.kind is SEND_F else "B", a.stage, a.microbatch))
+                for position in acks[rank].get(ptr[rank], ()):
+                    send = rows[rank][position]
+                    assert position < ptr[rank] and send.kind in (SEND_F, SEND_B)
+                    target = (Action(send.stage + 1, RECV_F, send.microbatch)
+                              if send.kind is SEND_F
+                              else Action(send.stage - 1, RECV_B, send.microbatch))
+                    peer = program.stage_ranks[target.stage]
+                    assert ptr[peer] > consumer[peer, target], (rank, send, ptr)
+                ptr[rank] += 1
+                progress = True
+    assert ptr == [len(row) for row in rows]

@@ -205,3 +205,19 @@ def test_input_grad_held_bytes_count_from_each_i_to_its_w():
     assert simulate(deferred, input_grad_held_bytes=7).peak_activation_bytes == [14]
     with pytest.raises(ScheduleError, match=r"input_grad_held_bytes has 2 entries"):
         simulate(deferred, input_grad_held_bytes=[1, 2])
+
+
+def test_a_floor_counts_what_each_action_holds_beside_the_activations():
+    """``floor``: bytes beside the saved activations while each action runs (receive
+    buffers). A zero floor gives the plain replay; 50 at the second forward add to the peak
+    there (200 + 50); 30 at the last W, where 110 are saved, do not; 500 there do (610)."""
+    from pp_core.schedule.peak_bytes import peak_activation_bytes
+
+    deferred = _one_rank("0F0 0F1 0I0 0I1 0W0 0W1")
+    for transient in (None, [5]):
+        plain = peak_activation_bytes(deferred, [100], [10], transient_bytes=transient)
+        zero = peak_activation_bytes(deferred, [100], [10], transient_bytes=transient,
+                                     floor=[[0] * 6])
+        assert zero == plain
+    assert peak_activation_bytes(deferred, [100], [10], floor=[[0, 50, 0, 0, 0, 30]]) == [250]
+    assert peak_activation_bytes(deferred, [100], [10], floor=[[0, 0, 0, 0, 0, 500]]) == [610]
