@@ -72,6 +72,8 @@ class _Saved:
 
     def __init__(self, exclude: set[int]):
         self.exclude, self.seen, self.total, self.made = exclude, set(), 0, 0
+        self.inputs: set[int] = set()  # the storages of the unit's inputs (set before it runs)
+        self.kept_input = 0  # of ``total``, the unit's inputs
         self.allocations = Allocations()
 
     def pack(self, tensor):
@@ -83,6 +85,8 @@ class _Saved:
                 self.total += storage.nbytes()
                 if key in self.allocations.live:  # made by the unit, so in its allocation log
                     self.made += storage.nbytes()
+                elif key in self.inputs:
+                    self.kept_input += storage.nbytes()
         except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested)
             pass
         return tensor
@@ -167,6 +171,9 @@ def _one_microbatch(runner: _UnitRunner, x, target, loss_fn, split: bool, saved:
     handed = ()
     for i in range(n):
         leaves[i] = () if i == 0 else make_stage_inputs(handed, True)
+        if saved:
+            saved[i].inputs = {local_tensor(t).untyped_storage().data_ptr() for t in leaves[i]
+                               if isinstance(t, torch.Tensor)}
         (grad_outs[i], handed), forward[i] = runner.timed(lambda i=i: runner.forward(
             x, target, loss_fn, i, leaves[i], saved[i] if saved else None))
         out_bytes[i] = _nbytes(handed)
@@ -322,7 +329,8 @@ def _profile_size(runner, units, x, y, loss_fn, size, repeats, exclude,
     costs = tuple(
         UnitCost(fqns=tuple(units[i]), forward_s=med["F"][i], backward_s=med["B"][i],
                  input_grad_s=med["I"][i], weight_grad_s=med["W"][i],
-                 activation_bytes=saved[i].total, param_bytes=_nbytes(runner.params[i]),
+                 activation_bytes=saved[i].total, saved_input_bytes=saved[i].kept_input,
+                 param_bytes=_nbytes(runner.params[i]),
                  output_bytes=first[i][3], transient_bytes=transient[i],
                  input_grad_held_bytes=held[i].held, input_grad_freed_bytes=held[i].freed,
                  output_grad_held_bytes=held[i].received_held,

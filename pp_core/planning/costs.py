@@ -12,7 +12,10 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
-__all__ = ["UnitCost", "ModelProfile", "Link"]
+__all__ = ["UnitCost", "ModelProfile", "Link", "ALL_INPUT"]
+
+ALL_INPUT = -1
+"""``UnitCost.saved_input_bytes`` of a unit that keeps all of its input (a checkpointed one)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,10 @@ class UnitCost:
     # A unit with none is frozen: the planner drops the backward of a frozen prefix and the W
     # of a later frozen stage (pp_core.schedule.frozen).
     trainable_param_bytes: Optional[int] = None
+    # Of activation_bytes, the unit's own input (what a stage's first unit keeps of a received
+    # buffer, which the memory model must not count twice). ALL_INPUT: all of it (a checkpointed
+    # block keeps its inputs to run its forward again). Default 0: as before it was measured.
+    saved_input_bytes: int = 0
     # How many parameter tensors get a gradient (the optimizer's per-tensor work). 0: not
     # counted (a stored profile), and nothing is charged per tensor.
     trained_tensors: int = 0
@@ -142,6 +149,7 @@ class UnitCost:
                 return replace(self, forward_s=forward, backward_s=backward,
                                input_grad_s=input_grad, activation_bytes=saved,
                                transient_bytes=transient, recompute=(),
+                               saved_input_bytes=ALL_INPUT,
                                input_grad_held_bytes=self.input_grad_held_bytes
                                + max(0, self.activation_bytes - saved))
         raise ValueError(f"unit {'/'.join(self.fqns)} has no measured activation "

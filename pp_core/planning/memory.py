@@ -25,9 +25,12 @@ schedule x stages per rank x microbatch size, in well under a second each. The p
   part above, pool or not), and the replay counts them beside the activations action by action
   (:func:`recv_bytes_per_action`): the buffers of each kind peak at other moments than the
   activations and than each other (their maxima summed were 1.13x the live tensors of a looped
-  schedule, once the runtime stopped holding sent tensors to the step's end). With the pool
-  every message lives only until it is consumed, plus the spare sets (the interval colouring of
-  :mod:`pp_core.schedule.buffer_plan`), allocated for the whole step.
+  schedule, once the runtime stopped holding sent tensors to the step's end). A received input
+  that the stage's first unit saves for backward is one tensor, counted with the activations
+  from its forward on (:func:`kept_input_bytes`). With the pool every message lives only until
+  it is consumed, plus the spare sets (the interval colouring of
+  :mod:`pp_core.schedule.buffer_plan`), allocated for the whole step;
+* **sent gradients** until the rank knows them received (:func:`sent_bytes_per_action`).
 
 * **transients**: one action runs at a time on a rank, so on top of the above it holds the
   temporaries of one unit's forward + backward (``transient_bytes``, measured by the profiler:
@@ -52,9 +55,9 @@ import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
-from pp_core.planning.costs import ModelProfile
+from pp_core.planning.costs import ALL_INPUT, ModelProfile
 from pp_core.schedule.buffer_plan import max_live
-from pp_core.schedule.ir import Schedule
+from pp_core.schedule.ir import SEND_B, Schedule
 from pp_core.schedule.lower import lower
 from pp_core.schedule.peak_bytes import peak_activation_bytes
 from pp_core.schedule.validate import encode_validated
@@ -62,7 +65,7 @@ from pp_core.schedule.validate import encode_validated
 peak_activation_bytes_of = peak_activation_bytes  # predict_memory's parameter shadows the name
 
 __all__ = ["RankMemory", "predict_memory", "recv_buffer_bytes", "recv_bytes_per_action",
-           "split_held_bytes",
+           "sent_bytes_per_action", "kept_input_bytes", "add_floors", "split_held_bytes",
            "stage_held_bytes", "posts_grads_at_forward", "stage_transients",
            "transient_over_peak"]
 
@@ -81,19 +84,21 @@ class RankMemory:
     recv_pool: int      # with the receive-buffer pool (``pp_recv_buffer_pool: true``)
     transient: int = 0  # what its backwards' temporaries add on top of ``activations``
     optimizer_step: int = 0  # the optimizer step's temporaries
+    sent: int = 0       # what sent gradients, held until known received, add on top of those
 
     def total(self, pool: bool) -> int:
         """The larger of the two peaks: during the forwards and backwards, or during the step
         (which comes after them, with only the pooled receive buffers still held)."""
         recv = self.recv_pool if pool else self.recv_default
-        running = self.activations + recv + self.transient
+        running = self.activations + recv + self.transient + self.sent
         stepping = (self.recv_pool if pool else 0) + self.optimizer_step
         return self.params + self.grads + self.optimizer + max(running, stepping)
 
     def to_dict(self, pool: bool) -> dict:
         return {"rank": self.rank, "params": self.params, "grads": self.grads,
                 "optimizer": self.optimizer, "activations": self.activations,
-                "transient": self.transient, "optimizer_step": self.optimizer_step,
+                "transient": self.transient, "sent": self.sent,
+                "optimizer_step": self.optimizer_step,
                 "recv_buffers": self.recv_pool if pool else self.recv_default,
                 "recv_buffers_without_pool": self.recv_default,
                 "recv_buffers_with_pool": self.recv_pool, "total": self.total(pool)}
@@ -180,11 +185,14 @@ def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
 
 
 def recv_bytes_per_action(schedule: Schedule, boundary: Sequence[int], program=None,
-                          early_grads: bool = False) -> list[list[int]]:
+                          early_grads: bool = False,
+                          kept: Sequence[int] | None = None) -> list[list[int]]:
     """Per rank, per compute action of its row (the replay's ``floor``), the bytes of the
     receive buffers live while it runs, without the pool: a buffer from the action after its
     ``RECV`` (or, ``early_grads``, after the forward whose output the gradient is for) through
-    the action that releases it (a gradient: consumes it)."""
+    the action that releases it (a gradient: consumes it). ``kept`` (per stage): the bytes of
+    a received input that the stage's saved activations already count after its forward
+    (:func:`kept_input_bytes`); they are counted here only up to that forward."""
     program = lower(schedule) if program is None else program
     out = []
     for rank in range(schedule.num_ranks):
@@ -194,12 +202,68 @@ def recv_bytes_per_action(schedule: Schedule, boundary: Sequence[int], program=N
                                                                                  early_grads):
             size = boundary[stage] if is_grad else boundary[stage - 1]
             change[bisect.bisect_right(computes, posted)] += size
-            change[bisect.bisect_right(computes, consumed if is_grad else released)] -= size
-        live, per_action = 0, []
-        for delta in change[:-1]:
-            live += delta
-            per_action.append(live)
-        out.append(per_action)
+            if is_grad:
+                change[bisect.bisect_right(computes, consumed)] -= size
+            else:
+                saved = min(size, kept[stage]) if kept else 0
+                change[bisect.bisect_right(computes, consumed)] -= saved
+                change[bisect.bisect_right(computes, released)] -= size - saved
+        out.append(running_sums(change))
+    return out
+
+
+def kept_input_bytes(profile: ModelProfile, units_per_stage: Sequence[Sequence[int]],
+                     keeps: Sequence[int] | None = None) -> list[int]:
+    """Per stage, what its first unit keeps of its input for backward (``saved_input_bytes``,
+    or ``keeps``'s entry; ``ALL_INPUT``: all of it), at most the input's size: on a stage
+    after the first that input is the received buffer, to be counted once (counted twice,
+    1.1x over the live tensors of a looped schedule)."""
+    if keeps is None:
+        keeps = [profile.units[units[0]].saved_input_bytes for units in units_per_stage]
+    out = [0]
+    for stage in range(1, len(units_per_stage)):
+        size = profile.units[units_per_stage[stage - 1][-1]].output_bytes
+        out.append(size if keeps[stage] == ALL_INPUT else min(size, keeps[stage]))
+    return out
+
+
+def sent_bytes_per_action(schedule: Schedule, boundary: Sequence[int],
+                          program=None) -> list[list[int]]:
+    """Per rank, per compute action of its row, the bytes of the gradients it has sent and
+    still holds: a stage's input gradient is the mailbox's alone once sent, until the rank
+    knows it received (:meth:`~pp_core.schedule.lower.Program.send_acks`: the upstream rank's
+    next message after its backward) or the step ends. (A sent output is the stage's own,
+    counted with its activations until its backward, where its gradient proves it received.)
+    At the live peak of the last rank of dfs on 2 ranks, 4 microbatches, its mailbox held
+    three of them (96 KiB, 6 % of the rank's tensors)."""
+    program = lower(schedule) if program is None else program
+    out = []
+    for rank in range(schedule.num_ranks):
+        computes = program.compute_positions(rank)
+        acked = {send: at for at, sends in program.send_acks(rank).items() for send in sends}
+        change = [0] * (len(computes) + 1)
+        for position, action in enumerate(program.rank(rank).actions):
+            if action.kind is SEND_B:
+                size = boundary[action.stage - 1]
+                change[bisect.bisect_right(computes, position)] += size
+                end = acked.get(position)
+                if end is not None:
+                    change[bisect.bisect_right(computes, end)] -= size
+        out.append(running_sums(change))
+    return out
+
+
+def add_floors(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
+    """Per rank, per action, ``a`` + ``b``."""
+    return [[x + y for x, y in zip(ra, rb)] for ra, rb in zip(a, b)]
+
+
+def running_sums(change: list[int]) -> list[int]:
+    """The value at each index of a difference array (its last entry is past the end)."""
+    live, out = 0, []
+    for delta in change[:-1]:
+        live += delta
+        out.append(live)
     return out
 
 
@@ -227,12 +291,14 @@ def predict_memory(profile: ModelProfile, schedule: Schedule,
     encoded = encode_validated(schedule, check_deadlock=False)
     saved, held = stage_held_bytes(profile, units_per_stage)
     transients = stage_transients(profile, units_per_stage)
-    plain = peak_activation_bytes_of(schedule, saved, held, encoded)
-    with_transients = peak_activation_bytes_of(schedule, saved, held, encoded, transients)
-    joint = peak_activation_bytes_of(schedule, saved, held, encoded, transients,
-                                     recv_bytes_per_action(schedule, boundary, program, early))
-    extra = [int(max(0, a - b)) for a, b in zip(with_transients, plain)]
-    default = [int(max(0, a - b)) for a, b in zip(joint, with_transients)]
+    sent = sent_bytes_per_action(schedule, boundary, program)
+    received = recv_bytes_per_action(schedule, boundary, program, early,
+                                     kept_input_bytes(profile, units_per_stage))
+    peaks = [peak_activation_bytes_of(schedule, saved, held, encoded, *extra) for extra in (
+        (), (transients,), (transients, sent), (transients, add_floors(sent, received)))]
+    # what each part adds on top of the ones before it, where they are live together
+    extra, sends, default = ([int(max(0, a - b)) for a, b in zip(upper, lower_)]
+                             for lower_, upper in zip(peaks, peaks[1:]))
     out = []
     for rank in range(schedule.num_ranks):
         p = sum(params[s] for s in schedule.stages_of(rank))
@@ -243,7 +309,7 @@ def predict_memory(profile: ModelProfile, schedule: Schedule,
             optimizer_step=int(t * profile.optimizer_step_bytes_per_param_byte),
             activations=int(peak_activation_bytes[rank]),
             recv_default=default[rank], recv_pool=pooled[rank],
-            transient=extra[rank]))
+            transient=extra[rank], sent=sends[rank]))
     return out
 
 

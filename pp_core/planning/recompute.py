@@ -31,10 +31,13 @@ from typing import Sequence
 
 from pp_core.planning.costs import ModelProfile, UnitCost
 from pp_core.planning.memory import (
+    add_floors,
     boundary_bytes,
+    kept_input_bytes,
     posts_grads_at_forward,
     predict_memory,
     recv_bytes_per_action,
+    sent_bytes_per_action,
     stage_held_bytes,
     stage_transients,
 )
@@ -117,10 +120,13 @@ class _Ranks:
         self.encoded = encode_validated(schedule, check_deadlock=False)
         self.base = predict_memory(profile, schedule, units, [0.0] * schedule.num_ranks, slack,
                                    program)
-        # receive buffers without the pool, beside the activations action by action (the
-        # split fixes them; the modes do not change a stage's boundary)
-        self.recv_floor = recv_bytes_per_action(
-            schedule, boundary_bytes(profile, units), program, posts_grads_at_forward(profile))
+        # beside the activations action by action: sent gradients, and without the pool the
+        # receive buffers (the split fixes them; the modes do not change a stage's boundary)
+        boundary = boundary_bytes(profile, units)
+        self.sent = sent_bytes_per_action(schedule, boundary, program)
+        self.posts_early = posts_grads_at_forward(profile)
+        self.floors: dict[tuple, list] = {}  # by what each stage keeps of its input
+        self.program = lower(schedule) if program is None else program
         self.stages = [list(schedule.stages_of(rank)) for rank in range(schedule.num_ranks)]
         self.terms: dict[str, tuple[list[int], list[int], list[int]]] = {}
         self.extra: dict[tuple[int, str], float] = {}
@@ -144,9 +150,9 @@ class _Ranks:
             if pooled:  # the pool's buffers are there the whole step
                 return [a + base.recv_pool for a, base in zip(
                     peak_activation_bytes(self.schedule, replay[0], replay[1], self.encoded,
-                                          replay[2]), self.base)]
+                                          replay[2], self.sent), self.base)]
             return peak_activation_bytes(self.schedule, replay[0], replay[1], self.encoded,
-                                         replay[2], self.recv_floor)
+                                         replay[2], self._floor(modes))
 
         choices = (pool,) if pool is not None else (False, True)
         peaks = {pooled: running(pooled) for pooled in choices}
@@ -158,6 +164,18 @@ class _Ranks:
                       for pooled in choices]
             out.append(int(min(totals)))
         return out
+
+    def _floor(self, modes) -> list:
+        """Sent gradients and receive buffers per action without the pool; a received input
+        counted until its forward where the stage's first unit keeps it (its mode decides)."""
+        firsts = tuple(_under(self.profile.units[units[0]], mode, self.settings.every)
+                       .saved_input_bytes for units, mode in zip(self.units, modes))
+        kept = tuple(kept_input_bytes(self.profile, self.units, firsts))
+        if kept not in self.floors:
+            self.floors[kept] = add_floors(self.sent, recv_bytes_per_action(
+                self.schedule, boundary_bytes(self.profile, self.units), self.program,
+                self.posts_early, kept))
+        return self.floors[kept]
 
     def extra_s(self, stage: int, mode: str) -> float:
         """Seconds a stage adds per step in ``mode``: the recompute, and what the mode's

@@ -92,6 +92,10 @@ def test_profile_counts_bytes_per_unit_and_scales_with_the_microbatch():
         assert first.activation_bytes == size * 4 * 4   # the microbatch (weights not counted)
         assert relu.activation_bytes == size * 8 * 4    # its result
         assert last.activation_bytes >= size * 8 * 4    # its input, then the loss's
+        # of those, its input (what a stage starting with it keeps of the received buffer):
+        # ReLU keeps its result, the Linear its input; the first unit's is the batch
+        assert (first.saved_input_bytes, relu.saved_input_bytes, last.saved_input_bytes) == \
+            (0, 0, size * 8 * 4)
         for unit in prof.units:
             times = (unit.forward_s, unit.backward_s, unit.input_grad_s, unit.weight_grad_s)
             assert all(math.isfinite(t) and t >= 0 for t in times)

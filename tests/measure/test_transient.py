@@ -79,7 +79,10 @@ def test_each_rank_is_charged_its_largest_unit_transient_or_the_optimizer_step()
     base = 2000 + 2000 + 4000  # params, grads, AdamW moments
     # rank 0: the step's temporaries (1000) outweigh activations + receives + transient
     assert first.total(False) == base + max(200 + first.recv_default + 70, 1000)
-    assert last.total(False) == base + 100 + last.recv_default + 9000
+    # rank 1 also holds the gradient it sent back until the step's end (nothing acknowledges
+    # the last one): 10 bytes, its boundary's size
+    assert last.sent == 10
+    assert last.total(False) == base + 100 + last.recv_default + 9000 + 10
     assert last.to_dict(False)["transient"] == 9000
 
 
