@@ -66,7 +66,7 @@ peak_activation_bytes_of = peak_activation_bytes  # predict_memory's parameter s
 
 __all__ = ["RankMemory", "predict_memory", "recv_buffer_bytes", "recv_bytes_per_action",
            "sent_bytes_per_action", "kept_input_bytes", "add_floors", "split_held_bytes",
-           "stage_held_bytes", "posts_grads_at_forward", "stage_transients",
+           "stage_held_bytes", "posts_receives_early", "stage_transients",
            "transient_over_peak"]
 
 
@@ -162,7 +162,7 @@ def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
     that releases it, so a class needs as many sets as receives live on ``[posted, released]``
     (a gradient: ``[posted, consumed]``, as what ``W`` keeps of it is :func:`split_held_bytes`);
     the pool copies out at consumption: ``[posted, consumed]`` plus ``slack`` spare sets.
-    ``early_grads`` (:func:`posts_grads_at_forward`): without the pool a gradient's buffer
+    ``early_grads`` (:func:`posts_receives_early`): without the pool a gradient's buffer
     exists from its stage's forward on, so a stage holds one per microbatch in flight, like its
     outputs (up to 1.16x under-predicted on rank 0 of a looped schedule without it).
     """
@@ -185,22 +185,26 @@ def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
 
 
 def recv_bytes_per_action(schedule: Schedule, boundary: Sequence[int], program=None,
-                          early_grads: bool = False,
+                          early: bool = False,
                           kept: Sequence[int] | None = None) -> list[list[int]]:
     """Per rank, per compute action of its row (the replay's ``floor``), the bytes of the
     receive buffers live while it runs, without the pool: a buffer from the action after its
-    ``RECV`` (or, ``early_grads``, after the forward whose output the gradient is for) through
-    the action that releases it (a gradient: consumes it). ``kept`` (per stage): the bytes of
-    a received input that the stage's saved activations already count after its forward
-    (:func:`kept_input_bytes`); they are counted here only up to that forward."""
+    ``RECV`` through the action that releases it (a gradient: consumes it). ``early``
+    (:func:`posts_receives_early`): a gradient's from the forward whose output it is for, and
+    every input's from the step's start (``transfers.prepost_forward``, on every step after
+    the first: 8 inputs from the start on a middle rank at 8 microbatches, 1.09-1.11x its
+    prediction before). ``kept`` (per stage): the bytes of a received input that the stage's
+    saved activations already count after its forward (:func:`kept_input_bytes`); they are
+    counted here only up to that forward."""
     program = lower(schedule) if program is None else program
     out = []
     for rank in range(schedule.num_ranks):
         computes = program.compute_positions(rank)
         change = [0] * (len(computes) + 1)
-        for stage, is_grad, posted, consumed, released in program.recv_intervals(rank,
-                                                                                 early_grads):
+        for stage, is_grad, posted, consumed, released in program.recv_intervals(rank, early):
             size = boundary[stage] if is_grad else boundary[stage - 1]
+            if early and not is_grad:
+                posted = -1
             change[bisect.bisect_right(computes, posted)] += size
             if is_grad:
                 change[bisect.bisect_right(computes, consumed)] -= size
@@ -267,10 +271,11 @@ def running_sums(change: list[int]) -> list[int]:
     return out
 
 
-def posts_grads_at_forward(profile: ModelProfile) -> bool:
-    """Whether the runtime posts a gradient's receive at its forward (without the pool): on a
+def posts_receives_early(profile: ModelProfile) -> bool:
+    """Whether the runtime posts receives ahead of their ``RECV`` (without the pool): on a
     backend that matches messages by tag, gloo, which is what pp-core runs on the CPU
-    (:mod:`pp_core.runtime.executor`, ``early_receives``)."""
+    (:mod:`pp_core.runtime.executor`, ``early_receives``): a gradient's at the forward whose
+    output it is for, every input's at the step's start."""
     return profile.device.startswith("cpu")
 
 
@@ -286,7 +291,7 @@ def predict_memory(profile: ModelProfile, schedule: Schedule,
     trained = stage_sums(profile, units_per_stage, "trained_bytes")  # frozen: no grad, no state
     boundary = boundary_bytes(profile, units_per_stage)
     program = lower(schedule) if program is None else program
-    early = posts_grads_at_forward(profile)
+    early = posts_receives_early(profile)
     _, pooled = recv_buffer_bytes(schedule, boundary, slack, program, early)
     encoded = encode_validated(schedule, check_deadlock=False)
     saved, held = stage_held_bytes(profile, units_per_stage)

@@ -34,7 +34,7 @@ from pp_core.planning.memory import (
     add_floors,
     boundary_bytes,
     kept_input_bytes,
-    posts_grads_at_forward,
+    posts_receives_early,
     predict_memory,
     recv_bytes_per_action,
     sent_bytes_per_action,
@@ -124,7 +124,7 @@ class _Ranks:
         # receive buffers (the split fixes them; the modes do not change a stage's boundary)
         boundary = boundary_bytes(profile, units)
         self.sent = sent_bytes_per_action(schedule, boundary, program)
-        self.posts_early = posts_grads_at_forward(profile)
+        self.posts_early = posts_receives_early(profile)
         self.floors: dict[tuple, list] = {}  # by what each stage keeps of its input
         self.program = lower(schedule) if program is None else program
         self.stages = [list(schedule.stages_of(rank)) for rank in range(schedule.num_ranks)]

@@ -6,15 +6,16 @@ import torch
 
 
 def step_live_bytes(pipe, inputs, target) -> int:
-    """On every rank: one ``Pipeline.step`` + AdamW step to make the optimizer state, then the
-    measured one; parameters + optimizer state + the allocation log's peak (live tensors, not the
-    resident set: deterministic)."""
+    """On every rank: two ``Pipeline.step`` + AdamW steps to make the optimizer state and reach
+    the steady state (from the third step on, gloo's receives of every input are posted at the
+    step's start, sized by the steps before), then the measured one; parameters + optimizer
+    state + the allocation log's peak (live tensors, not the resident set: deterministic)."""
     import torch.distributed as dist
 
     from pp_core.measure.transient import Allocations
 
     optimizers = [torch.optim.AdamW(part.parameters(), lr=1e-3) for part in pipe.model_parts]
-    for _ in range(2):
+    for _ in range(3):
         for part in pipe.model_parts:
             part.zero_grad(set_to_none=True)
         dist.barrier()

@@ -135,15 +135,15 @@ def test_receive_buffer_bytes_match_the_buffer_planner(name):
 def test_receive_buffers_are_counted_action_by_action():
     """1f1b, 2 ranks, 3 microbatches (test_lower's exact program). Rank 1 (F0 B0 F1 B1 F2
     B2) holds a received input from its RECV_F through the B that releases it; rank 0 (F0 F1
-    B0 F2 B1 B2) a gradient from its RECV_B through the B that consumes it, or, as gloo posts
-    it, from the forward whose output it is for."""
+    B0 F2 B1 B2) a gradient from its RECV_B through the B that consumes it. As gloo posts them
+    (early): a gradient from the forward whose output it is for, every input from the start."""
     from pp_core.planning.memory import recv_bytes_per_action
 
     schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=3)
     inputs = [10, 20, 10, 20, 10, 10]
     assert recv_bytes_per_action(schedule, [10, 0]) == [[0, 0, 10, 0, 10, 10], inputs]
-    assert recv_bytes_per_action(schedule, [10, 0], early_grads=True) == [
-        [0, 10, 20, 10, 20, 10], inputs]
+    assert recv_bytes_per_action(schedule, [10, 0], early=True) == [
+        [0, 10, 20, 10, 20, 10], [30, 30, 20, 20, 10, 10]]
     # a stage whose first unit keeps its input (saved for backward) holds the buffer as an
     # activation after its forward: counted here only up to it
     assert recv_bytes_per_action(schedule, [10, 0], kept=[0, 10])[1] == [10, 10, 10, 10, 10, 0]
