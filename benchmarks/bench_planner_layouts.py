@@ -14,6 +14,12 @@ this machine's cores, one thread per rank, gloo:
 * **where memory binds** (``--capped``, run this file directly): a cap of 3/4 of the uncapped
   choice's predicted peak, AC ``auto``; the chosen plan against the layouts by hand with every
   stage recomputing;
+* **the machine's speed**: this VM's processors are shared with others by its hypervisor, and
+  the share it loses (steal time, ``/proc/stat``) moves between minutes - 1 % one hour, 45 %
+  the next - which no prediction made before the run can follow. The share stolen is read
+  while the plan measures and during every run; each row keeps the drift ((1 - stolen at the
+  plan) / (1 - stolen at the run)) and the error at the plan's speed (the prediction scaled
+  by the drift), beside the plain error - which is what a user sees;
 * **planning time** at world 8 and 64: the search over every layout with the costs measured
   for world 4 (no run; layouts at a tp degree not profiled reuse the largest profiled one's
   profile, which changes nothing of the search's work).
@@ -70,6 +76,33 @@ def run_yaml(values: dict, tmp: str, name: str) -> float:
     return statistics.median(r["step_time_s"] for r in rows if r["step"] >= TIMED_FROM)
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """``(stolen, total)`` CPU ticks of the machine so far (``/proc/stat``): the time the
+    hypervisor gave the VM's processors to others, out of all; ``(0, 0)`` where unreadable."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(v) for v in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def stolen_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the machine's processor time stolen between two :func:`cpu_ticks`."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+def planned(spec, world: int, **options):
+    """``plan_world``, and the share of the processors stolen while it measured."""
+    from pp_core.app.launch.plan_world import plan_world
+
+    before = cpu_ticks()
+    found = plan_world(spec, world, **options)
+    found.stolen = stolen_share(before, cpu_ticks())
+    return found
+
+
 def find(world_plan, pp, dp_replicate, tp, ep=1):
     for lp in world_plan.layouts:
         d = lp.dims
@@ -92,17 +125,23 @@ def measured_layouts(spec, world_plan, tmp: str, targets, tag: str,
             seen.add(lp.dims)
             chosen.append((label, lp))
     measured = [[] for _ in chosen]
+    stolen = [[] for _ in chosen]
     for _ in range(rounds):
         for index, (_, lp) in enumerate(chosen):
+            before = cpu_ticks()
             measured[index].append(run_yaml(written_spec(lp.spec, lp.plan), tmp,
                                             f"{tag}-{index}"))
+            stolen[index].append(stolen_share(before, cpu_ticks()))
     rows = []
-    for (label, lp), times in zip(chosen, measured):
+    for (label, lp), times, lost in zip(chosen, measured, stolen):
         predicted, median = lp.best.predicted_step_s, statistics.median(times)
+        # what the processors gave at the run, against what they gave while the plan measured
+        drift = (1 - world_plan.stolen) / (1 - statistics.median(lost))
         rows.append({"label": label, "layout": lp.dims.describe(), "plan": describe(lp.best),
                      "ac": ac_letters(lp.best), "predicted_step_s": predicted,
                      "measured_step_s": median, "rounds_s": times,
-                     "error": predicted / median - 1})
+                     "error": predicted / median - 1, "stolen": lost, "drift": drift,
+                     "error_at_plan_speed": predicted * drift / median - 1})
         print(rows[-1], flush=True)
     return rows
 
@@ -138,7 +177,7 @@ def bench_capped(world: int, tmp: str, share: float = 0.75) -> dict:
     spec = spec_of(values, tmp, "capped.yaml")
     free = plan_world(spec, world)
     cap = int(share * free.chosen.peak_bytes)
-    capped = plan_world(spec, world, memory_cap=cap)
+    capped = planned(spec, world, memory_cap=cap)
     report = {"memory_cap": cap, "uncapped_peak": free.chosen.peak_bytes,
               "runs": measured_layouts(spec, capped, tmp, [("chosen under the cap", None)],
                                        "capped"),
@@ -171,13 +210,12 @@ def planning_time(world_plan, spec, world: int) -> dict:
 
 
 def bench_layouts(world: int = 4, rounds: int = 1) -> dict:
-    from pp_core.app.launch.plan_world import plan_world
-
     report = {"torch": __import__("torch").__version__, "load_before": os.getloadavg(),
               "cores": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="bench-layouts-") as tmp:
         spec = spec_of(BASE, tmp, "gpt.yaml")
-        found = plan_world(spec, world)
+        found = planned(spec, world)
+        report["stolen_at_plan"] = found.stolen
         report["profile_s"], report["search_s"] = found.profile_s, found.planning_s
         report["pipeline_factor"] = found.pipeline_factor
         report["engine"] = found.collectives.to_dict()["engine"]
@@ -196,7 +234,8 @@ def bench_layouts(world: int = 4, rounds: int = 1) -> dict:
         moe_values = json.loads(json.dumps(BASE))
         moe_values["model"] = {"name": "moe_gpt", "args": {**MODEL, **MOE_ARGS}}
         moe_spec = spec_of(moe_values, tmp, "moe.yaml")
-        moe = plan_world(moe_spec, world)
+        moe = planned(moe_spec, world)
+        report["moe_stolen_at_plan"] = moe.stolen
         report["moe_pipeline_factor"] = moe.pipeline_factor
         report["moe_ranked"] = [{"layout": lp.dims.describe(),
                                  "predicted_step_s": lp.best.predicted_step_s}
@@ -208,14 +247,15 @@ def bench_layouts(world: int = 4, rounds: int = 1) -> dict:
 
 
 def table(report: dict) -> str:
-    lines = ["| layout | plan | AC | predicted ms | measured ms | error |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| layout | plan | AC | predicted ms | measured ms | error | drift | error at the "
+             "plan's speed |", "|---|---|---|---|---|---|---|---|"]
     for row in report["runs"] + report["moe_runs"]:
         lines.append(f"| {row['label']}: {row['layout']} | {row['plan']} | {row['ac']} "
                      f"| {row['predicted_step_s'] * 1e3:.1f} | {row['measured_step_s'] * 1e3:.1f} "
-                     f"| {100 * row['error']:+.0f}% |")
+                     f"| {100 * row['error']:+.0f}% | {row['drift']:.2f} "
+                     f"| {100 * row['error_at_plan_speed']:+.0f}% |")
     for row in report["by_hand"]:
-        lines.append(f"| {row['label']} | | | | {row['measured_step_s'] * 1e3:.1f} | |")
+        lines.append(f"| {row['label']} | | | | {row['measured_step_s'] * 1e3:.1f} | | | |")
     lines.append(f"\nauto (chosen layout) / best by hand ({report['best_by_hand']}) = "
                  f"{report['auto_over_best_by_hand']:.3f}")
     for p in report["planning"]:

@@ -164,7 +164,10 @@ def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
     the pool copies out at consumption: ``[posted, consumed]`` plus ``slack`` spare sets.
     ``early_grads`` (:func:`posts_receives_early`): without the pool a gradient's buffer
     exists from its stage's forward on, so a stage holds one per microbatch in flight, like its
-    outputs (up to 1.16x under-predicted on rank 0 of a looped schedule without it).
+    outputs (up to 1.16x under-predicted on rank 0 of a looped schedule without it). The
+    memory model takes the pooled figure from here; without the pool it counts the buffers
+    action by action (:func:`recv_bytes_per_action`), which this figure, every class at its
+    own peak, bounds.
     """
     program = lower(schedule) if program is None else program
     default, pooled = [0] * schedule.num_ranks, [0] * schedule.num_ranks

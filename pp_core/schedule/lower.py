@@ -40,12 +40,12 @@ do not overlap may share memory. Lowering is pure Python and imports no torch.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from pp_core.errors import ScheduleError
+from pp_core.schedule.acks import send_acks
 from pp_core.schedule.ir import (
     B,
     F,
@@ -170,56 +170,8 @@ class Program:
         return [i for i, code in enumerate(self._codes[rank]) if code & 7 < 4]
 
     def send_acks(self, rank: int) -> dict[int, tuple[int, ...]]:
-        """When ``rank`` may forget its sends: ``{position: positions of SENDs}``, where the
-        compute action at ``position`` consumes a message its peer sent only after consuming
-        the listed sends. Once that action has waited for its input, those sends have been
-        received, so waiting for them returns at once and frees the tensors they hold.
-
-        Why: gloo never reports a send complete until it is waited for
-        (``Work.is_completed()`` stays ``False``), so without this every tensor a rank sends
-        stays alive until the step's end - a stage's outputs well past its backward. The
-        proof is causal and per pair of ranks: a forward output is known received when the
-        gradient for it arrives; a gradient, when the upstream rank's next message after its
-        backward does. Waiting there cannot deadlock: the peer reached the point waited for
-        before the message just consumed was emitted, in the lowering's global order."""
-        M, stage_ranks, codes = self.num_microbatches, self.stage_ranks, self._codes
-
-        def consumed(r: int) -> dict[int, int]:  # RECV code -> the compute that reads it
-            flat = self._lifetimes[r]
-            return {flat[i]: flat[i + 2] for i in range(0, len(flat), 4) if flat[i + 2] >= 0}
-
-        def sends(r: int):  # (position, peer, code of the matching RECV) per SEND of r
-            for position, code in enumerate(codes[r]):
-                key, kind = code >> 3, code & 7
-                if kind == _C_SEND_F:
-                    yield position, stage_ranks[key // M + 1], (key + M) * 8 + _C_RECV_F
-                elif kind == _C_SEND_B:
-                    yield position, stage_ranks[key // M - 1], (key - M) * 8 + _C_RECV_B
-
-        mine = consumed(rank)
-        by_peer: dict[int, list] = {}
-        for position, peer, recv in sends(rank):
-            by_peer.setdefault(peer, []).append((position, recv))
-        acks: dict[int, list[int]] = {}
-        for peer, outgoing in by_peer.items():
-            theirs = consumed(peer)
-            # the peer's sends to this rank, in its program order, with the earliest point at
-            # which this rank has consumed that message or any later one
-            back = [(q, mine.get(recv, -1)) for q, to, recv in sends(peer) if to == rank]
-            earliest, soonest = [0] * len(back), -1
-            for i in range(len(back) - 1, -1, -1):
-                c = back[i][1]
-                soonest = c if soonest < 0 or 0 <= c < soonest else soonest
-                earliest[i] = soonest
-            positions = [q for q, _ in back]
-            for position, recv in outgoing:
-                received = theirs.get(recv)
-                if received is None:
-                    continue
-                i = bisect.bisect_right(positions, received)
-                if i < len(back) and earliest[i] > position:
-                    acks.setdefault(earliest[i], []).append(position)
-        return {at: tuple(listed) for at, listed in acks.items()}
+        """Where ``rank``'s sends are known received: :func:`pp_core.schedule.acks.send_acks`."""
+        return send_acks(self, rank)
 
     @property
     def actions(self) -> tuple[tuple[Action, ...], ...]:

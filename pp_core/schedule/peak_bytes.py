@@ -30,7 +30,8 @@ def peak_activation_bytes(schedule: Schedule, activation_bytes: Sequence[float],
     checkpointed block's recomputed activations), counted on top of what is live when each of
     its ``B``, ``I`` or ``W`` starts and each ``F`` ends - not on top of the rank's peak, which
     may come where they are not. ``floor`` (per rank, per compute action of its row): bytes
-    held beside the activations while that action runs (receive buffers), counted there."""
+    held beside the activations while that action runs (receive buffers, sent gradients),
+    counted there."""
     held = bytes_per_stage(input_grad_held_bytes, schedule.num_stages, "input_grad_held_bytes")
     stage_bytes = bytes_per_stage(activation_bytes, schedule.num_stages)
     transient = bytes_per_stage(transient_bytes, schedule.num_stages, "transient_bytes")
