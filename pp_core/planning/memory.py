@@ -36,7 +36,7 @@ schedule x stages per rank x microbatch size, in well under a second each. The p
   temporaries of one unit's forward + backward (``transient_bytes``, measured by the profiler:
   a vocabulary head's logits, log-softmax and their gradients; a checkpointed block's
   recomputed activations). The byte replay adds each stage's largest at the start of each of
-  its ``B``/``I`` (:func:`transient_over_peak`): the peak with AC on some stages only comes
+  its ``B``/``I`` (:func:`layered_peaks`): the peak with AC on some stages only comes
   where the stages that do not recompute hold the most, not where a recompute runs.
 
 * **the optimizer step's temporaries**: ``step()`` runs after the last backward, when the
@@ -59,15 +59,12 @@ from pp_core.planning.costs import ALL_INPUT, ModelProfile
 from pp_core.schedule.buffer_plan import max_live
 from pp_core.schedule.ir import SEND_B, Schedule
 from pp_core.schedule.lower import lower
-from pp_core.schedule.peak_bytes import peak_activation_bytes
+from pp_core.schedule import peak_bytes  # a module: predict_memory's parameter has its name
 from pp_core.schedule.validate import encode_validated
 
-peak_activation_bytes_of = peak_activation_bytes  # predict_memory's parameter shadows the name
-
-__all__ = ["RankMemory", "predict_memory", "recv_buffer_bytes", "recv_bytes_per_action",
+__all__ = ["RankMemory", "predict_memory", "pooled_recv_bytes", "recv_bytes_per_action",
            "sent_bytes_per_action", "kept_input_bytes", "add_floors", "split_held_bytes",
-           "stage_held_bytes", "posts_receives_early", "stage_transients",
-           "transient_over_peak"]
+           "stage_held_bytes", "posts_receives_early", "stage_transients", "layered_peaks"]
 
 
 @dataclass(frozen=True)
@@ -154,47 +151,34 @@ def stage_held_bytes(profile: ModelProfile,
     return saved, held
 
 
-def recv_buffer_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
-                      program=None, early_grads: bool = False) -> tuple[list[int], list[int]]:
-    """Per rank, receive-buffer bytes ``(without the pool, with it)``.
-
-    Without the pool every message gets a fresh tensor that autograd keeps until the backward
-    that releases it, so a class needs as many sets as receives live on ``[posted, released]``
-    (a gradient: ``[posted, consumed]``, as what ``W`` keeps of it is :func:`split_held_bytes`);
-    the pool copies out at consumption: ``[posted, consumed]`` plus ``slack`` spare sets.
-    ``early_grads`` (:func:`posts_receives_early`): without the pool a gradient's buffer
-    exists from its stage's forward on, so a stage holds one per microbatch in flight, like its
-    outputs (up to 1.16x under-predicted on rank 0 of a looped schedule without it). The
-    memory model takes the pooled figure from here; without the pool it counts the buffers
-    action by action (:func:`recv_bytes_per_action`), which this figure, every class at its
-    own peak, bounds.
-    """
+def pooled_recv_bytes(schedule: Schedule, boundary: Sequence[int], slack: int,
+                      program=None) -> list[int]:
+    """Per rank, the receive-buffer pool's bytes: the pool copies a message out where it is
+    consumed, so a class (stage, input or gradient) needs as many sets as receives live on
+    ``[posted, consumed]``, plus ``slack`` spare sets, for the whole step. (Without the pool the
+    buffers are counted action by action: :func:`recv_bytes_per_action`.)"""
     program = lower(schedule) if program is None else program
-    default, pooled = [0] * schedule.num_ranks, [0] * schedule.num_ranks
+    pooled = [0] * schedule.num_ranks
     for rank in range(schedule.num_ranks):
-        held: dict[tuple[int, bool], list] = {}
-        for stage, is_grad, posted, consumed, released in program.recv_intervals(rank,
-                                                                                 early_grads):
-            held.setdefault((stage, is_grad), []).append(
-                (posted, consumed if is_grad else released))
         copied: dict[tuple[int, bool], list] = {}
         for stage, is_grad, posted, consumed, _ in program.recv_intervals(rank):
             copied.setdefault((stage, is_grad), []).append((posted, consumed))
-        for (stage, is_grad), intervals in held.items():
+        for (stage, is_grad), intervals in copied.items():
             size = boundary[stage] if is_grad else boundary[stage - 1]
-            default[rank] += max_live(intervals) * size
-            pooled[rank] += (max_live(copied[(stage, is_grad)]) + slack) * size
-    return default, pooled
+            pooled[rank] += (max_live(intervals) + slack) * size
+    return pooled
 
 
 def recv_bytes_per_action(schedule: Schedule, boundary: Sequence[int], program=None,
                           early: bool = False,
                           kept: Sequence[int] | None = None) -> list[list[int]]:
     """Per rank, per compute action of its row (the replay's ``floor``), the bytes of the
-    receive buffers live while it runs, without the pool: a buffer from the action after its
-    ``RECV`` through the action that releases it (a gradient: consumes it). ``early``
-    (:func:`posts_receives_early`): a gradient's from the forward whose output it is for, and
-    every input's from the step's start (``transfers.prepost_forward``, on every step after
+    receive buffers live while it runs, without the pool: every message gets a fresh tensor,
+    from the action after its ``RECV`` through the action that releases it (a gradient: that
+    consumes it; what ``W`` keeps of it is :func:`split_held_bytes`). ``early``
+    (:func:`posts_receives_early`): a gradient's from the forward whose output it is for (up
+    to 1.16x under-predicted on rank 0 of a looped schedule without it), and every input's
+    from the step's start (``transfers.prepost_forward``, on every step after
     the first: 8 inputs from the start on a middle rank at 8 microbatches, 1.09-1.11x its
     prediction before). ``kept`` (per stage): the bytes of a received input that the stage's
     saved activations already count after its forward (:func:`kept_input_bytes`); they are
@@ -292,21 +276,11 @@ def predict_memory(profile: ModelProfile, schedule: Schedule,
     """
     params = stage_sums(profile, units_per_stage, "param_bytes")
     trained = stage_sums(profile, units_per_stage, "trained_bytes")  # frozen: no grad, no state
-    boundary = boundary_bytes(profile, units_per_stage)
     program = lower(schedule) if program is None else program
-    early = posts_receives_early(profile)
-    _, pooled = recv_buffer_bytes(schedule, boundary, slack, program, early)
-    encoded = encode_validated(schedule, check_deadlock=False)
-    saved, held = stage_held_bytes(profile, units_per_stage)
-    transients = stage_transients(profile, units_per_stage)
-    sent = sent_bytes_per_action(schedule, boundary, program)
-    received = recv_bytes_per_action(schedule, boundary, program, early,
-                                     kept_input_bytes(profile, units_per_stage))
-    peaks = [peak_activation_bytes_of(schedule, saved, held, encoded, *extra) for extra in (
-        (), (transients,), (transients, sent), (transients, add_floors(sent, received)))]
-    # what each part adds on top of the ones before it, where they are live together
-    extra, sends, default = ([int(max(0, a - b)) for a, b in zip(upper, lower_)]
-                             for lower_, upper in zip(peaks, peaks[1:]))
+    pooled = pooled_recv_bytes(schedule, boundary_bytes(profile, units_per_stage), slack,
+                               program)
+    extra, sends, default = layered_peaks(profile, schedule, units_per_stage, program,
+                                          posts_receives_early(profile))
     out = []
     for rank in range(schedule.num_ranks):
         p = sum(params[s] for s in schedule.stages_of(rank))
@@ -327,15 +301,24 @@ def stage_transients(profile: ModelProfile, units_per_stage: Sequence[Sequence[i
             for units in units_per_stage]
 
 
-def transient_over_peak(profile: ModelProfile, schedule: Schedule,
-                        units_per_stage: Sequence[Sequence[int]], encoded=None) -> list[int]:
-    """Per rank, what its backwards' temporaries add to its activation peak: each stage's
-    largest transient on top of what is live when one of its ``B``/``I`` starts. Not the
-    rank's largest transient on top of its peak: a stage holding many microbatches without
-    recomputation peaks where a recomputing stage's large transient is not (that sum was up to
-    1.3x over the live tensors)."""
+def layered_peaks(profile: ModelProfile, schedule: Schedule,
+                  units_per_stage: Sequence[Sequence[int]], program,
+                  early: bool) -> tuple[list[int], list[int], list[int]]:
+    """Per rank, what each part adds to the activation peak on top of the ones before it,
+    where they are live together: ``(transients, sent gradients, receive buffers without the
+    pool)``. A stage's largest transient counts on top of what is live when one of its
+    ``B``/``I`` starts - not the rank's largest on top of its peak: a stage holding many
+    microbatches without recomputation peaks where a recomputing stage's large transient is
+    not (that sum was up to 1.3x over the live tensors)."""
+    boundary = boundary_bytes(profile, units_per_stage)
     saved, held = stage_held_bytes(profile, units_per_stage)
-    plain = peak_activation_bytes(schedule, saved, held, encoded)
-    with_transients = peak_activation_bytes(schedule, saved, held, encoded,
-                                            stage_transients(profile, units_per_stage))
-    return [int(max(0, a - b)) for a, b in zip(with_transients, plain)]
+    transients = stage_transients(profile, units_per_stage)
+    sent = sent_bytes_per_action(schedule, boundary, program)
+    received = recv_bytes_per_action(schedule, boundary, program, early,
+                                     kept_input_bytes(profile, units_per_stage))
+    encoded = encode_validated(schedule, check_deadlock=False)  # once for the four replays
+    peaks = [peak_bytes.peak_activation_bytes(schedule, saved, held, encoded, *extra)
+             for extra in ((), (transients,), (transients, sent),
+                           (transients, add_floors(sent, received)))]
+    return tuple([int(max(0, a - b)) for a, b in zip(upper, lower_)]
+                 for lower_, upper in zip(peaks, peaks[1:]))

@@ -118,15 +118,15 @@ class _Ranks:
     def __init__(self, schedule, profile, units, settings: Recompute, slack: int, program=None):
         self.schedule, self.profile, self.units, self.settings = schedule, profile, units, settings
         self.encoded = encode_validated(schedule, check_deadlock=False)
+        self.program = lower(schedule) if program is None else program
         self.base = predict_memory(profile, schedule, units, [0.0] * schedule.num_ranks, slack,
-                                   program)
+                                   self.program)
         # beside the activations action by action: sent gradients, and without the pool the
         # receive buffers (the split fixes them; the modes do not change a stage's boundary)
-        boundary = boundary_bytes(profile, units)
-        self.sent = sent_bytes_per_action(schedule, boundary, program)
+        self.boundary = boundary_bytes(profile, units)
+        self.sent = sent_bytes_per_action(schedule, self.boundary, self.program)
         self.posts_early = posts_receives_early(profile)
         self.floors: dict[tuple, list] = {}  # by what each stage keeps of its input
-        self.program = lower(schedule) if program is None else program
         self.stages = [list(schedule.stages_of(rank)) for rank in range(schedule.num_ranks)]
         self.terms: dict[str, tuple[list[int], list[int], list[int]]] = {}
         self.extra: dict[tuple[int, str], float] = {}
@@ -173,8 +173,7 @@ class _Ranks:
         kept = tuple(kept_input_bytes(self.profile, self.units, firsts))
         if kept not in self.floors:
             self.floors[kept] = add_floors(self.sent, recv_bytes_per_action(
-                self.schedule, boundary_bytes(self.profile, self.units), self.program,
-                self.posts_early, kept))
+                self.schedule, self.boundary, self.program, self.posts_early, kept))
         return self.floors[kept]
 
     def extra_s(self, stage: int, mode: str) -> float:

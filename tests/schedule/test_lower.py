@@ -112,40 +112,51 @@ def test_lower_edges_and_pair_order(name, p, m):
             assert on_a == on_b, f"ranks {a} and {b} disagree on their message order"
 
 
-@pytest.mark.parametrize("name,p,m", CASES)
-def test_lower_runs_to_completion_under_runtime_semantics(name, p, m):
-    """Replay: a RECV posts, a SEND completes at once, a compute blocks until its message was
-    sent; every rank must reach its end (no deadlock), and each consumer follows its RECV."""
-    program = lower(schedule_for(name, p, m))
-    rows = program.actions
+def replay(program, visit) -> list[int]:
+    """Run every rank's program under runtime semantics - a RECV posts, a SEND completes at
+    once, a compute blocks until its message was sent - calling ``visit(rank, position,
+    action, ptr)`` before each action that runs; returns how far each rank got."""
+    rows, p = program.actions, program.num_ranks
     ptr = [0] * p
-    sent, posted = set(), set()
+    sent = set()
     progress = True
     while progress:
         progress = False
         for rank in range(p):
             while ptr[rank] < len(rows[rank]):
                 a = rows[rank][ptr[rank]]
-                if a.kind is F and a.stage and program.stage_ranks[a.stage - 1] != rank:
-                    if ("F", a.stage - 1, a.microbatch) not in sent:
-                        break
-                    assert ("RF", a.stage, a.microbatch) in posted
+                if a.kind is F and a.stage and program.stage_ranks[a.stage - 1] != rank \
+                        and ("F", a.stage - 1, a.microbatch) not in sent:
+                    break
                 if a.kind in (B, I) and a.stage < program.num_stages - 1 \
-                        and program.stage_ranks[a.stage + 1] != rank:
-                    if ("B", a.stage + 1, a.microbatch) not in sent:
-                        break
-                    assert ("RB", a.stage, a.microbatch) in posted
-                if a.kind is SEND_F:
-                    sent.add(("F", a.stage, a.microbatch))
-                elif a.kind is SEND_B:
-                    sent.add(("B", a.stage, a.microbatch))
-                elif a.kind is RECV_F:
-                    posted.add(("RF", a.stage, a.microbatch))
-                elif a.kind is RECV_B:
-                    posted.add(("RB", a.stage, a.microbatch))
+                        and program.stage_ranks[a.stage + 1] != rank \
+                        and ("B", a.stage + 1, a.microbatch) not in sent:
+                    break
+                visit(rank, ptr[rank], a, ptr)
+                if a.kind in (SEND_F, SEND_B):
+                    sent.add(("F" if a.kind is SEND_F else "B", a.stage, a.microbatch))
                 ptr[rank] += 1
                 progress = True
-    assert ptr == [len(row) for row in rows]
+    return ptr
+
+
+@pytest.mark.parametrize("name,p,m", CASES)
+def test_lower_runs_to_completion_under_runtime_semantics(name, p, m):
+    """Replayed, every rank reaches its end (no deadlock), and each consumer follows its
+    RECV."""
+    program = lower(schedule_for(name, p, m))
+    posted = set()
+
+    def visit(rank, position, a, ptr):
+        if a.kind is F and a.stage and program.stage_ranks[a.stage - 1] != rank:
+            assert ("RF", a.stage, a.microbatch) in posted
+        if a.kind in (B, I) and a.stage < program.num_stages - 1 \
+                and program.stage_ranks[a.stage + 1] != rank:
+            assert ("RB", a.stage, a.microbatch) in posted
+        if a.kind in (RECV_F, RECV_B):
+            posted.add(("RF" if a.kind is RECV_F else "RB", a.stage, a.microbatch))
+
+    assert replay(program, visit) == [len(row) for row in program.actions]
 
 
 @pytest.mark.parametrize("name,p,m", CASES[::3])
@@ -232,31 +243,14 @@ def test_send_acks_only_name_sends_the_peer_has_consumed(name, p, m):
             consumer[rank, lt.action] = lt.consumed
     acks = [program.send_acks(rank) for rank in range(p)]
     assert any(acks), "some send must be known received before the step's end"
-    ptr = [0] * p
-    sent = set()
-    progress = True
-    while progress:
-        progress = False
-        for rank in range(p):
-            while ptr[rank] < len(rows[rank]):
-                a = rows[rank][ptr[rank]]
-                if a.kind is F and a.stage and program.stage_ranks[a.stage - 1] != rank \
-                        and ("F", a.stage - 1, a.microbatch) not in sent:
-                    break
-                if a.kind in (B, I) and a.stage < program.num_stages - 1 \
-                        and program.stage_ranks[a.stage + 1] != rank \
-                        and ("B", a.stage + 1, a.microbatch) not in sent:
-                    break
-                if a.kind in (SEND_F, SEND_B):
-                    sent.add(("F" if a.kind is SEND_F else "B", a.stage, a.microbatch))
-                for position in acks[rank].get(ptr[rank], ()):
-                    send = rows[rank][position]
-                    assert position < ptr[rank] and send.kind in (SEND_F, SEND_B)
-                    target = (Action(send.stage + 1, RECV_F, send.microbatch)
-                              if send.kind is SEND_F
-                              else Action(send.stage - 1, RECV_B, send.microbatch))
-                    peer = program.stage_ranks[target.stage]
-                    assert ptr[peer] > consumer[peer, target], (rank, send, ptr)
-                ptr[rank] += 1
-                progress = True
-    assert ptr == [len(row) for row in rows]
+
+    def visit(rank, at, a, ptr):
+        for position in acks[rank].get(at, ()):
+            send = rows[rank][position]
+            assert position < at and send.kind in (SEND_F, SEND_B)
+            target = (Action(send.stage + 1, RECV_F, send.microbatch) if send.kind is SEND_F
+                      else Action(send.stage - 1, RECV_B, send.microbatch))
+            peer = program.stage_ranks[target.stage]
+            assert ptr[peer] > consumer[peer, target], (rank, send, ptr)
+
+    assert replay(program, visit) == [len(row) for row in rows]
