@@ -4,7 +4,7 @@ The layout search costs dp, FSDP2 and expert-parallel traffic with
 :class:`~pp_core.planning.collectives.Collectives`, fitted here: a few short-lived local
 processes (:func:`pp_core.measure.helpers.run_helpers`, the run's backend, one thread each as a
 CPU rank runs) time every kind at a small and a large message, for a group of 2 and for the
-largest group asked (at most :data:`MAX_GROUP`), a handful of repeats each; the slowest rank's
+largest group asked (at most :data:`MAX_GROUP`), :data:`REPEATS` times each; the slowest rank's
 median counts. The same processes then time the data-parallel engine's own work
 (:mod:`pp_core.measure.engine`). A few seconds, once per ``pp-core plan`` call.
 """
@@ -26,18 +26,22 @@ from pp_core.parallel.dims import ParallelDims
 from pp_core.measure.engine import time_engine
 from pp_core.planning.collectives import KINDS, Collectives, EngineCosts, fit
 
-__all__ = ["measure_collectives", "time_collectives", "MAX_GROUP", "SIZES"]
+__all__ = ["measure_collectives", "time_collectives", "MAX_GROUP", "SIZES", "REPEATS"]
 
 MAX_GROUP = 4
 """The largest group timed (even: its ranks are also timed in pairs): more local processes than that on a small machine measure only
 how they share its cores; larger groups reuse the fit (the ring factors carry the size)."""
+
+REPEATS = 15
+"""Timings per kind and size: a collective's wait for peers not yet scheduled varies from one
+call to the next, and with 5 the fits of two calls a minute apart were 2-6x apart."""
 
 SIZES = (256, 1 << 18)
 """float32 elements of the small and the large message (1 KiB, 1 MiB)."""
 
 
 def measure_collectives(largest_group: int, backend: str = "gloo", device: str = "cpu",
-                        repeats: int = 5) -> Collectives:
+                        repeats: int = REPEATS) -> Collectives:
     """The fits for groups of 2 and the largest even group up to ``largest_group`` and
     :data:`MAX_GROUP` (none below 2)."""
     group = min(largest_group, MAX_GROUP)
@@ -53,7 +57,7 @@ def measure_collectives(largest_group: int, backend: str = "gloo", device: str =
             return pickle.load(fh)
 
 
-def time_collectives(group, device: torch.device, repeats: int = 5,
+def time_collectives(group, device: torch.device, repeats: int = REPEATS,
                      compute_s: float = 2e-3) -> dict:
     """``{(kind, size): (latency_s, bytes_per_s)}`` over ``group`` (every rank of it calls
     this); the slowest rank's median of ``repeats`` after one warm-up, per kind and size.

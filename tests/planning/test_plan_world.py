@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from pp_core.app import cli
+from pp_core.app.launch.timed_layouts import BOUNDS
 from pp_core.app.spec import apply_overrides
 from pp_core.errors import ConfigError
 from pp_core.measure.layouts import ModelShape, enumerate_layouts
@@ -164,6 +165,17 @@ def test_world_4_ranks_tp_layouts_and_the_chosen_one_runs(tmp_path, capsys):
     assert {d["dropped"] for d in data["ranking"]["dropped"] if d["tp_size"] == 4} == \
         {"tp_size 4 does not divide the model's 2 attention heads"}
     assert 0.5 <= data["pipeline_factor"] <= 3.0  # measured on 4 processes, clipped there
+    # pp 4 and pp 2 x tp 2 ran a few steps: each's measured over predicted step scales the
+    # layouts at its tp degree
+    timed = {(t["tp_size"], t["ep_size"]): t for t in data["timed_layouts"]}
+    assert {key: t["layout"] for key, t in timed.items()} == {(1, 1): "pp 4 x dp 1",
+                                                              (2, 1): "pp 2 x dp 1 x tp 2"}
+    for t in timed.values():
+        assert t["measured_step_s"] > 0
+        assert t["factor"] == pytest.approx(min(max(
+            t["measured_step_s"] / t["predicted_step_s"], BOUNDS[0]), BOUNDS[1]))
+    tp_2 = [lay for lay in data["layouts"] if (lay["pp_size"], lay["tp_size"]) == (2, 2)]
+    assert tp_2[0]["predicted_step_s"] == pytest.approx(timed[2, 1]["measured_step_s"])
     engine = data["collectives"]["engine"]  # FSDP2's hooks and DTensor's dispatch, measured
     assert engine["forward_s"] > 0 and engine["backward_s"] > 0
     assert engine["step_s_per_tensor"] > 0
@@ -189,6 +201,9 @@ def test_world_4_moe_ranks_expert_parallel_layouts(tmp_path, capsys):
     _check_contract(data, 4)
     assert any(c["ep_size"] == 2 and c["pp_size"] == 2 for c in data["ranking"]["kept"])
     assert "all_to_all@2" in data["collectives"]
+    timed = {(t["tp_size"], t["ep_size"]): t["layout"] for t in data["timed_layouts"]}
+    assert timed == {(1, 1): "pp 4 x dp 1", (1, 2): "pp 2 x dp 2, ep 2",
+                     (1, 4): "pp 1 x dp 4, ep 4"}
     assert {d["dropped"] for d in data["ranking"]["dropped"] if d["tp_size"] == 2} == \
         {"tp_size 2: no plugin provides a tensor-parallel plan for the model MoEGPT"}
 
@@ -291,3 +306,28 @@ def test_gradient_sync_is_added_once_per_step_for_the_slowest_rank():
     assert costs.gradient_sync_s(9000, 9000, 2, 2, pieces=2) == pytest.approx(2 * (
         costs.seconds("all_gather", 2, 4500) + costs.seconds("reduce_scatter", 2, 4500)
         + costs.seconds("all_reduce", 2, 2250)))
+
+
+def test_one_layout_per_tp_and_ep_degree_is_timed_and_scales_its_degrees_plans():
+    """The layout run for a (tp, ep) pair is its deepest pipeline. Its measured over
+    predicted step multiplies every plan predicted at those degrees, kept and dropped, their
+    order unchanged."""
+    from pp_core.app.launch.timed_layouts import calibrated, timed_degrees
+    from pp_core.parallel.dims import ParallelDims
+    from pp_core.planning.choose import Candidate, Option, Ranking
+
+    admitted = [ParallelDims(pp=4), ParallelDims(pp=2, tp=2), ParallelDims(pp=1, dp_shard=2,
+                                                                           tp=2),
+                ParallelDims(pp=1, dp_replicate=4, ep=2), ParallelDims(pp=2, dp_replicate=2,
+                                                                       ep=2)]
+    assert timed_degrees(admitted) == {(1, 1): ParallelDims(pp=4),
+                                       (2, 1): ParallelDims(pp=2, tp=2),
+                                       (1, 2): ParallelDims(pp=2, dp_replicate=2, ep=2)}
+    fast = Candidate(Option("1f1b", 1, 2, 4), predicted_step_s=0.010, optimizer_step_s=0.002)
+    slow = Candidate(Option("gpipe", 1, 2, 4), predicted_step_s=0.015)
+    dropped = Candidate(Option("zbv", 2, 2, 4), predicted_step_s=0.020, dropped="memory")
+    ranking = Ranking([fast, slow], [dropped], None, 0.0, 2, 4)
+    calibrated(ranking, 1.5)
+    assert [c.predicted_step_s for c in ranking.kept + ranking.dropped] == \
+        pytest.approx([0.015, 0.0225, 0.030])
+    assert fast.optimizer_step_s == pytest.approx(0.003)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 HELP = """\
 Measure the pipeline's model on its configured device (built for real, with
@@ -40,8 +41,9 @@ def register(subparsers) -> None:
                         help="plans shown in the table (default 8)")
     parser.add_argument("--json", action="store_true", help="print the whole ranking as JSON")
     parser.add_argument("--no-link", action="store_true",
-                        help="do not start two processes to time the link between ranks "
-                             "(transfers are then free in the prediction)")
+                        help="do not start processes to time the link between ranks, the "
+                             "collectives or (with --world) a running pipeline (transfers and "
+                             "collectives are then free in the prediction)")
     parser.add_argument("-o", "--output", metavar="FILE",
                         help="write the chosen layout as a YAML pipeline that 'pp-core run' "
                              "runs as it stands (schedule, split, microbatch size, activation "
@@ -137,7 +139,7 @@ def _plan_world(args, spec, world: int, cap) -> int:
         if path[:1] == ["distributed"] and path[-1] in DEGREE_OVERRIDES:
             fixed[path[-1]] = value
     found = plan_world(spec, world, memory_cap=cap, measure_link=not args.no_link,
-                       fixed=fixed)
+                       fixed=fixed, say=_progress)
     if args.output is not None:
         chosen = found.chosen_layout
         _write(chosen.spec, chosen.plan, args.output)
@@ -146,6 +148,11 @@ def _plan_world(args, spec, world: int, cap) -> int:
         return 0
     print(format_world(found, top=args.top))
     return 0
+
+
+def _progress(line: str) -> None:
+    """What ``--world`` is measuring, on stderr (a minute or more; stdout keeps the result)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _write(spec, plan, path: str) -> None:

@@ -50,7 +50,7 @@ MAX_RANKS = 4
 BOUNDS = (0.5, 3.0)
 """A factor outside is a measurement gone wrong (a machine busy with something else): clipped."""
 
-WARMUP, TIMED = 2, 5
+WARMUP, TIMED = 2, 8
 
 
 def measure_pipeline_factor(spec: Spec, profiles: dict[int, ModelProfile], world: int,
@@ -104,7 +104,7 @@ def _worker(rank: int, values: dict, stages, microbatch_size: int, backend: str,
         alone = None
         if rank == 0:
             alone = profile_model(build_model(spec), inputs, target,
-                                  resolve_loss(config.loss_fn), [microbatch_size], repeats=3,
+                                  resolve_loss(config.loss_fn), [microbatch_size], repeats=5,
                                   config=config)[microbatch_size]
         dist.barrier()
         pipe = build_pipeline(build_model(spec), config)

@@ -12,8 +12,9 @@ stage by its tp processes, collectives included, as :func:`pp_core.app.launch.de
 profiles it), the point-to-point link, and the collectives that dp, FSDP2 and ep add
 (:func:`pp_core.measure.collectives.measure_collectives`), and on CPU ranks how much more a
 unit costs inside a running pipeline than alone (:mod:`pp_core.app.launch.pipeline_factor`:
-the tp-1 profile's times are scaled by it). Nothing is measured per layout: the layouts differ
-in arithmetic only.
+the tp-1 profile's times are scaled by it). Where the whole world runs on this machine, one
+layout per tp / ep degree pair is then run a few steps and sets that pair's level
+(:mod:`pp_core.app.launch.timed_layouts`); the other layouts differ in arithmetic only.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from pp_core.app.launch.decide import plan_spec
+from pp_core.app.launch.decide import plan_spec, written_spec
 from pp_core.app.launch.pipeline_factor import measure_pipeline_factor
+from pp_core.app.launch.timed_layouts import MAX_WORLD, calibrated, time_layouts, timed_degrees
 from pp_core.app.factories import build_model
 from pp_core.app.machine import MachineShare
 from pp_core.app.spec import Spec
@@ -81,6 +83,7 @@ class WorldPlan:
     profiles: dict = field(default_factory=dict)  # tp -> {microbatch size: ModelProfile}
     experts: list = field(default_factory=list)  # per unit (layout_costs.unit_experts)
     pipeline_factor: float = 1.0  # the profiled times were scaled by it (pipeline_factor)
+    timed: dict = field(default_factory=dict)  # (tp, ep) -> TimedLayout (timed_layouts)
 
     @property
     def chosen_layout(self) -> LayoutPlan:
@@ -104,6 +107,7 @@ class WorldPlan:
         return {
             "world_size": self.world, "chosen": self.chosen.to_dict(),
             "profile_s": self.profile_s, "pipeline_factor": self.pipeline_factor,
+            "timed_layouts": [t.to_dict() for _, t in sorted(self.timed.items())],
             "link": None if self.link is None else self.link.to_dict(),
             "collectives": None if self.collectives is None else self.collectives.to_dict(),
             "layouts": [{**degrees(lp.dims), "predicted_step_s": lp.best.predicted_step_s,
@@ -155,6 +159,9 @@ def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = 
         WorldPlan(world, [], dropped, memory_cap, 0.0, 0.0).chosen_layout
     started = time.perf_counter()
     base = MachineShare.of(spec)
+    if say is not None and measure_link:
+        say(f"plan: {len(admitted)} layouts of {world} processes admitted; timing the link and "
+            f"the collectives")
     link = measure_local_link(base.backend, base.device) if measure_link and \
         any(d.pp > 1 for d in admitted) else None
     largest = max([d.dp for d in admitted] + [1])
@@ -182,27 +189,56 @@ def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = 
             logger.warning("plan: the model's units were not measured in a running pipeline, "
                            "their profiled times are used as they are: %s", exc)
         profiles[1] = {size: p.scaled(factor) for size, p in profiles[1].items()}
-    profile_s = time.perf_counter() - started
     some = next(iter(next(iter(profiles.values())).values())) if profiles else None
     experts = [] if some is None else unit_experts(model, [u.fqns for u in some.units])
+    timed = {}
+    if measure_link and base.device == "cpu" and world <= MAX_WORLD:
+        timed = _timed(spec, admitted, world, profiles, memory_cap, link, collectives, experts,
+                       base.backend, say)
+    profile_s = time.perf_counter() - started
     started = time.perf_counter()
     planned = []
     for dims in admitted:
         outcome = plan_layout(spec, dims, world, profiles[dims.tp], memory_cap, link,
-                               collectives, experts)
+                               collectives, experts,
+                               timed[dims.tp, dims.ep].factor if (dims.tp, dims.ep) in timed
+                               else 1.0)
         (planned if isinstance(outcome, LayoutPlan) else dropped).append(outcome)
     planned.sort(key=lambda lp: (lp.best.predicted_step_s, lp.best.peak_bytes))
     kept = sorted((c for lp in planned for c in lp.plan.ranking.kept),
                   key=lambda c: (c.predicted_step_s, c.peak_bytes))
     return WorldPlan(world, planned, dropped, memory_cap, profile_s,
                      time.perf_counter() - started, collectives, link, kept, profiles, experts,
-                     factor)
+                     factor, timed)
+
+
+def _timed(spec, admitted, world, profiles, memory_cap, link, collectives, experts, backend,
+           say) -> dict:
+    """One layout per tp / ep degree pair, run (:mod:`pp_core.app.launch.timed_layouts`);
+    none where a run failed."""
+    runnable = {}
+    for key, dims in timed_degrees(admitted).items():
+        outcome = plan_layout(spec, dims, world, profiles[dims.tp], memory_cap, link,
+                              collectives, experts)
+        if isinstance(outcome, LayoutPlan):
+            runnable[key] = outcome
+    if runnable and say is not None:
+        say(f"plan: running {', '.join(lp.dims.describe() for lp in runnable.values())} a few "
+            f"steps each to time every tp / ep degree pair")
+    try:
+        return time_layouts(runnable, world, backend, lambda lp: written_spec(lp.spec, lp.plan))
+    except PipelineError as exc:  # the arithmetic alone still ranks the layouts
+        logger.warning("plan: no layout was timed by a run, the predictions are the "
+                       "arithmetic's alone: %s", exc)
+        return {}
 
 
 def plan_layout(spec: Spec, dims: ParallelDims, world: int, profiles, memory_cap, link,
-                 collectives, experts):
+                 collectives, experts, timed: float = 1.0):
     """The per-layout search on the layout's profile: a LayoutPlan, or a DroppedLayout
-    saying why nothing of it runs (memory, or no schedule at its sizes)."""
+    saying why nothing of it runs (memory, or no schedule at its sizes). ``timed``: the
+    measured over the predicted step of a run at the layout's tp and ep degrees
+    (:mod:`pp_core.app.launch.timed_layouts`)."""
 
     placed = layout_spec(spec, dims)
     config = placed.pipeline
@@ -220,6 +256,7 @@ def plan_layout(spec: Spec, dims: ParallelDims, world: int, profiles, memory_cap
                           activation_checkpointing=ac["mode"], every=ac["every"],
                           degrees=degrees(dims))
     with_gradient_sync(ranking, dims, collectives)
+    calibrated(ranking, timed)
     try:
         chosen = ranking.chosen
     except ConfigError as exc:
@@ -235,10 +272,12 @@ def format_world(found: WorldPlan, top: int = 8) -> str:
 
     cap = "no memory cap" if found.memory_cap is None else \
         f"memory cap {format_bytes(found.memory_cap)} per rank"
+    timed = "".join(f"; {t.dims.describe()} ran {t.factor:.2f}x its arithmetic"
+                    for _, t in sorted(found.timed.items()))
     lines = [f"world {found.world}: {len(found.layouts)} layouts ranked, {len(found.dropped)} "
-             f"dropped ({cap}); profiled in {found.profile_s:.1f} s (units cost "
-             f"{found.pipeline_factor:.2f}x their profile in a running pipeline), planned in "
-             f"{found.planning_s:.2f} s",
+             f"dropped ({cap}); measured in {found.profile_s:.1f} s (units cost "
+             f"{found.pipeline_factor:.2f}x their profile in a running pipeline{timed}), "
+             f"planned in {found.planning_s:.2f} s",
              "  #   pp  dp_r dp_s  tp  ep  schedule            v  mbs    M  step (ms) bubble  "
              "vs best  AC       peak per rank"]
     best = found.layouts[0].best.predicted_step_s if found.layouts else 0.0
