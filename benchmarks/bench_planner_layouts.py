@@ -4,11 +4,14 @@
 this machine's cores, one thread per rank, gloo:
 
 * **prediction**: ``plan_world`` ranks every layout of 4 processes of a GPT; the best plan of
-  pp 4, pp 2 x dp 2, pp 2 x tp 2 and the chosen layout are written (``-o``'s YAML) and run
-  through ``pp-core run``; measured step = median ``step_time_s`` of the timed steps (rank 0's
-  whole step, optimizer included) against the predicted; the same for moe_gpt at
-  pp 2 x dp 2 x ep 2; the report keeps what the plan measured besides the profile (the
-  pipeline factor, the data-parallel engine's costs);
+  pp 4, pp 2 x dp 2, pp 2 x tp 2, pp 1 x dp 2 x tp 2 and the chosen layout are written
+  (``-o``'s YAML) and run through ``pp-core run``; measured step = median ``step_time_s`` of
+  the timed steps (rank 0's whole step, optimizer included) against the predicted; the same
+  for moe_gpt at pp 2 x dp 2 x ep 2 and pp 1 x dp 4 x ep 2; the report keeps what the plan
+  measured besides the profile (the pipeline factor, the data-parallel engine's costs, the
+  layout it ran per tp / ep degree pair: a row of a layout the plan ran is marked
+  ``timed_by_the_plan`` - a check of run-to-run spread, not of a prediction; the other layouts
+  at its degrees are);
 * **auto vs by hand**: the chosen plan against each of those layouts written by hand (1f1b,
   the even ``layers`` split, no activation checkpointing, 2 x pp microbatches), measured;
 * **where memory binds** (``--capped``, run this file directly): a cap of 3/4 of the uncapped
@@ -132,6 +135,7 @@ def measured_layouts(spec, world_plan, tmp: str, targets, tag: str,
             measured[index].append(run_yaml(written_spec(lp.spec, lp.plan), tmp,
                                             f"{tag}-{index}"))
             stolen[index].append(stolen_share(before, cpu_ticks()))
+    timed = {t.dims for t in world_plan.timed.values()}
     rows = []
     for (label, lp), times, lost in zip(chosen, measured, stolen):
         predicted, median = lp.best.predicted_step_s, statistics.median(times)
@@ -141,6 +145,8 @@ def measured_layouts(spec, world_plan, tmp: str, targets, tag: str,
                      "ac": ac_letters(lp.best), "predicted_step_s": predicted,
                      "measured_step_s": median, "rounds_s": times,
                      "error": predicted / median - 1, "stolen": lost, "drift": drift,
+                     # the plan ran this layout to time its tp / ep degrees: not a prediction
+                     "timed_by_the_plan": lp.dims in timed,
                      "error_at_plan_speed": predicted * drift / median - 1})
         print(rows[-1], flush=True)
     return rows
@@ -218,13 +224,15 @@ def bench_layouts(world: int = 4, rounds: int = 1) -> dict:
         report["stolen_at_plan"] = found.stolen
         report["profile_s"], report["search_s"] = found.profile_s, found.planning_s
         report["pipeline_factor"] = found.pipeline_factor
-        report["engine"] = found.collectives.to_dict()["engine"]
+        report["collectives"] = found.collectives.to_dict()
+        report["engine"] = report["collectives"]["engine"]
+        report["timed_layouts"] = found.to_dict()["timed_layouts"]
         report["ranked"] = [{"layout": lp.dims.describe(), "dp_shard": lp.dims.dp_shard,
                              "predicted_step_s": lp.best.predicted_step_s}
                             for lp in found.layouts]
         report["runs"] = measured_layouts(spec, found, tmp, [
             ("chosen", None), ("pp 4", (4, 1, 1)), ("pp 2 x dp 2", (2, 2, 1)),
-            ("pp 2 x tp 2", (2, 1, 2))], "gpt", rounds)
+            ("pp 2 x tp 2", (2, 1, 2)), ("pp 1 x dp 2 x tp 2", (1, 2, 2))], "gpt", rounds)
         report["by_hand"] = by_hand(spec, [(4, 1, 1), (2, 2, 1), (2, 1, 2)], tmp)
         auto = report["runs"][0]["measured_step_s"]
         best = min(report["by_hand"], key=lambda r: r["measured_step_s"])
@@ -237,11 +245,13 @@ def bench_layouts(world: int = 4, rounds: int = 1) -> dict:
         moe = planned(moe_spec, world)
         report["moe_stolen_at_plan"] = moe.stolen
         report["moe_pipeline_factor"] = moe.pipeline_factor
+        report["moe_timed_layouts"] = moe.to_dict()["timed_layouts"]
         report["moe_ranked"] = [{"layout": lp.dims.describe(),
                                  "predicted_step_s": lp.best.predicted_step_s}
                                 for lp in moe.layouts]
         report["moe_runs"] = measured_layouts(moe_spec, moe, tmp, [
-            ("moe pp 2 x dp 2 x ep 2", (2, 2, 1, 2)), ("moe chosen", None)], "moe", rounds)
+            ("moe pp 2 x dp 2 x ep 2", (2, 2, 1, 2)), ("moe pp 1 x dp 4 x ep 2", (1, 4, 1, 2)),
+            ("moe chosen", None)], "moe", rounds)
     report["load_after"] = os.getloadavg()
     return report
 
@@ -250,7 +260,8 @@ def table(report: dict) -> str:
     lines = ["| layout | plan | AC | predicted ms | measured ms | error | drift | error at the "
              "plan's speed |", "|---|---|---|---|---|---|---|---|"]
     for row in report["runs"] + report["moe_runs"]:
-        lines.append(f"| {row['label']}: {row['layout']} | {row['plan']} | {row['ac']} "
+        label = row["label"] + (" (timed by the plan)" if row["timed_by_the_plan"] else "")
+        lines.append(f"| {label}: {row['layout']} | {row['plan']} | {row['ac']} "
                      f"| {row['predicted_step_s'] * 1e3:.1f} | {row['measured_step_s'] * 1e3:.1f} "
                      f"| {100 * row['error']:+.0f}% | {row['drift']:.2f} "
                      f"| {100 * row['error_at_plan_speed']:+.0f}% |")
@@ -263,6 +274,10 @@ def table(report: dict) -> str:
                      f"{p['planning_s']:.2f} s")
     lines.append(f"pipeline factor {report['pipeline_factor']:.2f} (moe_gpt "
                  f"{report['moe_pipeline_factor']:.2f}); engine {report['engine']}")
+    for key in ("timed_layouts", "moe_timed_layouts"):
+        lines.append(f"{key}: " + "; ".join(
+            f"{t['layout']} ran {t['measured_step_s'] * 1e3:.1f} ms, {t['factor']:.2f}x its "
+            f"arithmetic" for t in report[key]))
     lines.append(f"torch {report['torch']}, {report['cores']} cores, load "
                  f"{report['load_before']} -> {report['load_after']}")
     return "\n".join(lines)
