@@ -27,6 +27,11 @@ DISK_ERRNOS = {errno.ENOSPC: "no space left on the device",
                errno.EPERM: "operation not permitted"}
 """The errors that say the place cannot take the file, and how a message words them."""
 
+SHORT_ZIP_WRITE = re.compile(r"inline_container\.cc.*unexpected pos \d+ vs \d+")
+"""torch's zip writer (``torch.save``, DCP's shards) when the device took fewer bytes than it
+wrote: the disk filled mid-file, and no errno reaches Python (seen under DCP on a full disk,
+depending on where the last write fell)."""
+
 
 def disk_error(exc: BaseException | None) -> OSError | None:
     """The ``OSError`` with one of :data:`DISK_ERRNOS` behind ``exc`` (itself, its cause or
@@ -45,6 +50,8 @@ def disk_error(exc: BaseException | None) -> OSError | None:
         found = re.search(r"\(os error (\d+)\)", str(exc))  # safetensors' (Rust) errors
         if found and int(found.group(1)) in DISK_ERRNOS:
             return OSError(int(found.group(1)), os.strerror(int(found.group(1))))
+        if isinstance(exc, RuntimeError) and SHORT_ZIP_WRITE.search(str(exc)):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         exc = exc.__cause__ or exc.__context__
     return None
 

@@ -164,3 +164,18 @@ def test_tensorboard_on_a_full_disk_stops_with_one_warning_not_an_error(tmp_path
     assert warned == [f"output.tensorboard: cannot write '{full}/tb': no space left on the "
                       f"device; TensorBoard gets no more figures this run; training goes on; "
                       f"free some space or choose another place"], warned
+
+
+def test_a_short_write_in_torchs_zip_writer_is_a_full_disk():
+    """DCP's shard writer on a full disk sometimes fails inside torch's zip writer with no
+    errno (where the last write fell decides); it is the same refused write, said the same
+    way. Other runtime errors are not disk errors."""
+    import errno
+
+    from pp_core.write_failures import disk_error
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    wrapped = RuntimeError("the save failed")
+    wrapped.__cause__ = short
+    assert disk_error(wrapped).errno == errno.ENOSPC
+    assert disk_error(RuntimeError("unexpected pos in a tensor of mine")) is None

@@ -127,8 +127,8 @@ def time_layout(values: dict, world: int, backend: str = "gloo") -> float:
 def _worker(rank: int, values: dict, world: int, backend: str, store_path: str) -> None:
     """One rank of :func:`time_layout`: the training loop of ``pp-core run``, on a process
     group over a file store (no port)."""
-    from pp_core.app.rank import train
-    from pp_core.app.spec import Spec
+    from pp_core.app.rank import train  # lazy: the training loop, in the helpers only
+    from pp_core.app.spec import Spec  # lazy: as train
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank,
