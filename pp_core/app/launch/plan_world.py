@@ -191,37 +191,35 @@ def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = 
         profiles[1] = {size: p.scaled(factor) for size, p in profiles[1].items()}
     some = next(iter(next(iter(profiles.values())).values())) if profiles else None
     experts = [] if some is None else unit_experts(model, [u.fqns for u in some.units])
-    timed = {}
-    if measure_link and base.device == "cpu" and world <= MAX_WORLD:
-        timed = _timed(spec, admitted, world, profiles, memory_cap, link, collectives, experts,
-                       base.backend, say)
     profile_s = time.perf_counter() - started
     started = time.perf_counter()
     planned = []
     for dims in admitted:
         outcome = plan_layout(spec, dims, world, profiles[dims.tp], memory_cap, link,
-                               collectives, experts,
-                               timed[dims.tp, dims.ep].factor if (dims.tp, dims.ep) in timed
-                               else 1.0)
+                               collectives, experts)
         (planned if isinstance(outcome, LayoutPlan) else dropped).append(outcome)
+    planning_s = time.perf_counter() - started
+    timed = {}
+    if measure_link and base.device == "cpu" and world <= MAX_WORLD:
+        started = time.perf_counter()
+        timed = _timed(planned, world, base.backend, say)
+        profile_s += time.perf_counter() - started
+    for lp in planned:
+        if (lp.dims.tp, lp.dims.ep) in timed:  # a uniform factor: each layout's order stays
+            calibrated(lp.plan.ranking, timed[lp.dims.tp, lp.dims.ep].factor)
     planned.sort(key=lambda lp: (lp.best.predicted_step_s, lp.best.peak_bytes))
     kept = sorted((c for lp in planned for c in lp.plan.ranking.kept),
                   key=lambda c: (c.predicted_step_s, c.peak_bytes))
-    return WorldPlan(world, planned, dropped, memory_cap, profile_s,
-                     time.perf_counter() - started, collectives, link, kept, profiles, experts,
-                     factor, timed)
+    return WorldPlan(world, planned, dropped, memory_cap, profile_s, planning_s, collectives,
+                     link, kept, profiles, experts, factor, timed)
 
 
-def _timed(spec, admitted, world, profiles, memory_cap, link, collectives, experts, backend,
-           say) -> dict:
-    """One layout per tp / ep degree pair, run (:mod:`pp_core.app.launch.timed_layouts`);
-    none where a run failed."""
-    runnable = {}
-    for key, dims in timed_degrees(admitted).items():
-        outcome = plan_layout(spec, dims, world, profiles[dims.tp], memory_cap, link,
-                              collectives, experts)
-        if isinstance(outcome, LayoutPlan):
-            runnable[key] = outcome
+def _timed(planned: list[LayoutPlan], world: int, backend: str, say) -> dict:
+    """One planned layout per tp / ep degree pair, run
+    (:mod:`pp_core.app.launch.timed_layouts`); none where a run failed."""
+    by_dims = {lp.dims: lp for lp in planned}
+    runnable = {key: by_dims[dims]
+                for key, dims in timed_degrees(lp.dims for lp in planned).items()}
     if runnable and say is not None:
         say(f"plan: running {', '.join(lp.dims.describe() for lp in runnable.values())} a few "
             f"steps each to time every tp / ep degree pair")
@@ -234,11 +232,9 @@ def _timed(spec, admitted, world, profiles, memory_cap, link, collectives, exper
 
 
 def plan_layout(spec: Spec, dims: ParallelDims, world: int, profiles, memory_cap, link,
-                 collectives, experts, timed: float = 1.0):
+                 collectives, experts):
     """The per-layout search on the layout's profile: a LayoutPlan, or a DroppedLayout
-    saying why nothing of it runs (memory, or no schedule at its sizes). ``timed``: the
-    measured over the predicted step of a run at the layout's tp and ep degrees
-    (:mod:`pp_core.app.launch.timed_layouts`)."""
+    saying why nothing of it runs (memory, or no schedule at its sizes)."""
 
     placed = layout_spec(spec, dims)
     config = placed.pipeline
@@ -256,7 +252,6 @@ def plan_layout(spec: Spec, dims: ParallelDims, world: int, profiles, memory_cap
                           activation_checkpointing=ac["mode"], every=ac["every"],
                           degrees=degrees(dims))
     with_gradient_sync(ranking, dims, collectives)
-    calibrated(ranking, timed)
     try:
         chosen = ranking.chosen
     except ConfigError as exc:

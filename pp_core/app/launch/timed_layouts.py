@@ -13,14 +13,14 @@ not hold move the step of a CPU layout whose processes outnumber the cores:
   of the next 1.42.
 
 So where the whole world runs on this machine (at most :data:`MAX_WORLD` CPU processes),
-``pp-core plan --world N`` runs, for each degree pair ``(tp, ep)`` of the admitted layouts, the
+``pp-core plan --world N`` runs, for each degree pair ``(tp, ep)`` of the planned layouts, the
 one with the most pipeline stages - its best plan, written as ``-o`` writes it, through the
 same training loop as ``pp-core run`` - for a few steps, one pair right after the other, and
 multiplies the predicted step of every plan at those degrees by that run's measured over
 predicted step (:func:`calibrated`; clipped to :data:`BOUNDS`). The arithmetic still ranks the
-plans of a layout and the layouts of a pair; the run sets the pair's level. About ten seconds
-per pair (each runs twice, :func:`time_layouts`); what each run measured is in the plan's JSON
-(``timed_layouts``) and table.
+plans of a layout and the layouts of a pair; the run sets the pair's level. About twenty
+seconds per pair (each runs twice, :func:`time_layouts`); what each run measured is in the
+plan's JSON (``timed_layouts``) and table.
 """
 
 from __future__ import annotations
