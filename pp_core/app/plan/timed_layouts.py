@@ -84,7 +84,7 @@ def timed_degrees(admitted: Iterable[ParallelDims]) -> dict[tuple[int, int], Par
 
 def time_layouts(layouts: dict[tuple[int, int], object], world: int, backend: str,
                  written: Callable[[object], dict]) -> dict[tuple[int, int], TimedLayout]:
-    """Each planned layout of ``layouts`` (a :class:`~pp_core.app.launch.plan_world.LayoutPlan`)
+    """Each planned layout of ``layouts`` (a :class:`~pp_core.app.plan.plan_world.LayoutPlan`)
     run as ``written(layout)`` says, by ``world`` local processes: every layout once, then
     every layout again, the second round counting - the first run after the profiles took
     1.4x its repeat a few seconds later (whatever the measuring before it left behind)."""
