@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pp_core.checkpoint.directory import check_dir, resume_checkpoint
 from pp_core.checkpoint.record import RecordError, read_section
 from pp_core.errors import PPCoreError, shorten
 
@@ -160,7 +161,6 @@ def _compare_metadata(spec, path: Path, metadata, model, problems: list[str]) ->
 
 def check_resume_identity(spec, model, problems: list[str], notes: list[str]) -> None:
     """Refuse a resume into another model or optimizer (see the module docstring)."""
-    from pp_core.checkpoint.directory import check_dir, resume_checkpoint  # lazy: torch's DCP, seconds
     try:
         path = resume_checkpoint(spec.checkpoint.dir, spec.checkpoint.resume,
                                  spec.checkpoint.verify)

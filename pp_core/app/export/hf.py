@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from pp_core.checkpoint.directory import check_dir
 from pp_core.checkpoint.record import read_section
 from pp_core.errors import PipelineError
 
@@ -228,7 +229,6 @@ def directory_from_state_keys(checkpoint, output, names: list[tuple[str, str]], 
     checksums checked as it is read (once per command)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # lazy: DCP
 
-    from pp_core.checkpoint.directory import check_dir
     from pp_core.app.export.stream import plan_shards, write_from_checkpoint
 
     checkpoint = Path(checkpoint)
@@ -274,8 +274,6 @@ def _training_dtype(layout) -> torch.dtype:
 
 def _checked(checkpoint, output, verify: bool):
     """The checkpoint's DCP metadata and its export record, and ``output`` a directory."""
-    from pp_core.checkpoint.directory import check_dir  # lazy: DCP, only for an export
-
     checkpoint, output = Path(checkpoint), Path(output)
     if output.exists() and not output.is_dir():
         raise PipelineError(f"-o {str(output)!r} is a file; a directory export needs a "

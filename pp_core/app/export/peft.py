@@ -20,6 +20,10 @@ from pathlib import Path
 from typing import Optional
 
 from pp_core.app.adapters import lora_config, peft_missing
+from pp_core.app.export.hf import (directory_from_state_keys, hf_target, recorded_export,
+                                   write_hf_files)
+from pp_core.checkpoint import read_tensors
+from pp_core.checkpoint.directory import check_dir
 from pp_core.checkpoint.record import read_section
 from pp_core.errors import ConfigError
 
@@ -92,10 +96,6 @@ def export_merged(checkpoint, output, section: Optional[dict] = None,
     export --format hf`` (or the directory form) writes of the base, each LoRA layer's weight
     read batch by batch and given PEFT's own ``get_delta_weight`` as ``merge_and_unload`` adds
     it; only the adapters are held whole."""
-    from pp_core.checkpoint.directory import check_dir  # lazy: DCP, only for an export
-    from pp_core.app.export.hf import (directory_from_state_keys,  # lazy: torch
-                                       hf_target, recorded_export, write_hf_files)
-
     section = section or lora_settings(checkpoint)
     if section is None:
         raise ConfigError(f"--merge merges LoRA adapters, and {str(checkpoint)!r} is not a "
@@ -139,8 +139,6 @@ def export_merged(checkpoint, output, section: Optional[dict] = None,
 def _with_adapters(checkpoint, section: dict, verify: bool):
     """The run's PEFT model on the meta device with the checkpoint's adapters put in place
     (only they are read: adapters are small)."""
-    from pp_core.checkpoint import read_tensors  # lazy: DCP, only for an export
-
     model = _peft_model(section, meta=True)
     inner = [f"model.{n[len(_PREFIX):]}" for n, p in model.named_parameters() if p.requires_grad]
     tensors = read_tensors(checkpoint, inner, verify)
