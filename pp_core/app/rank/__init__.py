@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from pp_core import build_pipeline
 from pp_core.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
-from pp_core.app.checkpoint_identity import identity_files
+from pp_core.app.check.resume import run_identity
 from pp_core.app.rank.data_metrics import batch_figures
-from pp_core.app.export.hf import export_files
+from pp_core.app.export.hf import export_record
 from pp_core.app.export.run import export_due, export_from_run
 from pp_core.app.factories import build_dataset, build_model, dp_slice
 from pp_core.app.rank.health import apply_update, weights_finite
@@ -300,7 +300,8 @@ def train(spec: Spec) -> dict[str, Any]:
                                     f"checkpoint was not saved, so {directory!r} keeps its last "
                                     f"good one")
             path = save_checkpoint(directory, step, pipe.model_parts, optimizers,
-                                   extra_files={**identity_files(spec), **export_files(spec)})
+                                   record={"run": run_identity(spec),
+                                           "export": export_record(spec)})
             say(f"checkpoint saved: {path}")
         if (export_dir := export_due(spec, step)) is not None:
             say(f"exported: {export_from_run(spec, pipe.model_parts, export_dir)}")
