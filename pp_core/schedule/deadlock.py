@@ -21,7 +21,8 @@ def walk_or_raise(schedule: Schedule, encoded: list[list[int]], visit=None,
     """Run the walk over ``encoded`` (``visit`` sees each action); raise the deadlock error if
     ranks stay blocked."""
     walk = Walk(encoded, dependencies or Dependencies(schedule))
-    if not walk.run(visit):
+    walk.run(visit)
+    if walk.stuck():
         _raise_deadlock(schedule, encoded, walk.ptr)
     return walk
 

@@ -90,7 +90,8 @@ def lower(schedule: Schedule, backward_from: int = 0) -> Program:
     dependencies = Dependencies(schedule)
     walk = Walk(known.codes if known and not known.idle else _encode(schedule), dependencies)
     visit, out, life = _emitter(schedule, dependencies, backward_from, walk.ptr)
-    if not walk.run(visit, one_per_turn=True):
+    walk.run(visit, one_per_turn=True)
+    if walk.stuck():
         details = "; ".join(f"rank {r} waits at {schedule.actions[r][walk.ptr[r]]}"
                             for r in walk.stuck())
         raise ScheduleError(

@@ -235,9 +235,9 @@ class Walk:
         """The ranks that have not run to the end of their rows."""
         return [r for r, row in enumerate(self.rows) if self.ptr[r] < len(row)]
 
-    def run(self, visit: Visit | None = None, one_per_turn: bool = False) -> bool:
+    def run(self, visit: Visit | None = None, one_per_turn: bool = False) -> None:
         """Run each rank's actions in order as their inputs are made, handing each to
-        ``visit``; return whether every rank ran to its end.
+        ``visit``, until no rank can go on (:meth:`stuck` names the ranks left short).
 
         A true answer from ``visit`` holds the rank at that action, not run, until
         :meth:`wake` offers it again (a replay whose actions take time). ``one_per_turn``:
@@ -286,4 +286,3 @@ class Walk:
                     later.append(r)
             current, later = later, []
         self._queue = current
-        return all(p == len(row) for p, row in zip(ptr, rows))

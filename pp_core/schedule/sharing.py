@@ -32,78 +32,65 @@ def replay_shared(schedule: Schedule, encoded: list[list[int]], cost, latency: f
     """``(starts, ends)`` of every encoded action on ranks sharing ``processors``. The schedule
     must be known to be deadlock-free (it was validated)."""
     dependencies = Dependencies(schedule)
-    replay = _Shared(dependencies, cost, latency, len(encoded))
+    arrivals, num_ranks = dependencies.arrivals, len(encoded)
+    made = [0.0] * (2 * schedule.num_stages * schedule.num_microbatches)  # per unit and made
+    left = [0.0] * num_ranks  # work left of the running action
+    running = [False] * num_ranks
+    finished = [False] * num_ranks  # its action ended: the walk may go on
+    free_at = [0.0] * num_ranks  # end of the rank's previous action
+    current = [(0, 0)] * num_ranks  # (key, kind) of the running action
+    due: dict[int, float] = {}  # rank -> when its next action's input arrives
+    starts: list[list[float]] = [[] for _ in range(num_ranks)]
+    ends: list[list[float]] = [[] for _ in range(num_ranks)]
+    now = 0.0
+
+    def ended(r: int, key: int, kind: int) -> None:
+        if MAKES[kind] is not None:
+            made[2 * key + MAKES[kind]] = now
+        ends[r].append(now)
+        free_at[r] = now
+
+    def start(r: int, _code: int, key: int, stage: int, kind: int) -> bool:
+        """The walk's visit: ``True`` holds rank ``r`` at this action (running, or waiting for
+        its input to arrive); once it has finished, the walk goes on."""
+        if finished[r]:
+            finished[r] = False
+            return False
+        ready = free_at[r]
+        for offset in arrivals[kind][stage]:
+            ready = max(ready, made[2 * key + offset] + latency)
+        if ready > now + _EPS:
+            due[r] = ready
+            return True
+        starts[r].append(now)
+        current[r] = (key, kind)
+        work = cost[stage][kind]
+        if work <= 0.0:  # a zero-cost action ends where it starts
+            ended(r, key, kind)
+            return False
+        left[r], running[r] = work, True
+        return True
+
     walk = Walk(encoded, dependencies)
     while True:
-        for r in replay.due:  # offer them again: some may start now
+        for r in due:  # offer them again: some may start now
             walk.wake(r)
-        replay.due.clear()
-        walk.run(replay.start)  # start what can start now; a zero-cost action ends there
-        busy = [r for r in range(len(encoded)) if replay.running[r]]
-        next_arrival = min(replay.due.values(), default=float("inf"))
+        due.clear()
+        walk.run(start)  # start what can start now
+        busy = [r for r in range(num_ranks) if running[r]]
+        next_arrival = min(due.values(), default=float("inf"))
         if not busy:
             if next_arrival == float("inf"):
                 break  # everything ran (or a deadlock, which validation ruled out)
-            replay.now = next_arrival
+            now = next_arrival
             continue
         rate = min(1.0, processors / len(busy))
-        step = min(min(replay.left[r] for r in busy) / rate, next_arrival - replay.now)
-        replay.now += step
+        step = min(min(left[r] for r in busy) / rate, next_arrival - now)
+        now += step
         for r in busy:
-            replay.left[r] -= step * rate
-            if replay.left[r] <= _EPS * max(1.0, replay.now):
-                replay.finish(r)
+            left[r] -= step * rate
+            if left[r] <= _EPS * max(1.0, now):
+                ended(r, *current[r])
+                running[r], finished[r] = False, True
                 walk.wake(r)
-    return replay.starts, replay.ends
-
-
-class _Shared:
-    """The clock of :func:`replay_shared` and the walk's client: each action it is handed
-    starts now, waits for its input to arrive, or, once finished, lets the walk go on."""
-
-    def __init__(self, dependencies: Dependencies, cost, latency: float, num_ranks: int):
-        self.inputs, self.cost, self.latency = dependencies.arrivals, cost, latency
-        self.made = [0.0] * (2 * len(dependencies.stage_ranks) * dependencies.num_microbatches)
-        self.now = 0.0
-        self.left = [0.0] * num_ranks          # work left of the running action
-        self.running = [False] * num_ranks
-        self.finished = [False] * num_ranks     # its action ended: the walk may go on
-        self.free_at = [0.0] * num_ranks        # end of the rank's previous action
-        self.current = [(0, 0)] * num_ranks     # (key, kind) of the running action
-        self.due: dict[int, float] = {}         # rank -> when its next action's input arrives
-        self.starts: list[list[float]] = [[] for _ in range(num_ranks)]
-        self.ends: list[list[float]] = [[] for _ in range(num_ranks)]
-
-    def start(self, r: int, _code: int, key: int, stage: int, kind: int) -> bool:
-        """The walk's visit: ``True`` holds rank ``r`` at this action (running, or waiting for
-        its input to arrive)."""
-        if self.finished[r]:
-            self.finished[r] = False
-            return False
-        ready = self.free_at[r]
-        for offset in self.inputs[kind][stage]:
-            ready = max(ready, self.made[2 * key + offset] + self.latency)
-        if ready > self.now + _EPS:
-            self.due[r] = ready
-            return True
-        self.starts[r].append(self.now)
-        self.current[r] = (key, kind)
-        work = self.cost[stage][kind]
-        if work <= 0.0:
-            self._ended(r, key, kind)
-            return False
-        self.left[r], self.running[r] = work, True
-        return True
-
-    def finish(self, r: int) -> None:
-        """Rank ``r``'s running action ends now."""
-        self._ended(r, *self.current[r])
-        self.running[r] = False
-        self.finished[r] = True
-
-    def _ended(self, r: int, key: int, kind: int) -> None:
-        made = MAKES[kind]
-        if made is not None:
-            self.made[2 * key + made] = self.now
-        self.ends[r].append(self.now)
-        self.free_at[r] = self.now
+    return starts, ends

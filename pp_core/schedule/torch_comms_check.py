@@ -240,7 +240,8 @@ def _check_deadlock(cells, schedule: Schedule, graph: StageGraph, columns, at,
         rows.append(sorted(items, key=lambda pair: pair[0]))
     posting = _Posting(rows, graph, ranks, at)
     walk = Walk(posting.codes, posting)
-    if walk.run():
+    walk.run()
+    if not walk.stuck():
         return
     lines = []
     for r in walk.stuck():
