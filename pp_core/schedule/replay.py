@@ -21,13 +21,16 @@ stage that ends the model, its own forward (the loss); a ``W`` reads its own ``I
 where a message goes and when an input arrives are all derived from it.
 
 [Note: another kind of edge] Sequence slices (issue 47: each microbatch cut into K causal
-slices) are one more rule in :meth:`Dependencies.inputs`: a unit becomes (stage, slice,
-microbatch), the forward of slice j also reads the forward of slice j - 1 on its own stage, and
-the backward of slice j the input gradient of slice j + 1; the walk, its wake-ups and its
-clients follow from the rule unchanged. A stage graph that is not a chain (an image encoder
-feeding a decoder) is ``Schedule.edges``; what it still needs elsewhere is a SEND that names its
-peer, for a stage whose output goes to two other ranks (the IR's ``SEND_F`` names only its own
-stage, as torch's does).
+slices) are one more rule here. A unit's place becomes (stage, slice), numbered
+``place = stage * K + slice`` where a stage is numbered today (``key = place * M + microbatch``,
+the tables of :class:`Dependencies` per place, a place's rank that of ``place // K``), and
+:meth:`Dependencies.inputs` gains the slice edge: an ``F`` of slice ``j > 0`` also reads
+``(place - 1, FORWARD)``, a ``B``/``I`` of slice ``j < K - 1`` also reads
+``(place + 1, GRADIENT)`` (the backward runs the slices in reverse). The walk, its wake-ups, the
+deadlock message and the timed replays follow from the rule unchanged. A stage graph that is not
+a chain (an image encoder feeding a decoder) is ``Schedule.edges``; what it still needs elsewhere
+is a SEND that names its peer, for a stage whose output goes to two other ranks (the IR's
+``SEND_F`` names only its own stage, as torch's does, so lowering refuses that).
 
 **The ready loop** (:meth:`Walk.run`). Every rank runs its next action once all its inputs are
 made, and making something wakes the ranks that wait for it; each action has a count of inputs
