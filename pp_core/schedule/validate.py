@@ -54,13 +54,12 @@ def encode_validated(schedule: Schedule, check_deadlock: bool = True) -> list[li
     if known is not None:
         return known.codes
     _num_ranks, num_stages, num_microbatches = _check_shape(schedule)
-    encoded = _encode(schedule, num_stages, num_microbatches)
+    encoded, idle = _encode(schedule, num_stages, num_microbatches)
     if check_deadlock:
         walk_or_raise(schedule, encoded)
     schedule.__dict__["_validated"] = Validated(
         tuple(map(tuple, schedule.actions)), tuple(schedule.stage_ranks), num_microbatches,
-        schedule.edges, encoded, check_deadlock,
-        any(None in row for row in schedule.actions))
+        schedule.edges, encoded, check_deadlock, idle)
     return encoded
 
 
@@ -129,18 +128,22 @@ def _check_shape(schedule: Schedule) -> tuple[int, int, int]:
 # ----------------------------------------------------------------------------- pass 1
 
 
-def _encode(schedule: Schedule, num_stages: int, num_microbatches: int) -> list[list[int]]:
-    """Check placement, ranges, duplicates and local order; return per-rank codes."""
+def _encode(schedule: Schedule, num_stages: int,
+            num_microbatches: int) -> tuple[list[list[int]], bool]:
+    """Check placement, ranges, duplicates and local order; return per-rank codes, and
+    whether any row has idle steps (which the codes leave out)."""
     stage_ranks = schedule.stage_ranks
     M = num_microbatches
     state = bytearray(num_stages * M)
-    kind_code = COMPUTE_CODE
+    kind_code, code_of = COMPUTE_CODE, pack
     encoded: list[list[int]] = []
+    idle = False
     for r, row in enumerate(schedule.actions):
         enc: list[int] = []
         append = enc.append
         for step, action in enumerate(row):
             if action is None:
+                idle = True
                 continue
             if type(action) is not Action:
                 _bad_item(schedule, r, step, action)
@@ -164,11 +167,11 @@ def _encode(schedule: Schedule, num_stages: int, num_microbatches: int) -> list[
                 if st != _F_BIT:
                     _local_order(schedule, r, step, action, st)
                 state[key] = _DONE_FULL if kc == 1 else _F_BIT | _I_BIT
-            append(pack(key, kc))
+            append(code_of(key, kc))
         encoded.append(enc)
     if state.count(_DONE_FULL) + state.count(_DONE_SPLIT) != len(state):
         _incomplete(schedule, state, M)
-    return encoded
+    return encoded, idle
 
 
 def _bad_item(schedule: Schedule, r: int, step: int, action) -> None:

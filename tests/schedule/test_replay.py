@@ -8,7 +8,7 @@ import pytest
 from pp_core.errors import ScheduleError
 from pp_core.schedule import Action, B, F, I, Schedule, W, parse_action
 from pp_core.schedule.build import build_schedule
-from pp_core.schedule.csv_io import format_csv
+from pp_core.schedule.csv_io import format_csv, parse_csv
 from pp_core.schedule.ir import RECV_B, RECV_F, SEND_B, SEND_F
 from pp_core.schedule.lower import lower
 from pp_core.schedule.replay import (
@@ -117,3 +117,11 @@ def test_a_schedule_changed_after_validation_is_validated_again():
     validate_schedule(schedule)
     schedule.stage_ranks = (1, 0)
     assert validated(schedule) is None
+
+
+def test_idle_steps_take_their_turn_in_lowering_after_validation():
+    schedule = parse_csv("0F0,0F1,,0B0,0B1\r\n,1F0,1B0,1F1,1B1\r\n")  # validated: remembered
+    assert validated(schedule).idle
+    fresh = dataclasses.replace(schedule)  # the same rows, never validated
+    assert validated(fresh) is None
+    assert lower(schedule).rows() == lower(fresh).rows()
