@@ -83,10 +83,13 @@ def plan_command(args) -> int:
     from pp_core.planning.report import format_ranking
     from pp_core.planning.sizes import parse_size
     from pp_core.app.check import preflight
+    from pp_core.app.output_paths import refuse_output, run_paths
     from pp_core.app.spec import load_spec
 
     cap = None if args.memory_cap is None else parse_size(args.memory_cap)
     spec = as_auto(load_spec(args.pipeline, args.overrides))
+    if args.output is not None:  # before any measuring: not an input of the run, writable
+        refuse_output("-o", args.output, run_paths(spec))
     world = _world(args, spec)
     if world is not None:
         return _plan_world(args, spec, world, cap)
@@ -161,13 +164,6 @@ def _write(spec, plan, path: str) -> None:
 
     from pp_core.app.launch.decide import written_spec  # lazy: as plan_command's imports
 
-    import os  # lazy: as above
-
-    from pp_core.errors import ConfigError
-
-    if os.path.exists(path) and os.path.samefile(path, spec.source):
-        raise ConfigError(f"-o {path}: that is the pipeline being planned; write the chosen "
-                          f"layout to another file")
     values = written_spec(spec, plan)
     with open(path, "w") as fh:
         fh.write(f"# written by 'pp-core plan {spec.source}': the chosen plan, no auto left\n")
