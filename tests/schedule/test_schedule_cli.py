@@ -111,7 +111,7 @@ def test_export_compute_comms_in_each_torch_dialect(capsys, tmp_path, monkeypatc
     (["export", "1f1b", "--pp", "2", "-m", "2", "--torch", "2.15"],
      "--torch chooses the dialect of a compute_comms file; add --format compute_comms"),
     (["export", "1f1b", "--pp", "2", "-m", "2", "--format", "compute_comms", "--torch", "next"],
-     "cannot read a torch version from 'next'"),
+     "--torch 'next': expected a torch release such as 2.15 or 2.13.0"),
     (["show", "nope", "--pp", "2", "-m", "2"], "unknown schedule 'nope'"),
     (["show", "1f1b", "--pp", "2"], "schedule '1f1b' needs --microbatches"),
     (["show"], "name a schedule"),

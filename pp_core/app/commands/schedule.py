@@ -23,7 +23,7 @@ from pp_core.schedule.limits import size_problem
 from pp_core.schedule.lower import lower
 from pp_core.schedule.render import caption, render_svg, render_text
 from pp_core.schedule.simulate import Costs, simulate
-from pp_core.schedule.torch_comms import dialect_of
+from pp_core.schedule.torch_comms import dialect_of, release_dialect
 from pp_core.schedule.trace import chrome_trace
 
 HELP = """\
@@ -291,10 +291,11 @@ def _recv_buffers(schedule, args) -> dict:
 
 
 def _export(args) -> int:
+    named = None if args.torch_version is None else release_dialect(args.torch_version)
     schedule = _schedule(args)
     dialect = None
     if args.format == "compute_comms":
-        dialect = dialect_of(args.torch_version or installed_torch_version())
+        dialect = named or dialect_of(installed_torch_version())
         text = format_comms_csv(schedule, dialect)
     elif args.torch_version is not None:
         raise ScheduleError("--torch chooses the dialect of a compute_comms file; add --format "
