@@ -165,6 +165,22 @@ def test_the_reasons_for_no_layout_are_summarised():
         "pipeline rank holds at least one); and 1141 more of these kinds; use another --world")
 
 
+def test_a_cap_no_layout_fits_exits_non_zero_and_writes_nothing(tmp_path, capsys):
+    """``plan --world N --memory-cap`` with nothing under the cap (issue #48, item 6): it
+    printed an empty table and exited 0, so ``plan -o chosen.yaml && run chosen.yaml`` ran a
+    stale file."""
+    path = _file(tmp_path, BASE)
+    assert cli.main(["plan", path, "--world", "2", "--no-link", "--memory-cap", "1KiB", "--set",
+                     "distributed.tp_size=1"]) == 1
+    captured = capsys.readouterr()
+    *progress, error = captured.err.splitlines()
+    assert captured.out == "" and progress == ["plan: profiling at tp 1, microbatch sizes [1, 2, 4]"]
+    assert error.startswith("pp-core: error: --world 2: no layout of 2 processes runs this "
+                            "model: memory: no plan fits memory_cap=1.0 KiB per rank: the "
+                            "smallest predicted peak is ") and error.endswith("; use another "
+                                                                              "--world"), error
+
+
 # ------------------------------------------------------------------ the command: real runs
 def _check_contract(data, world: int) -> None:
     kept = data["ranking"]["kept"]

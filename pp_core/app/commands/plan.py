@@ -143,8 +143,8 @@ def _plan_world(args, spec, world: int, cap) -> int:
             fixed[path[-1]] = value
     found = plan_world(spec, world, memory_cap=cap, measure_link=not args.no_link,
                        fixed=fixed, say=_progress)
+    chosen = found.chosen_layout  # none under the cap: exit 1 and write nothing, say why
     if args.output is not None:
-        chosen = found.chosen_layout
         _write(chosen.spec, chosen.plan, args.output)
     if args.json:
         print(json.dumps(found.to_dict(), indent=1))
