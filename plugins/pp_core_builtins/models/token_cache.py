@@ -214,8 +214,11 @@ def open_cache(files, tokenizer, cache_dir, reading: dict, bos, eos) -> TokenCac
     their recorded checksums, or built once (locked; a damaged one is rebuilt). While
     ``$PP_CORE_VALIDATING`` is set (``pp-core validate``) nothing is written to ``cache_dir``: a
     missing or damaged cache is built in a temporary directory, opened, and removed."""
-    paths = expand_files(files)
     root = Path(os.path.expanduser(str(cache_dir)))
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"tokenized_text: cache_dir={str(cache_dir)!r} is a file, expected a "
+                         f"directory for the token cache (it is created when missing)")
+    paths = expand_files(files)
     key = _cache_key(paths, reading, tokenizer, bos, eos)
     directory = root / key
     if directory.is_dir() and _damage(directory) is None:

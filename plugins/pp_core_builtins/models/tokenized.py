@@ -81,6 +81,9 @@ class TokenizedText(BatchStream):
         if split == "eval" and eval_files is None and eval_fraction == 0.0:
             raise ValueError("tokenized_text: split: eval needs eval_files or an eval_fraction "
                              "> 0 (the last fraction of the documents, left out of training)")
+        if pad_id is not None and (isinstance(pad_id, bool) or not isinstance(pad_id, int)
+                                   or pad_id < 0):
+            raise ValueError(f"tokenized_text: pad_id={pad_id!r} must be a token id >= 0")
         super().__init__(batch_size, seed, num_batches)
         self.seq_len, self.pack, self.shuffle = seq_len, bool(pack), bool(shuffle)
         self.tokenizer = load_tokenizer(tokenizer)
