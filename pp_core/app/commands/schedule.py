@@ -18,7 +18,7 @@ from pp_core.schedule.buffer_plan import recv_buffer_report
 from pp_core.schedule.build import build_schedule
 from pp_core.schedule.csv_io import format_comms_csv, format_csv, installed_torch_version, \
     read_csv
-from pp_core.schedule.frozen import frozen_costs
+from pp_core.schedule.frozen import backward_from, frozen_costs, without_frozen
 from pp_core.schedule.limits import size_problem
 from pp_core.schedule.lower import lower
 from pp_core.schedule.render import caption, render_svg, render_text
@@ -293,10 +293,13 @@ def _recv_buffers(schedule, args) -> dict:
 def _export(args) -> int:
     named = None if args.torch_version is None else release_dialect(args.torch_version)
     schedule = _schedule(args)
+    trainable = _trainable(args.frozen, schedule.num_stages) if args.frozen else None
+    schedule = without_frozen(schedule, trainable)  # the program a LoRA run executes
     dialect = None
     if args.format == "compute_comms":
         dialect = named or dialect_of(installed_torch_version())
-        text = format_comms_csv(schedule, dialect)
+        text = format_comms_csv(schedule, dialect,
+                                backward_from(trainable) if trainable is not None else 0)
     elif args.torch_version is not None:
         raise ScheduleError("--torch chooses the dialect of a compute_comms file; add --format "
                             "compute_comms (a compute-only CSV reads the same in every torch)")
