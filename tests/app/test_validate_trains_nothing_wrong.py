@@ -78,6 +78,14 @@ CASES = [
      "distributed.mixed_precision: casts float32 parameters to a lower precision for compute, "
      "but the model's parameters are float16 (model.dtype); keep one of them: drop "
      "mixed_precision, or build the model in float32"),
+    ("a shifting loss on shifted targets", {
+        **BASE, "model": {"name": "hf_causal_lm", "args": {"config": LLAMA}},
+        "data": {"name": "text_bytes", "args": {"seq_len": 8}},
+        "pipeline": {**BASE["pipeline"], "loss_fn": "pp_core_builtins.transformers:causal_lm_loss"}},
+     "pipeline.loss_fn: pp_core_builtins.transformers:causal_lm_loss shifts its labels by one "
+     "token, but the targets of data 'text_bytes' are already the next tokens (target[t] = "
+     "input[t + 1]): the model would learn the token after next; use loss_fn: cross_entropy, "
+     "which takes a dataset's targets as they are (docs/data.md, 'Targets')"),
     ("HF torch_dtype beside model.dtype", {
         **BASE, "model": {"name": "hf_causal_lm", "dtype": "float32",
                           "args": {"config": {**LLAMA, "torch_dtype": "bfloat16"}}}},
@@ -97,3 +105,20 @@ def test_validate_refuses_in_one_line(tmp_path, capsys, monkeypatch, values, mes
     out = capsys.readouterr()
     assert code == 1 and out.out == "", out.out + out.err
     assert out.err == f"pp-core: error: pipe.yaml: {message}\n"
+
+
+def test_targets_equal_to_the_inputs_are_refused_with_a_loss_that_does_not_shift():
+    """The other half of the one convention: Hugging Face labels (the input ids) given to
+    ``cross_entropy``, which would teach the model to copy its input."""
+    import torch
+
+    from pp_core.app.check.data import label_problem
+    from pp_core.losses import cross_entropy
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert label_problem("cross_entropy", cross_entropy, "mine", {"input_ids": ids}, ids) == (
+        "pipeline.loss_fn: cross_entropy takes targets that are the next tokens, but the targets "
+        "of data 'mine' equal its inputs (Hugging Face labels): the model would learn to copy its "
+        "input; use loss_fn: pp_core_builtins.transformers:causal_lm_loss, which shifts them, or "
+        "make the dataset's targets the next tokens (docs/data.md, 'Targets')")
+    assert label_problem("cross_entropy", cross_entropy, "mine", ids[:, :-1], ids[:, 1:]) is None

@@ -17,7 +17,9 @@ contiguous share), targets being the next tokens:
   padded targets are ``-100``.
 
 Batch ``i`` depends only on ``(seed, i)`` and the corpus, so ``skip(n)`` is free and a resumed
-run sees exactly the batches the uninterrupted run would have seen (mid-epoch included).
+run sees exactly the batches the uninterrupted run would have seen (mid-epoch included);
+``start: N`` begins the stream at batch ``N`` (a run started from another run's export carries no
+data position), as in the other built-in datasets.
 ``split: eval`` reads ``eval_files`` when given, else the last ``eval_fraction`` of the
 documents (which ``split: train`` then leaves out).
 """
@@ -70,7 +72,8 @@ class TokenizedText(BatchStream):
                  split: str = "train", eval_fraction: float = 0.0, eval_files=None,
                  text_field: str = "text", doc_separator: Optional[str] = "\n\n",
                  hf_split: str = "train", bos="auto", eos="auto", pad_id: Optional[int] = None,
-                 cache_dir: Optional[str] = None, num_batches: Optional[int] = None):
+                 cache_dir: Optional[str] = None, num_batches: Optional[int] = None,
+                 start: int = 0):
         check_arg_types("tokenized_text", TokenizedText.__init__, locals())
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"tokenized_text: seq_len={seq_len!r} must be a positive int")
@@ -84,7 +87,7 @@ class TokenizedText(BatchStream):
         if pad_id is not None and (isinstance(pad_id, bool) or not isinstance(pad_id, int)
                                    or pad_id < 0):
             raise ValueError(f"tokenized_text: pad_id={pad_id!r} must be a token id >= 0")
-        super().__init__(batch_size, seed, num_batches)
+        super().__init__(batch_size, seed, num_batches, start)
         self.seq_len, self.pack, self.shuffle = seq_len, bool(pack), bool(shuffle)
         self.tokenizer = load_tokenizer(tokenizer)
         self.vocab_size = self.tokenizer.vocab_size

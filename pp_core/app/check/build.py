@@ -18,7 +18,8 @@ from pathlib import Path
 from pp_core.app.adapters import adapted_meta_model
 from pp_core.app.factories import EVALUATION_NOTE, call_factory, dataset_args, dp_slice
 from pp_core.app.output_paths import collisions, path_problems, run_paths, writable_problem
-from pp_core.app.check.data import check_sequence_shards, check_vocab, meta_friendly
+from pp_core.app.check.data import (check_labels, check_sequence_shards, check_vocab,
+                                    meta_friendly)
 from pp_core.app.check.fit import check_fit, check_memory
 from pp_core.app.check.initializers import initializers_to_prepare
 from pp_core.app.rendezvous import started_by_torchrun
@@ -92,6 +93,7 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
                 check_sequence_shards(spec, evaluated, "data.eval_args", problems)
         if batch is not None:
             check_fit(model, batch, "data.args", problems)
+            check_labels(spec, batch, problems)
             _check_batch(spec, model, batch, problems, notes, plugins)
     _check_optimizer(spec, model, problems)
     before = len(problems)
