@@ -53,6 +53,7 @@ examples:
   pp-core schedule export Interleaved1F1B --pp 4 --microbatches 8 -o order.csv
   pp-core schedule export zero_bubble --pp 4 -m 8 --format compute_comms --torch 2.15 -o zb.csv
   pp-core schedule simulate --csv order.csv --json
+  pp-core schedule show examples/demo.yaml      (the pipeline file's schedule and sizes)
 """
 
 
@@ -139,7 +140,8 @@ def _amount(kind, positive: bool = False, minimum: float | None = None,
 
 def _add_common(sub) -> None:
     sub.add_argument("name", nargs="?", metavar="NAME",
-                     help="schedule name or alias (see 'pp-core plugins'), e.g. 1f1b")
+                     help="schedule name or alias (see 'pp-core plugins'), e.g. 1f1b; or a "
+                          "pipeline file: its schedule, pp, microbatches, stages per rank")
     sub.add_argument("--csv", metavar="FILE", help="read the schedule from a CSV instead of NAME")
     sub.add_argument("--pp", type=int, metavar="P", help="pipeline ranks")
     sub.add_argument("--microbatches", "-m", type=int, metavar="M", help="microbatches per step")
@@ -179,6 +181,8 @@ def _schedule(args):
         if too_large is not None:
             raise ScheduleError(too_large)
 
+    if args.name and args.name.endswith((".yaml", ".yml")):
+        _from_pipeline_file(args)
     if args.csv and args.name:
         raise ScheduleError(f"give a schedule NAME or --csv FILE, not both (got {args.name!r} "
                             f"and --csv {args.csv!r})")
@@ -201,6 +205,43 @@ def _schedule(args):
                             f"(e.g. --pp 4 --microbatches 8)")
     return build_schedule(args.name, num_ranks=args.pp, num_microbatches=args.microbatches,
                           stages_per_rank=args.stages_per_rank)
+
+
+def _from_pipeline_file(args) -> None:
+    """NAME is a pipeline file: its schedule (or CSV), pp_size, microbatches (pp_batch_size /
+    pp_microbatch_size) and stages per rank (of its FQN lists) fill the flags not given. Read as
+    YAML alone: the schedule commands import no torch, and the model is not built."""
+    from pathlib import Path  # lazy: only for a pipeline file
+
+    from pp_core.app.spec.yaml import YamlProblem, read_yaml
+    from pp_core.config import is_auto
+
+    source = args.name
+    try:
+        data = read_yaml(Path(source).read_bytes()) or {}
+    except (OSError, YamlProblem) as exc:
+        raise ScheduleError(f"{source}: {getattr(exc, 'strerror', None) or exc}") from None
+    pipeline, dist = (data.get(k) if isinstance(data, dict) else None
+                      for k in ("pipeline", "distributed"))
+    pipeline, dist = pipeline if isinstance(pipeline, dict) else {}, \
+        dist if isinstance(dist, dict) else {}
+    csv, args.name = pipeline.get("pp_schedule_csv"), pipeline.get("pp_schedule") or "1f1b"
+    if csv:
+        beside = Path(source).parent / str(csv)  # as the run reads it: relative to the file
+        args.csv, args.name = (str(beside) if beside.is_file() else str(csv)), None
+    elif is_auto(args.name):
+        raise ScheduleError(f"{source}: pipeline.pp_schedule: auto is chosen when the run starts; "
+                            f"'pp-core plan {source}' shows the choice")
+    if args.pp is None:
+        args.pp = dist.get("pp_size", 1)
+    if args.microbatches is None:
+        batch, micro = pipeline.get("pp_batch_size") or 1, pipeline.get("pp_microbatch_size") or 1
+        args.microbatches = batch // micro if isinstance(batch, int) and isinstance(micro, int) \
+            and micro > 0 else batch
+    fqns = pipeline.get("module_fqns_per_model_part")
+    if args.stages_per_rank is None and isinstance(fqns, list) and isinstance(args.pp, int) \
+            and args.pp > 0 and len(fqns) > args.pp:
+        args.stages_per_rank = len(fqns) // args.pp
 
 
 def _simulated(args):
