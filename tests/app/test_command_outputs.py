@@ -95,3 +95,34 @@ def test_export_checks_its_output_in_one_line(checkpoint, capsys, monkeypatch, o
     monkeypatch.chdir(checkpoint)
     assert _refused(capsys, ["export", "ckpt", *fmt, "-o", output]) == \
         message.replace("{folder}", str(checkpoint))
+
+
+def test_plan_writes_what_differs_with_paths_for_where_it_writes(tmp_path, monkeypatch):
+    """``plan -o`` (issue #49, item 6): the file it writes reads the same inputs from its own
+    folder, holds only what differs from the defaults, and sends its outputs beside the source
+    run's, not over them; it used to copy 110 lines of defaults and the source's output paths."""
+    from pp_core.app.commands.plan import written_file
+    from pp_core.app.spec import load_spec
+
+    source = tmp_path / "a"
+    source.mkdir()
+    (source / "corpus.txt").write_text("text\n\n" * 40)
+    (source / "pipe.yaml").write_text(yaml.safe_dump({
+        **PIPE, "checkpoint": {"dir": "runs/ckpt", "export_hf": "runs/hf"},
+        "output": {"metrics": "runs/metrics.jsonl", "progress": "off"}}))
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec("a/pipe.yaml")
+    values = spec.to_dict()
+    values["pipeline"].update(pp_schedule="dfs", pp_microbatch_size=2)  # as written_spec plans
+    written, moved = written_file(spec, values, "b/chosen.yaml")
+    assert written == {
+        "model": {"name": "gpt", "args": MODEL},
+        "data": {"name": "tokenized_text",
+                 "args": {**PIPE["data"]["args"], "files": "../a/corpus.txt"}},
+        "pipeline": {"pp_schedule": "dfs", "pp_batch_size": 4, "pp_microbatch_size": 2,
+                     "loss_fn": "cross_entropy"},
+        "distributed": {"pp_size": 2, "device": "cpu"},
+        "train": {"steps": 1},
+        "checkpoint": {"dir": "runs/chosen/ckpt", "export_hf": "runs/chosen/hf"},
+        "output": {"metrics": "runs/chosen/metrics.jsonl", "progress": "off"}}
+    assert moved == ["checkpoint.dir", "checkpoint.export_hf", "output.metrics"]
