@@ -60,7 +60,7 @@ ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad
 
 def process_group_store(group):
     """The key-value store behind ``group``, where a failing rank publishes why it failed so
-    its peers can say it (:mod:`pp_core.runtime.comm`). torch has no public getter; this is
+    its peers can say it (:mod:`pp_core.runtime.p2p`). torch has no public getter; this is
     ``distributed_c10d._get_process_group_store``, checked on 2.13, 2.14, 2.15.0."""
     from torch.distributed.distributed_c10d import _get_process_group_store  # lazy: private API
 

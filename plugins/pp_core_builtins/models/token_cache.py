@@ -39,7 +39,7 @@ from typing import Optional
 import numpy as np
 
 from pp_core import PipelineError
-from pp_core_builtins.models.tokenizing import expand_files, read_documents
+from pp_core_builtins.models.corpus import expand_files, read_documents
 
 __all__ = ["TokenCache", "open_cache", "CACHE_VERSION", "VALIDATING_ENV"]
 

@@ -1,7 +1,7 @@
 """Dataset ``tokenized_text``: a real corpus with a local tokenizer, packed or padded rows.
 
 ``tokenized_text(files, tokenizer, seq_len, pack=True, ...)`` tokenizes the corpus once into an
-on-disk cache (:mod:`pp_core_builtins.models.tokenizing`) and yields whole-step batches
+on-disk cache (:mod:`pp_core_builtins.models.corpus`) and yields whole-step batches
 ``(inputs, target)`` of ``batch_size`` rows (the global batch; the trainer gives each dp rank its
 contiguous share), targets being the next tokens:
 
@@ -36,7 +36,7 @@ import torch
 from pp_core_builtins.models.arg_types import check_arg_types
 from pp_core_builtins.models.datasets import BatchStream
 from pp_core_builtins.models.token_cache import open_cache
-from pp_core_builtins.models.tokenizing import load_tokenizer
+from pp_core_builtins.models.corpus import load_tokenizer
 
 __all__ = ["TokenizedText", "tokenized_text", "default_cache_dir"]
 
