@@ -162,4 +162,4 @@ def summary(dropped: list[DroppedLayout]) -> str:
         kinds.setdefault(reason.split(" ", 1)[0], reason)
     shown = list(kinds.values())
     return (f" ({len(dropped)} factorisations dropped): {'; '.join(shown)}; and "
-            f"{len(dropped) - len(shown)} more of these kinds")
+            f"{len(dropped) - len(shown)} more for reasons of these kinds")

@@ -162,7 +162,8 @@ def test_the_reasons_for_no_layout_are_summarised():
         "--world 5120: no layout of 5120 processes runs this model (1144 factorisations "
         "dropped): dp 5120 does not divide the global batch of 729 samples; tp_size 5 does not "
         "divide the model's 64 attention heads; pp_size 80 > the model's 64 units (every "
-        "pipeline rank holds at least one); and 1141 more of these kinds; use another --world")
+        "pipeline rank holds at least one); and 1141 more for reasons of these kinds; use another "
+        "--world")
 
 
 def test_a_cap_no_layout_fits_exits_non_zero_and_writes_nothing(tmp_path, capsys):
