@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import traceback
 from pathlib import Path
 
 from pp_core.app.adapters import adapted_meta_model
@@ -40,9 +41,16 @@ def _why(exc: BaseException) -> str:
 
 
 def _meta_limit(exc: BaseException) -> bool:
-    """Whether an error is the meta device's limit (no values), not the file's mistake."""
+    """Whether an error is the meta device's limit (no values, no autocast: transformers 4.x's
+    rotary embeddings enter ``torch.autocast(x.device.type)``), not the file's mistake."""
     return isinstance(exc, NotImplementedError) or \
-        (isinstance(exc, RuntimeError) and "meta" in str(exc).lower())
+        (isinstance(exc, RuntimeError) and ("meta" in str(exc).lower() or
+                                            _raised_in(exc, "autocast_mode.py")))
+
+
+def _raised_in(exc: BaseException, filename: str) -> bool:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and frames[-1].filename.endswith(filename)
 
 
 def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str],
