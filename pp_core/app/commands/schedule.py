@@ -221,10 +221,9 @@ def _from_pipeline_file(args) -> None:
         data = read_yaml(Path(source).read_bytes()) or {}
     except (OSError, YamlProblem) as exc:
         raise ScheduleError(f"{source}: {getattr(exc, 'strerror', None) or exc}") from None
-    pipeline, dist = (data.get(k) if isinstance(data, dict) else None
+    sections = data if isinstance(data, dict) else {}
+    pipeline, dist = (sections.get(k) if isinstance(sections.get(k), dict) else {}
                       for k in ("pipeline", "distributed"))
-    pipeline, dist = pipeline if isinstance(pipeline, dict) else {}, \
-        dist if isinstance(dist, dict) else {}
     csv, args.name = pipeline.get("pp_schedule_csv"), pipeline.get("pp_schedule") or "1f1b"
     if csv:
         beside = Path(source).parent / str(csv)  # as the run reads it: relative to the file
