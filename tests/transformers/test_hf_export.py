@@ -124,7 +124,8 @@ def test_shards_dtype_and_the_directory_form(tp_tied, tmp_path):
     assert index["metadata"]["total_size"] == sum(
         2 * p.numel() for p in read_model_state_dict(tp_tied["checkpoint"]).values()) - 2 * 64 * 32
     assert _dtype(json.loads((out / "config.json").read_text())) == "bfloat16"
-    auto = {"dtype" if transformers.__version__ >= "5" else "torch_dtype": "auto"}  # 4.x: float32
+    major = int(transformers.__version__.split(".")[0])
+    auto = {"dtype" if major >= 5 else "torch_dtype": "auto"}  # 4.x loads float32 by default
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True,
                                                               **auto)
     assert model.dtype == torch.bfloat16
