@@ -35,6 +35,7 @@ import torch.distributed as dist
 __all__ = ["engine_run_backward", "ACCUMULATE_GRAD", "process_group_store", "set_state_dict_item",
            "dcp_metadata_path", "consolidate_hf_safetensors", "tcp_stores_listening_on_their_host", "nn_init_skipped",
            "donated_buffers_on", "donated_buffers_off", "disable_donated_buffers",
+           "allow_forward_side_effects_under_checkpoint",
            "fsdp_reduce_and_reshard", "fsdp_reset", "ddp_arm_reducer", "fsdp_replicate",
            "profiler_enabled", "TorchDispatchMode", "flatten_mesh", "linear_style_functions"]
 
@@ -59,7 +60,7 @@ ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad
 
 def process_group_store(group):
     """The key-value store behind ``group``, where a failing rank publishes why it failed so
-    its peers can say it (:mod:`pp_core.runtime.comm`). torch has no public getter; this is
+    its peers can say it (:mod:`pp_core.runtime.p2p`). torch has no public getter; this is
     ``distributed_c10d._get_process_group_store``, checked on 2.13, 2.14, 2.15.0."""
     from torch.distributed.distributed_c10d import _get_process_group_store  # lazy: private API
 
@@ -203,6 +204,21 @@ def disable_donated_buffers() -> None:
     except ImportError:  # pragma: no cover - a torch without it
         return
     config.donated_buffer = False
+
+
+def allow_forward_side_effects_under_checkpoint() -> None:
+    """Let dynamo trace a checkpointed block whose forward changes Python state (for the
+    process): without it such a block breaks the graph inside ``torch.utils.checkpoint`` and
+    runs as eager selective checkpointing, which refuses the second backward of a split
+    ``I``/``W`` ("Trying to backward an extra time"). transformers 5.25 routes every attention
+    forward through the ``kernels`` library, which sets a context variable there. The side
+    effect then runs once, in the forward, not again in the recompute - as in any compiled
+    function (torch's documented switch, ``torch._dynamo.config``)."""
+    try:
+        from torch._dynamo import config  # lazy: private torch API
+    except ImportError:  # pragma: no cover - a torch without it
+        return
+    config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 # ------------------------------------------------------------- data parallelism (runtime/dp_sync.py)

@@ -43,9 +43,11 @@ def _is_int(value: Any) -> bool:
 
 def resolve_dtype(value: Any):
     """A ``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"torch.float32"``, ``"bf16"``)."""
+    if value is None:  # before torch: a spec without dtypes loads torch-free (schedule show)
+        return None
     import torch  # lazy: torch, the core loads no torch
 
-    if value is None or isinstance(value, torch.dtype):
+    if isinstance(value, torch.dtype):
         return value
     if isinstance(value, str):
         name = value.removeprefix("torch.")

@@ -28,6 +28,7 @@ layer whole (:mod:`pp_core.parallel.lora_tp`); DoRA is refused here, at once.
 from __future__ import annotations
 
 import fnmatch
+import math
 from typing import Any, Optional
 
 from pp_core.errors import ConfigError, did_you_mean
@@ -61,6 +62,11 @@ def lora_config(settings: dict, model=None):
             raise ConfigError(f"model.lora.{key} is not a LoRA setting{hint}; the keys are r, "
                               f"alpha, dropout, target_modules and peft.LoraConfig's fields")
         kwargs[name] = value
+    alpha = kwargs.get("lora_alpha")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                              or not math.isfinite(alpha) or alpha <= 0):
+        raise ConfigError(f"model.lora.alpha: expected a number > 0 (LoRA scales the adapters' "
+                          f"output by alpha / r; 0 trains them to no effect), found {alpha!r}")
     if model is not None and not _is_hf(model):
         if kwargs.get("target_modules") is None:
             kwargs["target_modules"] = default_targets(model)
@@ -151,6 +157,10 @@ def apply_adapters(model, lora: Optional[dict], freeze, tp_size: int = 1):
                               f"model.lora.target_modules against the model's module names") from None
     if freeze:
         freeze_parameters(model, freeze)
+        if not any(param.requires_grad for param in model.parameters()):
+            raise ConfigError(f"model.freeze: {list(freeze)!r} freezes every parameter of "
+                              f"{type(model).__name__}: nothing is left to train; freeze fewer "
+                              f"modules (e.g. 'tok_embeddings'), or add model.lora")
     return model
 
 

@@ -7,10 +7,13 @@ and the checkpoint it resumes from; it writes ``output.*`` files and checkpoints
 ``..`` and hard links included), so a write that lands on an input, on another output or inside
 what the checkpoint directory manages is refused naming both keys: one check for every key,
 present and future (any string under ``output`` is a path written). :func:`path_problems` refuses
-what is not a path at all (a NUL byte) or names a directory where a file is written.
+what is not a path at all (a NUL byte) or names a directory where a file is written;
+:func:`writable_problem` what cannot be created there (a directory where a file goes, a path under
+a regular file, a virtual file system such as ``/proc``, no permission, a full disk).
 
-Used by ``validate`` and ``run`` (:func:`pp_core.app.check.outputs.check_outputs`) and by the
-schedule commands (``--csv X -o X``). No torch here: the schedule commands import it.
+Used by ``validate`` and ``run`` (:func:`pp_core.app.check.outputs.check_outputs`), by ``plan -o``
+and ``export -o`` before any work, and by the schedule commands (``--csv X -o X``). No torch
+here: the schedule commands import it.
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ from __future__ import annotations
 import fnmatch
 import glob
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from pp_core.errors import PPCoreError
+from pp_core.errors import PPCoreError, quoted
 
-__all__ = ["PathUse", "run_paths", "collisions", "path_problems", "refuse_collisions",
-           "refuse_export_collisions"]
+__all__ = ["PathUse", "run_paths", "collisions", "path_problems", "writable_problem",
+           "refuse_collisions", "refuse_output", "refuse_export_collisions"]
 
 CHECKPOINT_MANAGED = ("step_*", "latest", ".latest.tmp-*")
 """Entries of ``checkpoint.dir`` a save creates, moves aside or replaces."""
@@ -231,10 +235,57 @@ def refuse_collisions(reads: dict[str, str | None], writes: dict[str, str | None
 def refuse_export_collisions(argument: str, source: str, output: str) -> None:
     """``pp-core export CKPT -o FILE``: refuse an ``-o`` that lands on or inside the checkpoint it
     reads (``source``, the step directory), or on what a checkpoint.dir given as ``argument``
-    points through (``latest``, its ``step_*`` directories)."""
-    uses = [PathUse("CKPT", source, False, tree=True), PathUse("-o", output, True)]
+    points through (``latest``, its ``step_*`` directories), or that cannot be created."""
+    uses = [PathUse("CKPT", source, False, tree=True)]
     if not _same(argument, source):
         uses.append(PathUse("CKPT", argument, False, tree=True, managed=CHECKPOINT_MANAGED))
-    problems = path_problems(uses) + collisions(uses)
-    if problems:
-        raise PPCoreError(problems[0])
+    refuse_output("-o", output, uses, kind=None)  # a file or a directory, by --format
+
+
+def writable_problem(key: str, path: str, kind: str | None = "file") -> str | None:
+    """Why ``path`` cannot be written as ``kind`` (``"file"``, ``"directory"``, or ``None``:
+    either), nothing being created; ``None`` when it can."""
+    target = Path(os.path.expanduser(path))
+    if target.exists():
+        found = "a directory" if target.is_dir() else "a file"
+        if kind is not None and found != f"a {kind}":
+            return f"{key}: {quoted(path)} is {found}, expected a {kind}; choose another path"
+        if not os.access(target, os.W_OK | (os.X_OK if target.is_dir() else 0)):
+            return (f"{key}: {quoted(path)} is not writable by this user; fix its permissions "
+                    f"or choose another path")
+        return _space_problem(key, target if target.is_dir() else target.parent, path)
+    ancestor = target.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return (f"{key}: cannot create {quoted(path)}: {quoted(str(ancestor))} is a file, not a "
+                f"directory; choose another path")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return (f"{key}: cannot create {quoted(path)}: no permission to write in "
+                f"{quoted(str(ancestor))}; choose a writable place")
+    return _space_problem(key, ancestor, path)
+
+
+def _space_problem(key: str, directory: Path, path: str) -> str | None:
+    usage = shutil.disk_usage(directory)
+    where = quoted(str(directory))
+    if usage.total == 0:  # /proc, /sys: nothing written there is kept as a file
+        return (f"{key}: cannot create {quoted(path)}: {where} holds no files (a virtual file "
+                f"system); choose another place")
+    if usage.free == 0:
+        return (f"{key}: no space left on the device holding {where}; free some space or "
+                f"choose another place")
+    return None
+
+
+def refuse_output(key: str, path: str, uses: Iterable[PathUse], kind: str | None = "file") -> None:
+    """A command's own output (``-o``) before it does any work: not one of the paths it or the
+    run it describes uses (``uses``; landing on or inside an input, or on an output), and
+    writable as ``kind`` (:func:`writable_problem`); raises :class:`PPCoreError`."""
+    output = PathUse(key, path, True)
+    problems = path_problems([output]) + [
+        why for use in uses if use.path and "\0" not in use.path
+        and (why := _clash(output, use)) is not None]
+    problem = problems[0] if problems else writable_problem(key, path, kind)
+    if problem is not None:
+        raise PPCoreError(problem)

@@ -11,16 +11,21 @@ search (:func:`pp_core.planning.choose.choose_plan`). Pure: no torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
 from pp_core.errors import ConfigError
 from pp_core.parallel.dims import KEYS, ParallelDims
 
-__all__ = ["ModelShape", "DroppedLayout", "enumerate_layouts", "divisors", "degrees"]
+__all__ = ["ModelShape", "DroppedLayout", "enumerate_layouts", "divisors", "degrees",
+           "largest_world", "summary"]
 
 DEGREE_KEYS = ("pp_size", "dp_replicate", "dp_shard", "tp_size", "ep_size")
 """The degrees a layout fixes, by their YAML names under ``distributed:``."""
+UNKNOWN_HEADS_TP = 512
+"""The largest tp degree searched for a model whose attention heads pp-core cannot see (beyond
+any machine's fast-link domain today)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,25 @@ def degrees(dims: ParallelDims) -> dict[str, int]:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of ``n``, ascending (``sqrt(n)`` trial divisions)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def largest_world(shape: ModelShape) -> tuple[int, str]:
+    """The most processes any layout of the model can use, and why: pp places at least one unit
+    per rank, tp shards the attention heads, and dp ranks each take at least one sample of the
+    global batch (ep is drawn from the dp ranks)."""
+    if shape.no_tensor_parallel:
+        tp, why = 1, f"1 ({shape.no_tensor_parallel})"
+    elif shape.num_heads:
+        tp, why = shape.num_heads, f"its {shape.num_heads} attention heads"
+    else:
+        tp, why = UNKNOWN_HEADS_TP, f"{UNKNOWN_HEADS_TP} (its attention heads are not known)"
+    largest = shape.num_units * tp * shape.global_batch_size
+    return largest, (f"pp_size up to its {shape.num_units} units, tp_size up to {why}, dp up to "
+                     f"its global batch of {shape.global_batch_size} samples "
+                     f"({shape.num_units} x {tp} x {shape.global_batch_size})")
 
 
 def enumerate_layouts(world: int, shape: ModelShape,
@@ -68,6 +91,11 @@ def enumerate_layouts(world: int, shape: ModelShape,
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ConfigError(f"--world: expected the number of processes, an int >= 1, found "
                           f"{world!r}")
+    largest, why = largest_world(shape)
+    if world > largest:  # refused before any factorisation: 2**60 has none to enumerate
+        raise ConfigError(f"--world {world:,}: this model runs on at most {largest:,} processes: "
+                          f"{why}; use a --world of at most {largest:,} (a larger "
+                          f"pipeline.pp_batch_size admits more dp ranks)")
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(DEGREE_KEYS))
     if unknown:
@@ -118,3 +146,20 @@ def _reason(dims: ParallelDims, shape: ModelShape) -> str | None:
                 f"{shape.global_batch_size} samples")
     problems = dims.problems()
     return problems[0] if problems else None
+
+
+SHOWN_REASONS = 3
+
+
+def summary(dropped: list[DroppedLayout]) -> str:
+    """Why none of ``dropped`` runs, for one line: every reason when there are few, else the
+    first of each kind (the degree it names) and a count of the rest."""
+    reasons = list(dict.fromkeys(d.reason for d in dropped))
+    if len(reasons) <= SHOWN_REASONS:
+        return ": " + "; ".join(reasons)
+    kinds: dict[str, str] = {}
+    for reason in reasons:
+        kinds.setdefault(reason.split(" ", 1)[0], reason)
+    shown = list(kinds.values())
+    return (f" ({len(dropped)} factorisations dropped): {'; '.join(shown)}; and "
+            f"{len(dropped) - len(shown)} more for reasons of these kinds")

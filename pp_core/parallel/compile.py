@@ -7,7 +7,11 @@ block's one compiled backward. Compiled blocks and split backward (zero-bubble, 
 torch fuses a block's backward into one node that computes input and weight gradients together,
 so for a compiled block ``W`` has nothing left to compute (:mod:`pp_core.runtime.backward`).
 ``torch._functorch.config.donated_buffer`` is turned off for the process, torch's documented
-switch for backward passes that retain the graph, as ``I`` does. Order with the other wrappers:
+switch for backward passes that retain the graph, as ``I`` does; so is dynamo's
+``skip_fwd_side_effects_in_bwd_under_checkpoint`` when a checkpointed block is compiled
+(:func:`pp_core._torch_compat.allow_forward_side_effects_under_checkpoint`: a forward that sets
+Python state, as every HF attention does under transformers 5.25, would otherwise break the graph
+inside the checkpoint). Order with the other wrappers:
 activation checkpointing, then compile, then FSDP.
 """
 
@@ -19,7 +23,8 @@ from typing import Iterable
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pp_core._torch_compat import disable_donated_buffers
+from pp_core._torch_compat import allow_forward_side_effects_under_checkpoint, \
+    disable_donated_buffers
 from pp_core.errors import ConfigError
 from pp_core.parallel.compile_options import compile_problem
 from pp_core.parallel.activation import checkpoint_mode, selective_contexts
@@ -53,6 +58,7 @@ def apply_compile(parts: Iterable[nn.Module], **options) -> list[str]:
         for fqn, block in find_blocks(part):
             checkpointed = checkpoint_mode(block)
             if checkpointed is not None:
+                allow_forward_side_effects_under_checkpoint()
                 _compile_checkpointed(block, *checkpointed)
             block.compile(**options)
             done.append(fqn)

@@ -30,7 +30,7 @@ from pp_core.parallel.lora_tp import adapter_problems, base_module, lora_style, 
 from pp_core.parallel.plans import matching_modules, plans_of_parts
 
 __all__ = ["apply_tensor_parallel", "tensor_parallel_plan", "check_tensor_parallel",
-           "plan_modules", "reduce_partial_gradients", "NO_PLAN_HELP"]
+           "plan_modules", "reduce_partial_gradients", "head_counts", "NO_PLAN_HELP"]
 
 NO_PLAN_HELP = (
     "a tensor-parallel plan is a parallelize_module plan ({module path: ParallelStyle}); provide "
@@ -111,6 +111,20 @@ _HEAD_NAMES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_hea
                "num_kv_heads", "n_kv_heads")
 
 
+def head_counts(model: nn.Module) -> dict[str, tuple[int, str]]:
+    """Every head count of the model (``num_heads``, ``num_key_value_heads``, ... on its modules
+    or their ``config``), by attribute: ``(value, the first module holding it)``; tp must
+    divide each."""
+    heads: dict[str, tuple[int, str]] = {}
+    for name, module in model.named_modules():
+        for source in (module, getattr(module, "config", None)):
+            for attr in _HEAD_NAMES:
+                value = getattr(source, attr, None) if source is not None else None
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    heads.setdefault(attr, (value, name or type(model).__name__))
+    return heads
+
+
 def check_tensor_parallel(model: nn.Module, plan: dict, tp_size: int,
                           key: str = "distributed.tp_size") -> list[str]:
     """What keeps ``plan`` from sharding ``model`` ``tp_size`` ways: each sharded dimension
@@ -137,14 +151,7 @@ def check_tensor_parallel(model: nn.Module, plan: dict, tp_size: int,
             continue
         if size % tp_size:
             problems.append(f"{key}: {tp_size} does not divide {name}.{what} = {size}; {fix}")
-    heads = {}
-    for name, module in model.named_modules():
-        for source in (module, getattr(module, "config", None)):
-            for attr in _HEAD_NAMES:
-                value = getattr(source, attr, None) if source is not None else None
-                if isinstance(value, int) and value > 0:
-                    heads.setdefault(attr, (value, name or type(model).__name__))
-    for attr, (value, where) in heads.items():
+    for attr, (value, where) in head_counts(model).items():
         if value % tp_size:
             problems.append(f"{key}: {tp_size} does not divide {attr} = {value} (of {where}); "
                             f"each tp rank computes whole heads; {fix}")

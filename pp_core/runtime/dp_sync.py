@@ -30,7 +30,7 @@ So a stage's engines are driven by the step, not by autograd (as torch's own
 Failures. A rank whose step fails publishes its report in the store of each of its FSDP
 process groups and destroys them (:meth:`DataParallelDriver.fail`), as it does for the
 pipeline's group; a dp peer whose collective of the step fails raises
-:class:`~pp_core.runtime.comm.PeerFailure` with that report and passes it on to its own pp peers.
+:class:`~pp_core.runtime.p2p.PeerFailure` with that report and passes it on to its own pp peers.
 Known limit (docs/data_parallel.md): destroying the group does not close the gloo connections a
 peer already waiting in a collective is blocked on, so it fails only at the dp group's timeout
 (then with the named error), not at once.
@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pp_core._torch_compat import (ddp_arm_reducer, fsdp_process_groups, fsdp_reduce_and_reshard,
                                    fsdp_reset, process_group_store)
 from pp_core.errors import ConfigError
-from pp_core.runtime.comm import PeerFailure, publish
+from pp_core.runtime.p2p import PeerFailure, publish
 from pp_core.schedule.ir import B, I, W
 
 __all__ = ["DataParallelDriver", "StageDataParallel", "make_data_parallel"]

@@ -3,7 +3,7 @@
 The program (see :mod:`pp_core.schedule.lower`) decides what runs and in which order; the
 executor only knows how to run each kind of action:
 
-* ``RECV_F``/``RECV_B`` post the receive of a message (:class:`~pp_core.runtime.comm.Mailbox`);
+* ``RECV_F``/``RECV_B`` post the receive of a message (:class:`~pp_core.runtime.mailbox.Mailbox`);
 * ``F`` takes its inputs (the microbatch on the first stage, a received message, or the output
   of the previous stage when it lives on this rank), runs the stage, and on the last stage the
   loss; before the first forward of each microbatch on this rank it prepares the runtime
@@ -32,7 +32,8 @@ from pp_core.errors import PipelineError
 from pp_core.parallel.expert.aux_loss import aux_loss_modules, scale_aux_losses
 from pp_core.runtime import transfers
 from pp_core.runtime.backward import backward_full, backward_input, backward_weight
-from pp_core.runtime.comm import Incoming, Mailbox, P2P
+from pp_core.runtime.mailbox import Incoming, Mailbox
+from pp_core.runtime.p2p import P2P
 from pp_core.runtime.dp_sync import DataParallelDriver
 from pp_core.runtime.microbatch import num_tokens
 from pp_core.runtime.observers import run_action, waiting

@@ -3,7 +3,7 @@
 Whatever goes wrong during a step (an exception in a stage, a loss, a plugin; a peer that failed
 or vanished) ends it with one :class:`~pp_core.PipelineError` naming the rank, stage, action and
 cause. This rank drops the step's tensors and pending operations, tells its dp peers and its
-pipeline peers (:meth:`~pp_core.runtime.comm.P2P.publish_and_abort`), and logs the error
+pipeline peers (:meth:`~pp_core.runtime.p2p.P2P.publish_and_abort`), and logs the error
 (logger ``pp_core.runtime.failures``), so a failure reaches the logs even when the caller
 swallows the exception.
 """
@@ -15,7 +15,7 @@ import traceback
 from typing import NoReturn
 
 from pp_core.errors import PipelineError
-from pp_core.runtime.comm import PeerFailure
+from pp_core.runtime.p2p import PeerFailure
 
 __all__ = ["end_failed_step", "forget_frames"]
 
@@ -73,7 +73,7 @@ def _abort_tensor_parallel(stages: dict, report: str) -> None:
     import torch.distributed as dist  # lazy: only a failed step of a tp pipeline gets here
 
     from pp_core._torch_compat import process_group_store
-    from pp_core.runtime.comm import publish
+    from pp_core.runtime.p2p import publish
 
     groups = {}
     for stage in stages.values():

@@ -21,16 +21,38 @@ __all__ = ["PipelineRuntimeInitializer", "collect_pipeline_runtime_initializers"
            "summarize_runtime_initializers"]
 
 
-def _check_hashable(value, what: str, initializer, where: str, plugin: str) -> None:
+def _check_plain(value, what: str, initializer, where: str, plugin: str) -> None:
+    """``value`` can serve as a key or signature: hashable, and ``==`` answers True or False (a
+    tensor is hashable, but its ``==`` answers a tensor, which no ``if`` can read)."""
+    provider = (f"runtime initializer {type(initializer).__qualname__} from plugin {plugin!r} "
+                f"for module {where}")
+    fix = f"make {what} a tuple, string, number or frozen dataclass"
     try:
         hash(value)
     except Exception as exc:  # noqa: BLE001 - a __hash__ of the provider's that raises anything
-        raise TypeError(
-            f"runtime initializer {type(initializer).__qualname__} from plugin {plugin!r} for "
-            f"module {where} has an unhashable {what} {_shown(value)} "
-            f"({type(exc).__name__}: {exc}); make {what} a tuple, string, number or frozen "
-            f"dataclass"
-        ) from None
+        raise TypeError(f"{provider} has an unhashable {what} {_shown(value)} "
+                        f"({type(exc).__name__}: {exc}); {fix}") from None
+    same, why = _compare(value, value)
+    if same is None:
+        raise TypeError(f"{provider} has a {what} {_shown(value)} that cannot be compared "
+                        f"({why}, not True or False); {fix} (e.g. tuple(t.tolist()) for a "
+                        f"tensor)")
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's scalar bool
+
+
+def _compare(first, second) -> tuple[bool | None, str]:
+    """``(first == second, "")`` as a bool; ``(None, why)`` when the comparison raises or
+    answers no bool (a tuple holding tensors equals itself, by identity, but not another)."""
+    try:
+        same = first == second
+    except Exception as exc:  # noqa: BLE001 - e.g. a tuple holding tensors of the provider's
+        return None, f"== raised {type(exc).__name__}"
+    if not _is_bool(same):
+        return None, f"== answered {type(same).__name__}"
+    return bool(same), ""
 
 
 def _shown(value) -> str:
@@ -60,14 +82,23 @@ def collect_pipeline_runtime_initializers(
             for plugin, initializer in plugins.runtime_initializers(module):
                 key = getattr(initializer, "resource_key", None)
                 signature = getattr(initializer, "signature", None)
-                _check_hashable(key, "resource_key", initializer, where, plugin)
-                _check_hashable(signature, "signature", initializer, where, plugin)
+                _check_plain(key, "resource_key", initializer, where, plugin)
+                _check_plain(signature, "signature", initializer, where, plugin)
                 if key not in kept:
                     kept[key] = (initializer, where)
                     order.append(initializer)
                     continue
                 first, first_where = kept[key]
-                if first.signature != signature:
+                equal, why = _compare(first.signature, signature)
+                if equal is None:
+                    raise RuntimeError(
+                        f"runtime resource {key!r} is requested with signatures that cannot be "
+                        f"compared: {_shown(first.signature)} by module {first_where} and "
+                        f"{_shown(signature)} by module {where} ({why}); "
+                        f"every module sharing a resource_key must expect the same "
+                        f"configuration: make the signatures plain values (tuples, strings, "
+                        f"numbers) that compare equal")
+                if not equal:
                     raise RuntimeError(
                         f"runtime resource {key!r} is requested with two different signatures: "
                         f"{first.signature!r} by module {first_where} and {signature!r} by module "

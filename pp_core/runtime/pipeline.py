@@ -14,7 +14,7 @@ over the dp ranks' returns is the global batch's loss).
 
 Failures: any exception during a step - on any rank - ends the step on every rank with a
 :class:`~pp_core.PipelineError` naming the rank, stage, action and cause (see
-:mod:`pp_core.runtime.comm`); the process group is destroyed in the process (its point-to-point
+:mod:`pp_core.runtime.p2p`); the process group is destroyed in the process (its point-to-point
 state is undefined after a partial step, as with NCCL's abort), so build a new group and pipeline
 to continue. Each wait is bounded by ``timeout`` seconds (default: ``$PP_CORE_TIMEOUT``, else the
 process group's timeout).
@@ -39,7 +39,7 @@ from pp_core.plugin_manager import plugins_or_default
 from pp_core.runtime.frozen import check_frozen, mark_frozen
 from pp_core.runtime.agreement.calls import CallAgreement
 from pp_core.runtime.allocator import make_recv_buffer_allocator
-from pp_core.runtime.comm import P2P, PeerFailure
+from pp_core.runtime.p2p import P2P, PeerFailure
 from pp_core.runtime.dp_sync import make_data_parallel
 from pp_core.runtime.executor import Executor
 from pp_core.runtime.failures import end_failed_step, forget_frames

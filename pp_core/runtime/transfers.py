@@ -3,7 +3,7 @@
 Each function is the handler of one action kind, called as ``handler(context, state, action)``:
 ``state`` is the step's :class:`~pp_core.runtime.step_state.StepState` (they read and fill
 ``to_send``, ``grads_back``, ``messages``), ``context`` the executor's fixed
-:class:`TransferContext` (the stages, the :class:`~pp_core.runtime.comm.Mailbox` they post
+:class:`TransferContext` (the stages, the :class:`~pp_core.runtime.mailbox.Mailbox` they post
 through, the shapes each boundary carried in earlier steps). Message formats:
 :mod:`pp_core.runtime.wire`.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pp_core.errors import PipelineError
-from pp_core.runtime.comm import Incoming, Mailbox
+from pp_core.runtime.mailbox import Incoming, Mailbox
 from pp_core.runtime.step_state import StepState
 from pp_core.runtime.wire import (TAG_BACKWARD, TAG_FIXUP, TAG_FORWARD, TAG_PACKED, TensorMeta,
                                   ReceivedShapes, ShapeHistory, encode_header, pack,

@@ -195,7 +195,7 @@ class ShapeHistory:
 class ReceivedShapes:
     """Tensor metas the receiving side learned from headers, per edge (the receiving stage):
     with static shapes the first header's metas (``metas``), else the :class:`ShapeHistory` of
-    every one (``history``). The :class:`~pp_core.runtime.comm.Mailbox` reports each decoded
+    every one (``history``). The :class:`~pp_core.runtime.mailbox.Mailbox` reports each decoded
     header here and asks here for the metas of a header-less message."""
 
     def __init__(self, static_shapes: bool):

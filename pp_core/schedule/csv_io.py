@@ -229,12 +229,14 @@ def write_csv(schedule: Schedule, path: str | os.PathLike) -> None:
         fh.write(format_csv(schedule))
 
 
-def format_comms_csv(schedule: Schedule, dialect: str = "2.15") -> str:
+def format_comms_csv(schedule: Schedule, dialect: str = "2.15", backward_from: int = 0) -> str:
     """The compute+comms CSV text of ``schedule`` (pp-core's lowering, with torch's FSDP and
     gradient-reduction cells; waits in dialect ``"2.15"``) that torch's
-    ``_PipelineScheduleRuntime._load_csv(path, format="compute_comms")`` runs as written."""
+    ``_PipelineScheduleRuntime._load_csv(path, format="compute_comms")`` runs as written;
+    ``backward_from``: the first stage that runs a backward (a frozen prefix before it,
+    :mod:`pp_core.schedule.frozen`)."""
     out = io.StringIO(newline="")
-    csv.writer(out).writerows(comms_rows(schedule, lower(schedule), dialect))
+    csv.writer(out).writerows(comms_rows(schedule, lower(schedule, backward_from), dialect))
     return out.getvalue()
 
 

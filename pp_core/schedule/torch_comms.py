@@ -30,17 +30,21 @@ from __future__ import annotations
 import re
 from typing import NamedTuple, Optional
 
-from pp_core.errors import ScheduleError
+from pp_core.errors import ScheduleError, quoted
 from pp_core.schedule.ir import B, F, I, W, Action, Schedule
 
-__all__ = ["CommCell", "COMM_CELL_RE", "DIALECTS", "WAIT_KINDS", "parse_comm_cell", "comms_rows",
-           "dialect_of"]
+__all__ = ["CommCell", "COMM_CELL_RE", "DIALECTS", "WAIT_KINDS", "TORCH_RELEASES", "parse_comm_cell",
+           "comms_rows", "dialect_of", "release_dialect"]
 
 _WITH_MB = ("WAIT_SEND_F", "WAIT_SEND_B", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 _STAGE_ONLY = ("WAIT_REDUCE_GRAD", "REDUCE_GRAD", "UNSHARD", "RESHARD")
 COMM_CELL_RE = re.compile(r"([0-9]+)(WAIT_REDUCE_GRAD|WAIT_SEND_F|WAIT_SEND_B|REDUCE_GRAD|"
                           r"UNSHARD|RESHARD|SEND_F|RECV_F|SEND_B|RECV_B)([0-9]*)")
 DIALECTS = ("2.13", "2.15")
+TORCH_RELEASES = ("2.13", "2.14", "2.15")
+"""The torch releases pp-core supports (pyproject's ``torch>=2.13,<2.16``)."""
+_RELEASE_RE = re.compile(r"(\d{1,4})\.(\d{1,4})(?:\.\d{1,4})?(?:(?:a|b|rc)\d{1,4}|\.dev\d{1,12})?"
+                         r"(?:\+[0-9A-Za-z.]{1,40})?", re.ASCII)
 WAIT_KINDS = ("WAIT_SEND_F", "WAIT_SEND_B", "WAIT_REDUCE_GRAD")
 
 
@@ -66,6 +70,21 @@ def dialect_of(torch_version: str | None) -> str:
         raise ScheduleError(f"cannot read a torch version from {torch_version!r}; give one like "
                             f"'2.15' or '2.13.0'")
     return "2.15" if (int(match.group(1)), int(match.group(2))) >= (2, 15) else "2.13"
+
+
+def release_dialect(text: str) -> str:
+    """The dialect of a torch release a user names (``--torch``): strictly a version string of
+    a supported release (``2.15``, ``2.13.0``, ``2.15.0+cpu``), else a ScheduleError."""
+    supported = f"pp-core supports torch {', '.join(TORCH_RELEASES[:-1])} and {TORCH_RELEASES[-1]}"
+    match = _RELEASE_RE.fullmatch(text)
+    if match is None:
+        raise ScheduleError(f"--torch {quoted(text)}: expected a torch release such as 2.15 or "
+                            f"2.13.0 ({supported})")
+    release = f"{int(match.group(1))}.{int(match.group(2))}"
+    if release not in TORCH_RELEASES:
+        raise ScheduleError(f"--torch {text}: {supported}; give the release that will load the "
+                            f"file")
+    return dialect_of(release)
 
 
 def parse_comm_cell(text: str, rank: int, column: int, where: str) -> CommCell | None:

@@ -53,3 +53,32 @@ def test_plan_top_zero_is_refused(capsys, tmp_path):
     with pytest.raises(SystemExit) as info:
         cli.main(["plan", str(tmp_path / "pipe.yaml"), "--top", "0"])
     assert info.value.code == 2 and "expected an int >= 1, found '0'" in capsys.readouterr().err
+
+
+SUPPORTED = "pp-core supports torch 2.13, 2.14 and 2.15"
+
+
+@pytest.mark.parametrize("version, message", [
+    ("2.15garbage", f"--torch '2.15garbage': expected a torch release such as 2.15 or 2.13.0 "
+                    f"({SUPPORTED})"),
+    ("２.１５", f"--torch '２.１５': expected a torch release such as 2.15 or 2.13.0 ({SUPPORTED})"),
+    ("9" * 5000, f"--torch '{'9' * 60}'... (5,000 chars): expected a torch release such as 2.15 "
+                 f"or 2.13.0 ({SUPPORTED})"),
+    ("99.99", f"--torch 99.99: {SUPPORTED}; give the release that will load the file"),
+    ("1.13", f"--torch 1.13: {SUPPORTED}; give the release that will load the file"),
+    ("2.12", f"--torch 2.12: {SUPPORTED}; give the release that will load the file"),
+])
+def test_torch_release_is_parsed_strictly(capsys, version, message):
+    """``--torch`` against the supported releases (issue #48, items 4 and 6): each was taken
+    (a dialect guessed from a prefix) or a raw ValueError (5,000 digits)."""
+    code = cli.main(["schedule", "export", "1f1b", "--pp", "2", "-m", "4", "--format",
+                     "compute_comms", "--torch", version])
+    out = capsys.readouterr()
+    assert code == 1 and out.out == "" and out.err == f"pp-core: error: {message}\n", out.err
+
+
+def test_supported_torch_releases_are_taken(capsys):
+    for version in ("2.13", "2.14.1", "2.15.0+cpu", "2.15.0rc1"):
+        assert cli.main(["schedule", "export", "1f1b", "--pp", "2", "-m", "4", "--format",
+                         "compute_comms", "--torch", version]) == 0
+        assert ("WAIT_SEND" in capsys.readouterr().out) == version.startswith("2.15")

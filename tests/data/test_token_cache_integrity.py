@@ -58,12 +58,27 @@ def _touch_only(entry: Path) -> None:  # touched, not changed: kept after its sh
     os.utime(entry / "tokens.bin", ns=(1, 1))
 
 
+def _overwrite_in_place_keeping_the_stamp(entry: Path) -> None:
+    """Issue #48, item 3: the same inode, size and modification time, other tokens (the cache
+    used to re-hash a file only when that stamp changed)."""
+    path = entry / "tokens.bin"
+    before = path.stat()
+    with open(path, "r+b") as handle:
+        handle.write(np.full(8, 65, dtype=np.uint32).tobytes())
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == \
+        (before.st_ino, before.st_size, before.st_mtime_ns)
+
+
 def _garble_meta(entry: Path) -> None:
     (entry / "meta.json").write_text('{"num_docs": ')
 
 
 DAMAGE = [  # (how, damage, the warning names, rebuilt?)
     ("tokens.bin overwritten with 65s", _overwrite_tokens, "tokens.bin does not match", True),
+    ("tokens.bin overwritten in place, stamp kept", _overwrite_in_place_keeping_the_stamp,
+     "tokens.bin does not match", True),
     ("offsets.npy replaced", _replace_offsets, "offsets.npy holds", True),
     ("tokens.bin truncated", _truncate_tokens, "tokens.bin holds", True),
     ("meta.json garbled", _garble_meta, "meta.json cannot be read", True),

@@ -109,6 +109,15 @@ def test_skip_resumes_exactly_across_epochs(tmp_path, tokenizer_dir):
     assert not torch.equal(first.batch(0)[1], second.batch(0)[1]), "the seed orders documents"
 
 
+def test_start_begins_the_stream_where_an_exported_run_left_off(tmp_path, tokenizer_dir):
+    """``data.args.start: N`` (docs/transformers.md, continuing from an export) begins at batch
+    ``N``, as the other built-in datasets do; tokenized_text used to refuse ``start``."""
+    straight = [b for _, b in zip(range(7), make(tmp_path, "bytes", seq_len=64))]
+    started = [b for _, b in zip(range(2), make(tmp_path, "bytes", seq_len=64, start=5))]
+    for (x, y), (sx, sy) in zip(straight[5:], started):
+        assert torch.equal(x["input_ids"], sx["input_ids"]) and torch.equal(y, sy)
+
+
 def test_eval_split_by_fraction_and_by_files(tmp_path, tokenizer_dir):
     train = make(tmp_path, tokenizer_dir, eval_fraction=0.2)
     held = make(tmp_path, tokenizer_dir, eval_fraction=0.2, split="eval")

@@ -171,7 +171,7 @@ def test_plan_json_keys_and_the_written_yaml_runs_as_it_stands(tmp_path, capsys)
     assert written["pipeline"]["pp_schedule"] != "auto" and "prediction" not in written
     assert cli.main(["run", str(out), "--set", "train.steps=1"]) == 0
     assert cli.main(["plan", str(path), "--no-link", "-o", str(path)]) == 1
-    assert "that is the pipeline being planned" in capsys.readouterr().err
+    assert "is the pipeline file, which this command reads" in capsys.readouterr().err
 
 
 def test_auto_ac_needs_the_planner_and_a_stage_list_must_match_the_stages(tmp_path, capsys):

@@ -99,3 +99,17 @@ def test_schedule_simulate_takes_frozen_stages(capsys):
     assert cli.main(["schedule", "simulate", "1f1b", "--pp", "2", "-m", "4", "--frozen",
                      "2"]) == 1
     assert "--frozen '2': expected stage indices 0..1" in capsys.readouterr().err
+
+
+def test_schedule_export_takes_frozen_stages(capsys):
+    """``schedule export --frozen`` writes the program a LoRA run executes (issue #48, item 2):
+    it used to ignore ``--frozen`` and export the full fine-tune's."""
+    from pp_core.app import cli
+
+    argv = ["schedule", "export", "1f1b", "--pp", "2", "-m", "2"]
+    assert cli.main(argv + ["--frozen", "0"]) == 0
+    assert capsys.readouterr().out == "0F0,0F1\r\n1F0,1B0,1F1,1B1\r\n"
+    assert cli.main(argv + ["--frozen", "0", "--format", "compute_comms", "--torch", "2.13"]) == 0
+    assert capsys.readouterr().out == (
+        "0UNSHARD,0F0,0SEND_F0,0F1,0SEND_F1,0RESHARD\r\n"  # no backward, no RECV_B
+        "1RECV_F0,1UNSHARD,1F0,1RECV_F1,1B0,1F1,1B1,1REDUCE_GRAD,1RESHARD\r\n")  # no SEND_B

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from pp_core.app import cli
+from pp_core.app.plan.plan_world import WorldPlan
 from pp_core.app.plan.timed_layouts import BOUNDS
 from pp_core.app.spec import apply_overrides
 from pp_core.errors import ConfigError
@@ -132,6 +133,55 @@ def test_world_refusals_are_one_line_before_anything_is_measured(tmp_path, capsy
            _fails(["validate", wrong], capsys)
 
 
+def test_a_world_past_what_the_model_can_use_is_refused_at_once(tmp_path, capsys):
+    """``--world`` bounded by the model (issue #48, item 4): 2**60 never answered (``divisors``
+    looped to n); the message says the largest useful world and why."""
+    import time
+
+    path = _file(tmp_path, BASE)
+    largest = ("this model runs on at most 96 processes: pp_size up to its 6 units, tp_size up "
+               "to its 2 attention heads, dp up to its global batch of 8 samples (6 x 2 x 8); "
+               "use a --world of at most 96 (a larger pipeline.pp_batch_size admits more dp "
+               "ranks)\n")
+    started = time.perf_counter()
+    for world in (963761198400, 2 ** 60, 1000000, 97):
+        assert _fails(["plan", path, "--world", str(world)], capsys) == \
+            f"pp-core: error: --world {world:,}: {largest}"
+    assert time.perf_counter() - started < 30  # refused, not enumerated (was: never answered)
+
+
+def test_the_reasons_for_no_layout_are_summarised():
+    """A world the model cannot use names a few reasons and counts the rest (was: one line
+    per factorisation, 10 KB at --world 1000000)."""
+    shape = ModelShape(num_units=64, num_heads=64, num_experts=0, global_batch_size=3 ** 6)
+    admitted, dropped = enumerate_layouts(5120, shape)
+    assert not admitted and len(dropped) == 1144
+    with pytest.raises(ConfigError) as info:
+        WorldPlan(5120, [], dropped, None, 0.0, 0.0).chosen_layout
+    assert str(info.value) == (
+        "--world 5120: no layout of 5120 processes runs this model (1144 factorisations "
+        "dropped): dp 5120 does not divide the global batch of 729 samples; tp_size 5 does not "
+        "divide the model's 64 attention heads; pp_size 80 > the model's 64 units (every "
+        "pipeline rank holds at least one); and 1141 more for reasons of these kinds; use another "
+        "--world")
+
+
+def test_a_cap_no_layout_fits_exits_non_zero_and_writes_nothing(tmp_path, capsys):
+    """``plan --world N --memory-cap`` with nothing under the cap (issue #48, item 6): it
+    printed an empty table and exited 0, so ``plan -o chosen.yaml && run chosen.yaml`` ran a
+    stale file."""
+    path = _file(tmp_path, BASE)
+    assert cli.main(["plan", path, "--world", "2", "--no-link", "--memory-cap", "1KiB", "--set",
+                     "distributed.tp_size=1"]) == 1
+    captured = capsys.readouterr()
+    *progress, error = captured.err.splitlines()
+    assert captured.out == "" and progress == ["plan: profiling at tp 1, microbatch sizes [1, 2, 4]"]
+    assert error.startswith("pp-core: error: --world 2: no layout of 2 processes runs this "
+                            "model: memory: no plan fits memory_cap=1.0 KiB per rank: the "
+                            "smallest predicted peak is ") and error.endswith("; use another "
+                                                                              "--world"), error
+
+
 # ------------------------------------------------------------------ the command: real runs
 def _check_contract(data, world: int) -> None:
     kept = data["ranking"]["kept"]
@@ -181,7 +231,8 @@ def test_world_4_ranks_tp_layouts_and_the_chosen_one_runs(tmp_path, capsys):
     assert engine["step_s_per_tensor"] > 0
     written = yaml.safe_load(open(out))
     chosen = data["chosen"]
-    assert {k: written["distributed"][k] for k in DEGREES} == {k: chosen[k] for k in DEGREES}
+    assert {k: written["distributed"].get(k, 1) for k in DEGREES} == \
+        {k: chosen[k] for k in DEGREES}  # a degree of 1, the default, is left out
     assert written["pipeline"]["pp_schedule"] == chosen["schedule"]
     metrics = tmp_path / "metrics.jsonl"
     assert cli.main(["run", out, "--set", f"output.metrics={metrics}"]) == 0

@@ -119,3 +119,47 @@ def test_plugin_raising_is_named(where, expected):
     with pytest.raises(PluginError, match=expected):
         collect_pipeline_runtime_initializers(
             parts([Block() if where == "plugin" else RaisingBlock()]), plugins)
+
+
+def test_a_tensor_signature_is_a_type_error_naming_the_provider(plugins):
+    """A tensor is hashable, but ``==`` answers with a tensor: it cannot serve as a signature
+    (issue #48, item 5); never torch's "Boolean value of Tensor" error."""
+    import torch
+
+    model_parts = parts([Block(Init("ws", torch.tensor([1, 2])))],
+                        [Block(Init("ws", torch.tensor([1, 2])))])
+    with pytest.raises(TypeError) as info:
+        collect_pipeline_runtime_initializers(model_parts, plugins)
+    assert str(info.value) == (
+        "runtime initializer Init from plugin 'pp_core.model_initializers' for module '0' of "
+        "model part 0 (Block) has a signature tensor([1, 2]) that cannot be compared (== "
+        "answered Tensor, not True or False); make signature a tuple, string, number or frozen "
+        "dataclass (e.g. tuple(t.tolist()) for a tensor)")
+
+
+def test_a_tensor_key_is_a_type_error_naming_the_provider(plugins):
+    import torch
+
+    with pytest.raises(TypeError, match=r"^runtime initializer Init from plugin "
+                                        r"'pp_core.model_initializers' for module '0' of model "
+                                        r"part 0 \(Block\) has a resource_key tensor\(\[3\]\) "
+                                        r"that cannot be compared \(== answered Tensor"):
+        collect_pipeline_runtime_initializers(parts([Block(Init(torch.tensor([3]), 1))]),
+                                              plugins)
+
+
+def test_signatures_that_cannot_be_compared_name_both_providers(plugins):
+    """Each compares with itself (a tuple holding a tensor is equal to itself by identity), but
+    not with the other: a conflict the contract reports as a RuntimeError naming both."""
+    import torch
+
+    model_parts = parts([Block(Init("ws", (torch.tensor([1, 2]),)))],
+                        [Block(Init("ws", (torch.tensor([1, 2]),)))])
+    with pytest.raises(RuntimeError) as info:
+        collect_pipeline_runtime_initializers(model_parts, plugins)
+    assert str(info.value) == (
+        "runtime resource 'ws' is requested with signatures that cannot be compared: "
+        "(tensor([1, 2]),) by module '0' of model part 0 (Block) and (tensor([1, 2]),) by "
+        "module '0' of model part 1 (Block) (== raised RuntimeError); every module sharing a "
+        "resource_key must expect the same configuration: make the signatures plain values "
+        "(tuples, strings, numbers) that compare equal")

@@ -10,7 +10,7 @@ from pp_core.errors import PipelineError
 from pp_core.plugin_manager import load_plugins
 from pp_core.schedule import RECV_B, RECV_F, build_schedule
 from pp_core.schedule.lower import lower
-from pp_core.runtime.comm import TensorMeta
+from pp_core.runtime.wire import TensorMeta
 
 
 def _program(name="1f1b", num_ranks=4, num_microbatches=8, rank=1):

@@ -67,6 +67,25 @@ def test_show_json(capsys):
     assert data["timeline_text"][1] == "rank1: .   1F0 1B0 ~   1F1 1B1 ~"
 
 
+def test_show_takes_a_pipeline_file(capsys, tmp_path):
+    """``schedule show PIPELINE.yaml`` (issue #49, item 6) draws the file's schedule at its pp,
+    microbatches and stages per rank, as a name with the same flags does; it answered
+    "unknown schedule 'examples/demo.yaml'"."""
+    (tmp_path / "pipe.yaml").write_text(
+        "pipeline: {pp_schedule: interleaved_1f1b, pp_batch_size: 8, pp_microbatch_size: 2,\n"
+        "           module_fqns_per_model_part: [[a], [b], [c], [d]]}\n"
+        "distributed: {pp_size: 2}\n")
+    named = run(capsys, "schedule", "show", "interleaved_1f1b", "--pp", "2", "-m", "4", "-v", "2")
+    assert run(capsys, "schedule", "show", str(tmp_path / "pipe.yaml")) == named
+    assert named[0] == 0 and "interleaved_1f1b" in named[1].splitlines()[0]
+    code, out, err = run(capsys, "schedule", "show", str(tmp_path / "pipe.yaml"), "--pp", "4")
+    assert code == 0 and out.count("rank") >= 4  # a flag given wins over the file
+    (tmp_path / "auto.yaml").write_text("pipeline: {pp_schedule: auto}\n")
+    assert run(capsys, "schedule", "show", str(tmp_path / "auto.yaml")) == (1, "", (
+        f"pp-core: error: {tmp_path / 'auto.yaml'}: pipeline.pp_schedule: auto is chosen when "
+        f"the run starts; 'pp-core plan {tmp_path / 'auto.yaml'}' shows the choice\n"))
+
+
 def test_export_stdout_and_file_round_trip(capsys, tmp_path):
     code, out, _ = run(capsys, "schedule", "export", "1f1b", "--pp", "2", "-m", "2")
     assert code == 0 and out == "0F0,0F1,0B0,0B1\r\n1F0,1B0,1F1,1B1\r\n"
@@ -111,7 +130,7 @@ def test_export_compute_comms_in_each_torch_dialect(capsys, tmp_path, monkeypatc
     (["export", "1f1b", "--pp", "2", "-m", "2", "--torch", "2.15"],
      "--torch chooses the dialect of a compute_comms file; add --format compute_comms"),
     (["export", "1f1b", "--pp", "2", "-m", "2", "--format", "compute_comms", "--torch", "next"],
-     "cannot read a torch version from 'next'"),
+     "--torch 'next': expected a torch release such as 2.15 or 2.13.0"),
     (["show", "nope", "--pp", "2", "-m", "2"], "unknown schedule 'nope'"),
     (["show", "1f1b", "--pp", "2"], "schedule '1f1b' needs --microbatches"),
     (["show"], "name a schedule"),

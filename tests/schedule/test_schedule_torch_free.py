@@ -22,7 +22,7 @@ from tests.cases.cli import PP_CORE
 COMMANDS = {
     "help": ["--help"],
     "schedule-help": ["schedule", "--help"],
-    "show": ["schedule", "show", "1f1b", "--pp", "2", "--microbatches", "4"],
+    "show": ["schedule", "show", "{tmp}/pipe.yaml"],  # a pipeline file: read as YAML alone
     "show-svg": ["schedule", "show", "zero_bubble", "--pp", "2", "--microbatches", "4",
                  "-o", "{tmp}/zb.svg"],
     "simulate": ["schedule", "simulate", "interleaved_1f1b", "--pp", "2", "--microbatches", "4",
@@ -70,6 +70,8 @@ def run_importtime(argv: list[str], env: dict) -> tuple[subprocess.CompletedProc
 @pytest.mark.parametrize("case", list(COMMANDS))
 def test_schedule_command_does_not_import_torch(case, tmp_path):
     (tmp_path / "order.csv").write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")
+    (tmp_path / "pipe.yaml").write_text("model: {name: gpt}\ndata: {name: synthetic}\n"
+                                        "pipeline: {pp_batch_size: 4}\ndistributed: {pp_size: 2}\n")
     argv = [arg.format(tmp=tmp_path) for arg in COMMANDS[case]]
     env = {k: v for k, v in os.environ.items() if k != "PP_CORE_DISABLE_PLUGINS"}
     _, rows = run_importtime(argv, env)

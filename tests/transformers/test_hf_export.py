@@ -81,6 +81,11 @@ def fsdp_untied(tmp_path_factory):
     return _trained(tmp_path_factory, "fsdp_untied", False, {"dp_shard": 2})
 
 
+def _dtype(config: dict) -> str:
+    """The dtype a config.json records: ``dtype`` in transformers 5, ``torch_dtype`` in 4."""
+    return config.get("dtype", config.get("torch_dtype"))
+
+
 def _trained_logits(run: dict, ids: torch.Tensor) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(run["source"]), attn_implementation="eager", local_files_only=True)
@@ -98,7 +103,7 @@ def test_export_is_a_save_pretrained_directory_with_the_trained_logits(which, re
     assert safetensors_keys(export) == safetensors_keys(source)  # tied: lm_head.weight stored once, as HF does
     assert ("lm_head.weight" in safetensors_keys(export)) is not run["tied"]
     config, original = (json.loads((d / "config.json").read_text()) for d in (export, source))
-    assert config == original and config["dtype"] == "float32"
+    assert config == original and _dtype(config) == "float32"
     for name in ("config.json", "generation_config.json", "model.safetensors"):  # no gather
         assert (run["run_export"] / name).read_bytes() == (export / name).read_bytes(), name
     ids = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -119,8 +124,11 @@ def test_shards_dtype_and_the_directory_form(tp_tied, tmp_path):
     assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert index["metadata"]["total_size"] == sum(
         2 * p.numel() for p in read_model_state_dict(tp_tied["checkpoint"]).values()) - 2 * 64 * 32
-    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
+    assert _dtype(json.loads((out / "config.json").read_text())) == "bfloat16"
+    major = int(transformers.__version__.split(".")[0])
+    auto = {"dtype" if major >= 5 else "torch_dtype": "auto"}  # 4.x loads float32 by default
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True,
+                                                              **auto)
     assert model.dtype == torch.bfloat16
     edited = tmp_path / "edited"  # a copy: the other tests read the shared checkpoint
     shutil.copytree(tp_tied["checkpoint"], edited)

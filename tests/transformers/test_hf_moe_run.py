@@ -21,7 +21,10 @@ from pp_core.checkpoint import checkpoint_path, read_model_state_dict  # noqa: E
 from tests.cases.hf_export import pretrained_logits, run_losses  # noqa: E402
 from tests.cases.hf_export import safetensors_keys  # noqa: E402
 
-pytestmark = [pytest.mark.cli, pytest.mark.ranks]
+pytestmark = [pytest.mark.cli, pytest.mark.ranks, pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5,
+    reason="HF experts are one stacked module from transformers 5 on, which expert "
+           "parallelism shards (pp_core_builtins.transformers.experts); 4.x keeps a module each")]
 
 SAVE_AT, STEPS = 2, 4
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,

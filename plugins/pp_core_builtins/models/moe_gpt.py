@@ -26,6 +26,7 @@ with.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -167,6 +168,10 @@ class MoEGPT(GPT):
                  shared_expert: bool = False, aux_loss_coef: float = 0.01,
                  z_loss_coef: float = 0.0, normalize_top_k: bool = True):
         check_arg_types("moe_gpt", MoEGPT.__init__, locals())
+        for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"moe_gpt: {name}={value!r} must be a finite number >= 0 (a "
+                                 f"coefficient of a loss added to the model's)")
         if moe_hidden is not None and moe_hidden < 1:
             raise ValueError(f"moe_gpt: moe_hidden={moe_hidden} must be at least 1 (the experts' "
                              f"hidden width), or left out for mlp_ratio * dim")

@@ -9,10 +9,15 @@ tokenizes, the others wait and open its result; the directory appears by an atom
 killed run never leaves half a cache, and a failed build (a full disk: one line naming
 ``data.args.cache_dir``) removes its staging directory.
 
-``meta.json`` records each file's size and sha256, hashed while it was written. Opening checks
-the sizes, and the sha256 of any file touched since (another inode or modification time), so an
-overwritten ``tokens.bin``, a replaced ``offsets.npy`` or a truncated file is found: the cache is
-tokenized again (or, where it cannot be replaced, the message names the directory to delete).
+``meta.json`` records each file's size and sha256, hashed while it was written. The first open
+in a process checks the sizes and the sha256 of both files - their content, not their stamp: an
+overwrite in place that keeps the inode, the size and the modification time changes the tokens
+all the same. Later opens in the process re-hash a file only when its status changed since
+(``ctime`` included, which no ``utime`` can set back). An overwritten ``tokens.bin``, a replaced
+``offsets.npy`` or a truncated file is found: the cache is tokenized again (or, where it cannot be
+replaced, the message names the directory to delete). The hash costs about what hashing the
+corpus for the cache key costs, times the cache's size over the corpus's (1x to 4x; 0.9 s per
+64 MiB of text with the byte tokenizer: docs/benchmarks.md, "The token cache's digest").
 ``pp-core validate`` (``$PP_CORE_VALIDATING``) writes nothing there: a missing or damaged cache
 is built in a temporary directory for the check and removed.
 """
@@ -34,7 +39,7 @@ from typing import Optional
 import numpy as np
 
 from pp_core import PipelineError
-from pp_core_builtins.models.tokenizing import expand_files, read_documents
+from pp_core_builtins.models.corpus import expand_files, read_documents
 
 __all__ = ["TokenCache", "open_cache", "CACHE_VERSION", "VALIDATING_ENV"]
 
@@ -98,12 +103,16 @@ class _Hashed:
 
     def close(self) -> dict:
         self.handle.close()
-        return {"sha256": self.digest.hexdigest(), **_stamp(self.path)}
+        return {"sha256": self.digest.hexdigest(), "size": self.path.stat().st_size}
 
 
-def _stamp(path: Path) -> dict:
+_VERIFIED: dict[str, tuple] = {}
+"""Per cache file this process hashed and found whole: its full status then (``ctime`` too)."""
+
+
+def _status(path: Path) -> tuple:
     info = path.stat()
-    return {"size": info.st_size, "inode": info.st_ino, "mtime_ns": info.st_mtime_ns}
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
 
 def _build(directory: Path, files: list[Path], reading: dict, tokenizer, bos, eos) -> None:
@@ -169,12 +178,15 @@ def _damage(directory: Path) -> str | None:
         meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
         recorded = meta["checksums"]
         for name in ("tokens.bin", "offsets.npy"):
-            want = recorded[name]
-            now = _stamp(directory / name)
-            if now["size"] != want["size"]:
-                return f"{name} holds {now['size']} bytes, {want['size']} were written"
-            if now != {k: want[k] for k in now} and _digest(directory / name) != want["sha256"]:
+            want, path = recorded[name], directory / name
+            status = _status(path)
+            if status[2] != want["size"]:
+                return f"{name} holds {status[2]} bytes, {want['size']} were written"
+            if _VERIFIED.get(str(path)) == status:  # hashed by this process, untouched since
+                continue
+            if _digest(path) != want["sha256"]:
                 return f"{name} does not match the sha256 checksum recorded when it was written"
+            _VERIFIED[str(path)] = status
     except FileNotFoundError as exc:
         return f"{Path(exc.filename or '?').name} is missing"
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -214,8 +226,11 @@ def open_cache(files, tokenizer, cache_dir, reading: dict, bos, eos) -> TokenCac
     their recorded checksums, or built once (locked; a damaged one is rebuilt). While
     ``$PP_CORE_VALIDATING`` is set (``pp-core validate``) nothing is written to ``cache_dir``: a
     missing or damaged cache is built in a temporary directory, opened, and removed."""
-    paths = expand_files(files)
     root = Path(os.path.expanduser(str(cache_dir)))
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"tokenized_text: cache_dir={str(cache_dir)!r} is a file, expected a "
+                         f"directory for the token cache (it is created when missing)")
+    paths = expand_files(files)
     key = _cache_key(paths, reading, tokenizer, bos, eos)
     directory = root / key
     if directory.is_dir() and _damage(directory) is None:

@@ -1,7 +1,7 @@
 """Dataset ``tokenized_text``: a real corpus with a local tokenizer, packed or padded rows.
 
 ``tokenized_text(files, tokenizer, seq_len, pack=True, ...)`` tokenizes the corpus once into an
-on-disk cache (:mod:`pp_core_builtins.models.tokenizing`) and yields whole-step batches
+on-disk cache (:mod:`pp_core_builtins.models.corpus`) and yields whole-step batches
 ``(inputs, target)`` of ``batch_size`` rows (the global batch; the trainer gives each dp rank its
 contiguous share), targets being the next tokens:
 
@@ -17,7 +17,9 @@ contiguous share), targets being the next tokens:
   padded targets are ``-100``.
 
 Batch ``i`` depends only on ``(seed, i)`` and the corpus, so ``skip(n)`` is free and a resumed
-run sees exactly the batches the uninterrupted run would have seen (mid-epoch included).
+run sees exactly the batches the uninterrupted run would have seen (mid-epoch included);
+``start: N`` begins the stream at batch ``N`` (a run started from another run's export carries no
+data position), as in the other built-in datasets.
 ``split: eval`` reads ``eval_files`` when given, else the last ``eval_fraction`` of the
 documents (which ``split: train`` then leaves out).
 """
@@ -34,7 +36,7 @@ import torch
 from pp_core_builtins.models.arg_types import check_arg_types
 from pp_core_builtins.models.datasets import BatchStream
 from pp_core_builtins.models.token_cache import open_cache
-from pp_core_builtins.models.tokenizing import load_tokenizer
+from pp_core_builtins.models.corpus import load_tokenizer
 
 __all__ = ["TokenizedText", "tokenized_text", "default_cache_dir"]
 
@@ -70,7 +72,8 @@ class TokenizedText(BatchStream):
                  split: str = "train", eval_fraction: float = 0.0, eval_files=None,
                  text_field: str = "text", doc_separator: Optional[str] = "\n\n",
                  hf_split: str = "train", bos="auto", eos="auto", pad_id: Optional[int] = None,
-                 cache_dir: Optional[str] = None, num_batches: Optional[int] = None):
+                 cache_dir: Optional[str] = None, num_batches: Optional[int] = None,
+                 start: int = 0):
         check_arg_types("tokenized_text", TokenizedText.__init__, locals())
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"tokenized_text: seq_len={seq_len!r} must be a positive int")
@@ -81,7 +84,10 @@ class TokenizedText(BatchStream):
         if split == "eval" and eval_files is None and eval_fraction == 0.0:
             raise ValueError("tokenized_text: split: eval needs eval_files or an eval_fraction "
                              "> 0 (the last fraction of the documents, left out of training)")
-        super().__init__(batch_size, seed, num_batches)
+        if pad_id is not None and (isinstance(pad_id, bool) or not isinstance(pad_id, int)
+                                   or pad_id < 0):
+            raise ValueError(f"tokenized_text: pad_id={pad_id!r} must be a token id >= 0")
+        super().__init__(batch_size, seed, num_batches, start)
         self.seq_len, self.pack, self.shuffle = seq_len, bool(pack), bool(shuffle)
         self.tokenizer = load_tokenizer(tokenizer)
         self.vocab_size = self.tokenizer.vocab_size

@@ -92,6 +92,7 @@ def _count_shifted_tokens(labels):
 
 
 causal_lm_loss.count_valid_tokens = _count_shifted_tokens
+causal_lm_loss.shifts_labels = True  # labels are the input ids (validate: check_labels)
 
 
 class _LazySplitter:

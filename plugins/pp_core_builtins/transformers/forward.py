@@ -96,9 +96,10 @@ class DecoderAdapter:
         embeds = "inputs_embeds" if "inputs_embeds" in accepted else "input_embeds"  # 4.x name
         kwargs = {"config": text.config, embeds: hidden,
                   "attention_mask": attention_mask, "position_ids": position_ids}
-        for name in ("cache", "past_key_values"):
+        for name in ("cache", "past_key_values"):  # 5.25 lists both: the old name deprecated
             if name in accepted:
                 kwargs[name] = None
+                break
         if "cache_position" in accepted:  # transformers 4.x
             kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
         return function(**kwargs)

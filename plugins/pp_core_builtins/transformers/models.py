@@ -127,3 +127,4 @@ def count_shifted_tokens(labels: torch.Tensor) -> torch.Tensor:
 
 
 causal_lm_loss.count_valid_tokens = count_shifted_tokens
+causal_lm_loss.shifts_labels = True  # labels are the input ids (validate: check_labels)

@@ -20,6 +20,7 @@ from pp_core.app.factories import dataset_factory, model_factory
 from pp_core.app.machine import MachineShare
 from pp_core.app.check.calls import check_module_calls
 from pp_core.app.check.build import build_meta_model, check_build, check_local_ranks
+from pp_core.app.check.fit import check_mixed_precision
 from pp_core.app.check.initializers import stage_initializers
 from pp_core.app.check.outputs import check_outputs
 from pp_core.app.spec import Spec, SpecError
@@ -221,6 +222,7 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
         return None
     if model is not None:
         _check_blocks(spec, model, problems)
+        check_mixed_precision(spec, model, problems)
         _check_expert_parallel(spec, model, plugins, problems)
         _check_tensor_parallel(spec, model, plugins, problems, result.notes)
     if auto and _splitter(spec) is not None:  # the planner uses it: it must take the model

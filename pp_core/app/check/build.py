@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import inspect
 import os
+import traceback
 from pathlib import Path
 
 from pp_core.app.adapters import adapted_meta_model
 from pp_core.app.factories import EVALUATION_NOTE, call_factory, dataset_args, dp_slice
-from pp_core.app.check.data import check_sequence_shards, check_vocab, meta_friendly
+from pp_core.app.check.data import (check_labels, check_sequence_shards, check_vocab,
+                                    meta_friendly)
 from pp_core.app.check.fit import check_fit, check_memory
 from pp_core.app.check.initializers import initializers_to_prepare
 from pp_core.app.rendezvous import started_by_torchrun
@@ -37,9 +39,16 @@ def _why(exc: BaseException) -> str:
 
 
 def _meta_limit(exc: BaseException) -> bool:
-    """Whether an error is the meta device's limit (no values), not the file's mistake."""
+    """Whether an error is the meta device's limit (no values, no autocast: transformers 4.x's
+    rotary embeddings enter ``torch.autocast(x.device.type)``), not the file's mistake."""
     return isinstance(exc, NotImplementedError) or \
-        (isinstance(exc, RuntimeError) and "meta" in str(exc).lower())
+        (isinstance(exc, RuntimeError) and ("meta" in str(exc).lower() or
+                                            _raised_in(exc, "autocast_mode.py")))
+
+
+def _raised_in(exc: BaseException, filename: str) -> bool:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and frames[-1].filename.endswith(filename)
 
 
 def build_meta_model(spec: Spec, model_fn, problems: list[str], notes: list[str],
@@ -90,6 +99,7 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
                 check_sequence_shards(spec, evaluated, "data.eval_args", problems)
         if batch is not None:
             check_fit(model, batch, "data.args", problems)
+            check_labels(spec, batch, problems)
             _check_batch(spec, model, batch, problems, notes, plugins)
     _check_optimizer(spec, model, problems)
     before = len(problems)

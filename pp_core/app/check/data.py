@@ -7,6 +7,11 @@
 - ``distributed.sequence_parallel`` shards every sequence over the ``tp_size`` ranks: the
   training batch's and the evaluation batch's lengths must both divide by ``tp_size`` (an odd
   ``data.eval_args.seq_len`` aborted a rank inside gloo at the first evaluation).
+- One convention for targets (docs/data.md, "Targets"): a dataset's target at position ``t`` is
+  the token at ``t + 1``, and a loss takes it as it is. A loss that shifts labels itself
+  (``shifts_labels = True``: Hugging Face's ``causal_lm_loss``) beside shifted targets would teach
+  the token after next; ``cross_entropy`` beside targets equal to the inputs would teach a copy.
+  :func:`check_labels` catches both on the first batch.
 - :func:`meta_friendly`: the meta forward runs kernels whose meta form takes what the ranks'
   devices take (a float32 Mixtral's experts).
 """
@@ -15,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 
-__all__ = ["check_vocab", "check_sequence_shards", "meta_friendly"]
+__all__ = ["check_vocab", "check_sequence_shards", "check_labels", "label_problem",
+           "meta_friendly"]
 
 
 def _embedding_rows(model) -> int | None:
@@ -59,6 +65,56 @@ def check_sequence_shards(spec, batch, key: str, problems: list[str]) -> None:
                         f"with {key}; "
                         f"make the length a multiple of {tp} ({key}.seq_len) or set "
                         f"sequence_parallel: false")
+
+
+def check_labels(spec, batch, problems: list[str]) -> None:
+    """The first batch's targets against the loss's convention (:func:`label_problem`)."""
+    from pp_core.losses import resolve_loss  # lazy: with a batch in hand
+
+    if batch is None:
+        return
+    named = spec.pipeline.loss_fn
+    problem = label_problem(named if isinstance(named, str) else getattr(named, "__name__", "?"),
+                            resolve_loss(named), spec.data.name, *batch)
+    if problem is not None:
+        problems.append(problem)
+
+
+def label_problem(name: str, loss, data: str, inputs, target) -> str | None:
+    """Why a token batch's targets do not fit the loss ``name`` (one line), or ``None``: checked
+    for a loss that shifts its labels (``shifts_labels``) and for the built-in cross entropy, on
+    integer ids and targets of one shape; a batch that reads both ways (one repeated token) is
+    not judged."""
+    import torch  # lazy: with a batch in hand
+
+    from pp_core.losses import IGNORE_INDEX, cross_entropy
+
+    shifts = bool(getattr(loss, "shifts_labels", False))
+    ids = inputs.get("input_ids") if isinstance(inputs, dict) else inputs
+    if not (shifts or loss is cross_entropy) or not isinstance(ids, torch.Tensor) or \
+            not isinstance(target, torch.Tensor) or ids.shape != target.shape or \
+            ids.dim() < 2 or ids.shape[-1] < 2 or ids.is_floating_point() or \
+            target.is_floating_point():
+        return None
+    valid = target != IGNORE_INDEX
+    if not valid.any():
+        return None
+    copies = bool((target == ids)[valid].all())
+    following = bool((target[..., :-1] == ids[..., 1:])[valid[..., :-1]].all())
+    if copies == following:
+        return None
+    where = f"the targets of data {data!r}"
+    if shifts and following:
+        return (f"pipeline.loss_fn: {name} shifts its labels by one token, but {where} are "
+                f"already the next tokens (target[t] = input[t + 1]): the model would learn the "
+                f"token after next; use loss_fn: cross_entropy, which takes a dataset's targets "
+                f"as they are (docs/data.md, 'Targets')")
+    if not shifts and copies:
+        return (f"pipeline.loss_fn: {name} takes targets that are the next tokens, but {where} "
+                f"equal its inputs (Hugging Face labels): the model would learn to copy its "
+                f"input; use loss_fn: pp_core_builtins.transformers:causal_lm_loss, which shifts "
+                f"them, or make the dataset's targets the next tokens (docs/data.md, 'Targets')")
+    return None
 
 
 @contextlib.contextmanager

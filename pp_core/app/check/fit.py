@@ -3,7 +3,9 @@
 Checked for the training batch and, when ``train.eval_every`` is set, the evaluation batch
 (docs promise an eval ``seq_len`` beyond the model's is caught): input token ids below the
 input embedding's rows, sequence lengths within the model's ``max_seq_len`` attribute. And every rank builds the whole model before cutting out its
-stages, so the ranks on one machine need that many copies of its parameters in memory.
+stages, so the ranks on one machine need that many copies of its parameters in memory. And
+``distributed.mixed_precision`` lowers float32 parameters for compute: a model built in a 16-bit
+dtype already has nothing for it to lower.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 
 from pp_core.errors import quoted
 
-__all__ = ["check_fit", "check_memory", "machine_memory"]
+__all__ = ["check_fit", "check_memory", "check_mixed_precision", "machine_memory"]
 
 
 def _input_embedding(model):
@@ -91,3 +93,21 @@ def check_memory(spec, model, problems: list[str]) -> None:
                         f"taking its stages: {local} x {size / 2**30:,.1f} GiB is more than this "
                         f"machine's {total / 2**30:,.1f} GiB of memory; use a smaller model "
                         f"({quoted(str(spec.model.args), 80)}) or more machines")
+
+
+def check_mixed_precision(spec, model, problems: list[str]) -> None:
+    """``distributed.mixed_precision`` needs float32 parameters: FSDP2 keeps them and computes in
+    ``param_dtype``; parameters built or cast to 16 bits would be cast again, or kept as they are
+    with the policy doing nothing."""
+    if model is None or not spec.distributed.mixed_precision:
+        return
+    dtypes = {spec.model.dtype} if spec.model.dtype else \
+        {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
+    found = sorted(dtypes - {"float32"})
+    if found:
+        where = "model.dtype" if spec.model.dtype else \
+            ("model.target" if spec.model.target else "model.args")
+        problems.append(f"distributed.mixed_precision: casts float32 parameters to a lower "
+                        f"precision for compute, but the model's parameters are "
+                        f"{', '.join(found)} ({where}); keep one of them: drop mixed_precision, "
+                        f"or build the model in float32")

@@ -6,11 +6,9 @@ checkpoint directory that already holds checkpoints, a metrics file appended to 
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
-from pp_core.app.output_paths import collisions, path_problems, run_paths
+from pp_core.app.output_paths import collisions, path_problems, run_paths, writable_problem
 from pp_core.app.spec import Spec
 from pp_core.errors import quoted
 
@@ -51,35 +49,7 @@ def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
 
 def _check_path(key: str, path: Path, is_dir: bool, problems: list[str]) -> bool:
     """Whether ``path`` can be created or written as a file (``is_dir``: a directory)."""
-    expected = "a directory" if is_dir else "a file"
-    if path.exists():
-        if path.is_dir() != is_dir:
-            found = "a directory" if path.is_dir() else "a file"
-            problems.append(f"{key}: {quoted(str(path))} is {found}, expected {expected}; "
-                            f"choose another path")
-            return False
-        if not os.access(path, os.W_OK | (os.X_OK if is_dir else 0)):
-            problems.append(f"{key}: {quoted(str(path))} is not writable by this user; fix its "
-                            f"permissions or choose another path")
-            return False
-        return _has_space(key, path if is_dir else path.parent, problems)
-    ancestor = path.absolute().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        problems.append(f"{key}: cannot create {quoted(str(path))}: {quoted(str(ancestor))} is a "
-                        f"file, not a directory; choose another path")
-        return False
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        problems.append(f"{key}: cannot create {quoted(str(path))}: no permission to write in "
-                        f"{quoted(str(ancestor))}; choose a writable place")
-        return False
-    return _has_space(key, ancestor, problems)
-
-
-def _has_space(key: str, directory: Path, problems: list[str]) -> bool:
-    if shutil.disk_usage(directory).free == 0:
-        problems.append(f"{key}: no space left on the device holding {quoted(str(directory))}; "
-                        f"free some space or choose another place")
-        return False
-    return True
+    problem = writable_problem(key, str(path), "directory" if is_dir else "file")
+    if problem is not None:
+        problems.append(problem)
+    return problem is None

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 HELP = """\
 Measure the pipeline's model on its configured device (built for real, with
@@ -83,17 +85,20 @@ def plan_command(args) -> int:
     from pp_core.planning.report import format_ranking
     from pp_core.planning.sizes import parse_size
     from pp_core.app.check import preflight
+    from pp_core.app.output_paths import refuse_output, run_paths
     from pp_core.app.spec import load_spec
 
     cap = None if args.memory_cap is None else parse_size(args.memory_cap)
     spec = as_auto(load_spec(args.pipeline, args.overrides))
+    if args.output is not None:  # before any measuring: not an input of the run, writable
+        refuse_output("-o", args.output, run_paths(spec))
     world = _world(args, spec)
     if world is not None:
         return _plan_world(args, spec, world, cap)
     preflight(spec, run_checks=False)  # names, arguments, batch sizes: fail before profiling
     plan = plan_spec(spec, memory_cap=cap, measure_link=not args.no_link)
     if args.output is not None:
-        _write(spec, plan, args.output)
+        _write(spec, plan, args.output, _progress)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
@@ -140,9 +145,9 @@ def _plan_world(args, spec, world: int, cap) -> int:
             fixed[path[-1]] = value
     found = plan_world(spec, world, memory_cap=cap, measure_link=not args.no_link,
                        fixed=fixed, say=_progress)
+    chosen = found.chosen_layout  # none under the cap: exit 1 and write nothing, say why
     if args.output is not None:
-        chosen = found.chosen_layout
-        _write(chosen.spec, chosen.plan, args.output)
+        _write(chosen.spec, chosen.plan, args.output, _progress)
     if args.json:
         print(json.dumps(found.to_dict(), indent=1))
         return 0
@@ -155,20 +160,86 @@ def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _write(spec, plan, path: str) -> None:
-    """``-o FILE``: the chosen layout as a runnable YAML pipeline."""
+def _write(spec, plan, path: str, say) -> None:
+    """``-o FILE``: the chosen layout as a runnable YAML pipeline (:func:`written_file`); ``say``
+    names the file."""
     import yaml  # lazy: only with -o
 
     from pp_core.app.launch.decide import written_spec  # lazy: as plan_command's imports
 
-    import os  # lazy: as above
-
-    from pp_core.errors import ConfigError
-
-    if os.path.exists(path) and os.path.samefile(path, spec.source):
-        raise ConfigError(f"-o {path}: that is the pipeline being planned; write the chosen "
-                          f"layout to another file")
-    values = written_spec(spec, plan)
+    values, moved = written_file(spec, written_spec(spec, plan), path)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
-        fh.write(f"# written by 'pp-core plan {spec.source}': the chosen plan, no auto left\n")
+        fh.write(f"# written by 'pp-core plan {spec.source}': the chosen plan, no auto left; "
+                 f"only what differs from the defaults\n")
         yaml.safe_dump(values, fh, sort_keys=False)
+    away = f"; {', '.join(moved)} moved into a {Path(path).stem!r} folder beside the source " \
+           f"run's, which it leaves alone" if moved else ""
+    say(f"wrote {path}: the chosen plan, paths from its folder, what differs from the "
+        f"defaults{away}")
+
+
+OUTPUT_KEYS = (("checkpoint", "dir"), ("checkpoint", "export_hf"), ("output", "metrics"),
+               ("output", "trace"), ("output", "schedule_image"), ("output", "tensorboard"))
+"""What a run writes: ``plan -o`` points these away from the source run's."""
+READ_KEYS = (("data", "args"), ("data", "eval_args"), ("model", "args"),
+             ("pipeline", "pp_schedule_csv"), ("checkpoint", "resume"))
+"""Where a run's inputs are named: relative paths are rewritten for the written file's folder."""
+
+
+def written_file(spec, values: dict, path: str) -> tuple[dict, list[str]]:
+    """What ``plan -o PATH`` writes of ``values`` (the planned spec, every key): only what differs
+    from the defaults; each relative path the source file reads (found from its folder) rewritten
+    from PATH's folder; each output moved into a folder named after PATH beside the source
+    run's (``runs/ckpt`` -> ``runs/chosen/ckpt``), so running it replaces nothing of that run.
+    Returns the values and the output keys moved."""
+    from pp_core.app.spec.schema import SCHEMA  # lazy: as plan_command's imports
+
+    out = {}
+    for section, keys in values.items():
+        defaults = {key.name: _normal(key) for key in SCHEMA.get(section, [])}
+        changed = {name: value for name, value in keys.items()
+                   if name not in defaults or value != defaults[name] or
+                   (section, name) == ("distributed", "pp_size")}  # the plan's first degree
+        if changed or section in ("model", "data"):
+            out[section] = changed
+    source, target = Path(spec.source).resolve().parent, Path(path).resolve().parent
+    for section, key in READ_KEYS:
+        if key in out.get(section, {}):
+            out[section][key] = _relocated(out[section][key], source, target)
+    moved = []
+    for section, key in OUTPUT_KEYS:
+        value = out.get(section, {}).get(key)
+        written = value.get("dir") if isinstance(value, dict) else value
+        if isinstance(written, str) and written:
+            beside = str(Path(written).parent / Path(path).stem / Path(written).name)
+            extra = {k: v for k, v in value.items() if k != "dir" and v is not None} \
+                if isinstance(value, dict) else {}
+            out[section][key] = {"dir": beside, **extra} if extra else beside
+            moved.append(f"{section}.{key}")
+    return out, moved
+
+
+def _normal(key):
+    """A schema key's default as the spec holds it once checked (``none`` -> ``{mode: none}``)."""
+    try:
+        return key.check(key.default) if key.default is not None else None
+    except Exception:  # noqa: BLE001 - a default its own checker does not take as it is
+        return key.default
+
+
+def _relocated(value, source: Path, target: Path):
+    """``value`` with each relative path that exists from ``source`` rewritten from ``target``."""
+    import glob  # lazy: only with -o
+
+    if isinstance(value, dict):
+        return {k: _relocated(v, source, target) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_relocated(v, source, target) for v in value]
+    if not isinstance(value, str) or not value or os.path.isabs(os.path.expanduser(value)) or \
+            source == target:
+        return value
+    found = source / value
+    if found.exists() or (glob.has_magic(value) and glob.glob(str(found))):
+        return os.path.relpath(found, target)
+    return value

@@ -18,12 +18,12 @@ from pp_core.schedule.buffer_plan import recv_buffer_report
 from pp_core.schedule.build import build_schedule
 from pp_core.schedule.csv_io import format_comms_csv, format_csv, installed_torch_version, \
     read_csv
-from pp_core.schedule.frozen import frozen_costs
+from pp_core.schedule.frozen import backward_from, frozen_costs, without_frozen
 from pp_core.schedule.limits import size_problem
 from pp_core.schedule.lower import lower
 from pp_core.schedule.render import caption, render_svg, render_text
 from pp_core.schedule.simulate import Costs, simulate
-from pp_core.schedule.torch_comms import dialect_of
+from pp_core.schedule.torch_comms import dialect_of, release_dialect
 from pp_core.schedule.trace import chrome_trace
 
 HELP = """\
@@ -53,6 +53,7 @@ examples:
   pp-core schedule export Interleaved1F1B --pp 4 --microbatches 8 -o order.csv
   pp-core schedule export zero_bubble --pp 4 -m 8 --format compute_comms --torch 2.15 -o zb.csv
   pp-core schedule simulate --csv order.csv --json
+  pp-core schedule show examples/demo.yaml      (the pipeline file's schedule and sizes)
 """
 
 
@@ -139,7 +140,8 @@ def _amount(kind, positive: bool = False, minimum: float | None = None,
 
 def _add_common(sub) -> None:
     sub.add_argument("name", nargs="?", metavar="NAME",
-                     help="schedule name or alias (see 'pp-core plugins'), e.g. 1f1b")
+                     help="schedule name or alias (see 'pp-core plugins'), e.g. 1f1b; or a "
+                          "pipeline file: its schedule, pp, microbatches, stages per rank")
     sub.add_argument("--csv", metavar="FILE", help="read the schedule from a CSV instead of NAME")
     sub.add_argument("--pp", type=int, metavar="P", help="pipeline ranks")
     sub.add_argument("--microbatches", "-m", type=int, metavar="M", help="microbatches per step")
@@ -179,6 +181,8 @@ def _schedule(args):
         if too_large is not None:
             raise ScheduleError(too_large)
 
+    if args.name and args.name.endswith((".yaml", ".yml")):
+        _from_pipeline_file(args)
     if args.csv and args.name:
         raise ScheduleError(f"give a schedule NAME or --csv FILE, not both (got {args.name!r} "
                             f"and --csv {args.csv!r})")
@@ -201,6 +205,42 @@ def _schedule(args):
                             f"(e.g. --pp 4 --microbatches 8)")
     return build_schedule(args.name, num_ranks=args.pp, num_microbatches=args.microbatches,
                           stages_per_rank=args.stages_per_rank)
+
+
+def _from_pipeline_file(args) -> None:
+    """NAME is a pipeline file: its schedule (or CSV), pp_size, microbatches (pp_batch_size /
+    pp_microbatch_size) and stages per rank (of its FQN lists) fill the flags not given. Read as
+    YAML alone: the schedule commands import no torch, and the model is not built."""
+    from pathlib import Path  # lazy: only for a pipeline file
+
+    from pp_core.app.spec.yaml import YamlProblem, read_yaml
+    from pp_core.config import is_auto
+
+    source = args.name
+    try:
+        data = read_yaml(Path(source).read_bytes()) or {}
+    except (OSError, YamlProblem) as exc:
+        raise ScheduleError(f"{source}: {getattr(exc, 'strerror', None) or exc}") from None
+    sections = data if isinstance(data, dict) else {}
+    pipeline, dist = (sections.get(k) if isinstance(sections.get(k), dict) else {}
+                      for k in ("pipeline", "distributed"))
+    csv, args.name = pipeline.get("pp_schedule_csv"), pipeline.get("pp_schedule") or "1f1b"
+    if csv:
+        beside = Path(source).parent / str(csv)  # as the run reads it: relative to the file
+        args.csv, args.name = (str(beside) if beside.is_file() else str(csv)), None
+    elif is_auto(args.name):
+        raise ScheduleError(f"{source}: pipeline.pp_schedule: auto is chosen when the run starts; "
+                            f"'pp-core plan {source}' shows the choice")
+    if args.pp is None:
+        args.pp = dist.get("pp_size", 1)
+    if args.microbatches is None:
+        batch, micro = pipeline.get("pp_batch_size") or 1, pipeline.get("pp_microbatch_size") or 1
+        args.microbatches = batch // micro if isinstance(batch, int) and isinstance(micro, int) \
+            and micro > 0 else batch
+    fqns = pipeline.get("module_fqns_per_model_part")
+    if args.stages_per_rank is None and isinstance(fqns, list) and isinstance(args.pp, int) \
+            and args.pp > 0 and len(fqns) > args.pp:
+        args.stages_per_rank = len(fqns) // args.pp
 
 
 def _simulated(args):
@@ -291,11 +331,15 @@ def _recv_buffers(schedule, args) -> dict:
 
 
 def _export(args) -> int:
+    named = None if args.torch_version is None else release_dialect(args.torch_version)
     schedule = _schedule(args)
+    trainable = _trainable(args.frozen, schedule.num_stages) if args.frozen else None
+    schedule = without_frozen(schedule, trainable)  # the program a LoRA run executes
     dialect = None
     if args.format == "compute_comms":
-        dialect = dialect_of(args.torch_version or installed_torch_version())
-        text = format_comms_csv(schedule, dialect)
+        dialect = named or dialect_of(installed_torch_version())
+        text = format_comms_csv(schedule, dialect,
+                                backward_from(trainable) if trainable is not None else 0)
     elif args.torch_version is not None:
         raise ScheduleError("--torch chooses the dialect of a compute_comms file; add --format "
                             "compute_comms (a compute-only CSV reads the same in every torch)")

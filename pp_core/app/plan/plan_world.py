@@ -20,6 +20,7 @@ layout per tp / ep degree pair is then run a few steps and sets that pair's leve
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -36,10 +37,12 @@ from pp_core.errors import ConfigError, PipelineError
 from pp_core.measure.collectives import measure_collectives
 from pp_core.measure.layout_costs import (expert_layers, layout_profile, unit_experts,
                                           with_gradient_sync)
-from pp_core.measure.layouts import DroppedLayout, ModelShape, degrees, enumerate_layouts
+from pp_core.measure.layouts import (DroppedLayout, ModelShape, degrees, enumerate_layouts,
+                                    summary)
 from pp_core.measure.link import measure_local_link
 from pp_core.measure.plan_auto import AutoPlan, concrete_config, default_microbatch_sizes
 from pp_core.parallel.dims import ParallelDims
+from pp_core.parallel.tensor_parallel import head_counts
 from pp_core.planning.choose import choose_plan
 from pp_core.planning.report import ac_letters, describe
 from pp_core.planning.sizes import format_bytes
@@ -88,9 +91,8 @@ class WorldPlan:
     @property
     def chosen_layout(self) -> LayoutPlan:
         if not self.layouts:
-            reasons = "; ".join(dict.fromkeys(d.reason for d in self.dropped))
             raise ConfigError(f"--world {self.world}: no layout of {self.world} processes runs "
-                              f"this model: {reasons}; use another --world")
+                              f"this model{summary(self.dropped)}; use another --world")
         return self.layouts[0]
 
     @property
@@ -128,13 +130,12 @@ def meta_model(spec: Spec, plugins=None):
 def model_shape(spec: Spec, model, plugins=None) -> ModelShape:
     """The model's units, heads and experts and the global batch."""
 
-    heads = {getattr(m, "num_heads") for m in model.modules()
-             if isinstance(getattr(m, "num_heads", None), int)}
+    heads = math.gcd(*(value for value, _ in head_counts(model).values()))  # tp divides each
     experts = {layer.num_experts for layer in expert_layers(model)}
     no_plan = ""
     if plugins_or_default(plugins).tensor_parallel_plan(model, False) is None:
         no_plan = f"no plugin provides a tensor-parallel plan for the model {type(model).__name__}"
-    return ModelShape(len(model_units(model, plugins)), min(heads) if heads else 0,
+    return ModelShape(len(model_units(model, plugins)), heads,
                       min(experts) if experts else 0, spec.global_batch_size, no_plan)
 
 
@@ -293,10 +294,13 @@ def format_world(found: WorldPlan, top: int = 8) -> str:
                      f", {describe(lp.best)}: predicted step "
                      f"{lp.best.predicted_step_s * 1e3:.1f} ms, peak "
                      f"{format_bytes(lp.best.peak_bytes)} per rank")
-    for dropped in found.dropped:
+    for dropped in found.dropped[:top]:
         d = dropped.dims
         lines.append(f"dropped pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard "
                      f"{d.dp_shard} x tp {d.tp} x ep {d.ep}: {dropped.reason}")
+    if len(found.dropped) > top:
+        lines.append(f"     ... {len(found.dropped) - top} more layouts dropped (--json lists "
+                     f"each with its reason)")
     lines.append("AC: activation checkpointing per stage (f full, s selective, - none); "
                  "vs best: predicted step over the chosen layout's")
     return "\n".join(lines)

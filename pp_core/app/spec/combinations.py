@@ -46,6 +46,7 @@ def check_combinations(values: dict, problems: list[str],
         problems.append(f"checkpoint.export_hf: {export['dir']!r} is checkpoint.dir too (both "
                         f"write step_NNNNNNNN there); export into another directory, e.g. "
                         f"{os.path.join(export['dir'], 'hf')!r}")
+    problems.extend(_dtype_problems(model))
     _fold_dp_size(dist, problems)
     dims = ParallelDims.of(dist)
     problems.extend(dims.problems(dist["nnodes"], dist["nproc_per_node"]))
@@ -70,6 +71,31 @@ def check_combinations(values: dict, problems: list[str],
         config = _check_pipeline(values["pipeline"], problems)
     _check_optimizer(values["train"]["optimizer"], problems)
     return config
+
+
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                  "float": "float32", "fp64": "float64", "double": "float64"}
+
+
+def _dtype_problems(model: dict) -> list[str]:
+    """``model.dtype`` casts the built model; a dtype the factory is told to build in
+    (``model.args.dtype``, a Hugging Face config's ``torch_dtype`` / ``dtype``) that says another
+    is a contradiction: one of the two is silently undone."""
+    wanted = model.get("dtype")
+    args = model.get("args") or {}
+    config = args.get("config") if isinstance(args.get("config"), dict) else {}
+    if not wanted:
+        return []
+    found = []
+    for key, value in (("model.args.dtype", args.get("dtype")),
+                       ("model.args.config.torch_dtype", config.get("torch_dtype")),
+                       ("model.args.config.dtype", config.get("dtype"))):
+        if isinstance(value, str) and value not in ("auto",):
+            name = value.removeprefix("torch.")
+            if _DTYPE_ALIASES.get(name, name) != wanted:
+                found.append(f"model.dtype: {wanted}, but {key} says {value}; the model would be "
+                             f"built in one and cast to the other: give the dtype once")
+    return found
 
 
 def auto_expert_parallel_refusal(ep: int) -> str:

@@ -82,8 +82,8 @@ def expert_parallel_plan(model: nn.Module, plugins=None) -> Optional[dict]:
 
 def check_expert_parallel(model: nn.Module, plan: Optional[dict], ep_size: int,
                           key: str = "distributed.ep_size") -> list[str]:
-    """What keeps ``plan`` from sharding ``model``'s experts ``ep_size`` ways: the plan must
-    match some module, and each matched module's ``num_experts`` must divide by ``ep_size``.
+    """What keeps ``plan`` from sharding ``model``'s experts ``ep_size`` ways: each pattern of the
+    plan must match a module, and each matched module's ``num_experts`` must divide by ``ep_size``.
     One line per problem, naming the key and the fix; none when the plan fits."""
     if ep_size <= 1:
         return []
@@ -92,6 +92,11 @@ def check_expert_parallel(model: nn.Module, plan: Optional[dict], ep_size: int,
         return [f"{key}: {ep_size} needs a model with experts and an expert-parallel plan "
                 f"(pp_expert_parallel_plan), found none for {type(model).__name__}; "
                 f"use e.g. model.name: moe_gpt, or ep_size: 1"]
+    for pattern in plan:
+        if not matching_modules(model, {pattern: None}):
+            return [f"{key}: the expert-parallel plan of {type(model).__name__} names "
+                    f"{pattern!r}, which matches no module of the model; correct or remove it "
+                    f"(its modules are named like {found[0][0]!r})"]
     for fqn, module, _ in found:
         experts = getattr(module, "num_experts", None)
         if isinstance(experts, int) and experts % ep_size:

@@ -1,4 +1,4 @@
-"""Reading a corpus, loading a local tokenizer, and the on-disk cache of its token ids.
+"""Reading a corpus and loading a local tokenizer (the cache of its token ids: ``token_cache``).
 
 Documents come from ``.txt`` files (split into documents at ``doc_separator``, a blank line by
 default; ``None``: one document per file), ``.jsonl`` files (one JSON object per line, its
