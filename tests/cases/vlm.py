@@ -211,7 +211,9 @@ def pipeline_case(family: str, schedule: str, layout: str = "pp", images=(1, 0, 
                 continue
             worst = max(worst, (grad - want * scale).abs().max().item())
             compared.append(name)
-    return {"loss_err": loss_err, "grad_err": worst, "names": compared,
+    sharded = {stage: sorted(n for n, p in part.named_parameters() if hasattr(p, "device_mesh"))
+               for stage, part in zip(pipe.stage_indices, pipe.model_parts)}
+    return {"loss_err": loss_err, "grad_err": worst, "names": compared, "sharded": sharded,
             "stages": pipe.stage_indices, "actions": _backward_actions(pipe)}
 
 

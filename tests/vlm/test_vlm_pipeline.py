@@ -65,7 +65,10 @@ def test_pp2_dp2_fsdp_cuts_images_by_sample(pool):
 
 
 def test_pp2_tp2_decoder_sharded_tower_replicated(pool):
-    _run(pool, "qwen2_vl", "1f1b", layout="tp")
+    results = _run(pool, "qwen2_vl", "1f1b", layout="tp")
+    sharded = {n for r in results for names in r["sharded"].values() for n in names}
+    assert any(".language_model.layers." in n for n in sharded)
+    assert not any(".visual." in n for n in sharded)  # its fused qkv: replicated
 
 
 def test_permuted_samples_still_match(pool):
@@ -80,3 +83,10 @@ def test_a_frozen_vision_tower_in_front_runs_no_backward(pool):
     assert stage0 and all(r["actions"].get(0, 0) == 0 for r in stage0), stage0
     stage1 = [r for r in results if 1 in r["stages"]]
     assert all(r["actions"][1] > 0 for r in stage1)
+
+
+def test_pp2_tp2_clip_tower_on_its_own_stage_is_sharded(pool):
+    results = _run(pool, "llava", "1f1b", layout="tp", fqns=_cut("llava", 4))
+    stage0 = [r["sharded"][0] for r in results if 0 in r["sharded"]]
+    assert stage0 and all(any(".vision_tower.encoder.layers.0.mlp.fc1" in n for n in names)
+                          for names in stage0)

@@ -166,9 +166,10 @@ def pp_expert_parallel_plan(model):
 
 @hookimpl
 def pp_tensor_parallel_plan(model, sequence_parallel):
-    """Llama / Qwen2 / Mistral (``tp_plan.SUPPORTED``); ``None`` for any other model."""
+    """Llama / Qwen2 / Mistral (``tp_plan.SUPPORTED``) and the VLMs built on them; ``None``
+    for any other model."""
     if getattr(getattr(model, "config", None), "model_type", None) not in (
-            "llama", "qwen2", "mistral"):
+            "llama", "qwen2", "mistral", "llava", "llava_next", "qwen2_vl"):
         return None
     from pp_core_builtins.transformers.tp_plan import hf_decoder_plan  # lazy: torch
 
