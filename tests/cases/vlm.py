@@ -240,3 +240,61 @@ def permuted(family: str, inputs: dict, labels, order):
         else:
             out[key] = value[order]
     return out, labels[order]
+
+
+def save_processor(family: str, directory) -> str:
+    """A processor matching :func:`tiny_vlm` (a word-level tokenizer of ``VOCAB`` ids, the
+    placeholder ``<image>`` = ``IMAGE``, Pillow image processing), saved to ``directory``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, IMAGE)] + \
+        ["<image>"] + [f"x{i}" for i in range(IMAGE + 1, VOCAB)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>",
+                                        bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                        extra_special_tokens={"image_token": "<image>"})
+    size = {"shortest_edge": 8}, {"height": 8, "width": 8}
+    common = dict(patch_size=4, vision_feature_select_strategy="default",
+                  num_additional_image_tokens=1)
+    if family == "llava":
+        images = transformers.LlavaImageProcessorPil(size=size[0], crop_size=size[1])
+        processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer,
+                                                **common)
+    else:
+        images = transformers.LlavaNextImageProcessorPil(size=size[0], crop_size=size[1],
+                                                         image_grid_pinpoints=PINPOINTS)
+        processor = transformers.LlavaNextProcessor(image_processor=images, tokenizer=tokenizer,
+                                                    **common)
+    processor.save_pretrained(str(directory))
+    return str(directory)
+
+
+def write_images_dataset(directory, images=(1, 0, 2, 3), seed: int = 0, words: int = 5) -> str:
+    """``data.jsonl`` in ``directory``: sample ``i`` holds ``images[i]`` PNGs (random sizes,
+    in ``img/``), its text ``words`` words around one ``<image>`` per image."""
+    import json
+    import random
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+
+    directory = Path(directory)
+    (directory / "img").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    lines = []
+    for index, count in enumerate(images):
+        paths = []
+        for k in range(count):
+            name = f"img/{index}_{k}.png"
+            size = (rng.choice([6, 8, 12, 16]), rng.choice([6, 8, 12, 16]))
+            pixels = np.random.default_rng(seed + 31 * index + k).integers(0, 255, (*size, 3))
+            Image.fromarray(pixels.astype(np.uint8)).save(directory / name)
+            paths.append(name)
+        text = " ".join(f"w{rng.randrange(4, IMAGE)}" for _ in range(words))
+        text += "".join(f" <image> w{rng.randrange(4, IMAGE)}" for _ in range(count))
+        lines.append(json.dumps({"text": text, "images": paths}))
+    (directory / "data.jsonl").write_text("\n".join(lines) + "\n")
+    return str(directory / "data.jsonl")

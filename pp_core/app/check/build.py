@@ -137,13 +137,15 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     """Shapes against the global batch and ``pp_seq_len``; one microbatch through the meta model."""
     import torch  # lazy: torch, only with a model in hand
 
-    from pp_core.runtime.microbatch import first_tensor
+    from pp_core.runtime.microbatch import first_tensor, kwargs_chunk_dims
 
     inputs, target = batch
     global_batch = spec.global_batch_size
     try:
         pieces = global_batch // spec.pipeline.pp_microbatch_size
-        micro = [dp_slice(v, 0, pieces, global_batch) for v in (inputs, target)]
+        dims = kwargs_chunk_dims(model, inputs) if model is not None else None  # images by sample
+        micro = [dp_slice(inputs, 0, pieces, global_batch, dims),
+                 dp_slice(target, 0, pieces, global_batch)]
     except PPCoreError as exc:
         problems.append(f"data.args: {exc}")
         return
