@@ -8,6 +8,8 @@ module skips the importing test module when ``transformers`` is not installed.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -52,6 +54,7 @@ def tiny_vlm(family: str = "llava", seed: int = 0, **extra):
                                  attn_implementation="eager")
 
 
+@functools.lru_cache(maxsize=None)
 def image_tokens(family: str, size) -> int:
     """Placeholder tokens of one image (``size``: LLaVA-NeXT's (h, w), Qwen2-VL's (t, h, w))."""
     from transformers import AutoConfig
