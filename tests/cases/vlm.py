@@ -26,6 +26,7 @@ TEXT = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_s
             max_position_embeddings=256, pad_token_id=PAD)
 CLIP = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
             num_hidden_layers=3, num_attention_heads=2, image_size=8, patch_size=4)
+SIGLIP = {**CLIP, "model_type": "siglip_vision_model"}
 PINPOINTS = [[8, 16], [16, 8], [16, 16]]
 QWEN_TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

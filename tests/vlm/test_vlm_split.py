@@ -21,7 +21,7 @@ from pp_core.runtime.microbatch import kwargs_chunk_dims, split_microbatches  # 
 from pp_core.testing import plugins_with  # noqa: E402
 from pp_core_builtins.transformers import causal_lm_loss, hf_image_text_to_text  # noqa: E402
 from pp_core_builtins.transformers.vision_layout import find_vision_layout  # noqa: E402
-from tests.cases.vlm import batch, reference_step, tiny_config, tiny_vlm  # noqa: E402
+from tests.cases.vlm import SIGLIP, batch, reference_step, tiny_config, tiny_vlm  # noqa: E402
 
 PLUGINS = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers",
                        "pp_core_builtins.transformers")
@@ -59,9 +59,12 @@ def test_units_put_the_vision_half_before_the_text_embedding():
     assert next_projector[-2:] == ("model.multi_modal_projector", "model.image_newline")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ["llava_siglip"])
 def test_every_cut_gives_the_unsplit_loss_and_gradients(family):
-    reference = tiny_vlm(family)
+    extra = {"vision_config": SIGLIP, "vision_feature_select_strategy": "full"} \
+        if family == "llava_siglip" else {}
+    family = family.removesuffix("_siglip")
+    reference = tiny_vlm(family, **extra)
     inputs, labels = batch(family, images=(2, 0, 1, 3))
     expected, grads = reference_step(reference, inputs, labels)
     layout = find_vision_layout(reference)
