@@ -162,3 +162,13 @@ def test_each_stage_loads_its_own_tensors_from_a_save_pretrained_directory(tmp_p
 def test_the_families_configs_are_the_ones_the_docs_name():
     for family in FAMILIES:
         assert tiny_config(family)["model_type"] == family
+
+
+def test_static_shapes_are_refused_where_the_vision_carry_crosses_stages():
+    model = tiny_vlm("llava")
+    units = find_vision_layout(model).units()
+    stages = [list(units[0]), [f for u in units[1:] for f in u]]
+    config = PipelineConfig(module_fqns_per_model_part=stages, pp_seq_len=32)
+    with pytest.raises(ConfigError, match="pipeline.pp_seq_len=32 fixes the shapes"):
+        plan_split(model, config, 2, 1, PLUGINS)
+    plan_split(model, PipelineConfig(pp_seq_len=32), 2, 1, PLUGINS)  # vision on stage 0: fine

@@ -76,6 +76,14 @@ class HFVisionLanguageSplitter(HFDecoderSplitter):
             stages = [list(part) for part in fixed]
             source = "module_fqns_per_model_part"
         check_stage_order(layout, stages, source)
+        embed = layout.kinds().index("embed")
+        if getattr(config, "pp_seq_len", None) is not None and \
+                embed not in held_units(layout, stages[0], f"{source}: stage 0"):
+            raise ConfigError(
+                f"pipeline.pp_seq_len={config.pp_seq_len} fixes the shapes stages send, but "
+                f"this split hands the vision carry from stage to stage before the embedding, "
+                f"whose shapes change with the images of each microbatch; unset pp_seq_len, or "
+                f"keep the vision half on stage 0")
         shared = shared_modules(model, {fqn for stage in stages for fqn in stage})
         return [stage + [fqn for fqn in shared if fqn not in stage] for stage in stages]
 
