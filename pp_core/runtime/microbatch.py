@@ -136,26 +136,40 @@ def kwargs_chunk_dims(model, kwargs: Any) -> dict:
     :raises ConfigError: the method names a key ``kwargs`` does not hold, or a dim that is not
         a non-negative int.
     """
-    hook = getattr(model, "get_pipeline_kwargs_chunk_dims", None)
     if not isinstance(kwargs, dict):
         return {}
-    samples = kwargs_samples(model, kwargs)
+
+    def bad_dim(key, dim):
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            return f"gives {key!r} the dim {dim!r}; a batch dim is an int >= 0"
+        return None
+
+    dims = _answer(model, "get_pipeline_kwargs_chunk_dims", kwargs,
+                   "{keyword: batch dim}, e.g. {'position_ids': 1}", bad_dim)
+    return {**dims, **kwargs_samples(model, kwargs)}
+
+
+def _answer(model, method: str, kwargs: dict, form: str, bad) -> dict:
+    """``model.<method>(kwargs)``, checked: a dict (of ``form``) naming only keys of ``kwargs``,
+    each value accepted by ``bad(key, value)`` (``None``, else what is wrong); ``{}`` when the
+    model has no such method."""
+    hook = getattr(model, method, None)
     if hook is None:
-        return samples
-    dims = hook(kwargs) or {}
-    where = f"{type(model).__name__}.get_pipeline_kwargs_chunk_dims"
-    if not isinstance(dims, dict):
-        raise ConfigError(f"{where} returned {type(dims).__name__}; it must return a dict "
-                          f"{{keyword: batch dim}}, e.g. {{'position_ids': 1}}")
-    for key, dim in dims.items():
+        return {}
+    found = hook(kwargs) or {}
+    where = f"{type(model).__name__}.{method}"
+    if not isinstance(found, dict):
+        raise ConfigError(f"{where} returned {type(found).__name__}; it must return a dict "
+                          f"{form}")
+    for key, value in found.items():
         if key not in kwargs:
             raise ConfigError(f"{where} names {key!r}, which is not among the step's keyword "
                               f"inputs ({', '.join(map(repr, kwargs)) or 'none'}); return only "
                               f"keys of the dict it is given")
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-            raise ConfigError(f"{where} gives {key!r} the dim {dim!r}; a batch dim is an int "
-                              f">= 0")
-    return {**dims, **samples}
+        problem = bad(key, value)
+        if problem is not None:
+            raise ConfigError(f"{where} {problem}")
+    return found
 
 
 def kwargs_samples(model, kwargs: dict) -> dict:
@@ -170,24 +184,15 @@ def kwargs_samples(model, kwargs: dict) -> dict:
     :raises ConfigError: the method names a key ``kwargs`` does not hold, or gives a sample
         list that is not a non-decreasing 1-D integer tensor of sample indices.
     """
-    hook = getattr(model, "get_pipeline_kwargs_samples", None)
-    if hook is None:
-        return {}
-    found = hook(kwargs) or {}
-    where = f"{type(model).__name__}.get_pipeline_kwargs_samples"
-    if not isinstance(found, dict):
-        raise ConfigError(f"{where} returned {type(found).__name__}; it must return a dict "
-                          f"{{keyword: sample of each row}}")
-    for key, samples in found.items():
-        if key not in kwargs:
-            raise ConfigError(f"{where} names {key!r}, which is not among the step's keyword "
-                              f"inputs ({', '.join(map(repr, kwargs)) or 'none'}); return only "
-                              f"keys of the dict it is given")
+    def bad_samples(key, samples):
         if not isinstance(samples, torch.Tensor) or samples.dim() != 1 or \
                 samples.is_floating_point() or bool((samples.diff() < 0).any()):
-            raise ConfigError(f"{where} gives {key!r} {type(samples).__name__} samples; give a "
-                              f"1-D integer tensor, one non-decreasing sample index per row")
-    return found
+            return (f"gives {key!r} {type(samples).__name__} samples; give a 1-D integer "
+                    f"tensor, one non-decreasing sample index per row")
+        return None
+
+    return _answer(model, "get_pipeline_kwargs_samples", kwargs, "{keyword: sample of each row}",
+                   bad_samples)
 
 
 def _is_namedtuple(value) -> bool:
