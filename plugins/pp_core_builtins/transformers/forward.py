@@ -255,7 +255,7 @@ def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
                                                                    attention_mask)
 
 
-def _find(root: nn.Module, fqn: str):
+def held_module(root: nn.Module, fqn: str):
     """The module at ``fqn`` on this part, or ``None`` when another stage holds it."""
     module = root
     for piece in fqn.split(".") if fqn else []:
@@ -276,12 +276,12 @@ def _hidden(output):
 def causal_lm_stage_forward(self, *args, text_name: str, head_name: str | None,
                             adapter: DecoderAdapter, **kwargs):
     """The patched root forward (bound by :func:`patch_causal_lm`)."""
-    text = _find(self, text_name)
+    text = held_module(self, text_name)
     holds_text = text is not None and (text.embed_tokens is not None or
                                        next(text.parameters(), None) is not None)
     output = _hidden(text(*args, **kwargs)) if holds_text else (args[0] if len(args) == 1
                                                                   else args)
-    head = _find(self, head_name) if head_name else None
+    head = held_module(self, head_name) if head_name else None
     if head is None:
         return output
     if not isinstance(output, torch.Tensor):

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pp_core_builtins.transformers.forward import DecoderAdapter, causal_lm_stage_forward
+from pp_core_builtins.transformers.forward import (DecoderAdapter, causal_lm_stage_forward,
+                                                   held_module)
 from pp_core_builtins.transformers.media import image_token_id
 from pp_core_builtins.transformers.vision_layout import (BLOCK, EMBED, FRONT, PROJECTOR,
                                                          VisionLayout)
@@ -82,62 +83,72 @@ def _positions(multimodal, family, inputs, input_ids) -> torch.Tensor:
     return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
 
 
-def vision_stage_forward(self, *args, layout: VisionLayout, stage: VisionStage,
-                         adapter: DecoderAdapter, **kwargs):
-    """The patched root forward of a part holding vision units or the text embedding."""
-    family, config = layout.family, self.config
-    multimodal = self.get_submodule(layout.multimodal)
-    if stage.first:
-        inputs = _first_inputs(family, args, kwargs)
-        input_ids, mask = inputs["input_ids"], inputs.get("attention_mask")
-        position_ids = _positions(multimodal, family, inputs, input_ids)
-        media = family.media(inputs).to(input_ids.device)
-        pixels = inputs.get("pixel_values")
-        state = pixels if pixels is not None else torch.zeros(0, device=input_ids.device)
-    else:
-        if kwargs or len(args) != 5:
-            raise TypeError(f"a vision stage takes the vision carry (state, input_ids, "
-                            f"position_ids, media, attention_mask) from the stage before, got "
-                            f"{len(args)} positional and {sorted(kwargs)} keyword inputs")
-        state, input_ids, position_ids, media, mask = args
-        mask = mask if mask.numel() else None
+def _carry_from_inputs(multimodal, family, args, kwargs) -> tuple:
+    """The first stage's microbatch as the vision carry (the mask ``None`` when absent)."""
+    inputs = _first_inputs(family, args, kwargs)
+    input_ids = inputs["input_ids"]
+    pixels = inputs.get("pixel_values")
+    return (pixels if pixels is not None else torch.zeros(0, device=input_ids.device), input_ids,
+            _positions(multimodal, family, inputs, input_ids),
+            family.media(inputs).to(input_ids.device), inputs.get("attention_mask"))
+
+
+def _carry_from_previous(args, kwargs) -> tuple:
+    if kwargs or len(args) != 5:
+        raise TypeError(f"a vision stage takes the vision carry (state, input_ids, "
+                        f"position_ids, media, attention_mask) from the stage before, got "
+                        f"{len(args)} positional and {sorted(kwargs)} keyword inputs")
+    state, input_ids, position_ids, media, mask = args
+    return state, input_ids, position_ids, media, (mask if mask.numel() else None)
+
+
+def _run_vision(root, layout: VisionLayout, stage: VisionStage, multimodal, state, media):
+    """This part's share of the vision half: the front, its blocks, the projector."""
+    family, config = layout.family, root.config
     tower = multimodal._modules.get(family.tower)
-    images = state.shape[0] > 0 if state.dim() else False
-    if images and FRONT in stage.kinds:
+    if FRONT in stage.kinds:
         state = family.begin(tower, state, media, config)
-    if images and BLOCK in stage.kinds:
+    if BLOCK in stage.kinds:
         context = family.context(tower, state, media)
-        for name in layout.blocks:
-            layer = _held(self, name)
-            if layer is not None:
-                state = family.block(layer, state, context)
-    if images and PROJECTOR in stage.kinds:
+        for layer in filter(None, (held_module(root, name) for name in layout.blocks)):
+            state = family.block(layer, state, context)
+    if PROJECTOR in stage.kinds:
         state = family.project(multimodal, state, media, config)
-    if EMBED not in stage.kinds:
-        empty = torch.zeros(0, dtype=torch.long, device=input_ids.device)
-        return state, input_ids, position_ids, media, (mask if mask is not None else empty)
-    text = self.get_submodule(layout.decoder.text)
-    embeds = adapter.embed(text, input_ids)
-    placeholders = input_ids == image_token_id(config)
-    found = int(placeholders.sum())
-    rows = state.shape[0] if images else 0
+    return state
+
+
+def _merged(root, layout: VisionLayout, adapter, input_ids, features) -> torch.Tensor:
+    """The text embeddings with the image features scattered into their placeholders."""
+    embeds = adapter.embed(root.get_submodule(layout.decoder.text), input_ids)
+    placeholders = input_ids == image_token_id(root.config)
+    found, rows = int(placeholders.sum()), features.shape[0] if features.dim() else 0
     if found != rows:
         raise ValueError(f"this microbatch holds {found} image placeholder tokens but its images "
                          f"give {rows} feature rows; the processor and the model disagree "
                          f"(image size, patch size, vision_feature_select_strategy)")
-    if rows:
-        embeds = embeds.masked_scatter(placeholders.unsqueeze(-1),
-                                       state.to(embeds.device, embeds.dtype))
-    return causal_lm_stage_forward(self, inputs_embeds=embeds, attention_mask=mask,
-                                   position_ids=position_ids, text_name=layout.decoder.text,
+    if not rows:
+        return embeds
+    return embeds.masked_scatter(placeholders.unsqueeze(-1),
+                                 features.to(embeds.device, embeds.dtype))
+
+
+def vision_stage_forward(self, *args, layout: VisionLayout, stage: VisionStage,
+                         adapter: DecoderAdapter, **kwargs):
+    """The patched root forward of a part holding vision units or the text embedding."""
+    multimodal = self.get_submodule(layout.multimodal)
+    carry = _carry_from_inputs(multimodal, layout.family, args, kwargs) if stage.first else \
+        _carry_from_previous(args, kwargs)
+    state, input_ids, position_ids, media, mask = carry
+    if state.dim() and state.shape[0]:  # a microbatch without images runs no vision work
+        state = _run_vision(self, layout, stage, multimodal, state, media)
+    if EMBED not in stage.kinds:
+        empty = torch.zeros(0, dtype=torch.long, device=input_ids.device)
+        return state, input_ids, position_ids, media, (mask if mask is not None else empty)
+    return causal_lm_stage_forward(self, inputs_embeds=_merged(self, layout, adapter, input_ids,
+                                                               state),
+                                   attention_mask=mask, position_ids=position_ids,
+                                   text_name=layout.decoder.text,
                                    head_name=layout.decoder.head, adapter=adapter)
-
-
-def _held(root: nn.Module, fqn: str):
-    module = root
-    for piece in fqn.split("."):
-        module = module._modules.get(piece) if module is not None else None
-    return module
 
 
 def patch_vision_stage(part: nn.Module, layout: VisionLayout, stage: VisionStage,
