@@ -128,8 +128,8 @@ def predicted(profile, link, values: dict, fqns, plugins) -> dict:
 
 def blocks(fqns_per_stage) -> list[str]:
     """Per stage, what it holds: vision blocks (v) and decoder layers (d)."""
-    return [f"{sum('.encoder.layers.' in f for f in s)}v + {sum('language_model.layers.' in f for f in s)}d"
-            for s in fqns_per_stage]
+    return [f"{sum('.encoder.layers.' in f for f in stage)}v + "
+            f"{sum('language_model.layers.' in f for f in stage)}d" for stage in fqns_per_stage]
 
 
 def bench(steps: int, rounds: int) -> dict:

@@ -29,14 +29,6 @@ def image_token_id(config) -> int:
     return found if found is not None else config.image_token_index
 
 
-def _image_count(family, inputs: dict) -> int:
-    media = family.media(inputs)
-    if media.shape[0] or family.name != "llava":
-        return media.shape[0]
-    pixels = inputs.get("pixel_values")
-    return 0 if pixels is None else pixels.shape[0]
-
-
 def image_samples(family, config, inputs: dict) -> torch.Tensor:
     """The sample of each image of ``inputs``, in order (``[images]`` int64).
 
@@ -45,7 +37,8 @@ def image_samples(family, config, inputs: dict) -> torch.Tensor:
     """
     input_ids = inputs["input_ids"]
     placeholders = (input_ids == image_token_id(config)).sum(-1).to(torch.long).cpu()
-    tokens = family.image_tokens(config, family.media(inputs).cpu(), _image_count(family, inputs))
+    media = family.media(inputs).cpu()
+    tokens = family.image_tokens(config, media, family.image_count(inputs))
     ends = placeholders.cumsum(0)
     firsts = tokens.cumsum(0) - tokens  # each image's first token in the batch's placeholders
     owner = torch.searchsorted(ends, firsts, right=True)
@@ -85,7 +78,8 @@ def _samples(self, kwargs: dict) -> dict:
         return {}
     owner = image_samples(family, config, kwargs)
     media = family.media(kwargs).cpu()
-    return {key: owner.repeat_interleave(family.rows(media, key)) if media.shape[0] else owner
+    rows = {key: family.rows(media, key) for key in keys}
+    return {key: owner if rows[key] is None else owner.repeat_interleave(rows[key])
             for key in keys}
 
 
