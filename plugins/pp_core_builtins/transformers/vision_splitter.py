@@ -21,7 +21,7 @@ from pp_core import ConfigError
 from pp_core.planning.units import shared_modules
 from pp_core_builtins.transformers.layout import plan_stages
 from pp_core_builtins.transformers.media import bind_media_seam
-from pp_core_builtins.transformers.splitter import HFDecoderSplitter, _is_hf_model
+from pp_core_builtins.transformers.splitter import HFDecoderSplitter, is_hf_model
 from pp_core_builtins.transformers.vision import FAMILIES, family_of
 from pp_core_builtins.transformers.vision_forward import VisionStage, patch_vision_stage
 from pp_core_builtins.transformers.vision_layout import (check_stage_order, find_vision_layout,
@@ -37,7 +37,7 @@ class HFVisionLanguageSplitter(HFDecoderSplitter):
     priority = 410
 
     def accepts(self, model) -> bool:
-        if not _is_hf_model(model):
+        if not is_hf_model(model):
             return False
         try:
             return family_of(model.config) is not None and super().accepts(model)
