@@ -64,6 +64,13 @@ def test_pp2_dp2_fsdp_cuts_images_by_sample(pool):
     _run(pool, "llava_next", "1f1b", layout="dp", fqns=_cut("llava_next", 4))
 
 
+@pytest.mark.parametrize("layout, schedule", [("dp", "interleaved_1f1b"), ("dp", "v_schedule"),
+                                              ("tp", "zero_bubble"), ("tp", "interleaved_1f1b"),
+                                              ("tp", "v_schedule")])
+def test_the_schedules_at_pp2_x_dp2_and_pp2_x_tp2(pool, layout, schedule):
+    _run(pool, "llava", schedule, layout=layout)
+
+
 def test_pp2_tp2_decoder_sharded_tower_replicated(pool):
     results = _run(pool, "qwen2_vl", "1f1b", layout="tp")
     sharded = {n for r in results for names in r["sharded"].values() for n in names}

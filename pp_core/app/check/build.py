@@ -85,6 +85,7 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
     if data_fn is not None:
         before = len(problems)
         batch = _check_dataset(spec, data_fn, False, problems, model, plugins)
+        data_fits = len(problems) == before  # (its vocabulary, its processor's image token)
         if spec.train.eval_every:  # (its vocabulary once: eval data usually shares the tokenizer)
             evaluated = _check_dataset(spec, data_fn, True, problems,
                                        model if len(problems) == before else None, plugins)
@@ -93,7 +94,7 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
                 check_sequence_shards(spec, evaluated, "data.eval_args", problems)
         if batch is not None:
             check_fit(model, batch, "data.args", problems)
-            if len(problems) == before:  # data the model cannot take is not run through it
+            if data_fits:  # data refused for the model is not run through it
                 _check_batch(spec, model, batch, problems, notes, plugins)
     _check_optimizer(spec, model, problems)
     before = len(problems)
