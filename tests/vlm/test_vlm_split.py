@@ -172,3 +172,21 @@ def test_static_shapes_are_refused_where_the_vision_carry_crosses_stages():
     with pytest.raises(ConfigError, match="pipeline.pp_seq_len=32 fixes the shapes"):
         plan_split(model, config, 2, 1, PLUGINS)
     plan_split(model, PipelineConfig(pp_seq_len=32), 2, 1, PLUGINS)  # vision on stage 0: fine
+
+
+def test_given_3d_rotary_positions_are_cut_on_their_batch_dim():
+    model = tiny_vlm("qwen2_vl")
+    inputs, labels = batch("qwen2_vl", (1, 0, 2, 1))
+    positions = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                           inputs["image_grid_thw"],
+                                           attention_mask=inputs["attention_mask"])[0]
+    expected = causal_lm_loss(model(**inputs).logits, labels)
+    pieces = split_microbatches({**inputs, "position_ids": positions}, 2, 4, "inputs",
+                                kwargs_chunk_dims(model, {**inputs, "position_ids": positions}))
+    assert [tuple(p["position_ids"].shape) for p in pieces] == [(3, 2, positions.shape[-1])] * 2
+    units = find_vision_layout(model).units()
+    _, parts = _parts(model, [[f for u in units[:3] for f in u], [f for u in units[3:] for f in u]])
+    count = (labels[:, 1:] != -100).sum()
+    total = sum(causal_lm_loss(_chain(parts, piece), part_labels, num_valid_tokens=count)
+                for piece, part_labels in zip(pieces, labels.chunk(2)))
+    torch.testing.assert_close(total, expected, rtol=0, atol=1e-6)

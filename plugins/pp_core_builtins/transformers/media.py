@@ -83,7 +83,16 @@ def _samples(self, kwargs: dict) -> dict:
             for key in keys}
 
 
+def _chunk_dims(self, kwargs: dict) -> dict:
+    """``get_pipeline_kwargs_chunk_dims``: Qwen2-VL's rotary positions given as inputs,
+    ``[3 (or 4), batch, seq]``, are cut on dim 1."""
+    ids = kwargs.get("position_ids")
+    return {"position_ids": 1} if isinstance(ids, torch.Tensor) and ids.dim() == 3 else {}
+
+
 def bind_media_seam(model, family) -> None:
-    """Give ``model`` (a whole VLM or one of its parts) ``get_pipeline_kwargs_samples``."""
+    """Give ``model`` (a whole VLM or one of its parts) ``get_pipeline_kwargs_samples`` and
+    ``get_pipeline_kwargs_chunk_dims``."""
     model.pp_vision_family = family
     model.get_pipeline_kwargs_samples = types.MethodType(_samples, model)
+    model.get_pipeline_kwargs_chunk_dims = types.MethodType(_chunk_dims, model)
