@@ -46,7 +46,7 @@ CONFIG = {
                     "intermediate_size": 688, "num_hidden_layers": 6, "num_attention_heads": 8,
                     "num_key_value_heads": 4, "max_position_embeddings": 256},
     "vision_config": {"model_type": "clip_vision_model", "hidden_size": 256,
-                      "intermediate_size": 768, "num_hidden_layers": 4,
+                      "intermediate_size": 1024, "num_hidden_layers": 4,
                       "num_attention_heads": 8, "image_size": 32, "patch_size": 4},
 }
 
@@ -160,7 +160,7 @@ def bench(steps: int, rounds: int) -> dict:
              (f"auto ({auto['pp_schedule']})", auto,
               unit_stages(model, auto["module_fqns_per_model_part"]))]
     measured = {label: {"times": [], "cpu": [], "bubbles": [[], []]} for label, _, _ in cases}
-    with DistPool(2) as pool:
+    with DistPool(2, timeout=1800) as pool:
         for round_ in range(rounds):
             order = cases if round_ % 2 == 0 else cases[::-1]
             for label, values, _ in order:

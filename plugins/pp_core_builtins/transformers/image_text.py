@@ -115,7 +115,7 @@ class ImageText:
                         for path in _expand(files) for number, record in _records(path)]
         if not self.samples:
             raise ConfigError("image_text: data.args.files hold no sample")
-        self._processed: dict[int, dict] = {}
+        self._epoch: Optional[tuple[int, torch.Tensor]] = None
 
     def _sample(self, path: Path, number: int, record, text_field: str, images_field: str):
         where = f"{path}:{number}"
@@ -142,11 +142,9 @@ class ImageText:
 
     # ------------------------------------------------------------------ one sample
     def processed(self, index: int) -> dict:
-        """Sample ``index`` through the processor, cut or padded to ``seq_len`` (cached)."""
-        found = self._processed.get(index)
-        if found is None:
-            found = self._processed[index] = self._process(*self.samples[index])
-        return found
+        """Sample ``index`` through the processor, cut to ``seq_len`` (its images' pixels are
+        made when a batch needs them, never kept: a corpus of images need not fit in memory)."""
+        return self._process(*self.samples[index])
 
     def _process(self, where: str, text: str, paths: list) -> dict:
         from PIL import Image  # lazy: Pillow comes with the image processors
@@ -168,14 +166,21 @@ class ImageText:
     # ------------------------------------------------------------------ batches
     def batch(self, index: int):
         """Batch ``index`` (0-based) of the endless stream."""
-        count = len(self.samples)
         rows = []
         for k in range(self.batch_size):
-            epoch, at = divmod(index * self.batch_size + k, count)
+            epoch, at = divmod(index * self.batch_size + k, len(self.samples))
+            rows.append(self.processed(int(self._order(epoch)[at])))
+        return _collate(rows, self.seq_len, self.pad_id, self.image_token_id)
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        """The epoch's sample order: a permutation drawn from ``(seed, epoch)`` (kept for the
+        epoch), or the files' order without ``shuffle``."""
+        if self._epoch is None or self._epoch[0] != epoch:
+            count = len(self.samples)
             order = torch.randperm(count, generator=torch.Generator().manual_seed(
                 self.seed * 1_000_003 + epoch)) if self.shuffle else torch.arange(count)
-            rows.append(self.processed(int(order[at])))
-        return _collate(rows, self.seq_len, self.pad_id, self.image_token_id)
+            self._epoch = (epoch, order)
+        return self._epoch[1]
 
     def skip(self, count: int) -> None:
         """Start the next iteration ``count`` batches further on (used when resuming)."""
