@@ -1,7 +1,7 @@
 """Where a vision-language model's encoder goes: the anchors' stage 0 against a split by cost.
 
 Model: a LLaVA (CLIP tower, Llama decoder) made here with random weights, its vision tower sized
-to cost about as much as two of its six decoder layers (the profile says how much: printed and
+to cost about two and a half of its six decoder layers (the profile says how much: printed and
 saved); every sample holds one 32 x 32 image (64 placeholder tokens) in 128 tokens. pp 2, 1F1B,
 16 samples in 8 microbatches of 2, gloo, one thread per rank. Three placements, each built on
 the same weights and run alternately (which goes first alternates too):
