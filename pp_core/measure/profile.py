@@ -39,7 +39,8 @@ from pp_core.planning.split import SplitPlan
 from pp_core.planning.units import model_units, shared_modules, unit_splitter
 from pp_core.runtime.backward import backward_full, backward_input, backward_weight
 from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
-from pp_core.runtime.microbatch import first_tensor, num_tokens, split_microbatches, to_device
+from pp_core.runtime.microbatch import (first_tensor, kwargs_chunk_dims, num_tokens,
+                                        split_microbatches, to_device)
 from pp_core.runtime.stage import Stage, as_outputs, make_stage_inputs
 
 __all__ = ["profile_model", "CLOCKS"]
@@ -203,9 +204,10 @@ def _input_pass(held, outputs, grads, inputs):
     return held.input_pass(run, grads) if held is not None else run()
 
 
-def _take(value, size: int, what: str):
+def _take(value, size: int, what: str, dims=None):
     """A copy of the first ``size`` rows of a batch (a tensor, or a tuple/list/dict of them):
-    a view would keep (and be counted as) the whole batch's storage."""
+    a view would keep (and be counted as) the whole batch's storage. ``dims``: the model's
+    chunk dims (:func:`kwargs_chunk_dims`: a VLM's images go with their samples)."""
     first = first_tensor(value)
     if first is None:
         return value
@@ -214,7 +216,7 @@ def _take(value, size: int, what: str):
         raise ConfigError(f"profile: microbatch size {size} does not divide the {what} batch of "
                           f"{batch}; pass a batch whose size is a multiple of every microbatch "
                           f"size (e.g. {size * max(1, batch // size or 1)})")
-    return _copied(split_microbatches(value, batch // size, batch, what)[0])
+    return _copied(split_microbatches(value, batch // size, batch, what, dims)[0])
 
 
 def _copied(value):
@@ -290,7 +292,8 @@ def profile_model(
     try:
         with torch.random.fork_rng(devices=rng_devices):
             for size in sorted(set(sizes)):
-                x = to_device(_take(inputs, size, "inputs"), device, None)
+                x = to_device(_take(inputs, size, "inputs", kwargs_chunk_dims(model, inputs)),
+                              device, None)
                 y = to_device(_take(target, size, "target"), device, None)
                 result[size] = _profile_size(runner, units, x, y, loss_fn, size, repeats,
                                              exclude, Link.of(p2p))

@@ -1,7 +1,10 @@
 """Splitting a step's batch into microbatches, counting tokens, merging outputs.
 
 Every tensor is split along dim 0 (or the dim a model declares for a keyword input:
-:func:`kwargs_chunk_dims`) into ``num_microbatches`` equal views (no copy); tuples, lists
+:func:`kwargs_chunk_dims`) into ``num_microbatches`` equal views (no copy); a keyword input whose
+rows belong to samples unevenly (a vision-language model's images: 0..n per sample, patches per
+image) is cut by the sample each row belongs to, as the model says
+(``get_pipeline_kwargs_samples``), into views of uneven length; tuples, lists
 and dicts are split element-wise and keep their type; any other value (``None``, an int, a
 string, a mask shared by the whole batch that is *not* a tensor) is passed unchanged to every
 microbatch. A tensor whose dim 0 is not the batch size is a usage error, reported before any
@@ -27,7 +30,7 @@ import torch
 from pp_core.errors import ConfigError
 
 __all__ = ["split_batch", "split_microbatches", "num_tokens", "to_device", "merge_microbatches", "first_tensor",
-           "iter_tensors", "kwargs_chunk_dims"]
+           "iter_tensors", "kwargs_chunk_dims", "kwargs_samples"]
 
 
 def iter_tensors(value):
@@ -55,10 +58,20 @@ def split_batch(value: Any, pieces: int, batch_size: int,
         dim is not ``batch_size`` (``path`` locates it, e.g. ``"[0]['ids']"``).
     :param dims: ``{key: dim}`` for a dict ``value``: the batch dimension of those keys' tensors
         (e.g. ``{"position_ids": 1}`` for mRoPE ids shaped ``[3, batch, seq]``); others use 0.
+        A value that is a tensor instead of an int is the sample of each row of that key's
+        tensor (:func:`kwargs_chunk_dims`): piece ``k`` gets the rows of its samples.
     """
     size = batch_size // pieces
 
     def split(item, path, dim=0):
+        if isinstance(dim, torch.Tensor):
+            if not isinstance(item, torch.Tensor) or item.dim() == 0 or \
+                    item.shape[0] != dim.numel():
+                raise mismatch(path, item)
+            bounds = torch.searchsorted(dim, torch.arange(0, batch_size + 1, size)).tolist()
+            if bounds[0] != 0 or bounds[-1] != dim.numel():  # a sample outside the batch
+                raise mismatch(path, item)
+            return tuple(item[bounds[k]:bounds[k + 1]] for k in range(pieces))
         if isinstance(item, torch.Tensor):
             if item.dim() <= dim or item.shape[dim] != batch_size:
                 raise mismatch(path, item)
@@ -95,6 +108,11 @@ def split_microbatches(value: Any, num_microbatches: int, batch_size: int, what:
     def mismatch(path, item):
         key = path[2:-2] if path.startswith("['") else None
         dim = dims.get(key, 0)
+        if isinstance(dim, torch.Tensor):
+            return ConfigError(
+                f"{what}{path} has shape {tuple(getattr(item, 'shape', ()))}, but the model's "
+                f"get_pipeline_kwargs_samples gives the sample of {dim.numel()} rows; its dim 0 "
+                f"must hold one row per entry the model counts (an image, a patch)")
         got = f"only {item.dim()} dims" if item.dim() <= dim else \
             f"batch size {item.shape[dim]} in dim {dim}"
         declared = f" (the model's get_pipeline_kwargs_chunk_dims says dim {dim})" if dim else ""
@@ -110,29 +128,71 @@ def split_microbatches(value: Any, num_microbatches: int, batch_size: int, what:
 def kwargs_chunk_dims(model, kwargs: Any) -> dict:
     """``{key: dim}``: the batch dimension of keyword inputs whose batch dim is not 0, as the
     model declares it in NeMo AutoModel's ``get_pipeline_kwargs_chunk_dims(kwargs)`` (e.g.
-    ``{"position_ids": 1}`` for mRoPE ids ``[3, batch, seq]``); ``{}`` when the model has no such
-    method or ``kwargs`` is not a dict.
+    ``{"position_ids": 1}`` for mRoPE ids ``[3, batch, seq]``), and ``{key: samples}`` for the
+    keyword inputs whose rows belong to samples unevenly, as the model declares them in
+    ``get_pipeline_kwargs_samples(kwargs)`` (:func:`kwargs_samples`); ``{}`` when the model
+    has neither method or ``kwargs`` is not a dict.
 
     :raises ConfigError: the method names a key ``kwargs`` does not hold, or a dim that is not
         a non-negative int.
     """
-    hook = getattr(model, "get_pipeline_kwargs_chunk_dims", None)
-    if hook is None or not isinstance(kwargs, dict):
+    if not isinstance(kwargs, dict):
         return {}
-    dims = hook(kwargs) or {}
-    where = f"{type(model).__name__}.get_pipeline_kwargs_chunk_dims"
-    if not isinstance(dims, dict):
-        raise ConfigError(f"{where} returned {type(dims).__name__}; it must return a dict "
-                          f"{{keyword: batch dim}}, e.g. {{'position_ids': 1}}")
-    for key, dim in dims.items():
+
+    def bad_dim(key, dim):
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            return f"gives {key!r} the dim {dim!r}; a batch dim is an int >= 0"
+        return None
+
+    dims = _answer(model, "get_pipeline_kwargs_chunk_dims", kwargs,
+                   "{keyword: batch dim}, e.g. {'position_ids': 1}", bad_dim)
+    return {**dims, **kwargs_samples(model, kwargs)}
+
+
+def _answer(model, method: str, kwargs: dict, form: str, bad) -> dict:
+    """``model.<method>(kwargs)``, checked: a dict (of ``form``) naming only keys of ``kwargs``,
+    each value accepted by ``bad(key, value)`` (``None``, else what is wrong); ``{}`` when the
+    model has no such method."""
+    hook = getattr(model, method, None)
+    if hook is None:
+        return {}
+    found = hook(kwargs) or {}
+    where = f"{type(model).__name__}.{method}"
+    if not isinstance(found, dict):
+        raise ConfigError(f"{where} returned {type(found).__name__}; it must return a dict "
+                          f"{form}")
+    for key, value in found.items():
         if key not in kwargs:
             raise ConfigError(f"{where} names {key!r}, which is not among the step's keyword "
                               f"inputs ({', '.join(map(repr, kwargs)) or 'none'}); return only "
                               f"keys of the dict it is given")
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-            raise ConfigError(f"{where} gives {key!r} the dim {dim!r}; a batch dim is an int "
-                              f">= 0")
-    return dims
+        problem = bad(key, value)
+        if problem is not None:
+            raise ConfigError(f"{where} {problem}")
+    return found
+
+
+def kwargs_samples(model, kwargs: dict) -> dict:
+    """``{key: samples}``: for keyword inputs whose dim-0 rows belong to the batch's samples
+    unevenly (images of a vision-language model: 0..n per sample, and their patches), the
+    sample of each row - a 1-D int64 tensor, non-decreasing, one entry per row - as the model
+    declares it in ``get_pipeline_kwargs_samples(kwargs)``. Such a tensor is cut by sample,
+    never by position: microbatch ``k`` gets the rows of its own samples (an empty view when
+    they hold none), and a data-parallel rank the rows of its share. ``{}`` when the model has
+    no such method.
+
+    :raises ConfigError: the method names a key ``kwargs`` does not hold, or gives a sample
+        list that is not a non-decreasing 1-D integer tensor of sample indices.
+    """
+    def bad_samples(key, samples):
+        if not isinstance(samples, torch.Tensor) or samples.dim() != 1 or \
+                samples.is_floating_point() or bool((samples.diff() < 0).any()):
+            return (f"gives {key!r} {type(samples).__name__} samples; give a 1-D integer "
+                    f"tensor, one non-decreasing sample index per row")
+        return None
+
+    return _answer(model, "get_pipeline_kwargs_samples", kwargs, "{keyword: sample of each row}",
+                   bad_samples)
 
 
 def _is_namedtuple(value) -> bool:

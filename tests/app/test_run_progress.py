@@ -66,3 +66,14 @@ def test_summary_table():
     row = [line for line in text.splitlines() if line.startswith("  0 ")][0]
     assert row.split()[:6] == ["0", "0,3", "25.0%", "10.0%", "5.0%", "300.0"]
     assert "metrics: m.jsonl" in text and "trace:" not in text
+
+
+def test_the_summary_says_what_each_stage_holds():
+    from pp_core.app.rank.progress import compact_names
+
+    names = ["model.vision_tower", "model.language_model.embed_tokens",
+             "model.language_model.layers.0", "model.language_model.layers.1",
+             "model.language_model.layers.3", "model.language_model.rotary_emb"]
+    assert compact_names(names) == ("model.vision_tower, model.language_model.embed_tokens, "
+                                    "model.language_model.layers.0-1, "
+                                    "model.language_model.layers.3, model.language_model.rotary_emb")

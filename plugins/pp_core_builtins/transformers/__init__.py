@@ -1,8 +1,10 @@
-"""Hugging Face ``transformers`` causal LMs for pp-core: split, patch, tie, load, name in YAML.
+"""Hugging Face ``transformers`` models for pp-core: split, patch, tie, load, name in YAML.
 
-Provides the ``hf_decoder`` splitter (decoder-only models and the text half of vision-language
-models, stage-friendly forwards, tied embeddings across stages) and the ``hf_causal_lm`` model a
-YAML pipeline can name. Needs ``pip install "pp-core[transformers]"``; without it this plugin
+Provides the ``hf_decoder`` splitter (decoder-only models: stage-friendly forwards, tied
+embeddings across stages), the ``hf_vision_language`` splitter (LLaVA, LLaVA-NeXT, Qwen2-VL:
+the vision tower's blocks and the projector as units of the split, images cut by sample), the
+``hf_causal_lm`` and ``hf_image_text_to_text`` models and the ``image_text`` dataset a YAML
+pipeline can name. Needs ``pip install "pp-core[transformers]"``; without it this plugin
 still loads (nothing here imports ``transformers`` at import time), its splitter accepts no
 model, and ``hf_causal_lm`` says what to install. See ``docs/transformers.md``.
 
@@ -17,6 +19,7 @@ import importlib.util
 import sys
 
 from pp_core import PluginError, hookimpl
+from pp_core.callables import LazyCallable
 
 __all__ = [
     "HFDecoderSplitter",
@@ -24,6 +27,7 @@ __all__ = [
     "DecoderLayout",
     "find_layout",
     "hf_causal_lm",
+    "hf_image_text_to_text",
     "causal_lm_loss",
     "load_part",
     "checkpoint_index",
@@ -76,6 +80,17 @@ def hf_causal_lm(config, **kwargs):
     return build(config, **kwargs)
 
 
+def hf_image_text_to_text(config, **kwargs):
+    """The ``hf_image_text_to_text`` model factory (see
+    :func:`pp_core_builtins.transformers.models.hf_image_text_to_text`)."""
+    if _missing():
+        raise PluginError(f"model 'hf_image_text_to_text' needs Hugging Face transformers: "
+                          f"{PP_CORE_UNAVAILABLE or INSTALL}")
+    from pp_core_builtins.transformers.models import hf_image_text_to_text as build  # lazy: torch
+
+    return build(config, **kwargs)
+
+
 def causal_lm_loss(logits, labels, *, num_valid_tokens=None):
     """Shifted next-token cross entropy ignoring ``-100``
     (``pp_core_builtins.transformers:causal_lm_loss``); token-normalised over the step in a
@@ -96,34 +111,46 @@ causal_lm_loss.shifts_labels = True  # labels are the input ids (validate: check
 
 
 class _LazySplitter:
-    """The ``hf_decoder`` splitter as registered: an
-    :class:`~pp_core_builtins.transformers.splitter.HFDecoderSplitter` made on first use of
+    """A splitter as registered (``hf_decoder``, ``hf_vision_language``): made on first use of
     any of its attributes (``accepts``, ``split``, ``priority``, ...), so that registering it -
     which ``pp-core plugins`` does - imports neither torch nor transformers."""
+
+    def __init__(self, name: str, module: str, cls: str):
+        self.__dict__.update(name=name, where=(module, cls))
 
     def __getattr__(self, attr):
         if attr.startswith("__"):  # copy, pickle and friends probe for these: none here
             raise AttributeError(attr)
         splitter = self.__dict__.get("splitter")
         if splitter is None:
-            from pp_core_builtins.transformers.splitter import HFDecoderSplitter  # lazy: torch
-
-            splitter = self.__dict__["splitter"] = HFDecoderSplitter()
+            module, cls = self.__dict__["where"]
+            made = getattr(importlib.import_module(module), cls)()  # lazy: torch
+            splitter = self.__dict__["splitter"] = made
         return getattr(splitter, attr)
 
     def __repr__(self) -> str:
-        return "<hf_decoder splitter, made on first use>" if "splitter" not in self.__dict__ \
-            else repr(self.__dict__["splitter"])
+        return f"<{self.__dict__['name']} splitter, made on first use>" \
+            if "splitter" not in self.__dict__ else repr(self.__dict__["splitter"])
 
 
 @hookimpl
 def pp_register_splitters(register):
-    register("hf_decoder", _LazySplitter())
+    register("hf_decoder", _LazySplitter("hf_decoder", "pp_core_builtins.transformers.splitter",
+                                         "HFDecoderSplitter"))
+    register("hf_vision_language", _LazySplitter(
+        "hf_vision_language", "pp_core_builtins.transformers.vision_splitter",
+        "HFVisionLanguageSplitter"))
 
 
 @hookimpl
 def pp_register_models(register):
     register("hf_causal_lm", hf_causal_lm)
+    register("hf_image_text_to_text", hf_image_text_to_text)
+
+
+@hookimpl
+def pp_register_datasets(register):
+    register("image_text", LazyCallable("pp_core_builtins.transformers.image_text:image_text"))
 
 
 @hookimpl
@@ -140,9 +167,10 @@ def pp_expert_parallel_plan(model):
 
 @hookimpl
 def pp_tensor_parallel_plan(model, sequence_parallel):
-    """Llama / Qwen2 / Mistral (``tp_plan.SUPPORTED``); ``None`` for any other model."""
+    """Llama / Qwen2 / Mistral (``tp_plan.SUPPORTED``) and the VLMs built on them; ``None``
+    for any other model."""
     if getattr(getattr(model, "config", None), "model_type", None) not in (
-            "llama", "qwen2", "mistral"):
+            "llama", "qwen2", "mistral", "llava", "llava_next", "qwen2_vl"):
         return None
     from pp_core_builtins.transformers.tp_plan import hf_decoder_plan  # lazy: torch
 

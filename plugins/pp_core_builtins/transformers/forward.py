@@ -30,8 +30,8 @@ from torch import nn
 
 from pp_core import ConfigError
 
-__all__ = ["DecoderAdapter", "GemmaAdapter", "BUILTIN_ADAPTERS", "patch_text_module",
-           "patch_causal_lm", "text_stage_forward"]
+__all__ = ["DecoderAdapter", "GemmaAdapter", "MRopeAdapter", "BUILTIN_ADAPTERS",
+           "patch_text_module", "patch_causal_lm", "text_stage_forward"]
 
 _MASK_FUNCTIONS = {
     "full_attention": "create_causal_mask",
@@ -141,7 +141,30 @@ class GemmaAdapter(DecoderAdapter):
         return hidden * torch.tensor(text.config.hidden_size ** 0.5, dtype=hidden.dtype)
 
 
-BUILTIN_ADAPTERS = {"gemma": GemmaAdapter(), "gemma2": GemmaAdapter()}
+class MRopeAdapter(DecoderAdapter):
+    """Qwen2-VL's decoder: rotary positions ``[3, batch, seq]`` (temporal, height, width), or
+    ``[4, batch, seq]`` with the text positions first; the masks read only those text
+    positions (none for 3 rows), as ``Qwen2VLTextModel`` does."""
+
+    @staticmethod
+    def _split(position_ids):
+        if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+            return position_ids[0], position_ids[1:]
+        return None, position_ids
+
+    def attention_mask(self, text, attention_type, hidden, attention_mask, position_ids):
+        return super().attention_mask(text, attention_type, hidden, attention_mask,
+                                      self._split(position_ids)[0])
+
+    def position_embeddings(self, text, hidden, position_ids):
+        return super().position_embeddings(text, hidden, self._split(position_ids)[1])
+
+    def call_layer(self, layer, hidden, mask, position_embeddings, position_ids):
+        return super().call_layer(layer, hidden, mask, position_embeddings,
+                                  self._split(position_ids)[0])
+
+
+BUILTIN_ADAPTERS = {"gemma": GemmaAdapter(), "gemma2": GemmaAdapter(), "qwen2_vl": MRopeAdapter()}
 """Adapters ``hf_decoder`` uses by ``model_type``; every other type gets the default one."""
 
 
@@ -233,7 +256,7 @@ def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
                                                                    attention_mask)
 
 
-def _find(root: nn.Module, fqn: str):
+def held_module(root: nn.Module, fqn: str):
     """The module at ``fqn`` on this part, or ``None`` when another stage holds it."""
     module = root
     for piece in fqn.split(".") if fqn else []:
@@ -254,12 +277,12 @@ def _hidden(output):
 def causal_lm_stage_forward(self, *args, text_name: str, head_name: str | None,
                             adapter: DecoderAdapter, **kwargs):
     """The patched root forward (bound by :func:`patch_causal_lm`)."""
-    text = _find(self, text_name)
+    text = held_module(self, text_name)
     holds_text = text is not None and (text.embed_tokens is not None or
                                        next(text.parameters(), None) is not None)
     output = _hidden(text(*args, **kwargs)) if holds_text else (args[0] if len(args) == 1
                                                                   else args)
-    head = _find(self, head_name) if head_name else None
+    head = held_module(self, head_name) if head_name else None
     if head is None:
         return output
     if not isinstance(output, torch.Tensor):

@@ -1,7 +1,8 @@
-"""The ``hf_causal_lm`` model a YAML pipeline can name, and the loss that goes with it.
+"""The ``hf_causal_lm`` and ``hf_image_text_to_text`` models a YAML pipeline can name, and the
+loss that goes with them.
 
     model:
-      name: hf_causal_lm
+      name: hf_causal_lm            # or hf_image_text_to_text (a vision-language model)
       args:
         config: {model_type: llama, hidden_size: 64, num_hidden_layers: 4, ...}   # or a local path
         checkpoint: /path/to/saved/model     # optional: weights loaded per stage
@@ -22,8 +23,10 @@ import torch
 from pp_core import ConfigError
 from pp_core.config import resolve_dtype
 from pp_core_builtins.transformers.loading import has_checkpoint, load_part
+from pp_core_builtins.transformers.media import bind_media_seam
+from pp_core_builtins.transformers.vision import FAMILIES, family_of
 
-__all__ = ["hf_causal_lm", "causal_lm_loss", "hf_config"]
+__all__ = ["hf_causal_lm", "hf_image_text_to_text", "causal_lm_loss", "hf_config"]
 
 
 def hf_config(config: Any, **overrides):
@@ -76,6 +79,45 @@ def hf_causal_lm(
     """
     from transformers import AutoModelForCausalLM  # lazy: transformers, seconds to import
 
+    return _build(AutoModelForCausalLM, "hf_causal_lm", config, checkpoint, meta, seed, dtype,
+                  attn_implementation)
+
+
+def hf_image_text_to_text(
+    config: Any,
+    checkpoint: Optional[str] = None,
+    meta: Optional[bool] = None,
+    seed: int = 0,
+    dtype: Optional[str] = None,
+    attn_implementation: Optional[str] = None,
+):
+    """A transformers ``AutoModelForImageTextToText`` (a vision-language model: LLaVA,
+    LLaVA-NeXT, Qwen2-VL) built from ``config``; the arguments are :func:`hf_causal_lm`'s.
+    The model answers the media seam (:mod:`.media`), so its images follow their samples."""
+    from transformers import AutoModelForImageTextToText  # lazy: transformers, seconds
+
+    model = _build(AutoModelForImageTextToText, "hf_image_text_to_text", config, checkpoint,
+                   meta, seed, dtype, attn_implementation)
+    bind_media_seam(model, family_of(model.config))
+    return model
+
+
+def _check_kind(auto_class, name: str, hf) -> None:
+    """Refuse a config the model name cannot build, naming the one that can."""
+    model_type = getattr(hf, "model_type", None)
+    vision = model_type in FAMILIES
+    if name == "hf_causal_lm" and vision:
+        raise ConfigError(f"model.args.config: model_type {model_type!r} is a vision-language "
+                          f"model; use model.name: hf_image_text_to_text")
+    if name == "hf_image_text_to_text" and not vision:
+        known = type(hf) in auto_class._model_mapping
+        what = (f"is an image-text-to-text model pp-core does not run in pieces yet (supported: "
+                f"{', '.join(FAMILIES)})") if known else \
+            "is not an image-text-to-text model; use model.name: hf_causal_lm"
+        raise ConfigError(f"model.args.config: model_type {model_type!r} {what}")
+
+
+def _build(auto_class, name, config, checkpoint, meta, seed, dtype, attn_implementation):
     if checkpoint is None and isinstance(config, (str, os.PathLike)) and has_checkpoint(config):
         checkpoint = str(config)
     if checkpoint is not None and not has_checkpoint(checkpoint):
@@ -83,6 +125,7 @@ def hf_causal_lm(
                           f"safetensors weights (model.safetensors or an index of shards)")
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     hf = hf_config(config, **extra)
+    _check_kind(auto_class, name, hf)
     torch_dtype = resolve_dtype(dtype) if dtype is not None else torch.float32
     meta = checkpoint is not None if meta is None else bool(meta)
     torch.manual_seed(seed)
@@ -91,9 +134,9 @@ def hf_causal_lm(
     try:
         if meta:
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(hf)
+                model = auto_class.from_config(hf)
         else:
-            model = AutoModelForCausalLM.from_config(hf)
+            model = auto_class.from_config(hf)
     finally:
         torch.set_default_dtype(previous)
     model.pp_checkpoint = str(checkpoint) if checkpoint is not None else None

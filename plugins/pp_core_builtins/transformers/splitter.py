@@ -34,7 +34,7 @@ from pp_core_builtins.transformers.parts import build_part, build_plain_part
 __all__ = ["HFDecoderSplitter"]
 
 
-def _is_hf_model(model) -> bool:
+def is_hf_model(model) -> bool:
     transformers = sys.modules.get("transformers")  # never import it just to say no
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
@@ -70,7 +70,7 @@ class HFDecoderSplitter:
     # ------------------------------------------------------------------ selection
 
     def accepts(self, model) -> bool:
-        if not _is_hf_model(model) and not _is_hf_shaped(model):
+        if not is_hf_model(model) and not _is_hf_shaped(model):
             return False
         if find_text_module(model) is None:
             return False
@@ -81,7 +81,7 @@ class HFDecoderSplitter:
         return layout.text == "" or layout.head is not None  # a bare decoder, or a causal LM
 
     def rejection(self, model) -> str:
-        if not _is_hf_model(model) and not _is_hf_shaped(model):
+        if not is_hf_model(model) and not _is_hf_shaped(model):
             return ("neither a transformers PreTrainedModel nor laid out like an HF causal LM "
                     "(a `model`, `language_model`, `text_model` or `text_decoder` child with "
                     "`embed_tokens`, `layers` and `norm`, and an `lm_head`)")
@@ -127,7 +127,7 @@ class HFDecoderSplitter:
         return [list(part) + [fqn for fqn in shared if fqn not in part] for part in fixed]
 
     def make_part(self, model, fqns, stage_index, num_stages, config) -> nn.Module:
-        if _is_hf_model(model):
+        if is_hf_model(model):
             part = build_part(model, find_layout(model), fqns, config, self.adapter(model))
         else:  # NeMo-style model class: its own forwards skip the modules a stage lacks
             part = build_plain_part(model, fqns)

@@ -91,6 +91,7 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
     if data_fn is not None:
         before = len(problems)
         batch = _check_dataset(spec, data_fn, False, problems, model, plugins)
+        data_fits = len(problems) == before  # (its vocabulary, its processor's image token)
         if spec.train.eval_every:  # (its vocabulary once: eval data usually shares the tokenizer)
             evaluated = _check_dataset(spec, data_fn, True, problems,
                                        model if len(problems) == before else None, plugins)
@@ -100,7 +101,8 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
         if batch is not None:
             check_fit(model, batch, "data.args", problems)
             check_labels(spec, batch, problems)
-            _check_batch(spec, model, batch, problems, notes, plugins)
+            if data_fits:  # data refused for the model is not run through it
+                _check_batch(spec, model, batch, problems, notes, plugins)
     _check_optimizer(spec, model, problems)
     before = len(problems)
     _check_resume(spec, problems)
@@ -144,13 +146,15 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
     """Shapes against the global batch and ``pp_seq_len``; one microbatch through the meta model."""
     import torch  # lazy: torch, only with a model in hand
 
-    from pp_core.runtime.microbatch import first_tensor
+    from pp_core.runtime.microbatch import first_tensor, kwargs_chunk_dims
 
     inputs, target = batch
     global_batch = spec.global_batch_size
     try:
         pieces = global_batch // spec.pipeline.pp_microbatch_size
-        micro = [dp_slice(v, 0, pieces, global_batch) for v in (inputs, target)]
+        dims = kwargs_chunk_dims(model, inputs) if model is not None else None  # images by sample
+        micro = [dp_slice(inputs, 0, pieces, global_batch, dims),
+                 dp_slice(target, 0, pieces, global_batch)]
     except PPCoreError as exc:
         problems.append(f"data.args: {exc}")
         return

@@ -94,11 +94,12 @@ def module_call_counts(model, split, config, microbatch):
     return unsplit, per_stage
 
 
-def _first_microbatch(spec, batch):
+def _first_microbatch(spec, model, batch):
     """The inputs of the first microbatch of dp rank 0, on the meta device (``None``: none)."""
     import torch  # lazy: torch, only with a batch in hand
 
     from pp_core.app.factories import dp_slice
+    from pp_core.runtime.microbatch import kwargs_chunk_dims
 
     def meta(value):
         if isinstance(value, torch.Tensor):
@@ -111,7 +112,8 @@ def _first_microbatch(spec, batch):
 
     try:
         pieces = spec.global_batch_size // spec.pipeline.pp_microbatch_size
-        return meta(dp_slice(batch[0], 0, pieces, spec.global_batch_size))
+        return meta(dp_slice(batch[0], 0, pieces, spec.global_batch_size,
+                             kwargs_chunk_dims(model, batch[0])))
     except Exception:  # noqa: BLE001 - the batch check reports a batch that does not split
         return None
 
@@ -121,7 +123,7 @@ def check_module_calls(spec, model, split, batch, problems: list[str]) -> None:
     in the unsplit model (see the module docstring); ``batch`` is the dataset's first."""
     if model is None or split is None or batch is None:
         return
-    microbatch = _first_microbatch(spec, batch)
+    microbatch = _first_microbatch(spec, model, batch)
     config = spec.pipeline
     found = None if microbatch is None else module_call_counts(model, split, config, microbatch)
     if found is None:

@@ -4,6 +4,8 @@
   tokenizer's ``vocab_size``, and one that says its largest token id over the whole corpus
   (``max_token_id``: ``tokenized_text`` reads it off its cache's metadata), so an id past the
   embedding is refused before the step that would first meet it, not only when batch 0 holds it.
+  A dataset that reads through a processor (``image_text``) says ``image_token_id``, its image
+  placeholder, which must be the model's ``config.image_token_id``.
 - ``distributed.sequence_parallel`` shards every sequence over the ``tp_size`` ranks: the
   training batch's and the evaluation batch's lengths must both divide by ``tp_size`` (an odd
   ``data.eval_args.seq_len`` aborted a rank inside gloo at the first evaluation).
@@ -38,10 +40,19 @@ def check_vocab(data, model, key: str, problems: list[str]) -> None:
     if rows is None:
         return
     vocab = getattr(data, "vocab_size", None)
+    source = "processor" if hasattr(data, "image_token_id") else "tokenizer"
     if isinstance(vocab, int) and not isinstance(vocab, bool) and rows < vocab:
-        problems.append(f"{key}.tokenizer: the tokenizer's vocabulary has {vocab} tokens but "
+        problems.append(f"{key}.{source}: the {source}'s vocabulary has {vocab} tokens but "
                         f"the model's embedding only {rows}; set the model's vocab_size "
-                        f"(model.args) to at least {vocab}, or use a smaller tokenizer")
+                        f"(model.args) to at least {vocab}, or use "
+                        + ("the processor the model was made with" if source == "processor"
+                           else "a smaller tokenizer"))
+        return
+    token, wanted = getattr(data, "image_token_id", None), _image_token(model)
+    if isinstance(token, int) and wanted is not None and token != wanted:
+        problems.append(f"{key}.processor: the processor's image placeholder is token {token} "
+                        f"but the model's image_token_id is {wanted}; use the processor saved "
+                        f"with the model (or set the model's image_token_id)")
         return
     highest = getattr(data, "max_token_id", None)
     if isinstance(highest, int) and not isinstance(highest, bool) and highest >= rows:
@@ -49,6 +60,12 @@ def check_vocab(data, model, key: str, problems: list[str]) -> None:
                         f"vocabulary has {rows} ids (0..{rows - 1}); a batch holding it would "
                         f"fail in the embedding; set model.args.vocab_size to at least "
                         f"{highest + 1}, or use the tokenizer the model was made for")
+
+
+def _image_token(model) -> int | None:
+    config = getattr(model, "config", None)
+    found = getattr(config, "image_token_id", None)
+    return found if isinstance(found, int) else getattr(config, "image_token_index", None)
 
 
 def check_sequence_shards(spec, batch, key: str, problems: list[str]) -> None:

@@ -10,7 +10,9 @@ Hugging Face's ``save_pretrained`` writes for the run's model:
   ``model.safetensors.index.json``, split at ``--max-shard-size`` (default: the installed
   ``save_pretrained``'s), the tensors in its order; a tied weight stored once, under the name
   ``save_pretrained`` keeps (``model.embed_tokens.weight``, not ``lm_head.weight``);
-* the tokenizer files when the run's data names a tokenizer directory or ``tokenizer.json``.
+* the tokenizer files when the run's data names a tokenizer directory or ``tokenizer.json``;
+  the processor's files (``save_pretrained`` of ``AutoProcessor``) when it names a processor
+  directory (``image_text``), so a vision-language model's directory loads with its processor.
 
 The keys are the unsplit model's names, so every layout (pp, tp, dp_shard / dp_replicate, ep,
 any splitter) gives the same directory; the weights stream through
@@ -48,7 +50,10 @@ MODEL_FILE = "pp_core_model.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json")
-HF_MODELS = ("hf_causal_lm",)
+HF_MODELS = {"hf_causal_lm": "AutoModelForCausalLM",
+             "hf_image_text_to_text": "AutoModelForImageTextToText"}
+"""The HF model names, and the ``Auto`` class that builds (and ``from_pretrained`` loads) each."""
+DATA_PATHS = ("tokenizer", "processor")  # data arguments the export reads: kept absolute
 
 
 def _absolute(value):
@@ -63,7 +68,7 @@ def export_record(spec) -> dict:
     args = dict(spec.model.args)
     if "config" in args:
         args["config"] = _absolute(args["config"])
-    data_args = {k: _absolute(v) if k == "tokenizer" else v for k, v in spec.data.args.items()}
+    data_args = {k: _absolute(v) if k in DATA_PATHS else v for k, v in spec.data.args.items()}
     record = {"model": {"name": spec.model.name, "target": spec.model.target, "args": args,
                         "dtype": spec.model.dtype},
               "data": {"name": spec.data.name, "args": data_args}}
@@ -131,7 +136,8 @@ def hf_target(model_section: dict) -> HFTarget | None:
     if model_section.get("name") not in HF_MODELS:
         return None
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM  # lazy: transformers
+        import transformers  # lazy: transformers, seconds
+        from transformers import AutoConfig  # lazy: transformers
     except ImportError:
         raise PipelineError("pp-core export --format hf needs transformers; pip install "
                             "'pp-core[transformers]', or export with --format safetensors") from None
@@ -147,7 +153,7 @@ def hf_target(model_section: dict) -> HFTarget | None:
                             f"local save_pretrained directory nor a dict with model_type; export "
                             f"with --format safetensors instead")
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = getattr(transformers, HF_MODELS[model_section["name"]]).from_config(config)
     groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)
@@ -203,6 +209,12 @@ def write_hf_files(output: Path, target: HFTarget, dtype: torch.dtype,
         generation = target.model.generation_config
     if generation is not None:
         generation.save_pretrained(str(output))
+    processor = ((data_section or {}).get("args") or {}).get("processor")
+    if isinstance(processor, str) and os.path.isdir(processor):
+        from transformers import AutoProcessor  # lazy: transformers
+
+        AutoProcessor.from_pretrained(processor, local_files_only=True).save_pretrained(
+            str(output))
     tokenizer = ((data_section or {}).get("args") or {}).get("tokenizer")
     if isinstance(tokenizer, str) and os.path.exists(tokenizer):
         path = Path(tokenizer)
@@ -289,8 +301,9 @@ def export_hf_directory(checkpoint, output, dtype=None, max_shard_size=None,
     if target is None:
         found = (record.get("model") or {}).get("name") or "(unknown)"
         raise PipelineError(f"checkpoint {str(checkpoint)!r} is of model {found!r}, not a "
-                            f"Hugging Face model (model.name: hf_causal_lm); export it with "
-                            f"--format safetensors -o DIR (the directory form) instead")
+                            f"Hugging Face model (model.name: {' or '.join(HF_MODELS)}); "
+                            f"export it with --format safetensors -o DIR (the directory form) "
+                            f"instead")
     layout = directory_from_state_keys(checkpoint, output,
                                        [(n, f"model.{n}") for n in target.names], dtype,
                                        max_shard_size, target.total_parameters, metadata,

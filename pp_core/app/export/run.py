@@ -63,12 +63,18 @@ def export_from_run(spec, parts, output, process_group=None) -> Path:
     target = hf_target(record["model"])
     state = _local_state(parts)
     dtype = _training_dtype(spec)
+    groups = None
     if target is not None:
         entries = [(n, n, target.shapes[n], target.dtypes[n]) for n in target.names]
         total = target.total_parameters
+        renamed = _renames(target)
+        if renamed:  # save_pretrained writes other names (a VLM's: language_model.model.*)
+            state = {renamed.get(name, name): value for name, value in state.items()}
+            entries = [(n, n, shape, d) for n, (shape, d) in target.saved.items()]
+            groups = target.groups
     else:
         entries, total = _gathered_entries(state, process_group), 0
-    layout = plan_shards(entries, dtype, default_max_shard_size(), total)
+    layout = plan_shards(entries, dtype, default_max_shard_size(), total, groups)
     write_from_ranks(state, output, layout, process_group)
     if dist.get_rank(process_group) == 0:
         if target is not None:
@@ -78,6 +84,18 @@ def export_from_run(spec, parts, output, process_group=None) -> Path:
                                       if v not in (None, {})}, "pp-core run")
     dist.barrier(group=process_group)
     return output
+
+
+def _renames(target) -> dict | None:
+    """``{model name: saved name}`` when ``save_pretrained`` only renames the model's tensors
+    (transformers 5 saves LLaVA's ``model.language_model.*`` as ``language_model.model.*``);
+    ``None`` when it writes them as they are, or splits some (MoE experts: not a rename)."""
+    if target.convert is None:
+        return None
+    sources = [source for source, _ in target.groups.values()]
+    if len(set(sources)) != len(sources):
+        return None
+    return {source: saved for saved, (source, _) in target.groups.items()}
 
 
 def _gathered_entries(state: dict, process_group) -> list:

@@ -106,6 +106,23 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return out
 
 
+def compact_names(fqns: Sequence[str]) -> str:
+    """Module names with runs of numbered siblings folded: ``layers.0-3`` for ``layers.0`` ..
+    ``layers.3``."""
+    out: list[list] = []  # [prefix, first, last] or [name]
+    for name in fqns:
+        prefix, _, index = name.rpartition(".")
+        if index.isdecimal() and out and len(out[-1]) == 3 and out[-1][0] == prefix \
+                and out[-1][2] + 1 == int(index):
+            out[-1][2] = int(index)
+        elif index.isdecimal():
+            out.append([prefix, int(index), int(index)])
+        else:
+            out.append([name])
+    return ", ".join(item[0] if len(item) == 1 else f"{item[0]}.{item[1]}" if item[1] == item[2]
+                     else f"{item[0]}.{item[1]}-{item[2]}" for item in out)
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The end-of-run table; ``summary`` is what :func:`pp_core.app.rank.train` returns on rank 0."""
     losses = summary.get("losses") or []
@@ -163,6 +180,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         note = summary.get("bubble_note")
         if note:
             lines.append(f"  {note}")
+    for stage, fqns in enumerate(summary.get("holds") or []):
+        lines.append(f"  stage {stage} holds {compact_names(fqns)}")
     outputs = summary.get("outputs") or {}
     if outputs:
         lines.append("")

@@ -244,6 +244,7 @@ class RunRecorder:
             "eval_loss": self.eval_loss, "bubble_note": note, **self._data_summary(),
             "ranks": [{k: v for k, v in r.items() if k not in ("events", "kind_times")}
                       for r in ranks],
+            "holds": _holds(self.pipe),
             "outputs": {"metrics": out.metrics, "trace": out.trace,
                         "schedule image": out.schedule_image,
                         "checkpoints": spec.checkpoint.dir},
@@ -284,3 +285,8 @@ class RunRecorder:
         makespan = result.makespan or 1.0
         return [idle / makespan for idle in result.idle], note
 
+
+def _holds(pipe) -> list | None:
+    """Per stage, the module names it holds (the split every rank built), or ``None``."""
+    split = getattr(getattr(pipe, "plan", None), "split", None)
+    return None if split is None else [list(fqns) for fqns in split.fqns_per_stage]
