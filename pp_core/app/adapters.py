@@ -30,7 +30,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any, Optional
 
-from pp_core.errors import ConfigError, did_you_mean
+from pp_core.errors import ConfigError, did_you_mean, install_extra
 
 __all__ = ["apply_adapters", "adapted_meta_model", "lora_config", "freeze_parameters",
            "peft_missing"]
@@ -40,7 +40,7 @@ _RENAMED = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
 
 def peft_missing(key: str = "model.lora") -> ConfigError:
     return ConfigError(f"{key} builds adapters with the peft library, which is not installed; "
-                       f"install it with pip install 'pp-core[lora]' (or pip install peft), or "
+                       f"install it with {install_extra('lora')} (or pip install peft), or "
                        f"remove {key}")
 
 

@@ -2,7 +2,7 @@
 
 Provides the ``hf_decoder`` splitter (decoder-only models and the text half of vision-language
 models, stage-friendly forwards, tied embeddings across stages) and the ``hf_causal_lm`` model a
-YAML pipeline can name. Needs ``pip install "pp-core[transformers]"``; without it this plugin
+YAML pipeline can name. Needs ``pip install "pp-core-torch[transformers]"``; without it this plugin
 still loads (nothing here imports ``transformers`` at import time), its splitter accepts no
 model, and ``hf_causal_lm`` says what to install. See ``docs/transformers.md``.
 
@@ -17,6 +17,7 @@ import importlib.util
 import sys
 
 from pp_core import PluginError, hookimpl
+from pp_core.errors import install_extra
 
 __all__ = [
     "HFDecoderSplitter",
@@ -33,7 +34,7 @@ __all__ = [
     "PP_CORE_UNAVAILABLE",
 ]
 
-INSTALL = "pip install 'pp-core[transformers]'"
+INSTALL = install_extra("transformers")
 
 _HOMES = {"HFDecoderSplitter": "splitter", "DecoderAdapter": "forward", "DecoderLayout": "layout",
           "find_layout": "layout", "load_part": "loading", "checkpoint_index": "loading",

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from pp_core.errors import PipelineError
+from pp_core.errors import PipelineError, install_extra
 
 __all__ = ["EXPORT_FILE", "MODEL_FILE", "export_files", "export_directory", "hf_target",
            "HFTarget", "directory_from_state_keys", "write_hf_files", "default_max_shard_size",
@@ -132,8 +132,9 @@ def hf_target(model_section: dict) -> HFTarget | None:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM  # lazy: transformers
     except ImportError:
-        raise PipelineError("pp-core export --format hf needs transformers; pip install "
-                            "'pp-core[transformers]', or export with --format safetensors") from None
+        raise PipelineError(f"pp-core export --format hf needs transformers; "
+                            f"{install_extra('transformers')}, or export with --format "
+                            f"safetensors") from None
     given = (model_section.get("args") or {}).get("config")
     source = Path(given) if isinstance(given, str) and Path(given).is_dir() else None
     if source is not None:
