@@ -77,6 +77,9 @@ def hf_causal_lm(config, **kwargs):
     return build(config, **kwargs)
 
 
+hf_causal_lm.pp_path_args = ("config", "checkpoint")  # relative to the pipeline file
+
+
 def causal_lm_loss(logits, labels, *, num_valid_tokens=None):
     """Shifted next-token cross entropy ignoring ``-100``
     (``pp_core_builtins.transformers:causal_lm_loss``); token-normalised over the step in a
