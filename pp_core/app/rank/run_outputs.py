@@ -22,6 +22,7 @@ from pp_core.app.rank.progress import format_summary
 from pp_core.app.rank.timing import ActionTimer, StepTotals, peak_memory
 from pp_core.schedule.labels import KINDS, WAIT, category
 from pp_core.schedule.render import render_svg
+from pp_core.schedule.run_picture import MeasuredRank, render_run_svg, steady_step
 from pp_core.schedule.simulate import Costs, simulate
 from pp_core.schedule.trace import run_trace, write_json
 
@@ -221,15 +222,17 @@ class RunRecorder:
     def _summarise(self, ranks: list[dict], start_step: int, wall_s: float) -> dict[str, Any]:
         spec, out = self.spec, self.spec.output
         schedule = self._schedule()
-        simulated, note = self._simulate(schedule, ranks)
+        result, note = self._simulate(schedule, ranks)
+        simulated = None if result is None else \
+            [idle / (result.makespan or 1.0) for idle in result.idle]
         for figures in ranks:
             figures["bubble_simulated"] = None if simulated is None else \
                 simulated[figures["pp_rank"]]
         if out.trace:
             write_output("output.trace", out.trace, lambda to: write_json(run_trace(ranks), to))
         if out.schedule_image and schedule is not None:
-            write_output("output.schedule_image", out.schedule_image,
-                         lambda to: to.write_text(render_svg(simulate(schedule))))
+            write_output("output.schedule_image", out.schedule_image, lambda to: to.write_text(
+                self._picture(schedule, ranks, result, simulated, start_step)))
         model = spec.model.name or spec.model.target
         summary = {
             "source": spec.source, "model": model, "data": spec.data.name,
@@ -262,7 +265,8 @@ class RunRecorder:
         return getattr(self.pipe, "schedule", None)
 
     def _simulate(self, schedule, ranks: list[dict]):
-        """Per pp rank idle share predicted by the simulator, with this run's mean action costs."""
+        """The simulator's run of ``schedule`` with this run's mean action costs (seconds), and
+        the note saying which costs it used."""
         if schedule is None:
             return None, None
 
@@ -280,7 +284,22 @@ class RunRecorder:
         else:
             costs = Costs()
             note = "simulated with unit costs (F=1, B=2, I=1, W=1); per-action times not recorded"
-        result = simulate(schedule, costs)
-        makespan = result.makespan or 1.0
-        return [idle / makespan for idle in result.idle], note
+        return simulate(schedule, costs), note
+
+    @staticmethod
+    def _picture(schedule, ranks: list[dict], result, simulated, start_step: int) -> str:
+        """``output.schedule_image``: a steady step as measured on the first rank of each pipeline
+        rank, above ``result`` (:mod:`pp_core.schedule.run_picture`); the simulated schedule
+        alone when no action was timed."""
+        firsts: dict[int, dict] = {}
+        for figures in ranks:
+            firsts.setdefault(figures["pp_rank"], figures)
+        rows = [firsts[pp_rank] for pp_rank in sorted(firsts)]
+        step = steady_step([figures["events"] for figures in rows])
+        if step is None or not any(figures["kind_times"] for figures in rows):
+            return render_svg(result if result is not None else simulate(schedule))
+        measured = [MeasuredRank(figures["rank"], [e[:4] for e in figures["events"]
+                                                   if e[4] == step], figures["bubble_measured"])
+                    for figures in rows]
+        return render_run_svg(measured, result, start_step + step, simulated)
 
