@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from pp_core.app.adapters import lora_config, peft_missing
+from pp_core.app.adapters import lora_config, peft_model
 from pp_core.app.checkpoint_identity import IDENTITY_FILE
 from pp_core.errors import ConfigError, PipelineError
 
@@ -62,18 +62,14 @@ def _base_model(section: dict, meta: bool):
 
 
 def _peft_model(section: dict, meta: bool):
-    try:
-        from peft import get_peft_model  # lazy: peft is an extra
-    except ImportError:
-        raise peft_missing("exporting a model.lora run") from None
     base = _base_model(section, meta)
     config = lora_config(dict(section["lora"]), base)
     if meta:
-        import torch  # lazy: with peft
+        import torch  # lazy: only for an export
 
         with torch.device("meta"):
-            return get_peft_model(base, config)
-    return get_peft_model(base, config)
+            return peft_model(base, config, "exporting a model.lora run")
+    return peft_model(base, config, "exporting a model.lora run")
 
 
 def _read(checkpoint, names: list[str]) -> dict:
@@ -82,6 +78,7 @@ def _read(checkpoint, names: list[str]) -> dict:
     import torch.distributed.checkpoint as dcp  # lazy: DCP, only for an export
 
     from pp_core.checkpoint import SafeLoadPlanner, SafeReader
+    from pp_core.checkpoint.state import single_process_quiet
 
     reader = SafeReader(str(checkpoint))
     metadata = reader.read_metadata().state_dict_metadata
@@ -93,8 +90,9 @@ def _read(checkpoint, names: list[str]) -> dict:
     state = {f"model.{n}": torch.empty(metadata[f"model.{n}"].size,
                                        dtype=metadata[f"model.{n}"].properties.dtype)
              for n in names}
-    dcp.load(state, storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner(),
-             no_dist=True)
+    with single_process_quiet():  # one process reads: DCP's warning says what is meant
+        dcp.load(state, storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner(),
+                 no_dist=True)
     return {key[len("model."):]: value for key, value in state.items()}
 
 

@@ -11,6 +11,7 @@ for the same schedule with the per-action costs this run measured.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from pp_core.app.rank.output_files import MetricsFile, write_output
 from pp_core.app.rank.progress import format_summary
 from pp_core.app.rank.timing import ActionTimer, StepTotals, peak_memory
+from pp_core.devices import cpu_cores
 from pp_core.schedule.labels import KINDS, WAIT, category
 from pp_core.schedule.render import render_svg
 from pp_core.schedule.run_picture import MeasuredRank, render_run_svg, steady_step
@@ -29,7 +31,7 @@ from pp_core.schedule.trace import run_trace, write_json
 __all__ = ["RunRecorder"]
 
 TRACE_STEPS = 20  # the trace keeps the last this-many steps (a long run's trace stays small)
-SLOW_FACTOR, SLOW_AFTER_STEPS = 3.0, 3  # a step this much slower than the mean is logged
+SLOW_FACTOR, SLOW_AFTER_STEPS = 3.0, 3  # a step this much slower than the mean is counted
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class RunRecorder:
         self.steady_totals = StepTotals()
         self.kind_times: dict[str, list[float]] = {}  # "<stage><kind>" -> [seconds, count]
         self.clock_offset = time.time() - time.perf_counter()
+        self.slow_steps: list[tuple[int, float, float]] = []  # (step, seconds, x the mean)
         self.tokens_per_step = 0
         self.timer = ActionTimer(ctx.device)
         self.plugins = pipe.plugins
@@ -122,14 +125,16 @@ class RunRecorder:
         return loss
 
     def _check_pace(self, step: int, seconds: float) -> None:
-        """Log a step much slower than the steady steps before it (a straggling peer, a
-        swapping host, a recompilation): the summary's means would hide it."""
+        """Count a step much slower than the steady steps before it (a straggling peer, a
+        swapping host, a recompilation), which the summary's means would hide; the run ends with
+        one warning about them (:meth:`_slow_warning`). A step that was slow while the machine
+        had more runnable work than processors (:func:`machine_busy`) is not counted: on a
+        machine shared with other work, that is the other work's doing."""
         steady = self.steady_totals
         mean = steady.seconds / steady.steps if steady.steps else 0.0
-        if steady.steps >= SLOW_AFTER_STEPS and seconds > SLOW_FACTOR * mean:
-            logger.warning("rank %d: step %d of this run took %.3f s, %.1fx the mean of the %d "
-                           "steps before it (%.3f s)", self.rank, step, seconds, seconds / mean,
-                           steady.steps, mean)
+        if steady.steps >= SLOW_AFTER_STEPS and seconds > SLOW_FACTOR * mean \
+                and not machine_busy():
+            self.slow_steps.append((step, seconds, seconds / mean))
 
     def _trim_events(self, step: int) -> None:
         if self.events and self.events[0][4] <= step - TRACE_STEPS:
@@ -194,6 +199,8 @@ class RunRecorder:
                            if count},
             "events": [(n, c, s + self.clock_offset, e + self.clock_offset, st)
                        for n, c, s, e, st in self.events],
+            "slow_steps": (len(self.slow_steps), max(self.slow_steps, key=lambda s: s[2],
+                                                     default=None)),
         }
 
     def finish(self, start_step: int, wall_s: float, dp_units: int) -> dict[str, Any]:
@@ -245,7 +252,8 @@ class RunRecorder:
             "wall_s": wall_s, "tokens_per_step": self.tokens_per_step, "losses": self.losses,
             "steps": self.steps, "step_times": self.step_times, "tokens_per_s": self.tokens_per_s,
             "eval_loss": self.eval_loss, "bubble_note": note, **self._data_summary(),
-            "ranks": [{k: v for k, v in r.items() if k not in ("events", "kind_times")}
+            "ranks": [{k: v for k, v in r.items() if k not in ("events", "kind_times",
+                                                              "slow_steps")}
                       for r in ranks],
             "outputs": {"metrics": out.metrics, "trace": out.trace,
                         "schedule image": out.schedule_image,
@@ -257,6 +265,7 @@ class RunRecorder:
             summary["plan"] = {**planned, "measured_step_s": max(measured) if measured else None}
         if out.summary and self.steps:
             print(format_summary(summary), flush=True)
+        _slow_warning(ranks, start_step)
         return summary
 
     def _schedule(self):
@@ -303,3 +312,25 @@ class RunRecorder:
                     for figures in rows]
         return render_run_svg(measured, result, start_step + step, simulated)
 
+
+def machine_busy() -> bool:
+    """Whether this machine has more runnable work than processors (its 1-minute load average
+    over the cores this process may use): then a slow step is other work's doing, not news."""
+    try:
+        return os.getloadavg()[0] > cpu_cores()
+    except OSError:  # no load average on this platform: count every slow step
+        return False
+
+
+def _slow_warning(ranks: list[dict], start_step: int) -> None:
+    """One warning for the run's slow steps, every rank's counted together, naming the slowest."""
+    counts = [(figures["rank"], *figures["slow_steps"]) for figures in ranks
+              if figures["slow_steps"][0]]
+    if not counts:
+        return
+    rank, _count, (step, seconds, factor) = max(counts, key=lambda c: c[2][2])
+    logger.warning("%d step(s) took over %gx the mean of the steps before them (on rank(s) %s); "
+                   "the slowest, step %d on rank %d, took %.3f s, %.1fx: a straggling peer, a "
+                   "swapping host or a recompilation (output.trace shows the last steps)",
+                   sum(c[1] for c in counts), SLOW_FACTOR, ", ".join(str(c[0]) for c in counts),
+                   start_step + step, rank, seconds, factor)
