@@ -194,7 +194,9 @@ def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = 
     profile_s = time.perf_counter() - started
     started = time.perf_counter()
     planned = []
-    for dims in admitted:
+    for number, dims in enumerate(admitted, 1):
+        if say is not None:
+            say(f"plan: planning layout {number}/{len(admitted)}: {dims.describe()}")
         outcome = plan_layout(spec, dims, world, profiles[dims.tp], memory_cap, link,
                                collectives, experts)
         (planned if isinstance(outcome, LayoutPlan) else dropped).append(outcome)

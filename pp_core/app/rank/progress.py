@@ -14,7 +14,13 @@ import sys
 import time
 from typing import IO, Any, Sequence
 
-__all__ = ["Progress", "format_duration", "format_bytes", "format_summary"]
+__all__ = ["Progress", "phase", "format_duration", "format_bytes", "format_summary"]
+
+
+def phase(text: str, stream: IO[str] | None = None) -> None:
+    """Say on stderr that a phase of a long command begins (``pp-core: building ...``), so that
+    no stretch of seconds passes in silence; stdout keeps the results."""
+    print(f"pp-core: {text}", file=stream if stream is not None else sys.stderr, flush=True)
 
 
 def format_duration(seconds: float | None) -> str:
