@@ -18,9 +18,10 @@ __all__ = ["Progress", "phase", "format_duration", "format_bytes", "format_summa
 
 
 def phase(text: str, stream: IO[str] | None = None) -> None:
-    """Say on stderr that a phase of a long command begins (``pp-core: building ...``), so that
-    no stretch of seconds passes in silence; stdout keeps the results."""
-    print(f"pp-core: {text}", file=stream if stream is not None else sys.stderr, flush=True)
+    """Say that a phase of a long command begins (``pp-core: building ...``), where the progress
+    line goes (stdout, as ``starting N rank(s)``; stderr holds the errors), so that no stretch
+    of seconds passes in silence."""
+    print(f"pp-core: {text}", file=stream if stream is not None else sys.stdout, flush=True)
 
 
 def format_duration(seconds: float | None) -> str:
