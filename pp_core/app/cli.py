@@ -27,6 +27,10 @@ examples:
   pp-core run pipe.yaml --set train.steps=10      override any YAML key
   pp-core validate pipe.yaml                      check a pipeline without running it
   pp-core plan pipe.yaml --memory-cap 8GiB        rank schedules and splits by measured cost
+  pp-core plan pipe.yaml --world 4 -o chosen.yaml rank every pp x dp x tp layout of 4 processes
+                                                  and write the best as a pipeline file
+  pp-core export runs/ckpt --format hf -o out     a checkpoint as a save_pretrained directory
+                                                  (a PEFT adapter for a model.lora run)
   pp-core schedule show zero_bubble --pp 4 --microbatches 8
                                                   draw a schedule's timeline
   pp-core schedule simulate 1f1b --pp 4 --microbatches 8 --json

@@ -76,11 +76,14 @@ def register(subparsers) -> None:
     validate.set_defaults(func=validate_command)
 
     export = subparsers.add_parser(
-        "export", help="write a checkpoint's weights as one state_dict file",
-        description="Gather a pp-core checkpoint (any pipeline layout) into one state_dict "
-                    "with the model's own parameter names: a torch file (.pt) loadable with "
-                    "torch.load(weights_only=True), or .safetensors when safetensors is "
-                    "installed.")
+        "export", help="hand a checkpoint back: a state_dict file, a Hugging Face "
+                       "directory or a PEFT adapter",
+        description="Gather a pp-core checkpoint (any pipeline layout) with the model's own "
+                    "parameter names into: one state_dict file (.pt, loadable with "
+                    "torch.load(weights_only=True), or .safetensors); with --format hf a "
+                    "save_pretrained directory (config, shards, index, tokenizer) that "
+                    "from_pretrained loads; for a model.lora run the PEFT adapter directory "
+                    "(--merge: the merged model).")
     export.add_argument("checkpoint", metavar="CKPT",
                         help="a step_NNNNNNNN directory, or a checkpoint.dir (its latest step)")
     export.add_argument("-o", "--output", required=True, metavar="FILE|DIR",

@@ -295,6 +295,9 @@ def format_world(found: WorldPlan, top: int = 8) -> str:
                      f", {describe(lp.best)}: predicted step "
                      f"{lp.best.predicted_step_s * 1e3:.1f} ms, peak "
                      f"{format_bytes(lp.best.peak_bytes)} per rank")
+        if lp.plan.processors is not None:  # fewer cores than ranks: predicted as shared
+            lines.append(f"cores: its ranks share {lp.plan.processors:g} processors' worth of "
+                         f"this machine's cores (predicted with the processor-sharing replay)")
     for dropped in found.dropped:
         d = dropped.dims
         lines.append(f"dropped pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard "
