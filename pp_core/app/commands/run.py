@@ -110,8 +110,9 @@ def register(subparsers) -> None:
 
 
 def _checked(args, warm: bool = False):
-    """The file read and checked; ``warm``: the ranks' imports begun meanwhile (a fork server,
-    :mod:`pp_core.app.launch.warm`) once the file is read and ``sys.path`` final."""
+    """The file read and checked, and whether the ranks' imports began meanwhile: with ``warm``,
+    a fork server (:mod:`pp_core.app.launch.warm`) once the file is read and ``sys.path``
+    final."""
     from pp_core.app.check import preflight  # lazy: only when the command runs
     from pp_core.app.spec import load_spec
 
@@ -119,8 +120,8 @@ def _checked(args, warm: bool = False):
     if warm:
         from pp_core.app.launch.warm import start  # lazy: only when `pp-core run` launches
 
-        args.warm = start()
-    return spec, preflight(spec)
+        warm = start()
+    return spec, preflight(spec), warm
 
 
 def run_command(args) -> int:
@@ -129,7 +130,7 @@ def run_command(args) -> int:
     from pp_core.planning.sizes import parse_size
 
     cap = None if args.memory_cap is None else parse_size(args.memory_cap)
-    spec, found = _checked(args, warm=not started_by_torchrun())
+    spec, found, warm = _checked(args, warm=not started_by_torchrun())
     if cap is not None and not is_auto(spec.pipeline.pp_schedule):
         raise ConfigError(f"--memory-cap={args.memory_cap} only steers pipeline.pp_schedule: "
                           f"auto, and the file names {spec.pipeline.pp_schedule!r}; drop "
@@ -147,7 +148,7 @@ def run_command(args) -> int:
             for note in taken:
                 print(f"pp-core: note: {note}", flush=True)
             launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True),
-                   memory_cap=cap, warm=getattr(args, "warm", False))
+                   memory_cap=cap, warm=warm)
     except (KeyboardInterrupt, SignalException, Interrupted) as exc:
         reason, code = exit_code(exc)
         print(f"\npp-core: interrupted by {reason.name}; the ranks were stopped", file=sys.stderr)
@@ -161,7 +162,7 @@ def validate_command(args) -> int:
 
     os.environ[VALIDATING_ENV] = "1"  # plugins write no cache while they are checked
     try:
-        spec, found = _checked(args)
+        spec, found, _ = _checked(args)
     finally:
         os.environ.pop(VALIDATING_ENV, None)
     if spec.distributed.nnodes == 1:  # then the rendezvous host is this machine
