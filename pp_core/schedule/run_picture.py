@@ -1,13 +1,16 @@
-"""The picture of a run: one step as it was measured, above the schedule as simulated.
+"""The picture of a run: one step as it was measured, above the same step as simulated.
 
 ``pp-core run``'s ``output.schedule_image``. The top half draws what the ranks did in one steady
 step - per pipeline rank, each action at its real start and length, the time an action spent
 waiting for a peer's message as a wait, sends and receives apart from compute, the rest (the
 executor's own time, the step's edges) idle. The bottom half draws the schedule the simulator
-plays with this run's mean action times. Both share one time axis in milliseconds from the
-step's first action, and each row carries its bubble: the measured share (over the run's steady
-steps, as the summary prints it) and the simulated one. Plain SVG from the standard library;
-the run supplies the events (:mod:`pp_core.app.rank.run_outputs`).
+plays with that step's own action times (:func:`step_costs`): the step as it would run with
+nothing but the schedule's dependencies holding a rank up, so the difference between the halves
+is what the run lost to waiting, messages and overhead - and not to a load that changed over the
+run. Both share one time axis in milliseconds from the step's first action, and each row carries
+its bubble in that step: the share of the step it spent outside F/B/I/W, measured above and
+simulated below. Plain SVG from the standard library; the run supplies the events
+(:mod:`pp_core.app.rank.run_outputs`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pp_core.schedule.labels import WAIT, kind_of_label, short_name
 from pp_core.schedule.render import COLOURS
 from pp_core.schedule.simulate import SimResult
 
-__all__ = ["MeasuredRank", "steady_step", "render_run_svg"]
+__all__ = ["MeasuredRank", "steady_step", "step_costs", "render_run_svg"]
 
 COMM_COLOUR, WAIT_COLOUR = "#9aa0a6", "#e06666"
 LABEL_W, SHARE_W, ROW_H, GAP = 64, 150, 22, 4
@@ -31,12 +34,30 @@ LABEL_W, SHARE_W, ROW_H, GAP = 64, 150, 22, 4
 @dataclass(frozen=True)
 class MeasuredRank:
     """One pipeline rank's actions in the drawn step: ``(label, category, start_s, end_s)``
-    (``"1F3"``, ``"forward"``; a wait is ``("wait 1F3", "wait", ...)``), and its measured bubble
-    over the run's steady steps (``None``: not measured)."""
+    (``"1F3"``, ``"forward"``; a wait is ``("wait 1F3", "wait", ...)``)."""
 
     rank: int
     events: Sequence[tuple[str, str, float, float]]
-    bubble: float | None
+
+    def busy(self) -> float:
+        """Seconds spent in F/B/I/W (a wait is not: it is recorded apart)."""
+        return sum(t1 - t0 for label, category, t0, t1 in self.events
+                   if category != WAIT and kind_of_label(label) in COLOURS)
+
+
+def step_costs(measured: Sequence[MeasuredRank]) -> dict[int, dict[str, float]]:
+    """``{stage: {kind: mean seconds}}`` of the step's compute actions, for
+    :class:`~pp_core.schedule.simulate.Costs` ``per_stage``."""
+    times: dict[tuple[int, str], list[float]] = {}
+    for rank in measured:
+        for label, category, t0, t1 in rank.events:
+            kind, digits = kind_of_label(label), label[:len(label) - len(label.lstrip("0123456789"))]
+            if category != WAIT and kind in COLOURS and digits:
+                times.setdefault((int(digits), kind), []).append(t1 - t0)
+    costs: dict[int, dict[str, float]] = {}
+    for (stage, kind), values in times.items():
+        costs.setdefault(stage, {})[kind] = sum(values) / len(values)
+    return costs
 
 
 def steady_step(events_per_rank: Sequence[Sequence[tuple]]) -> int | None:
@@ -56,10 +77,9 @@ def steady_step(events_per_rank: Sequence[Sequence[tuple]]) -> int | None:
 
 
 def render_run_svg(measured: Sequence[MeasuredRank], simulated: SimResult, step: int,
-                   simulated_bubbles: Sequence[float] | None = None,
                    max_width: int = 1600) -> str:
     """The measured step (``measured``, one entry per pipeline rank) above ``simulated`` (times
-    in seconds), one axis; ``simulated_bubbles``: per pipeline rank, the simulated idle share."""
+    in seconds; best with :func:`step_costs` of the same step), on one axis."""
     origin = min((e[2] for r in measured for e in r.events), default=0.0)
     measured_span = max((e[3] for r in measured for e in r.events), default=origin) - origin
     span = max(measured_span, simulated.makespan, 1e-9)
@@ -76,28 +96,28 @@ def render_run_svg(measured: Sequence[MeasuredRank], simulated: SimResult, step:
            f'viewBox="0 0 {width} {height}" font-family="monospace" font-size="11">',
            _DEFS, f'<rect width="{width}" height="{height}" fill="white"/>',
            f'<text x="{LABEL_W}" y="18" font-size="13" font-weight="bold">{_text(name)}: '
-           f'step {step} as this run measured it, above the schedule simulated with this run\'s '
-           f'mean action times</text>',
+           f'step {step} as this run measured it, above the same step simulated with its '
+           f'action times</text>',
            _heading(top - 8, f"measured, step {step} ({measured_span * 1e3:,.1f} ms)")]
     for index, rank in enumerate(measured):
         y = top + index * (ROW_H + GAP)
         out += _row(y, f"rank {rank.rank}", scale,
                     [(label, category, t0 - origin, t1 - origin)
                      for label, category, t0, t1 in rank.events], plot_w)
-        out.append(_share(y, plot_w, rank.bubble, "measured"))
+        bubble = 1 - rank.busy() / measured_span if measured_span > 0 else None
+        out.append(_share(y, plot_w, bubble, "measured"))
     out.append(_heading(sim_top - 8, f"simulated ({simulated.makespan * 1e3:,.1f} ms)"))
     for index, row in enumerate(sim_rows):
         y = sim_top + index * (ROW_H + GAP)
         events = [(str(action), action.kind.value, t0, t1) for action, t0, t1 in row]
         out += _row(y, f"rank {index}", scale, events, plot_w)
-        bubble = simulated_bubbles[index] if simulated_bubbles is not None and \
-            index < len(simulated_bubbles) else None
-        out.append(_share(y, plot_w, bubble, "simulated"))
+        idle = simulated.idle[index] / simulated.makespan if simulated.makespan else None
+        out.append(_share(y, plot_w, idle, "simulated"))
     out += _axis(axis_y, span, scale)
     out += _legend(axis_y + 42)
-    out.append(f'<text x="4" y="{axis_y + 80}">bubble: the share of a rank\'s step spent '
-               f'outside F/B/I/W (measured: mean over the steady steps, as the run summary '
-               f'prints it); waits: an action waiting for a peer\'s message</text>')
+    out.append(f'<text x="4" y="{axis_y + 80}">bubble: the share of this step a rank spent '
+               f'outside F/B/I/W (the run summary\'s are the means over the steady steps); '
+               f'wait: an action waiting for a peer\'s message</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 

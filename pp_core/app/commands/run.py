@@ -135,9 +135,6 @@ def run_command(args) -> int:
         raise ConfigError(f"--memory-cap={args.memory_cap} only steers pipeline.pp_schedule: "
                           f"auto, and the file names {spec.pipeline.pp_schedule!r}; drop "
                           f"--memory-cap or set pp_schedule: auto")
-    if not started_by_torchrun() or os.environ.get("RANK") == "0":  # once, not once per rank
-        for note in found.notes:
-            print(f"pp-core: note: {note}", flush=True)
     from torch.distributed.elastic.multiprocessing import SignalException  # lazy: torch
 
     from pp_core.app.commands.run_lock import run_locks  # lazy: only when a run starts
@@ -145,6 +142,11 @@ def run_command(args) -> int:
     try:
         taken: list[str] = []
         with run_locks(spec, taken):  # one writer per checkpoint.dir and output
+            # the checks' notes ("m.jsonl exists and will be replaced") once this run holds its
+            # outputs: a run another one refuses replaces nothing
+            if not started_by_torchrun() or os.environ.get("RANK") == "0":  # not once per rank
+                for note in found.notes:
+                    print(f"pp-core: note: {note}", flush=True)
             for note in taken:
                 print(f"pp-core: note: {note}", flush=True)
             launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True),

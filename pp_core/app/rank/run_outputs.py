@@ -24,7 +24,8 @@ from pp_core.app.rank.timing import ActionTimer, StepTotals, peak_memory
 from pp_core.devices import cpu_cores
 from pp_core.schedule.labels import KINDS, WAIT, category
 from pp_core.schedule.render import render_svg
-from pp_core.schedule.run_picture import MeasuredRank, render_run_svg, steady_step
+from pp_core.schedule.run_picture import (MeasuredRank, render_run_svg, steady_step,
+                                          step_costs)
 from pp_core.schedule.simulate import Costs, simulate
 from pp_core.schedule.trace import run_trace, write_json
 
@@ -239,7 +240,7 @@ class RunRecorder:
             write_output("output.trace", out.trace, lambda to: write_json(run_trace(ranks), to))
         if out.schedule_image and schedule is not None:
             write_output("output.schedule_image", out.schedule_image, lambda to: to.write_text(
-                self._picture(schedule, ranks, result, simulated, start_step)))
+                self._picture(schedule, ranks, start_step)))
         model = spec.model.name or spec.model.target
         summary = {
             "source": spec.source, "model": model, "data": spec.data.name,
@@ -296,21 +297,22 @@ class RunRecorder:
         return simulate(schedule, costs), note
 
     @staticmethod
-    def _picture(schedule, ranks: list[dict], result, simulated, start_step: int) -> str:
+    def _picture(schedule, ranks: list[dict], start_step: int) -> str:
         """``output.schedule_image``: a steady step as measured on the first rank of each pipeline
-        rank, above ``result`` (:mod:`pp_core.schedule.run_picture`); the simulated schedule
-        alone when no action was timed."""
+        rank, above the same step simulated (:mod:`pp_core.schedule.run_picture`); the schedule
+        simulated at unit costs when no action was timed."""
         firsts: dict[int, dict] = {}
         for figures in ranks:
             firsts.setdefault(figures["pp_rank"], figures)
         rows = [firsts[pp_rank] for pp_rank in sorted(firsts)]
         step = steady_step([figures["events"] for figures in rows])
         if step is None or not any(figures["kind_times"] for figures in rows):
-            return render_svg(result if result is not None else simulate(schedule))
+            return render_svg(simulate(schedule))
         measured = [MeasuredRank(figures["rank"], [e[:4] for e in figures["events"]
-                                                   if e[4] == step], figures["bubble_measured"])
-                    for figures in rows]
-        return render_run_svg(measured, result, start_step + step, simulated)
+                                                   if e[4] == step]) for figures in rows]
+        costs = {s: kinds for s, kinds in step_costs(measured).items() if s < schedule.num_stages}
+        return render_run_svg(measured, simulate(schedule, Costs(per_stage=costs)),
+                              start_step + step)
 
 
 def machine_busy() -> bool:
