@@ -1,6 +1,6 @@
 """Ranks forked warm: torch and the trainer imported while the launching process checks the file.
 
-A rank started with ``spawn`` is a fresh interpreter that imports torch, ``torch._dynamo`` (torch
+A rank started with ``spawn`` is a fresh interpreter that imports torch, its dynamo (torch
 imports it for every optimizer it builds) and the trainer before it can train: seconds of a
 core, which the launching process spends checking the pipeline file first, one after the other.
 :func:`start` starts multiprocessing's fork server as soon as the file is read, importing
@@ -21,9 +21,11 @@ import multiprocessing.forkserver
 import os
 import sys
 
+from pp_core._torch_compat import DYNAMO_MODULE
+
 __all__ = ["PRELOAD", "start", "snapshot", "adopt"]
 
-PRELOAD = ["pp_core.app.launch.warm", "torch", "torch._dynamo", "pp_core.app.rank"]
+PRELOAD = ["pp_core.app.launch.warm", "torch", DYNAMO_MODULE, "pp_core.app.rank"]
 """What the fork server imports before it forks the first rank (this module first: see
 :data:`STARTED_WITH`)."""
 
