@@ -52,11 +52,11 @@ def make_checkpoint(size: str, root: Path, lora: bool = False) -> tuple[Path, in
     if lora:
         model = apply_adapters(model, dict(LORA, init_lora_weights=False), None)
     nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
-    path = save_checkpoint(root / "ckpt", 1, [model], [None])
     section = {"name": "hf_causal_lm", "target": None, "args": {"config": _config(size)},
                **({"lora": LORA} if lora else {})}
-    for name in ("pp_core_export.json", "pp_core_run.json"):
-        (path / name).write_text(json.dumps({"model": section, "data": {}}))
+    path = save_checkpoint(root / "ckpt", 1, [model], [None],
+                           record={"run": {"model": section},
+                                   "export": {"model": section, "data": {}}})
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return path, nbytes
@@ -65,15 +65,15 @@ def make_checkpoint(size: str, root: Path, lora: bool = False) -> tuple[Path, in
 def child(checkpoint: str, output: str, mode: str) -> None:
     from benchmarks._common import proc_status, reset_peak
     from pp_core.checkpoint import export_checkpoint
-    from pp_core.app.export.hf import _record, export_directory, hf_target
+    from pp_core.app.export.hf import export_hf_directory, hf_target, recorded_export
     from pp_core.app.export.peft import export_merged
 
-    hf_target(_record(Path(checkpoint))["model"])  # transformers imported, meta model built
+    hf_target(recorded_export(checkpoint)["model"])  # transformers imported, meta model built
     reset_peak()
     base = proc_status("VmRSS")
     started = time.perf_counter()
     if mode == "hf":
-        export_directory(checkpoint, output, "hf")
+        export_hf_directory(checkpoint, output)
     elif mode == "merge":
         export_merged(checkpoint, output)
     else:

@@ -98,7 +98,7 @@ def stolen_share(before: tuple[int, int], after: tuple[int, int]) -> float:
 
 def planned(spec, world: int, **options):
     """``plan_world``, and the share of the processors stolen while it measured."""
-    from pp_core.app.launch.plan_world import plan_world
+    from pp_core.app.plan.plan_world import plan_world
 
     before = cpu_ticks()
     found = plan_world(spec, world, **options)
@@ -153,7 +153,7 @@ def measured_layouts(spec, world_plan, tmp: str, targets, tag: str,
 
 
 def by_hand(spec, dims_list, tmp: str, ac: str = "none") -> list[dict]:
-    from pp_core.app.launch.plan_world import layout_spec
+    from pp_core.app.plan.plan_world import layout_spec
     from pp_core.parallel.dims import ParallelDims
 
     rows = []
@@ -176,7 +176,7 @@ def bench_capped(world: int, tmp: str, share: float = 0.75) -> dict:
     plan ``--world`` chooses under it (activation checkpointing ``auto``: per stage) against
     each layout written by hand with every stage recomputing (``full``: the uniform setting
     a user picks to fit), the even split, 1f1b, 2 x pp microbatches."""
-    from pp_core.app.launch.plan_world import plan_world
+    from pp_core.app.plan.plan_world import plan_world
 
     values = json.loads(json.dumps(BASE))
     values["train"]["activation_checkpointing"] = {"mode": "auto"}
@@ -200,7 +200,7 @@ def bench_capped(world: int, tmp: str, share: float = 0.75) -> dict:
 
 def planning_time(world_plan, spec, world: int) -> dict:
     """The search alone over every layout of ``world`` with world 4's measured costs."""
-    from pp_core.app.launch.plan_world import model_shape, meta_model, plan_layout
+    from pp_core.app.plan.plan_world import model_shape, meta_model, plan_layout
     from pp_core.measure.layouts import enumerate_layouts
 
     big = spec.with_("pipeline", pp_batch_size=world * 2)

@@ -27,10 +27,8 @@ examples:
   pp-core run pipe.yaml --set train.steps=10      override any YAML key
   pp-core validate pipe.yaml                      check a pipeline without running it
   pp-core plan pipe.yaml --memory-cap 8GiB        rank schedules and splits by measured cost
-  pp-core plan pipe.yaml --world 4 -o chosen.yaml rank every pp x dp x tp layout of 4 processes
-                                                  and write the best as a pipeline file
-  pp-core export runs/ckpt --format hf -o out     a checkpoint as a save_pretrained directory
-                                                  (a PEFT adapter for a model.lora run)
+  pp-core plan pipe.yaml --world 8                choose the whole layout for 8 ranks
+  pp-core export ckpt --format hf -o hf_model     a checkpoint as a save_pretrained directory
   pp-core schedule show zero_bubble --pp 4 --microbatches 8
                                                   draw a schedule's timeline
   pp-core schedule simulate 1f1b --pp 4 --microbatches 8 --json
@@ -43,7 +41,9 @@ Plugins are pip packages that register in the entry-point group 'pp_core';
 set PP_CORE_DISABLE_PLUGINS=name,... to skip some.
 """
 
-COMMAND_MODULES = ("run", "plan", "schedule", "plugins")
+COMMAND_MODULES = ("run", "validate", "export", "plan", "schedule", "plugins")
+"""One module per command under ``commands/``, each with ``register(subparsers)``; the parser's
+commands are these names (``tests/structure/test_commands.py``)."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,7 @@ what the checkpoint directory manages is refused naming both keys: one check for
 present and future (any string under ``output`` is a path written). :func:`path_problems` refuses
 what is not a path at all (a NUL byte) or names a directory where a file is written.
 
-Used by ``validate`` and ``run`` (:func:`pp_core.app.check.build.check_outputs`) and by the
+Used by ``validate`` and ``run`` (:func:`pp_core.app.check.outputs.check_outputs`) and by the
 schedule commands (``--csv X -o X``). No torch here: the schedule commands import it.
 """
 

@@ -6,7 +6,10 @@ A checkpoint is a DCP directory ``<dir>/step_00000100`` holding
   part keeps the original names, so no stage prefix ever enters the file);
 - ``optim.state.<name>.<slot>`` / ``optim.param_groups.<name>.<option>``: the optimizer state,
   flattened per parameter name by ``torch.distributed.checkpoint.state_dict``;
-- ``trainer.step``: the last completed step.
+- ``trainer.step``: the last completed step;
+
+and beside them what the checkpoint says about itself: the record of what it was written for and
+the checksums of every file (:mod:`pp_core.checkpoint.record`, the one module naming those files).
 
 Because every key is a parameter name, a checkpoint written with one pipeline layout loads into
 any other (pp=4 -> pp=2, or the unsplit model): each rank asks DCP for the keys its parts hold.
@@ -34,10 +37,10 @@ non-tensor items load with ``weights_only=True``.
 
 from pp_core.checkpoint.directory import checkpoint_path, latest_checkpoint, resume_checkpoint
 from pp_core.checkpoint.load import (export_checkpoint, load_checkpoint, load_into_model,
-                                     read_model_state_dict)
+                                     read_model_state_dict, read_tensors)
 from pp_core.checkpoint.safe_reader import SafeLoadPlanner, SafeReader
 from pp_core.checkpoint.save import save_checkpoint
 
 __all__ = ["checkpoint_path", "latest_checkpoint", "resume_checkpoint", "save_checkpoint",
-           "load_checkpoint", "read_model_state_dict", "load_into_model", "export_checkpoint",
-           "SafeReader", "SafeLoadPlanner"]
+           "load_checkpoint", "read_tensors", "read_model_state_dict", "load_into_model",
+           "export_checkpoint", "SafeReader", "SafeLoadPlanner"]

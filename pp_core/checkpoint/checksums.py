@@ -2,8 +2,9 @@
 
 Saving: each rank writes its DCP files through :func:`hashing_writer`, a ``FileSystemWriter``
 whose streams hash the bytes on their way to the file (one pass, no second read); rank 0 gathers
-every rank's digests and writes them, with those of the files it adds itself (the identity),
-to ``pp_core_checksums.json`` before the checkpoint is renamed into place::
+every rank's digests and writes them, with those of the files it adds itself (the record), to
+the checksums file (:mod:`pp_core.checkpoint.record` names it) before the checkpoint is renamed
+into place::
 
     {"algorithm": "sha256", "files": {"__0_0.distcp": {"size": 1234, "sha256": "..."}, ...}}
 
@@ -11,8 +12,10 @@ Reading (:func:`verify_checkpoint`: resume, load, export): every file listed mus
 its size and digest; the first that differs is refused in one line naming it and the directory
 (4 KiB zeroed inside a shard, same size, included). ``checkpoint.verify: false`` (``pp-core
 export --no-verify``) skips the check. A checkpoint without the file is read as before when it
-comes from an older pp-core, and refused when its ``pp_core_run.json`` says it was written. A path verified once is not read again by the same command (its
-ranks inherit the record through ``$PP_CORE_VERIFIED_CHECKPOINTS``), unless its list changed.
+comes from an older pp-core, and refused when its record says it was written
+(:func:`~pp_core.checkpoint.record.promises_checksums`). A path verified once is not read again
+by the same command (its ranks inherit the record through ``$PP_CORE_VERIFIED_CHECKPOINTS``),
+unless its list changed.
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ import json
 import os
 from pathlib import Path
 
+from pp_core.checkpoint.record import CHECKSUMS_FILE, corrupt, promises_checksums
 from pp_core.errors import PipelineError
 
-__all__ = ["CHECKSUMS_FILE", "ALGORITHM", "hashing_writer", "files_missed", "manifest_text",
-           "verify_checkpoint"]
+__all__ = ["ALGORITHM", "hashing_writer", "files_missed", "manifest_text", "verify_checkpoint"]
 
-CHECKSUMS_FILE = "pp_core_checksums.json"
 ALGORITHM = "sha256"
 BLOCK = 1 << 23  # bytes read at a time when verifying
 _VERIFIED_ENV = "PP_CORE_VERIFIED_CHECKPOINTS"
@@ -93,7 +95,7 @@ def files_missed(directory: Path, digests: dict[str, dict]) -> dict[str, dict]:
 
 
 def manifest_text(digests: dict[str, dict], extra_files: dict[str, str] | None = None) -> str:
-    """The text of ``pp_core_checksums.json``: ``digests`` and those of ``extra_files``."""
+    """The text of the checksums file: ``digests`` and those of ``extra_files``."""
     files = dict(digests)
     for name, text in (extra_files or {}).items():
         data = text.encode("utf-8")
@@ -111,9 +113,7 @@ def _digest_of(file: Path) -> str:
 
 
 def _corrupt(path: Path, why: str) -> PipelineError:
-    return PipelineError(f"checkpoint {str(path)!r} is incomplete or corrupt: {why}; resume or "
-                         f"export from another step_NNNNNNNN directory, or delete this one "
-                         f"(checkpoint.verify: false, or export --no-verify, skips this check)")
+    return corrupt(path, why, checked=True)
 
 
 def _manifest(path: Path) -> dict | None:
@@ -134,14 +134,6 @@ def _manifest(path: Path) -> dict | None:
     return manifest
 
 
-def _promised(path: Path) -> bool:
-    """Whether the checkpoint's identity file says checksums were recorded."""
-    try:
-        return CHECKSUMS_FILE in (path / "pp_core_run.json").read_text(encoding="utf-8")
-    except (OSError, ValueError):
-        return False
-
-
 def _stamp(path: Path, names) -> str:
     """The checkpoint as last verified: its list and every file's size and modification time."""
     digest = hashlib.sha256((path / CHECKSUMS_FILE).read_bytes())
@@ -160,9 +152,9 @@ def verify_checkpoint(path: str | os.PathLike, verify: bool = True) -> None:
         return
     manifest = _manifest(path)
     if manifest is None:
-        if _promised(path):
-            raise _corrupt(path, f"its {CHECKSUMS_FILE} is missing (its pp_core_run.json says "
-                                 f"one was written)")
+        if (promise := promises_checksums(path)) is not None:
+            raise _corrupt(path, f"its {CHECKSUMS_FILE} is missing (its {promise} says one was "
+                                 f"written)")
         return  # an older pp-core's checkpoint: nothing recorded to check against
     stamp = _stamp(path, sorted(manifest["files"]))
     if stamp in os.environ.get(_VERIFIED_ENV, "").split(os.pathsep):

@@ -13,12 +13,11 @@ import re
 from pathlib import Path
 
 from pp_core.checkpoint.checksums import verify_checkpoint
+from pp_core.checkpoint.record import corrupt, latest_name
 from pp_core.checkpoint.safe_reader import SafeReader
 from pp_core.errors import PipelineError
 
 _STEP_DIR = re.compile(r"step_(\d{8})$")
-LATEST = "latest"
-"""The file in a checkpoint directory naming the checkpoint saved last (``step_00000100``)."""
 
 
 def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
@@ -41,9 +40,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     root = Path(directory)
     if not root.is_dir():
         return None
-    pointer = root / LATEST
-    name = pointer.read_text(encoding="utf-8", errors="replace").strip() \
-        if pointer.is_file() else ""
+    name = latest_name(root)
     if _STEP_DIR.match(name):
         if _complete(root / name):
             return root / name
@@ -78,7 +75,7 @@ def check_dir(path: Path, verify: bool = False):
         raise PipelineError(f"{str(path)!r} is not a complete checkpoint (no .metadata file: a "
                             f"save that was interrupted, or not a checkpoint); pass a "
                             f"step_NNNNNNNN directory written by pp-core run")
-    verify_checkpoint(path, verify)  # every file as written (pp_core_checksums.json)
+    verify_checkpoint(path, verify)  # every file as written (its recorded checksums)
     try:
         metadata = SafeReader(str(path)).read_metadata()
     except PipelineError:
@@ -99,9 +96,4 @@ def check_dir(path: Path, verify: bool = False):
             raise corrupt(path, f"its data file {name} is truncated ({file.stat().st_size} of "
                                  f"at least {needed} bytes)")
     return metadata
-
-
-def corrupt(path: Path, why: str) -> PipelineError:
-    return PipelineError(f"checkpoint {str(path)!r} is incomplete or corrupt: {why}; resume or "
-                         f"export from another step_NNNNNNNN directory, or delete this one")
 

@@ -1,8 +1,11 @@
-"""Reading a checkpoint back: into this rank's parts and optimizers at any layout, as one
-unsplit ``state_dict`` on the CPU, or exported to a single ``.safetensors`` / ``.pt`` file.
+"""Reading a checkpoint back: into this rank's parts and optimizers at any layout, as tensors on
+the CPU (:func:`read_tensors`, the one reader of exports), or exported to a single
+``.safetensors`` / ``.pt`` file.
 
-Every read checks the directory first (:func:`~pp_core.checkpoint.directory.check_dir`) and goes
-through the safe reader (:mod:`pp_core.checkpoint.safe_reader`): a checkpoint is data.
+Every read checks the directory first (:func:`~pp_core.checkpoint.directory.check_dir`: whole,
+and with ``verify`` its checksums, once per command) and goes through the safe reader
+(:mod:`pp_core.checkpoint.safe_reader`) in :func:`_dcp_read`, the one place DCP reads: a
+checkpoint is data.
 """
 
 from __future__ import annotations
@@ -10,17 +13,43 @@ from __future__ import annotations
 import os
 import pickle
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from torch import nn
 
-from pp_core.checkpoint.directory import check_dir, corrupt
+from pp_core.checkpoint.directory import check_dir
 from pp_core.checkpoint.expert_state import expert_locals
+from pp_core.checkpoint.record import corrupt
 from pp_core.checkpoint.safe_reader import SafeLoadPlanner, SafeReader
 from pp_core.checkpoint.state import flat_optimizer_options, single_process_quiet, state_dicts
 from pp_core.errors import PipelineError
 from pp_core.parallel.dtensor_state import restride
 from pp_core.write_failures import disk_error, remove_partial, write_failure
+
+
+def _dcp_read(path: Path, state: dict, process_group=None, distributed: bool = True) -> None:
+    """DCP's load of ``state`` from the checkpoint at ``path`` through the safe reader (a
+    collective over ``process_group``, or this process alone without ``distributed``, which
+    asks for what the metadata lists); a failure is one line: damaged files, or a checkpoint of
+    another model."""
+    import torch.distributed.checkpoint as dcp  # lazy: DCP, only when a checkpoint is read
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeReader(str(path)),
+                     planner=SafeLoadPlanner(), process_group=process_group,
+                     no_dist=not distributed)
+    except PipelineError:
+        raise
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        cause = _cause(exc)
+        if _is_damage(cause) or not distributed:
+            raise corrupt(path, f"{type(cause).__name__}: {str(cause)[:200]}") from None
+        raise PipelineError(
+            f"cannot load checkpoint {str(path)!r} into this pipeline: {type(cause).__name__}: "
+            f"{str(cause)[:300]}; was it written for this model (model.args)?") from None
 
 
 def load_checkpoint(path, parts, optimizers, process_group=None, verify: bool = True) -> int:
@@ -29,9 +58,7 @@ def load_checkpoint(path, parts, optimizers, process_group=None, verify: bool = 
     Works whatever pipeline layout wrote the checkpoint: the keys are parameter names. With
     ``verify``, every file is checked against its recorded checksum first.
     """
-    import torch.distributed.checkpoint as dcp  # lazy: DCP, only when a checkpoint is read
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import (
+    from torch.distributed.checkpoint.state_dict import (  # lazy: DCP, only when one is read
         set_model_state_dict,
         set_optimizer_state_dict,
     )
@@ -39,19 +66,7 @@ def load_checkpoint(path, parts, optimizers, process_group=None, verify: bool = 
     path = Path(path)
     check_dir(path, verify)
     state, strided = state_dicts(parts, optimizers, 0)
-    try:
-        with single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeReader(str(path)),
-                     planner=SafeLoadPlanner(), process_group=process_group)
-    except PipelineError:
-        raise
-    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-        cause = _cause(exc)
-        if _is_damage(cause):
-            raise corrupt(path, f"{type(cause).__name__}: {str(cause)[:200]}") from None
-        raise PipelineError(
-            f"cannot load checkpoint {str(path)!r} into this pipeline: {type(cause).__name__}: "
-            f"{str(cause)[:300]}; was it written for this model (model.args)?") from None
+    _dcp_read(path, state, process_group)
     restride(state, strided)
     expert_locals(state)
     for part, optimizer in zip(parts, optimizers):
@@ -77,29 +92,36 @@ def _is_damage(cause: BaseException) -> bool:
         for text in ("PytorchStreamReader", "unexpected EOF", "invalid load key"))
 
 
+def read_tensors(path, names: Iterable[str], verify: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of the checkpoint at ``path`` (its keys: ``model.<name>`` for the
+    weights, whole whatever layout wrote them), on the CPU, without a process group.
+
+    The checkpoint is checked first (whole; with ``verify``, its checksums: once per command,
+    a later read checks sizes only); a name it lacks is one line naming the first few."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # lazy: DCP
+
+    path = Path(path)
+    stored = check_dir(path, verify).state_dict_metadata
+    names = list(names)
+    missing = [n for n in names if not isinstance(stored.get(n), TensorStorageMetadata)]
+    if missing:
+        raise PipelineError(f"checkpoint {str(path)!r} lacks {len(missing)} tensor(s) asked "
+                            f"for ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+                            f"; was it written for this model (model.args)?")
+    state = {n: torch.empty(stored[n].size, dtype=stored[n].properties.dtype) for n in names}
+    _dcp_read(path, state, distributed=False)
+    return state
+
+
 def read_model_state_dict(path, verify: bool = True) -> dict[str, torch.Tensor]:
     """Every ``model.*`` tensor of a checkpoint, under its original name, on the CPU (no PG);
     ``verify``: its files checked against their recorded checksums first."""
-    import torch.distributed.checkpoint as dcp  # lazy: DCP, only when a checkpoint is exported
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # lazy: DCP
 
-    path = Path(path)
-    metadata = check_dir(path, verify)
-    state = {}
-    for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
-            state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    try:
-        with single_process_quiet():
-            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
-                     no_dist=True)
-    except PipelineError:
-        raise
-    except (Exception, CheckpointException) as exc:
-        cause = _cause(exc)
-        raise corrupt(path, f"{type(cause).__name__}: {str(cause)[:200]}") from None
-    return {key[len("model."):]: value for key, value in state.items()}
+    stored = check_dir(Path(path), verify).state_dict_metadata
+    keys = [k for k, meta in stored.items()
+            if k.startswith("model.") and isinstance(meta, TensorStorageMetadata)]
+    return {key[len("model."):]: value for key, value in read_tensors(path, keys, verify).items()}
 
 
 def load_into_model(path, model: nn.Module, strict: bool = True, verify: bool = True):

@@ -1,8 +1,9 @@
 """Saving a checkpoint crash-safe: written beside its final place, checksummed, renamed in.
 
 Every rank writes its shards into one staging directory ``step_N.tmp-<id>``; rank 0 adds the
-checksums and extra files and publishes it (the order is in :mod:`pp_core.checkpoint`). A save the
-disk refuses is removed on every rank and named in one line; the previous checkpoint stays.
+record and the checksums (:mod:`pp_core.checkpoint.record`) and publishes it (the order is in
+:mod:`pp_core.checkpoint`). A save the disk refuses is removed on every rank and named in one
+line; the previous checkpoint stays.
 """
 
 from __future__ import annotations
@@ -14,23 +15,27 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pp_core.checkpoint.checksums import CHECKSUMS_FILE, files_missed, hashing_writer, manifest_text
-from pp_core.checkpoint.directory import LATEST, checkpoint_path, latest_checkpoint
+from pp_core.checkpoint.checksums import files_missed, hashing_writer, manifest_text
+from pp_core.checkpoint.directory import checkpoint_path, latest_checkpoint
+from pp_core.checkpoint.record import (CHECKSUMS_FILE, point_latest, pointer_staging,
+                                       record_files)
 from pp_core.checkpoint.state import single_process_quiet, state_dicts
 from pp_core.errors import PipelineError
 from pp_core.write_failures import disk_error, remove_partial, write_failure
 
 
 def save_checkpoint(directory, step: int, parts, optimizers, process_group=None,
-                    extra_files: dict[str, str] | None = None) -> Path:
+                    record: dict[str, dict] | None = None) -> Path:
     """Save this rank's parts and optimizers at ``<directory>/step_<step>`` (collective).
 
-    Written beside and renamed into place (see the module docstring): a crash at any instant
-    leaves the previous checkpoint intact and ``latest`` naming a complete one.
+    ``record``: the sections of the checkpoint's record (``{"run": {...}, "export": {...}}``,
+    plain values: :mod:`pp_core.checkpoint.record`), as rank 0 passes them. Written beside and
+    renamed into place (see the module docstring): a crash at any instant leaves the previous
+    checkpoint intact and ``latest`` naming a complete one.
     """
     import torch.distributed.checkpoint as dcp  # lazy: DCP, only when a checkpoint is written
 
-    path = checkpoint_path(directory, step)
+    path, files = checkpoint_path(directory, step), record_files(record)  # checked on every rank
     distributed = dist.is_available() and dist.is_initialized()
     token = [uuid.uuid4().hex[:12]]
     if distributed:  # one staging directory for all ranks, named by rank 0
@@ -50,7 +55,7 @@ def save_checkpoint(directory, step: int, parts, optimizers, process_group=None,
         dist.all_gather_object(ranks, mine, group=process_group)
     error = [None]
     if not distributed or dist.get_rank(process_group) == 0:
-        error[0] = _finish_save(staging, path, token[0], ranks, extra_files)
+        error[0] = _finish_save(staging, path, token[0], ranks, files)
     if distributed:  # nobody reads or saves again before it is in place
         dist.broadcast_object_list(error, group=process_group, group_src=0)
     if failed is not None and not mine[1]:
@@ -60,25 +65,25 @@ def save_checkpoint(directory, step: int, parts, optimizers, process_group=None,
     return path
 
 
-def _finish_save(staging: Path, path: Path, token: str, ranks, extra_files) -> str | None:
-    """On rank 0: the checksums and extra files written and the checkpoint published; or, when
+def _finish_save(staging: Path, path: Path, token: str, ranks, files) -> str | None:
+    """On rank 0: the record and the checksums written and the checkpoint published; or, when
     a rank failed or the disk refuses, ``staging`` removed and the one line every rank raises."""
     errnos = [code for _, code in ranks if code is not None]
     try:
         if not errnos:
             digests = {name: d for found, _ in ranks for name, d in found.items()}
             digests.update(files_missed(staging, digests))  # a torch writing past the hook
-            for name, text in {**(extra_files or {}), CHECKSUMS_FILE: manifest_text(
-                    digests, extra_files)}.items():  # e.g. what it was written for
+            for name, text in {**files, CHECKSUMS_FILE: manifest_text(
+                    digests, files)}.items():  # the record, then the list of every file
                 (staging / name).write_text(text, encoding="utf-8")
             _publish(staging, path, token)
             return None
     except OSError as exc:
         if disk_error(exc) is None:
-            remove_partial(staging, path.parent / f".{LATEST}.tmp-{token}")
+            remove_partial(staging, pointer_staging(path.parent, token))
             raise
         errnos = [exc.errno]
-    remove_partial(staging, path.parent / f".{LATEST}.tmp-{token}")
+    remove_partial(staging, pointer_staging(path.parent, token))
     latest = latest_checkpoint(path.parent)
     kept = f"the last good checkpoint {str(latest)!r} is intact" if latest else \
         "there is no earlier checkpoint"
@@ -96,12 +101,7 @@ def _publish(staging: Path, path: Path, token: str) -> None:
     if path.exists():
         os.rename(path, aside)
     os.rename(staging, path)
-    pointer = path.parent / f".{LATEST}.tmp-{token}"
-    with open(pointer, "w", encoding="utf-8") as fh:
-        fh.write(path.name + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(pointer, path.parent / LATEST)
+    point_latest(path.parent, path.name, token)
     for leftover in [aside, *path.parent.glob(f"{path.name}.tmp-*"),
                      *path.parent.glob(f"{path.name}.old-*")]:
         if leftover.is_dir():

@@ -189,7 +189,7 @@ class ModelProfile:
     def scaled(self, factor: float) -> "ModelProfile":
         """The profile with every compute time (F, B, I, W, their recomputing variants) and
         the executor's per-action time ``factor`` times as long: the units as a running
-        pipeline pays for them (:mod:`pp_core.app.launch.pipeline_factor`)."""
+        pipeline pays for them (:mod:`pp_core.app.plan.pipeline_factor`)."""
         if factor == 1.0:
             return self
         return replace(self, units=tuple(u.retimed(factor) for u in self.units),

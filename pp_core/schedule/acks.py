@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 
 from pp_core.schedule.ir import RECV_B, RECV_F, SEND_B, SEND_F, Action
+from pp_core.schedule.replay import stage_graph
 
 __all__ = ["send_acks"]
 
@@ -28,6 +29,14 @@ def send_acks(program, rank: int) -> dict[int, tuple[int, ...]]:
     compute action at ``position`` has waited for its input, the listed sends have been
     received, so waiting for them returns at once and frees the tensors they hold."""
     stage_ranks = program.stage_ranks
+    graph = stage_graph(len(stage_ranks), program.edges, program.name)
+    # where a stage's SEND_F / SEND_B goes: the stage after / before it on another rank
+    towards = {SEND_F: ([(s, RECV_F) for s in after if stage_ranks[s] != stage_ranks[stage]]
+                        for stage, after in enumerate(graph.after)),
+               SEND_B: ([(s, RECV_B) for s in before if stage_ranks[s] != stage_ranks[stage]]
+                        for stage, before in enumerate(graph.before))}
+    towards = {kind: [found[0] if found else None for found in stages]
+               for kind, stages in towards.items()}
 
     def consumed(r: int) -> dict[Action, int]:  # RECV -> the compute that reads it
         return {lt.action: lt.consumed for lt in program.rank(r).recv_lifetimes
@@ -35,12 +44,9 @@ def send_acks(program, rank: int) -> dict[int, tuple[int, ...]]:
 
     def sends(r: int):  # (position, peer, the matching RECV) per SEND of r
         for position, a in enumerate(program.rank(r).actions):
-            if a.kind is SEND_F:
-                yield position, stage_ranks[a.stage + 1], Action(a.stage + 1, RECV_F,
-                                                                 a.microbatch)
-            elif a.kind is SEND_B:
-                yield position, stage_ranks[a.stage - 1], Action(a.stage - 1, RECV_B,
-                                                                 a.microbatch)
+            if a.kind is SEND_F or a.kind is SEND_B:
+                stage, recv = towards[a.kind][a.stage]
+                yield position, stage_ranks[stage], Action(stage, recv, a.microbatch)
 
     mine = consumed(rank)
     by_peer: dict[int, list] = {}

@@ -31,6 +31,7 @@ from typing import Literal
 from pp_core.errors import ScheduleError, ScheduleFileNotFoundError, quoted, shorten
 from pp_core.schedule.ir import COMPUTE_KINDS, Schedule, parse_action
 from pp_core.schedule.lower import lower
+from pp_core.schedule.replay import chain
 from pp_core.schedule.torch_comms import CommCell, comms_rows, parse_comm_cell
 from pp_core.schedule.torch_comms_check import check_comms
 from pp_core.schedule.validate import validate_schedule
@@ -210,6 +211,11 @@ def _num_microbatches(actions) -> int:
 
 def format_csv(schedule: Schedule) -> str:
     """The compute-only CSV text (CRLF line endings, as torch's ``_dump_csv`` writes)."""
+    if schedule.edges is not None and tuple(map(tuple, schedule.edges)) != \
+            chain(schedule.num_stages):
+        raise ScheduleError(f"schedule {schedule.name!r} has stage edges {list(schedule.edges)}; "
+                            f"a CSV schedule (torch's) is the chain of its stages, so it cannot "
+                            f"say them: keep the Schedule in Python")
     out = io.StringIO(newline="")
     writer = csv.writer(out)
     for row in schedule.actions:

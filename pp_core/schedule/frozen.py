@@ -19,6 +19,7 @@ frozen stage's ``B`` costs its ``I``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 from pp_core.schedule.ir import B, I, W, Action, Schedule
@@ -66,7 +67,7 @@ def without_frozen(schedule: Schedule, trainable: Optional[Sequence[bool]]) -> S
                         action = Action(stage, B, action.microbatch)
             kept.append(action)
         rows.append(kept)
-    return Schedule(rows, schedule.stage_ranks, schedule.num_microbatches, schedule.name)
+    return dataclasses.replace(schedule, actions=rows)
 
 
 def frozen_table(table: Sequence[Sequence[float]], trainable: Optional[Sequence[bool]]

@@ -205,6 +205,10 @@ class Schedule:
     stage_ranks: tuple[int, ...]
     num_microbatches: int
     name: str = "custom"
+    edges: tuple[tuple[int, int], ...] | None = None
+    """Which stage's output feeds which, as ``(from stage, to stage)`` pairs; ``None``: the
+    chain ``0 -> 1 -> ... -> num_stages - 1``. Read only through
+    :func:`pp_core.schedule.replay.stage_graph`, so a pipeline that is not a chain is data."""
 
     @property
     def num_ranks(self) -> int:

@@ -1,7 +1,9 @@
 """Lowering: add the point-to-point actions a compute-only schedule implies, and buffer lifetimes.
 
-``lower(schedule)`` turns per-rank F/B/I/W lists into per-rank *programs* that also hold
-``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``. The runtime executes a program literally:
+``lower(schedule)`` turns per-rank F/B/I/W lists into per-rank *programs*
+(:class:`~pp_core.schedule.program.Program`) that also hold
+``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``, and the lifetime of every receive buffer. The
+runtime executes a program literally:
 
 * ``RECV`` posts a non-blocking receive (``irecv``); the receive is waited right before the
   compute action that consumes it;
@@ -10,185 +12,42 @@
 * adjacent stages on the same rank (the V placement's middle pair) exchange tensors locally: no
   SEND/RECV is emitted for them.
 
-How the order is chosen (the property NCCL needs). The programs are built by emulating the
-schedule in rounds, as torch's ``_add_send_recv`` does: in each round every rank, in rank order,
-emits its next compute action if its input is available (``F(s,k)`` needs ``F(s-1,k)``;
-``I/B(s,k)`` needs ``I/B(s+1,k)``, or ``F(s,k)`` on the last stage); an idle step (``None``) uses
-up a round. When a compute action that produces cross-rank data is emitted, its ``SEND`` is
-appended to the producer's program and the matching ``RECV`` to the *current end* of the
-consumer's program at the same moment. Every message therefore has one place in a single global
-order, so for every pair of ranks the messages between them appear in the same order in both
-programs - what NCCL's in-order matching per pair requires - and a receive is posted as early as
-the emulation allows. Since every blocking wait is for data emitted earlier in that global order,
-the programs cannot deadlock. torch's version rescans and pops list heads (quadratic); here a
-blocked rank sleeps until the action it waits for is emitted, so lowering is linear in the number
-of actions (pp=64, 2 stages per rank, 1024 microbatches: well under a second).
-
-Receive-buffer lifetimes (what a buffer pool sizes itself from). For every ``RECV`` of a rank,
-:class:`RecvLifetime` gives indices into that rank's program:
-
-* ``posted``: the ``RECV`` itself - the buffer must exist from here;
-* ``consumed``: the compute that first reads it (``F(s,k)`` for ``RECV_F(s,k)``; ``I(s,k)`` or
-  ``B(s,k)`` for ``RECV_B(s,k)``);
-* ``released``: the last compute that may still read it: the backward that ends ``(s,k)`` on this
-  stage (``B(s,k)``, or ``W(s,k)`` when the backward is split), because autograd keeps the
-  received activation (and, for split backward, the received gradient) until then.
-
-The buffer is live on the closed interval ``[posted, released]``; two receives whose intervals
-do not overlap may share memory. Lowering is pure Python and imports no torch.
+How the order is chosen (the property NCCL needs). The programs are built by walking the
+schedule in torch's rounds (:class:`~pp_core.schedule.replay.Walk`, as torch's
+``_add_send_recv`` does): in each round every rank, in rank order, emits its next compute action
+if its inputs exist; an idle step (``None``) uses up a round. When a compute action that
+produces cross-rank data is emitted, its ``SEND`` is appended to the producer's program and the
+matching ``RECV`` to the *current end* of the consumer's program at the same moment. Every
+message therefore has one place in a single global order, so for every pair of ranks the
+messages between them appear in the same order in both programs - what NCCL's in-order matching
+per pair requires - and a receive is posted as early as the walk allows. Since every blocking
+wait is for data emitted earlier in that global order, the programs cannot deadlock. torch's
+version rescans and pops list heads (quadratic); the walk is linear in the number of actions
+(pp=64, 2 stages per rank, 1024 microbatches: well under a second). Lowering is pure Python and
+imports no torch.
 """
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass
-from typing import NamedTuple
+import dataclasses
 
 from pp_core.errors import ScheduleError
-from pp_core.schedule.acks import send_acks
-from pp_core.schedule.ir import (
-    B,
-    F,
-    I,
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    W,
-    Action,
-    Schedule,
-    format_actions,
+from pp_core.schedule.ir import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule
+from pp_core.schedule.program import Program, RankProgram, RecvLifetime
+from pp_core.schedule.replay import (
+    B_CODE,
+    COMPUTE_CODE,
+    F_CODE,
+    IDLE,
+    KIND_CODE,
+    W_CODE,
+    Dependencies,
+    Walk,
+    pack,
 )
+from pp_core.schedule.validate import validated
 
-__all__ = ["RecvLifetime", "RankProgram", "Program", "lower", "forward_only"]
-
-_new_action = tuple.__new__  # Action(...) without NamedTuple.__new__'s argument parsing
-
-
-class RecvLifetime(NamedTuple):
-    """One receive buffer of a rank: its ``RECV`` action and three indices into the program.
-
-    ``posted`` <= ``consumed`` <= ``released``; see the module docstring for their meaning.
-    """
-
-    action: Action
-    posted: int
-    consumed: int
-    released: int
-
-
-@dataclass(frozen=True)
-class RankProgram:
-    """What one rank executes: its actions in order, and its receive buffers' lifetimes.
-
-    This is the ``program`` the ``pp_make_recv_buffer_allocator`` hook receives.
-    """
-
-    rank: int
-    actions: tuple[Action, ...]
-    recv_lifetimes: tuple[RecvLifetime, ...]
-    stage_ranks: tuple[int, ...]
-    num_microbatches: int
-    name: str = "custom"
-
-    @property
-    def stages(self) -> tuple[int, ...]:
-        return tuple(s for s, r in enumerate(self.stage_ranks) if r == self.rank)
-
-    def __str__(self) -> str:
-        return format_actions(self.actions)
-
-
-_KINDS = (F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B)
-_CODE = {kind: index for index, kind in enumerate(_KINDS)}
-_C_SEND_F, _C_RECV_F, _C_SEND_B, _C_RECV_B = 4, 5, 6, 7
-
-
-class Program:
-    """A lowered schedule: per-rank programs of compute and communication actions.
-
-    Actions are stored compactly (one int each) and decoded on first access, so lowering a
-    schedule of a million actions stays fast; :meth:`rank` decodes a single rank.
-    """
-
-    def __init__(self, codes, lifetimes, stage_ranks, num_microbatches: int, name: str = "custom"):
-        self._codes = codes  # per rank: list of (stage * M + mb) * 8 + kind code
-        self._lifetimes = lifetimes  # per rank: flat [code, posted, consumed, released, ...]
-        self.stage_ranks = tuple(stage_ranks)
-        self.num_microbatches = num_microbatches
-        self.name = name
-        self._decoded: dict[int, RankProgram] = {}
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self._codes)
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stage_ranks)
-
-    def _decode(self, code: int) -> Action:
-        key, kind = divmod(code, 8)
-        stage, mb = divmod(key, self.num_microbatches)
-        return _new_action(Action, (stage, _KINDS[kind], mb))
-
-    def rank(self, rank: int) -> RankProgram:
-        """The program of ``rank`` (what its executor runs)."""
-        found = self._decoded.get(rank)
-        if found is None:
-            decode = self._decode
-            actions = tuple(decode(code) for code in self._codes[rank])
-            flat = self._lifetimes[rank]
-            lifetimes = tuple(
-                RecvLifetime(decode(flat[i]), flat[i + 1], flat[i + 2], flat[i + 3])
-                for i in range(0, len(flat), 4))
-            found = RankProgram(rank, actions, lifetimes, self.stage_ranks,
-                                self.num_microbatches, self.name)
-            self._decoded[rank] = found
-        return found
-
-    def recv_intervals(self, rank: int, grads_from_forward: bool = False):
-        """``(stage, is_grad, posted, consumed, released)`` per receive of ``rank``, without
-        decoding its actions: what a planner sizing thousands of programs needs.
-
-        ``grads_from_forward``: a gradient's receive counts as posted at the forward whose
-        output it is the gradient of - where the executor posts it on a backend that matches
-        by tag (gloo) when buffers do not follow the program's lifetimes (no pool)."""
-        flat, M = self._lifetimes[rank], self.num_microbatches
-        forwards = {}
-        if grads_from_forward:  # the forward of stage * M + mb, by its code (kind F is 0)
-            forwards = {code >> 3: i for i, code in enumerate(self._codes[rank]) if not code & 7}
-        for i in range(0, len(flat), 4):
-            key, kind = divmod(flat[i], 8)
-            is_grad = kind == _C_RECV_B
-            posted = forwards.get(key, flat[i + 1]) if is_grad else flat[i + 1]
-            yield key // M, is_grad, posted, flat[i + 2], flat[i + 3]
-
-    def compute_positions(self, rank: int) -> list[int]:
-        """Where ``rank``'s compute actions (F, B, I, W) stand in its program, in order: the
-        schedule's own row, placed among the communication."""
-        return [i for i, code in enumerate(self._codes[rank]) if code & 7 < 4]
-
-    def send_acks(self, rank: int) -> dict[int, tuple[int, ...]]:
-        """Where ``rank``'s sends are known received: :func:`pp_core.schedule.acks.send_acks`."""
-        return send_acks(self, rank)
-
-    @property
-    def actions(self) -> tuple[tuple[Action, ...], ...]:
-        """Every rank's actions (decodes every rank)."""
-        return tuple(self.rank(r).actions for r in range(self.num_ranks))
-
-    @property
-    def recv_lifetimes(self) -> tuple[tuple[RecvLifetime, ...], ...]:
-        return tuple(self.rank(r).recv_lifetimes for r in range(self.num_ranks))
-
-    def rows(self) -> list[str]:
-        """One line per rank in the compact form, e.g. ``"0F0 0SEND_F0 0F1 ..."``."""
-        return [format_actions(row) for row in self.actions]
-
-    def __repr__(self) -> str:
-        return (f"Program({self.name!r}, num_ranks={self.num_ranks}, num_stages={self.num_stages},"
-                f" num_microbatches={self.num_microbatches})")
+__all__ = ["RecvLifetime", "RankProgram", "Program", "lower", "forward_only"]  # what lower returns
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -197,8 +56,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     Dropping actions from a deadlock-free schedule keeps it deadlock-free.
     """
     rows = [[a for a in row if a is not None and a.kind is F] for row in schedule.actions]
-    return Schedule(rows, schedule.stage_ranks, schedule.num_microbatches,
-                    f"{schedule.name} (forward only)")
+    return dataclasses.replace(schedule, actions=rows, name=f"{schedule.name} (forward only)")
 
 
 def _bad_action(action, rank: int, stage_ranks, num_stages: int, num_microbatches: int):
@@ -228,123 +86,14 @@ def lower(schedule: Schedule, backward_from: int = 0) -> Program:
         names what each stuck rank waits for). Completeness (one F and one B or I+W per stage and
         microbatch) is :func:`pp_core.schedule.validate.validate_schedule`'s job.
     """
-    stage_ranks = tuple(schedule.stage_ranks)
-    num_stages = len(stage_ranks)
-    M = schedule.num_microbatches
-    num_ranks = schedule.num_ranks
-    rows = [list(row) for row in schedule.actions]
-    last = num_stages - 1
-    # Flags per (stage, mb) key = stage * M + mb: forward emitted / input gradient emitted.
-    fwd_done = bytearray(num_stages * M)
-    bwd_done = bytearray(num_stages * M)
-    out: list[list[int]] = [[] for _ in range(num_ranks)]
-    life: list[list[int]] = [[] for _ in range(num_ranks)]  # flat code, posted, consumed, released
-    open_f: dict[int, int] = {}  # key -> offset of its RECV_F record in life[rank of stage]
-    open_b: dict[int, int] = {}
-    live_f: dict[int, int] = {}  # key -> offset, until the stage's last backward releases it
-    live_b: dict[int, int] = {}
-    waiting: dict[int, list[int]] = {}  # 2 * key (+1 for backward) -> ranks waiting for it
-    ptr = [0] * num_ranks
-    lengths = [len(row) for row in rows]
-    current = [r for r in range(num_ranks) if lengths[r]]
-    nxt: list[int] = []
-    push, pop = heapq.heappush, heapq.heappop
-    valid_kinds = (F, B, I, W)
-
-    while current:
-        heapq.heapify(current)
-        while current:
-            rank = pop(current)
-            index = ptr[rank]
-            action = rows[rank][index]
-            if action is not None:
-                try:
-                    stage, kind, mb = action
-                    ok = stage_ranks[stage] == rank and 0 <= mb < M and stage >= 0 \
-                        and kind in valid_kinds
-                except (TypeError, ValueError, IndexError):
-                    ok = False
-                if not ok:
-                    raise _bad_action(action, rank, stage_ranks, num_stages, M)
-                key = stage * M + mb
-                if kind is F:
-                    if stage and not fwd_done[key - M]:
-                        waiting.setdefault(2 * (key - M), []).append(rank)
-                        continue
-                elif kind is W:
-                    if not bwd_done[key]:
-                        waiting.setdefault(2 * key + 1, []).append(rank)
-                        continue
-                elif stage == last:
-                    if not fwd_done[key]:
-                        waiting.setdefault(2 * key, []).append(rank)
-                        continue
-                elif not bwd_done[key + M]:
-                    waiting.setdefault(2 * (key + M) + 1, []).append(rank)
-                    continue
-                row_out = out[rank]
-                position = len(row_out)
-                if kind is F:
-                    row_out.append(key * 8)
-                    fwd_done[key] = 1
-                    offset = open_f.pop(key, None)
-                    if offset is not None:
-                        life[rank][offset + 2] = position
-                    if stage != last:
-                        peer = stage_ranks[stage + 1]
-                        if peer != rank:
-                            row_out.append(key * 8 + _C_SEND_F)
-                            peer_out = out[peer]
-                            peer_life = life[peer]
-                            offset = len(peer_life)
-                            peer_life += ((key + M) * 8 + _C_RECV_F, len(peer_out), -1, -1)
-                            peer_out.append((key + M) * 8 + _C_RECV_F)
-                            open_f[key + M] = offset
-                            live_f[key + M] = offset
-                    woken = waiting.pop(2 * key, None)
-                elif kind is W:
-                    row_out.append(key * 8 + 3)
-                    woken = None
-                else:
-                    row_out.append(key * 8 + (1 if kind is B else 2))
-                    bwd_done[key] = 1
-                    offset = open_b.pop(key, None)
-                    if offset is not None:
-                        life[rank][offset + 2] = position
-                    if stage > backward_from:
-                        peer = stage_ranks[stage - 1]
-                        if peer != rank:
-                            row_out.append(key * 8 + _C_SEND_B)
-                            peer_out = out[peer]
-                            peer_life = life[peer]
-                            offset = len(peer_life)
-                            peer_life += ((key - M) * 8 + _C_RECV_B, len(peer_out), -1, -1)
-                            peer_out.append((key - M) * 8 + _C_RECV_B)
-                            open_b[key - M] = offset
-                            live_b[key - M] = offset
-                    woken = waiting.pop(2 * key + 1, None)
-                if kind is not I and kind is not F:  # B or W ends (s, k): release its buffers
-                    offset = live_f.pop(key, None)
-                    if offset is not None:
-                        life[rank][offset + 3] = position
-                    offset = live_b.pop(key, None)
-                    if offset is not None:
-                        life[rank][offset + 3] = position
-                if woken:
-                    for other in woken:
-                        if other > rank:
-                            push(current, other)
-                        else:
-                            nxt.append(other)
-            index += 1
-            ptr[rank] = index
-            if index < lengths[rank]:
-                nxt.append(rank)
-        current, nxt = nxt, []
-
-    stuck = [r for r in range(num_ranks) if ptr[r] < lengths[r]]
-    if stuck:
-        details = "; ".join(f"rank {r} waits at {rows[r][ptr[r]]}" for r in stuck)
+    known = validated(schedule)  # its codes, when validated as it stands, have no idle steps
+    dependencies = Dependencies(schedule)
+    walk = Walk(known.codes if known and not known.idle else _encode(schedule), dependencies)
+    visit, out, life = _emitter(schedule, dependencies, backward_from, walk.ptr)
+    walk.run(visit, one_per_turn=True)
+    if walk.stuck():
+        details = "; ".join(f"rank {r} waits at {schedule.actions[r][walk.ptr[r]]}"
+                            for r in walk.stuck())
         raise ScheduleError(
             f"schedule {schedule.name!r} cannot run: its dependencies form a cycle ({details}); "
             f"run validate_schedule() for the rank x step grid, and reorder the actions so each "
@@ -353,4 +102,107 @@ def lower(schedule: Schedule, backward_from: int = 0) -> Program:
         for i in range(3, len(flat), 4):
             if flat[i] < 0:  # no backward for this (stage, mb): a forward-only program
                 flat[i] = flat[i - 1]
-    return Program(out, life, stage_ranks, M, schedule.name)
+    return Program(out, life, dependencies.stage_ranks, schedule.num_microbatches, schedule.name,
+                   schedule.edges)
+
+
+_NOT_AN_ACTION = -2  # a row's entry lowering refuses, once the walk reaches it
+
+
+def _encode(schedule: Schedule) -> list[list[int]]:
+    """Each rank's row as codes (:data:`IDLE` for an idle step), without validating it: an
+    entry that is no compute action of a stage on its rank is refused when the walk reaches it,
+    so a schedule that cannot get there says so instead."""
+    stage_ranks, M = tuple(schedule.stage_ranks), schedule.num_microbatches
+    rows = []
+    for rank, row in enumerate(schedule.actions):
+        codes = []
+        for action in row:
+            if action is None:
+                codes.append(IDLE)
+                continue
+            try:
+                stage, kind, mb = action
+                code = COMPUTE_CODE.get(kind)
+                ok = stage_ranks[stage] == rank and 0 <= mb < M and stage >= 0 \
+                    and code is not None
+            except (TypeError, ValueError, IndexError):
+                ok = False
+            codes.append(pack(stage * M + mb, code) if ok else _NOT_AN_ACTION)
+        rows.append(codes)
+    return rows
+
+
+def _offset(kind, to_kind, key_offset: int = 0) -> int:
+    """How far the code of ``to_kind`` on the unit ``key_offset`` away lies from ``kind``'s."""
+    base = 1 << 40  # any key far enough from 0 that no offset reaches below it
+    return pack(base + key_offset, KIND_CODE[to_kind]) - pack(base, KIND_CODE[kind])
+
+
+def _messages(dependencies: Dependencies, backward_from: int):
+    """``[kind][stage]``: the messages an action sends, as ``(peer rank, key of the receiving
+    unit, SEND code, RECV code)``, key and codes as offsets from the action's own: a forward's
+    output to each stage after it on another rank, an input gradient to each stage before it
+    that runs a backward (at or after ``backward_from``)."""
+    ranks, graph, M = dependencies.stage_ranks, dependencies.graph, dependencies.num_microbatches
+
+    def sends(stage, kind, towards, send, recv):
+        peers = [s for s in towards if ranks[s] != ranks[stage]]
+        if len(peers) > 1:
+            raise ScheduleError(
+                f"stage {stage} sends to stages {peers} on other ranks; a lowered program's "
+                f"{send} names only its own stage, so lowering takes one such stage per "
+                f"direction (the IR's SEND would have to name its peer)")
+        return tuple((ranks[s], (s - stage) * M, _offset(kind, send),
+                      _offset(kind, recv, (s - stage) * M)) for s in peers)
+
+    forward = [sends(stage, F, after, SEND_F, RECV_F) for stage, after in enumerate(graph.after)]
+    backward = [[sends(stage, kind, [s for s in before if s >= backward_from], SEND_B, RECV_B)
+                 for stage, before in enumerate(graph.before)] for kind in (B, I)]
+    return [forward, *backward]
+
+
+def _emitter(schedule: Schedule, dependencies: Dependencies, backward_from: int,
+             steps: list[int]):
+    """The walk's client in :func:`lower`, and the programs it writes: each action it is handed
+    goes to its rank's program, with the SEND it implies there and the matching RECV at the end
+    of the peer's program (``steps``: the walk's per-rank positions)."""
+    M, ranks = schedule.num_microbatches, dependencies.stage_ranks
+    messages = _messages(dependencies, backward_from)
+    out: list[list[int]] = [[] for _ in schedule.actions]
+    life: list[list[int]] = [[] for _ in schedule.actions]  # flat code, posted, consumed, released
+    units = len(ranks) * M
+    # per unit, the offset of its RECV_F / RECV_B record in life[its rank] (-1: none): opened
+    # until the compute that reads it, live until the unit's last backward releases it
+    opened = ([-1] * units, [-1] * units)
+    live = ([-1] * units, [-1] * units)
+
+    def visit(rank: int, code: int, key: int, stage: int, kind: int) -> None:
+        if code < 0:  # an idle step takes its turn; an entry that is no action stops here
+            if code != IDLE:  # in rounds, steps[rank] is the step being run
+                raise _bad_action(schedule.actions[rank][steps[rank]], rank, ranks, len(ranks), M)
+            return
+        row = out[rank]
+        position = len(row)
+        row.append(code)
+        if kind != W_CODE:
+            grad = kind != F_CODE
+            reading, living = opened[grad], live[grad]
+            offset = reading[key]
+            if offset >= 0:  # the receive this action reads
+                life[rank][offset + 2] = position
+                reading[key] = -1
+            for peer, delta, send, recv in messages[kind][stage]:
+                row.append(code + send)
+                peer_life = life[peer]
+                reading[key + delta] = living[key + delta] = len(peer_life)
+                peer_life += (code + recv, len(out[peer]), -1, -1)
+                out[peer].append(code + recv)
+        if kind == B_CODE or kind == W_CODE:  # the unit's backward ends: its buffers may go
+            for living in live:
+                offset = living[key]
+                if offset >= 0:
+                    life[rank][offset + 3] = position
+                    living[key] = -1
+
+    return visit, out, life

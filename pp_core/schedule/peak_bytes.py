@@ -12,6 +12,7 @@ from typing import Sequence
 
 from pp_core.errors import ScheduleError
 from pp_core.schedule.ir import Schedule
+from pp_core.schedule.replay import F_CODE, I_CODE, W_CODE, columns
 from pp_core.schedule.validate import encode_validated
 
 __all__ = ["peak_activation_bytes", "rank_peak_bytes", "bytes_per_stage"]
@@ -51,22 +52,20 @@ def rank_peak_bytes(row, M: int, stage_bytes: list[float], held: list[float] | N
     if floor is not None:
         return _floored_peak_bytes(row, M, stage_bytes, held, transient, floor)
     live_b = peak_b = 0.0
-    for c in row:
-        kc = c & 3
-        stage = (c >> 2) // M
-        if transient is not None and kc and live_b + transient[stage] > peak_b:
+    for stage, kc in zip(*columns(row, M)):
+        if transient is not None and kc != F_CODE and live_b + transient[stage] > peak_b:
             peak_b = live_b + transient[stage]
-        if kc == 0:
+        if kc == F_CODE:
             live_b += stage_bytes[stage]
             if live_b > peak_b:
                 peak_b = live_b
             if transient is not None and live_b + transient[stage] > peak_b:
                 peak_b = live_b + transient[stage]  # its forward's, on what it saved
-        elif kc != 2:
+        elif kc != I_CODE:
             if held is not None:  # what the I before it left, not seen at an F yet
                 if live_b > peak_b:
                     peak_b = live_b
-                if kc == 3:
+                if kc == W_CODE:
                     live_b -= held[stage]
             live_b -= stage_bytes[stage]
         elif held is not None:  # the state before it: while it runs its own additions
@@ -80,17 +79,15 @@ def _floored_peak_bytes(row, M: int, stage_bytes, held, transient, floor) -> flo
     """:func:`rank_peak_bytes` with ``floor[i]`` held beside everything while action ``i``
     runs (its own loop: the plain one is the planner's inner loop)."""
     live_b = peak_b = 0.0
-    for c, beside in zip(row, floor):
-        kc = c & 3
-        stage = (c >> 2) // M
+    for stage, kc, beside in zip(*columns(row, M), floor):
         extra = beside + (transient[stage] if transient is not None else 0.0)
-        if kc == 0:
+        if kc == F_CODE:
             peak_b = max(peak_b, live_b + beside)  # what it reads is there before it saves
             live_b += stage_bytes[stage]
             peak_b = max(peak_b, live_b + extra)
-        elif kc != 2:
+        elif kc != I_CODE:
             peak_b = max(peak_b, live_b + extra)
-            if kc == 3 and held is not None:
+            if kc == W_CODE and held is not None:
                 live_b -= held[stage]
             live_b -= stage_bytes[stage]
         else:

@@ -11,13 +11,16 @@ The model is processor sharing, the fluid limit of a time-sliced scheduler: whil
 have an action running, each progresses at ``min(1, processors / n)`` of its full speed; a rank
 that waits for a hand-off takes no processor. Dependencies and the latency on cross-rank
 hand-offs are those of the plain replay; with ``processors >= ranks`` the two give the same
-times. Events (an action ends, a hand-off arrives) are processed in time order: each costs a
-pass over the ranks, so a replay is ``O(actions x ranks)``.
+times. Events (an action ends, a hand-off arrives) are processed in time order; between them the
+walk of :mod:`pp_core.schedule.replay` starts what can start, holding a rank at an action while
+it runs or while its input is on its way. Each event costs a pass over the ranks, so a replay is
+``O(actions x ranks)``.
 """
 
 from __future__ import annotations
 
 from pp_core.schedule.ir import Schedule
+from pp_core.schedule.replay import MAKES, Dependencies, Walk
 
 __all__ = ["replay_shared"]
 
@@ -26,78 +29,56 @@ _EPS = 1e-12
 
 def replay_shared(schedule: Schedule, encoded: list[list[int]], cost, latency: float,
                   processors: float) -> tuple[list[list[float]], list[list[float]]]:
-    """``(starts, ends)`` of every encoded action (``(stage * M + mb) << 2 | kind``, kinds
-    F=0, B=1, I=2, W=3) on ranks sharing ``processors``. The schedule must be known to be
-    deadlock-free (it was validated)."""
-    stage_ranks = schedule.stage_ranks
-    M = schedule.num_microbatches
-    num_ranks = len(encoded)
-    size = schedule.num_stages * M
-    last_key = size - M
-    fend = [-1.0] * size   # end time of F(key); -1 = not yet
-    bend = [-1.0] * size   # end time of I/B(key)
-    ptr = [0] * num_ranks
-    left = [0.0] * num_ranks            # work left of the running action
+    """``(starts, ends)`` of every encoded action on ranks sharing ``processors``. The schedule
+    must be known to be deadlock-free (it was validated)."""
+    dependencies = Dependencies(schedule)
+    arrivals, num_ranks = dependencies.arrivals, len(encoded)
+    made = [0.0] * (2 * schedule.num_stages * schedule.num_microbatches)  # per unit and made
+    left = [0.0] * num_ranks  # work left of the running action
     running = [False] * num_ranks
-    free_at = [0.0] * num_ranks          # end of the rank's previous action
+    finished = [False] * num_ranks  # its action ended: the walk may go on
+    free_at = [0.0] * num_ranks  # end of the rank's previous action
+    current = [(0, 0)] * num_ranks  # (key, kind) of the running action
+    due: dict[int, float] = {}  # rank -> when its next action's input arrives
     starts: list[list[float]] = [[] for _ in range(num_ranks)]
     ends: list[list[float]] = [[] for _ in range(num_ranks)]
     now = 0.0
 
-    def ready_time(r: int) -> float:
-        """When the action at ``ptr[r]`` may start; -1 while its input is not produced."""
-        c = encoded[r][ptr[r]]
-        kc, key = c & 3, c >> 2
-        s = key // M
+    def ended(r: int, key: int, kind: int) -> None:
+        if MAKES[kind] is not None:
+            made[2 * key + MAKES[kind]] = now
+        ends[r].append(now)
+        free_at[r] = now
+
+    def start(r: int, _code: int, key: int, stage: int, kind: int) -> bool:
+        """The walk's visit: ``True`` holds rank ``r`` at this action (running, or waiting for
+        its input to arrive); once it has finished, the walk goes on."""
+        if finished[r]:
+            finished[r] = False
+            return False
         ready = free_at[r]
-        if kc == 0 and key >= M:
-            done = fend[key - M]
-            if done < 0:
-                return -1.0
-            ready = max(ready, done + (latency if stage_ranks[s - 1] != r else 0.0))
-        elif kc in (1, 2) and key < last_key:
-            done = bend[key + M]
-            if done < 0:
-                return -1.0
-            ready = max(ready, done + (latency if stage_ranks[s + 1] != r else 0.0))
-        return ready
+        for offset in arrivals[kind][stage]:
+            ready = max(ready, made[2 * key + offset] + latency)
+        if ready > now + _EPS:
+            due[r] = ready
+            return True
+        starts[r].append(now)
+        current[r] = (key, kind)
+        work = cost[stage][kind]
+        if work <= 0.0:  # a zero-cost action ends where it starts
+            ended(r, key, kind)
+            return False
+        left[r], running[r] = work, True
+        return True
 
-    def finish(r: int, at: float) -> None:
-        c = encoded[r][ptr[r]]
-        kc, key = c & 3, c >> 2
-        if kc == 0:
-            fend[key] = at
-        elif kc != 3:
-            bend[key] = at
-        ends[r].append(at)
-        free_at[r] = at
-        running[r] = False
-        ptr[r] += 1
-
+    walk = Walk(encoded, dependencies)
     while True:
-        # start what can start now; a zero-cost action ends where it starts
-        progressed = True
-        next_arrival = float("inf")
-        while progressed:
-            progressed = False
-            next_arrival = float("inf")
-            for r in range(num_ranks):
-                while not running[r] and ptr[r] < len(encoded[r]):
-                    ready = ready_time(r)
-                    if ready < 0:
-                        break
-                    if ready > now + _EPS:
-                        next_arrival = min(next_arrival, ready)
-                        break
-                    c = encoded[r][ptr[r]]
-                    starts[r].append(now)
-                    work = cost[(c >> 2) // M][c & 3]
-                    if work <= 0.0:
-                        finish(r, now)
-                        progressed = True
-                        continue
-                    left[r], running[r] = work, True
+        for r in due:  # offer them again: some may start now
+            walk.wake(r)
+        due.clear()
+        walk.run(start)  # start what can start now
         busy = [r for r in range(num_ranks) if running[r]]
+        next_arrival = min(due.values(), default=float("inf"))
         if not busy:
             if next_arrival == float("inf"):
                 break  # everything ran (or a deadlock, which validation ruled out)
@@ -109,5 +90,7 @@ def replay_shared(schedule: Schedule, encoded: list[list[int]], cost, latency: f
         for r in busy:
             left[r] -= step * rate
             if left[r] <= _EPS * max(1.0, now):
-                finish(r, now)
+                ended(r, *current[r])
+                running[r], finished[r] = False, True
+                walk.wake(r)
     return starts, ends

@@ -1,10 +1,10 @@
 """Discrete-event simulation of a compute-only schedule: makespan, bubble, memory.
 
 Each rank executes its actions in order; an action starts at ``max(rank free, end of its input +
-comm latency)`` with the dependency rules of validation (``F(s,k)`` needs ``F(s-1,k)``,
-``I/B(s,k)`` needs ``I/B(s+1,k)``), the model the published bubble formulas assume, so with unit
-costs the results match them (docs/schedules.md, "Bubble ratio"). The run is linear in the number
-of actions (same per-rank pointers and wake-ups as validation).
+comm latency)`` with the dependency rule of validation (:mod:`pp_core.schedule.replay`: in a
+chain ``F(s,k)`` needs ``F(s-1,k)``, ``I/B(s,k)`` needs ``I/B(s+1,k)``), the model the published
+bubble formulas assume, so with unit costs the results match them (docs/schedules.md, "Bubble
+ratio"). The run is the walk of validation with a clock, linear in the number of actions.
 
 Figures:
 
@@ -26,16 +26,15 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from pp_core.errors import ScheduleError
-from pp_core.schedule.ir import B, F, I, W, Action, Schedule
+from pp_core.schedule.ir import Action, Schedule
 from pp_core.schedule.build import gc_paused
 from pp_core.schedule.peak_bytes import bytes_per_stage, rank_peak_bytes
+from pp_core.schedule.replay import F_CODE, I_CODE, MAKES, Dependencies, columns, decode
 from pp_core.schedule.sharing import replay_shared
-from pp_core.schedule.deadlock import raise_deadlock
+from pp_core.schedule.deadlock import walk_or_raise
 from pp_core.schedule.validate import encode_validated
 
 __all__ = ["Costs", "SimResult", "simulate"]
-
-_KINDS = (F, B, I, W)
 
 
 @dataclass(frozen=True)
@@ -110,13 +109,10 @@ class SimResult:
         M = self.schedule.num_microbatches
         out = []
         for r, (row, starts) in enumerate(zip(self._encoded, self.starts)):
-            events = []
-            for i, (c, t0) in enumerate(zip(row, starts)):
-                s, mb = divmod(c >> 2, M)
-                kc = c & 3
-                t1 = self._ends[r][i] if self._ends is not None else t0 + self._cost[s][kc]
-                events.append((Action(s, _KINDS[kc], mb), t0, t1))
-            out.append(events)
+            stages, kinds = columns(row, M)
+            ends = self._ends[r] if self._ends is not None else \
+                [t0 + self._cost[s][k] for s, k, t0 in zip(stages, kinds, starts)]
+            out.append([(decode(c, M), t0, t1) for c, t0, t1 in zip(row, starts, ends)])
         return out
 
     @property
@@ -220,17 +216,17 @@ def simulate(
         live = peak = 0
         counts = [0, 0, 0, 0]
         total = 0.0
-        for c in row:
-            kc = c & 3
+        stages, kinds = columns(row, M)
+        for stage, kind in zip(stages, kinds):
             if uniform:
-                counts[kc] += 1
+                counts[kind] += 1
             else:
-                total += cost[(c >> 2) // M][kc]
-            if kc == 0:
+                total += cost[stage][kind]
+            if kind == F_CODE:
                 live += 1
                 if live > peak:
                     peak = live
-            elif kc != 2:
+            elif kind != I_CODE:  # a B, or the W after an I, frees the unit's activations
                 live -= 1
         if uniform:
             total = sum(n * d for n, d in zip(counts, cost[0]))
@@ -239,8 +235,7 @@ def simulate(
         if not st:
             last.append(0.0)
         else:  # shared processors stretch actions: their ends are the replay's own
-            last.append(ends[r][-1] if ends is not None
-                        else st[-1] + cost[(row[-1] >> 2) // M][row[-1] & 3])
+            last.append(ends[r][-1] if ends is not None else st[-1] + cost[stages[-1]][kinds[-1]])
         peaks.append(peak)
         if stage_bytes is not None:
             peak_bytes.append(rank_peak_bytes(row, M, stage_bytes, held))
@@ -256,69 +251,27 @@ def simulate(
 
 def _replay(schedule: Schedule, encoded: list[list[int]], cost,
             latency: float) -> list[list[float]]:
-    """Start time of every encoded action (the schedule is known to be deadlock-free)."""
-    stage_ranks = schedule.stage_ranks
-    num_ranks = len(encoded)
-    M = schedule.num_microbatches
-    size = schedule.num_stages * M
-    last_key = size - M
-    fend = [-1.0] * size  # end time of F(key), -1 = not yet
-    bend = [-1.0] * size  # end time of I/B(key)
-    clock = [0.0] * num_ranks
-    ptr = [0] * num_ranks
-    starts: list[list[float]] = [[] for _ in range(num_ranks)]
-    blocked = [False] * num_ranks
-    queue = list(range(num_ranks - 1, -1, -1))
-    while queue:
-        r = queue.pop()
-        row = encoded[r]
-        out = starts[r]
-        p, n, t = ptr[r], len(row), clock[r]
-        while p < n:
-            c = row[p]
-            kc = c & 3
-            key = c >> 2
-            s = key // M
-            if kc == 0:
-                if key >= M:
-                    ready = fend[key - M]
-                    if ready < 0:
-                        break
-                    if stage_ranks[s - 1] != r:
-                        ready += latency
-                    if ready > t:
-                        t = ready
-                out.append(t)
-                t += cost[s][0]
-                fend[key] = t
-                if key < last_key:
-                    target = stage_ranks[s + 1]
-                    if blocked[target]:
-                        blocked[target] = False
-                        queue.append(target)
-            elif kc != 3:
-                if key < last_key:
-                    ready = bend[key + M]
-                    if ready < 0:
-                        break
-                    if stage_ranks[s + 1] != r:
-                        ready += latency
-                    if ready > t:
-                        t = ready
-                out.append(t)
-                t += cost[s][kc]
-                bend[key] = t
-                if key >= M:
-                    target = stage_ranks[s - 1]
-                    if blocked[target]:
-                        blocked[target] = False
-                        queue.append(target)
-            else:
-                out.append(t)
-                t += cost[s][3]
-            p += 1
-        ptr[r], clock[r] = p, t
-        blocked[r] = p < n
-    if any(blocked):
-        raise_deadlock(schedule, encoded, ptr)
+    """Start time of every encoded action: each starts when its rank is free and its inputs
+    have arrived (``latency`` after they were made on another rank)."""
+    dependencies = Dependencies(schedule)
+    arrivals = dependencies.arrivals
+    ends = [0.0] * (2 * schedule.num_stages * schedule.num_microbatches)  # per unit and made
+    clock = [0.0] * len(encoded)
+    starts: list[list[float]] = [[] for _ in encoded]
+
+    def visit(r: int, _code: int, key: int, stage: int, kind: int) -> None:
+        t = clock[r]
+        at = 2 * key
+        for offset in arrivals[kind][stage]:
+            ready = ends[at + offset] + latency
+            if ready > t:
+                t = ready
+        starts[r].append(t)
+        t += cost[stage][kind]
+        made = MAKES[kind]
+        if made is not None:
+            ends[at + made] = t
+        clock[r] = t
+
+    walk_or_raise(schedule, encoded, visit, dependencies)
     return starts

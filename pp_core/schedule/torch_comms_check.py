@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from pp_core.errors import ScheduleError
 from pp_core.schedule.ir import B, F, I, Action, Schedule
+from pp_core.schedule.replay import StageGraph, Walk, pack, stage_graph
 from pp_core.schedule.torch_comms import WAIT_KINDS, CommCell
 
 __all__ = ["check_comms"]
 
 _TOWARDS = {"SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1, "WAIT_SEND_F": 1,
             "WAIT_SEND_B": -1}
+"""Whom a cell talks to: the stage after its own (1) or before it (-1) in the stage graph."""
 _CONSUMER = {"RECV_F": ("F",), "RECV_B": ("I", "B")}
 _PRODUCER = {"SEND_F": ("F",), "SEND_B": ("I", "B")}
 _P2P = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -29,6 +31,7 @@ def check_comms(cells: list[CommCell], schedule: Schedule, columns: list[list[in
     column of ``schedule.actions[r][i]``.
     """
     ranks, num_stages, m = schedule.stage_ranks, schedule.num_stages, schedule.num_microbatches
+    graph = stage_graph(num_stages, schedule.edges, schedule.name)
     at: dict[tuple, CommCell] = {}  # (kind, stage, microbatch) -> its cell
     compute_col: dict[tuple, int] = {}  # (kind letter, stage, microbatch) -> its column
     for r, row in enumerate(schedule.actions):
@@ -56,16 +59,22 @@ def check_comms(cells: list[CommCell], schedule: Schedule, columns: list[list[in
             fail(cell, f"appears twice (also column {at[key].column}); torch posts each send, "
                        f"receive and wait once")
         at[key] = cell
-        towards = cell.stage + _TOWARDS[cell.kind]
-        if not 0 <= towards < num_stages:
-            fail(cell, f"has no stage {towards} to talk to; remove it")
+        towards = _peer(graph, cell)
+        if towards is None:
+            fail(cell, f"has no stage {cell.stage + _TOWARDS[cell.kind]} to talk to; remove it")
         if ranks[towards] == cell.rank:
             fail(cell, f"talks to stage {towards} on the same rank, which torch hands over "
                        f"locally (no cell); remove it")
     _check_order(cells, compute_col, fail)
-    _check_pairs(cells, schedule, at, where)
+    _check_pairs(cells, schedule, graph, at, where)
     _check_waits(cells, at, fail)
-    _check_deadlock(cells, schedule, columns, at, where)
+    _check_deadlock(cells, schedule, graph, columns, at, where)
+
+
+def _peer(graph: StageGraph, cell: CommCell) -> int | None:
+    """The stage ``cell`` talks to (``None``: there is none)."""
+    found = (graph.after if _TOWARDS[cell.kind] > 0 else graph.before)[cell.stage]
+    return found[0] if found else None
 
 
 def _check_order(cells, compute_col, fail) -> None:
@@ -110,7 +119,7 @@ def _check_order(cells, compute_col, fail) -> None:
                                f"computes on an FSDP stage only between UNSHARD and RESHARD")
 
 
-def _check_pairs(cells, schedule: Schedule, at, where: str) -> None:
+def _check_pairs(cells, schedule: Schedule, graph: StageGraph, at, where: str) -> None:
     """With any SEND/RECV cell in the file, every hand-off between ranks has both."""
     if not any(c.kind in _P2P for c in cells):
         return
@@ -120,19 +129,20 @@ def _check_pairs(cells, schedule: Schedule, at, where: str) -> None:
             if a is None:
                 continue
             s, k = a.stage, a.microbatch
-            if a.kind is F and s + 1 < len(ranks) and ranks[s + 1] != r:
-                pair = (("SEND_F", s), ("RECV_F", s + 1))
-            elif a.kind in (I, B) and s > 0 and ranks[s - 1] != r:
-                pair = (("SEND_B", s), ("RECV_B", s - 1))
+            if a.kind is F:
+                peers, send, recv = graph.after[s], "SEND_F", "RECV_F"
+            elif a.kind in (I, B):
+                peers, send, recv = graph.before[s], "SEND_B", "RECV_B"
             else:
                 continue
-            for kind, stage in pair:
-                if (kind, stage, k) not in at:
-                    raise ScheduleError(
-                        f"{where}: {a} on rank {r} hands off to stage {pair[1][1]} on rank "
-                        f"{ranks[pair[1][1]]}, but row {ranks[stage]} has no '{stage}{kind}{k}'; "
-                        f"a compute_comms file holds every send and receive (or write it "
-                        f"compute-only and let lowering add them)")
+            for peer in (t for t in peers if ranks[t] != r):
+                for kind, stage in ((send, s), (recv, peer)):
+                    if (kind, stage, k) not in at:
+                        raise ScheduleError(
+                            f"{where}: {a} on rank {r} hands off to stage {peer} on rank "
+                            f"{ranks[peer]}, but row {ranks[stage]} has no '{stage}{kind}{k}'; "
+                            f"a compute_comms file holds every send and receive (or write it "
+                            f"compute-only and let lowering add them)")
 
 
 def _check_waits(cells, at, fail) -> None:
@@ -168,59 +178,77 @@ def _check_waits(cells, at, fail) -> None:
                        f"'{cell.stage}WAIT_REDUCE_GRAD' after it")
 
 
-def _needs(item, r: int, ranks, at) -> tuple | None:
-    """The send or receive (``(kind, stage, microbatch)``) that ``item`` blocks on in torch's
+def _needs(item, r: int, graph: StageGraph, ranks, at) -> list[tuple]:
+    """The sends or receives (``(kind, stage, microbatch)``) that ``item`` blocks on in torch's
     runtime: a compute fed from another rank, the peer's send; a send's wait, the peer's
     receive. Everything else posts and moves on."""
     if isinstance(item, Action):
         s, k = item.stage, item.microbatch
-        if item.kind is F and s > 0 and ranks[s - 1] != r:
-            need = ("SEND_F", s - 1, k)
-        elif item.kind in (I, B) and s + 1 < len(ranks) and ranks[s + 1] != r:
-            need = ("SEND_B", s + 1, k)
+        if item.kind is F:
+            needs = [("SEND_F", t, k) for t in graph.before[s] if ranks[t] != r]
+        elif item.kind in (I, B):
+            needs = [("SEND_B", t, k) for t in graph.after[s] if ranks[t] != r]
         else:
-            return None
-        return need if need in at else None
+            return []
+        return [need for need in needs if need in at]
     if item.kind in ("WAIT_SEND_F", "WAIT_SEND_B"):
-        return ("RECV" + item.kind[9:], item.stage + _TOWARDS[item.kind], item.microbatch)
-    return None
+        return [("RECV" + item.kind[9:], _peer(graph, item), item.microbatch)]
+    return []
 
 
-def _check_deadlock(cells, schedule: Schedule, columns, at, where: str) -> None:
+class _Posting:
+    """torch's runtime as tables for :class:`~pp_core.schedule.replay.Walk`: each cell of the
+    file is a unit of its own (its number the key, one microbatch), waiting for the cells
+    :func:`_needs` names; a SEND or RECV cell, once passed, is posted for them."""
+
+    num_microbatches = 1
+
+    def __init__(self, rows, graph: StageGraph, ranks, at):
+        self.needs = [[_needs(item, r, graph, ranks, at) for _, item in row]
+                      for r, row in enumerate(rows)]
+        numbers, number = {}, 0  # (kind, stage, microbatch) of a SEND/RECV -> its cell's number
+        self.codes = []
+        for row in rows:
+            self.codes.append([pack(number + i, 0) for i in range(len(row))])
+            numbers.update({(item.kind, item.stage, item.microbatch): number + i
+                            for i, (_, item) in enumerate(row)
+                            if isinstance(item, CommCell) and item.kind in _P2P})
+            number += len(row)
+        self.counts = [len(needs) for row in self.needs for needs in row]
+        self.wakes = [[[] for _ in range(number)]]  # indexed [kind 0][cell number]
+        waiter = 0
+        for r, row in enumerate(self.needs):
+            for needs in row:
+                for need in needs:
+                    if need in numbers:
+                        self.wakes[0][numbers[need]].append((8 * (waiter - numbers[need]), r))
+                waiter += 1
+
+    def missing(self) -> list[int]:
+        return [n if kind == 0 else 0 for n in self.counts for kind in range(8)]
+
+
+def _check_deadlock(cells, schedule: Schedule, graph: StageGraph, columns, at,
+                    where: str) -> None:
     """Run the rows as torch's runtime would (:func:`_needs`); rows left blocked with nothing
-    to unblock them are a deadlock, named cell by cell. Linear: a blocked row sleeps until
-    what it waits for is posted."""
+    to unblock them are a deadlock, named cell by cell."""
     ranks = schedule.stage_ranks
     rows: list[list] = []
     for r, row in enumerate(schedule.actions):
         items = [(col, a) for a, col in zip(row, columns[r]) if a is not None]
         items += [(c.column, c) for c in cells if c.rank == r]
         rows.append(sorted(items, key=lambda pair: pair[0]))
-    posted: set = set()
-    pointer = [0] * len(rows)
-    waiting: dict[tuple, list[int]] = {}
-    runnable = list(range(len(rows)))
-    while runnable:
-        r = runnable.pop()
-        while pointer[r] < len(rows[r]):
-            item = rows[r][pointer[r]][1]
-            need = _needs(item, r, ranks, at)
-            if need is not None and need not in posted:
-                waiting.setdefault(need, []).append(r)
-                break
-            pointer[r] += 1
-            if isinstance(item, CommCell) and item.kind in _P2P:
-                key = (item.kind, item.stage, item.microbatch)
-                posted.add(key)
-                runnable.extend(waiting.pop(key, ()))
-    stuck = [r for r in range(len(rows)) if pointer[r] < len(rows[r])]
-    if stuck:
-        lines = []
-        for r in stuck:
-            col, item = rows[r][pointer[r]]
-            kind, stage, mb = need = _needs(item, r, ranks, at)
-            lines.append(f"  rank {r} column {col}: {item} waits for '{stage}{kind}{mb}' "
-                         f"(row {at[need].rank}, column {at[need].column}), not reached")
-        raise ScheduleError(f"{where}: its communication deadlocks in torch's runtime:\n"
-                            + "\n".join(lines) + "\nmove each send (or receive) before the "
-                            "cells that wait for its peer")
+    posting = _Posting(rows, graph, ranks, at)
+    walk = Walk(posting.codes, posting)
+    walk.run()
+    if not walk.stuck():
+        return
+    lines = []
+    for r in walk.stuck():
+        col, item = rows[r][walk.ptr[r]]
+        kind, stage, mb = need = posting.needs[r][walk.ptr[r]][0]
+        lines.append(f"  rank {r} column {col}: {item} waits for '{stage}{kind}{mb}' "
+                     f"(row {at[need].rank}, column {at[need].column}), not reached")
+    raise ScheduleError(f"{where}: its communication deadlocks in torch's runtime:\n"
+                        + "\n".join(lines) + "\nmove each send (or receive) before the "
+                        "cells that wait for its peer")

@@ -11,22 +11,26 @@ The rules (``docs/schedules.md``, "Validation"):
    later by one ``W``;
 3. ``F(s,k)`` needs ``F(s-1,k)``; ``I/B(s,k)`` needs ``I/B(s+1,k)`` (never a ``W``); the last
    stage's backward needs its own ``F``;
-4. deadlock freedom: a list-scheduling run (each rank executes its next action as soon as its
-   inputs exist) finishes.
+4. deadlock freedom: the walk of :mod:`pp_core.schedule.replay` (each rank runs its next action
+   as soon as its inputs exist) finishes.
 
-Everything is linear in the number of actions: one pass encodes each action as an integer and
-checks 1-2 and local order with a per-(stage, microbatch) bit mask, then a list-scheduling run
-advances per-rank pointers and wakes only the one rank that consumes each finished action.
+Everything is linear in the number of actions: one pass encodes each action as an integer
+(:func:`~pp_core.schedule.replay.pack`) and checks 1-2 and local order with a per-(stage,
+microbatch) bit mask, then the walk advances per-rank pointers and wakes only the ranks that
+read each finished action.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from pp_core.errors import ScheduleError
-from pp_core.schedule.deadlock import KIND_CODE, list_schedule
+from pp_core.schedule.deadlock import walk_or_raise
 from pp_core.schedule.grid import format_grid  # re-exported
 from pp_core.schedule.ir import B, COMM_KINDS, F, I, W, Action, Schedule
+from pp_core.schedule.replay import COMPUTE_CODE, pack
 
-__all__ = ["validate_schedule", "encode_validated", "format_grid"]
+__all__ = ["validate_schedule", "encode_validated", "validated", "Validated", "format_grid"]
 
 _F_BIT, _B_BIT, _I_BIT, _W_BIT = 1, 2, 4, 8
 _DONE_FULL, _DONE_SPLIT = _F_BIT | _B_BIT, _F_BIT | _I_BIT | _W_BIT
@@ -39,18 +43,53 @@ def validate_schedule(schedule: Schedule) -> None:
 
 
 def encode_validated(schedule: Schedule, check_deadlock: bool = True) -> list[list[int]]:
-    """Validate, and return each rank's actions (idle cells dropped) as ``key * 4 + kind``.
+    """Validate, and return each rank's actions (idle cells dropped) as codes
+    (:mod:`pp_core.schedule.replay`'s packing; shared: read them, never change them).
 
-    ``key = stage * num_microbatches + microbatch``, kind F=0, B=1, I=2, W=3. The simulator and
-    other linear-time passes reuse this encoding instead of re-reading the Action tuples. With
-    ``check_deadlock=False`` the caller runs its own list scheduling and calls
-    :func:`~pp_core.schedule.deadlock.raise_deadlock` when ranks stay blocked.
+    The simulator and other linear-time passes reuse this encoding instead of re-reading the
+    Action tuples. With ``check_deadlock=False`` the caller runs the walk itself
+    (:func:`~pp_core.schedule.deadlock.walk_or_raise`).
     """
+    known = validated(schedule, check_deadlock)
+    if known is not None:
+        return known.codes
     _num_ranks, num_stages, num_microbatches = _check_shape(schedule)
-    encoded = _encode(schedule, num_stages, num_microbatches)
+    encoded, idle = _encode(schedule, num_stages, num_microbatches)
     if check_deadlock:
-        list_schedule(schedule, encoded, num_stages, num_microbatches)
+        walk_or_raise(schedule, encoded)
+    schedule.__dict__["_validated"] = Validated(
+        tuple(map(tuple, schedule.actions)), tuple(schedule.stage_ranks), num_microbatches,
+        schedule.edges, encoded, check_deadlock, idle)
     return encoded
+
+
+class Validated(NamedTuple):
+    """What validating a schedule found: its codes, for the passes that read it after (build,
+    then simulate, lower and the planner's byte replays, each needs them), and what it was
+    validated as, so a schedule changed since is validated again."""
+
+    rows: tuple[tuple, ...]  # the actions, as validated (the references keep them)
+    stage_ranks: tuple[int, ...]
+    num_microbatches: int
+    edges: tuple | None
+    codes: list[list[int]]
+    deadlock_free: bool  # the walk ran to its end (check_deadlock)
+    idle: bool  # some row has idle steps, which the codes leave out
+
+
+def validated(schedule: Schedule, deadlock_free: bool = False) -> Validated | None:
+    """What validating ``schedule`` found, if it has not changed since (and its walk ran to its
+    end, with ``deadlock_free``); ``None``: it must be validated (again)."""
+    known = schedule.__dict__.get("_validated")
+    if known is None or (deadlock_free and not known.deadlock_free):
+        return None
+    actions = schedule.actions
+    same = known.num_microbatches == schedule.num_microbatches and \
+        known.edges == schedule.edges and known.stage_ranks == tuple(schedule.stage_ranks) and \
+        isinstance(actions, (list, tuple)) and len(actions) == len(known.rows) and \
+        all(isinstance(row, (list, tuple)) and tuple(row) == was
+            for row, was in zip(actions, known.rows))
+    return known if same else None
 
 
 # ----------------------------------------------------------------------------- shape
@@ -89,21 +128,22 @@ def _check_shape(schedule: Schedule) -> tuple[int, int, int]:
 # ----------------------------------------------------------------------------- pass 1
 
 
-def _encode(schedule: Schedule, num_stages: int, num_microbatches: int) -> list[list[int]]:
-    """Check placement, ranges, duplicates and local order; return per-rank ``key*4 + kind``.
-
-    ``key = stage * num_microbatches + microbatch``; kind codes F=0, B=1, I=2, W=3.
-    """
+def _encode(schedule: Schedule, num_stages: int,
+            num_microbatches: int) -> tuple[list[list[int]], bool]:
+    """Check placement, ranges, duplicates and local order; return per-rank codes, and
+    whether any row has idle steps (which the codes leave out)."""
     stage_ranks = schedule.stage_ranks
     M = num_microbatches
     state = bytearray(num_stages * M)
-    kind_code = KIND_CODE
+    kind_code, code_of = COMPUTE_CODE, pack
     encoded: list[list[int]] = []
+    idle = False
     for r, row in enumerate(schedule.actions):
         enc: list[int] = []
         append = enc.append
         for step, action in enumerate(row):
             if action is None:
+                idle = True
                 continue
             if type(action) is not Action:
                 _bad_item(schedule, r, step, action)
@@ -127,11 +167,11 @@ def _encode(schedule: Schedule, num_stages: int, num_microbatches: int) -> list[
                 if st != _F_BIT:
                     _local_order(schedule, r, step, action, st)
                 state[key] = _DONE_FULL if kc == 1 else _F_BIT | _I_BIT
-            append(key * 4 + kc)
+            append(code_of(key, kc))
         encoded.append(enc)
     if state.count(_DONE_FULL) + state.count(_DONE_SPLIT) != len(state):
         _incomplete(schedule, state, M)
-    return encoded
+    return encoded, idle
 
 
 def _bad_item(schedule: Schedule, r: int, step: int, action) -> None:

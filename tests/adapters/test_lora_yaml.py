@@ -8,7 +8,6 @@ hf`` to what ``PeftModel.from_pretrained`` loads, and the loaded model gives the
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from pp_core.app import cli
 from pp_core.app.adapters import apply_adapters
 from pp_core.checkpoint import checkpoint_path, load_into_model, read_model_state_dict
+from pp_core.checkpoint.record import read_section
 from pp_core.app.factories import build_model
 from pp_core.app.launch import launch
 from pp_core.app.spec import SpecError, apply_overrides, parse_spec
@@ -61,7 +61,7 @@ def test_a_lora_run_trains_the_adapters_only(lora_run):
     moved = [n for n in trained if ".lora_" in n
              and not torch.equal(trained[n], start.state_dict()[n])]
     assert moved and all(".lora_" in n for n in moved)
-    run = json.loads((step / "pp_core_run.json").read_text())
+    run = read_section(step, "run")
     assert run["model"]["lora"] == LORA
 
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from pp_core.app import cli
+from pp_core.checkpoint.record import CHECKSUMS_FILE, RECORD_FILE
 from tests.cases.specs import tiny_gpt_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +55,7 @@ def test_a_nan_loss_stops_the_run_or_skips_the_update(tmp_path, mode):
     else:
         assert result.returncode == 0, text[-3000:]
         assert "step 1: loss nan: this step's update is skipped" in text
-        assert (tmp_path / "ckpt" / "step_00000002" / "pp_core_run.json").is_file()
+        assert (tmp_path / "ckpt" / "step_00000002" / RECORD_FILE).is_file()
 
 
 @pytest.mark.cli
@@ -79,8 +80,8 @@ def test_resume_refuses_another_model_or_optimizer_before_the_ranks_start(tmp_pa
         assert cli.main(["validate", "pipe.yaml"]) == 1
         err = capsys.readouterr().err
         assert expected in err, err
-    (saved / "pp_core_run.json").unlink()  # an older checkpoint: DCP's metadata still tells
-    (saved / "pp_core_checksums.json").unlink()  # (nor did an older pp-core record checksums)
+    (saved / RECORD_FILE).unlink()  # an older checkpoint: DCP's metadata still tells
+    (saved / CHECKSUMS_FILE).unlink()  # (nor did an older pp-core record checksums)
     for change, expected in [
         ({"model": {"name": "gpt", "args": {**ARGS, "num_layers": 2}}},
          "parameter(s) this model lacks (layers.2."),

@@ -1,6 +1,7 @@
 """No corrupted checkpoint is trusted (issue #34, class 2): every file carries the checksum recorded
-when it was written, checked at resume (validate, run), load and export; a malformed identity
-file is refused naming it. Real checkpoints on disk, damaged the way a disk or a hand does it."""
+when it was written, checked at resume (validate, run), load and export; a malformed record is
+refused naming it (and so is an older pp-core's identity file). Real checkpoints on disk,
+damaged the way a disk or a hand does it."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 
 from pp_core.app import cli
 from pp_core.checkpoint import load_into_model, save_checkpoint
-from pp_core.checkpoint.checksums import CHECKSUMS_FILE
-from pp_core.app.checkpoint_identity import IDENTITY_FILE, identity_files
+from pp_core.app.check.resume import run_identity
+from pp_core.checkpoint.record import CHECKSUMS_FILE, RECORD_FILE, SECTIONS
 from pp_core.checkpoint.safe_reader import SafeReader
 from pp_core.app.spec import load_spec
 from pp_core.errors import PipelineError
@@ -52,9 +53,9 @@ def _flip_metadata(path: Path) -> None:
     (path / ".metadata").write_bytes(bytes(data))
 
 
-def _edit_identity(path: Path) -> None:  # valid JSON, other content: only the checksum knows
-    text = (path / IDENTITY_FILE).read_text().replace('"num_heads": 2', '"num_heads": 4')
-    (path / IDENTITY_FILE).write_text(text)
+def _edit_record(path: Path) -> None:  # valid JSON, other content: only the checksum knows
+    text = (path / RECORD_FILE).read_text().replace('"num_heads": 2', '"num_heads": 4')
+    (path / RECORD_FILE).write_text(text)
 
 
 def _drop_checksums(path: Path) -> None:
@@ -68,8 +69,9 @@ def _garble_checksums(path: Path) -> None:
 DAMAGE = [  # (how, the damage, what the one line must say)
     ("4 KiB zeroed in a shard", _zero_4k, "its file __0_0.distcp does not match the sha256"),
     ("a .metadata bit flipped", _flip_metadata, "its file .metadata does not match"),
-    ("pp_core_run.json edited", _edit_identity, f"its file {IDENTITY_FILE} does not match"),
-    ("the checksums file removed", _drop_checksums, f"its {CHECKSUMS_FILE} is missing"),
+    ("the record edited", _edit_record, f"its file {RECORD_FILE} does not match"),
+    ("the checksums file removed", _drop_checksums,
+     f"its {CHECKSUMS_FILE} is missing (its {RECORD_FILE} says one was written)"),
     ("the checksums file truncated", _garble_checksums, f"its {CHECKSUMS_FILE} cannot be read"),
 ]
 
@@ -82,7 +84,7 @@ def saved(tmp_path, monkeypatch):
     spec = load_spec("pipe.yaml")
     torch.manual_seed(0)
     return save_checkpoint(tmp_path / "ckpt", 2, [GPT(**MODEL)], [None],
-                           extra_files=identity_files(spec))
+                           record={"run": run_identity(spec)})
 
 
 def _cli(capsys, *argv):
@@ -122,38 +124,60 @@ def test_an_intact_checkpoint_lists_every_file_it_holds(saved):
     listed = json.loads((saved / CHECKSUMS_FILE).read_text())
     on_disk = {p.name for p in saved.iterdir()} - {CHECKSUMS_FILE}
     assert listed["algorithm"] == "sha256" and set(listed["files"]) == on_disk
-    identity = json.loads((saved / IDENTITY_FILE).read_text())
+    identity = json.loads((saved / RECORD_FILE).read_text())["run"]
     assert {k: identity["layout"][k] for k in ("pp_size", "dp_replicate", "dp_shard", "tp_size",
                                                "ep_size")} == {"pp_size": 2, "dp_replicate": 1,
                                                                "dp_shard": 1, "tp_size": 1,
                                                                "ep_size": 1}
 
 
-MALFORMED = [  # (identity text, what the line names) - with verify off, the identity speaks
-    ('{"model": {"name": "gpt", "args": {"dim": 16', "JSONDecodeError"),
+MALFORMED = [  # (the record's text, what the line names) - with verify off, the record speaks
+    ('{"version": 1, "run": {"model": {"name": "gpt", "args": {"dim": 16', "JSONDecodeError"),
     ("", "JSONDecodeError"),
     ('"gpt"', "a JSON object expected"),
-    ('{"model": "gpt"}', "'model' is not an object"),
-    ('{"model": {"name": 3}}', "'model.name' / 'model.target' are not strings"),
-    ('{"model": {"name": "gpt", "args": {}}, "optimizer": ["AdamW"]}', "'optimizer'"),
-    ('{"model": {"name": "gpt", "args": {}}, "layout": {"tp_size": "2"}}', "integer degrees"),
+    ('{"run": "gpt"}', "its 'run' section: a JSON object expected"),
+    ('{"run": {"model": "gpt"}}', "'model' is not an object"),
+    ('{"run": {"model": {"name": 3}}}', "'model.name' / 'model.target' are not strings"),
+    ('{"run": {"model": {"name": "gpt", "args": {}}, "optimizer": ["AdamW"]}}', "'optimizer'"),
+    ('{"run": {"model": {"name": "gpt", "args": {}}, "layout": {"tp_size": "2"}}}',
+     "integer degrees"),
     (b"\xff\xfe{}", "UnicodeDecodeError"),
 ]
 
 
 @pytest.mark.parametrize("text, says", MALFORMED, ids=[str(m[0])[:30] for m in MALFORMED])
-def test_a_malformed_identity_file_is_refused_naming_it(saved, capsys, text, says):
-    file = saved / IDENTITY_FILE
-    file.write_bytes(text if isinstance(text, bytes) else text.encode())
+def test_a_malformed_record_is_refused_naming_it(saved, capsys, text, says):
+    (saved / RECORD_FILE).write_bytes(text if isinstance(text, bytes) else text.encode())
     code, out, err = _cli(capsys, "validate", "pipe.yaml", "--set", "checkpoint.verify=false")
     assert code == 1 and out == "" and err.count("\n") == 1, err
-    assert f"checkpoint.resume: '{file}' is malformed (" in err, err
+    assert f"checkpoint.resume: '{saved / RECORD_FILE}' is malformed (" in err, err
     assert says in err, err
     assert "Traceback" not in err and "AttributeError" not in err
 
 
-def test_a_truncated_identity_no_longer_lets_a_head_count_change_resume(saved, capsys):
-    file = saved / IDENTITY_FILE
+def test_an_older_checkpoint_is_read_from_its_own_files_and_refused_when_malformed(saved, capsys):
+    """An earlier pp-core kept the run in ``pp_core_run.json`` and promised the checksums there:
+    it resumes, its missing list is refused, and a malformed file is refused naming it."""
+    record = json.loads((saved / RECORD_FILE).read_text())
+    (saved / RECORD_FILE).unlink()
+    older = saved / SECTIONS["run"]
+    older.write_text(json.dumps({**record["run"], "checksums": CHECKSUMS_FILE}))
+    code, out, err = _cli(capsys, "validate", "pipe.yaml", "--set", "checkpoint.verify=false")
+    assert code == 0, err
+    code, out, err = _cli(capsys, "validate", "pipe.yaml", "--set", "model.args.num_heads=4",
+                          "--set", "checkpoint.verify=false")
+    assert code == 1 and "model.args.num_heads: checkpoint.resume: " in err, err
+    _drop_checksums(saved)
+    code, out, err = _cli(capsys, "export", "ckpt", "-o", "model.pt")
+    assert code == 1 and f"its {CHECKSUMS_FILE} is missing (its {older.name} says" in err, err
+    older.write_text('{"model": "gpt"}')
+    code, out, err = _cli(capsys, "validate", "pipe.yaml", "--set", "checkpoint.verify=false")
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"checkpoint.resume: 'ckpt/step_00000002/{older.name}' is malformed (" in err, err
+
+
+def test_a_truncated_record_no_longer_lets_a_head_count_change_resume(saved, capsys):
+    file = saved / RECORD_FILE
     file.write_text(file.read_text()[:40])
     code, out, err = _cli(capsys, "validate", "pipe.yaml", "--set", "model.args.num_heads=4",
                           "--set", "checkpoint.verify=false")

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from pp_core.app import cli
-from pp_core.app.launch.timed_layouts import BOUNDS
+from pp_core.app.plan.timed_layouts import BOUNDS
 from pp_core.app.spec import apply_overrides
 from pp_core.errors import ConfigError
 from pp_core.measure.layouts import ModelShape, enumerate_layouts
@@ -312,7 +312,7 @@ def test_one_layout_per_tp_and_ep_degree_is_timed_and_scales_its_degrees_plans()
     """The layout run for a (tp, ep) pair is its deepest pipeline. Its measured over
     predicted step multiplies every plan predicted at those degrees, kept and dropped, their
     order unchanged."""
-    from pp_core.app.launch.timed_layouts import calibrated, timed_degrees
+    from pp_core.app.plan.timed_layouts import calibrated, timed_degrees
     from pp_core.parallel.dims import ParallelDims
     from pp_core.planning.choose import Candidate, Option, Ranking
 

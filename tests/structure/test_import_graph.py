@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = ROOT / "plugins"
 # Old import paths users were told to import, each only re-exporting the module that replaced
 # it; an alias imports downwards like any module, so it needs no exemption from the layers.
-COMPATIBILITY_PATHS = {"pp_core.app.checkpoint": "pp_core.checkpoint"}
+# None is kept today (pp_core.app.checkpoint went in step 4: import pp_core.checkpoint).
+COMPATIBILITY_PATHS: dict[str, str] = {}
 # `python -m pp_core` is the application's command line, like the console script
 APP_ENTRY_POINTS = {"pp_core.__main__"}
 

@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 from pp_core.app import cli  # noqa: E402
 from pp_core.checkpoint import checkpoint_path, read_model_state_dict  # noqa: E402
+from pp_core.checkpoint.record import RECORD_FILE  # noqa: E402
 from tests.cases.hf_export import pretrained_logits, run_losses  # noqa: E402
 from tests.cases.hf_export import safetensors_keys  # noqa: E402
 
@@ -123,10 +124,10 @@ def test_shards_dtype_and_the_directory_form(tp_tied, tmp_path):
     assert model.dtype == torch.bfloat16
     edited = tmp_path / "edited"  # a copy: the other tests read the shared checkpoint
     shutil.copytree(tp_tied["checkpoint"], edited)
-    record = edited / "pp_core_export.json"  # as a tokenized_text run records it
+    record = edited / RECORD_FILE  # as a tokenized_text run records it
     values = json.loads(record.read_text())
-    values["data"] = {"name": "tokenized_text",
-                      "args": {"tokenizer": str(tp_tied["tmp"] / "source-tokenizer")}}
+    values["export"]["data"] = {"name": "tokenized_text",
+                                "args": {"tokenizer": str(tp_tied["tmp"] / "source-tokenizer")}}
     record.write_text(json.dumps(values))
     with_tokenizer = tmp_path / "with_tokenizer"
     assert cli.main(["export", str(edited), "--format", "hf", "--no-verify", "-o",
@@ -197,9 +198,8 @@ def test_a_qwen3_moe_checkpoint_exports_as_save_pretrained_lays_it_out(tmp_path)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(tmp_path / "reference", max_shard_size="30KB")
-    step = save_checkpoint(tmp_path / "ckpt", 1, [model], [None])
-    (step / "pp_core_export.json").write_text(json.dumps(
-        {"model": {"name": "hf_causal_lm", "args": {"config": str(tmp_path / "reference")}}}))
+    step = save_checkpoint(tmp_path / "ckpt", 1, [model], [None], record={"export": {
+        "model": {"name": "hf_causal_lm", "args": {"config": str(tmp_path / "reference")}}}})
     out = tmp_path / "export"
     assert cli.main(["export", str(step), "--format", "hf", "--max-shard-size", "30KB", "-o",
                      str(out)]) == 0
@@ -216,8 +216,8 @@ def test_export_refusals_name_the_fix(tmp_path, capsys):
     from pp_core.checkpoint import save_checkpoint
     from tests.cases.runtime import gpt
 
-    step = save_checkpoint(tmp_path / "ckpt", 1, [gpt(2)], [None])
-    (step / "pp_core_export.json").write_text(json.dumps({"model": {"name": "gpt", "args": {}}}))
+    step = save_checkpoint(tmp_path / "ckpt", 1, [gpt(2)], [None],
+                           record={"export": {"model": {"name": "gpt", "args": {}}}})
     assert cli.main(["export", str(step), "--format", "hf", "-o", str(tmp_path / "hf")]) == 1
     assert "not a Hugging Face model" in capsys.readouterr().err
     assert cli.main(["export", str(step), "--format", "pt", "-o", str(tmp_path / "dir")]) == 1

@@ -19,10 +19,9 @@ from typing import Any, Callable
 from pp_core.app.factories import dataset_factory, model_factory
 from pp_core.app.machine import MachineShare
 from pp_core.app.check.calls import check_module_calls
-from pp_core.app.check.build import (
-    build_meta_model, check_build, check_local_ranks, check_outputs,
-)
+from pp_core.app.check.build import build_meta_model, check_build, check_local_ranks
 from pp_core.app.check.initializers import stage_initializers
+from pp_core.app.check.outputs import check_outputs
 from pp_core.app.spec import Spec, SpecError
 from pp_core.config import is_auto
 from pp_core.errors import PPCoreError, did_you_mean
@@ -74,7 +73,8 @@ def preflight(spec: Spec, plugins=None, *, build: bool = True,
     """Check names, arguments, batch sizes, the split and the schedule; raise one SpecError.
 
     With ``run_checks`` it also builds what a rank builds (datasets and a batch, the optimizer,
-    the resume path, the output paths: :mod:`pp_core.app.check.build`), so that what would fail
+    the resume path: :mod:`pp_core.app.check.build`; the output paths:
+    :mod:`pp_core.app.check.outputs`), so that what would fail
     after the ranks start is refused before.
     """
     plugins = plugins_or_default(plugins)

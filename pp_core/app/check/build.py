@@ -5,20 +5,18 @@ the output files; each of these used to fail only on the ranks, after they start
 traceback. :func:`check_build` does the same work cheaply: the model on the meta device (no
 memory), the dataset and its first batch (shapes checked against the model and ``pp_seq_len``,
 one microbatch run through the meta model and the loss), the optimizer on the meta parameters,
-the resume path, and every output path's writability (nothing is created). Each failure is one
-line naming the YAML key and the fix.
+and the resume path (every output path's writability: :mod:`pp_core.app.check.outputs`). Each
+failure is one line naming the YAML key and the fix.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-import shutil
 from pathlib import Path
 
 from pp_core.app.adapters import adapted_meta_model
 from pp_core.app.factories import EVALUATION_NOTE, call_factory, dataset_args, dp_slice
-from pp_core.app.output_paths import collisions, path_problems, run_paths
 from pp_core.app.check.data import check_sequence_shards, check_vocab, meta_friendly
 from pp_core.app.check.fit import check_fit, check_memory
 from pp_core.app.check.initializers import initializers_to_prepare
@@ -29,8 +27,7 @@ from pp_core.errors import PluginError, PPCoreError, quoted, shorten
 from pp_core.losses import resolve_loss
 from pp_core.plugin_manager import plugins_or_default
 
-__all__ = ["build_meta_model", "check_build", "check_outputs", "check_local_ranks",
-           "LOCAL_RANKS_PER_CPU"]
+__all__ = ["build_meta_model", "check_build", "check_local_ranks", "LOCAL_RANKS_PER_CPU"]
 
 LOCAL_RANKS_PER_CPU = 8  # beyond this many processes per core a local launch cannot work
 
@@ -98,7 +95,7 @@ def check_build(spec: Spec, model, data_fn, problems: list[str], notes: list[str
     before = len(problems)
     _check_resume(spec, problems)
     if spec.checkpoint.resume and len(problems) == before:
-        from pp_core.app.checkpoint_identity import check_resume_identity  # lazy: DCP, seconds
+        from pp_core.app.check.resume import check_resume_identity  # lazy: DCP, seconds
 
         check_resume_identity(spec, model, problems, notes)
     return batch
@@ -259,76 +256,6 @@ def _check_resume(spec: Spec, problems: list[str]) -> None:
         resume_checkpoint(spec.checkpoint.dir, resume, spec.checkpoint.verify)
     except PPCoreError as exc:
         problems.append(f"checkpoint.resume: {exc}")
-
-# ----------------------------------------------------------------------------- output paths
-
-
-def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
-    """Every output path can be written (nothing is created) and overwrites no input or other
-    output (:mod:`pp_core.app.output_paths`); an existing file gets a note."""
-    uses = run_paths(spec)
-    clashes = path_problems(uses) or collisions(uses)
-    if clashes:
-        problems.extend(clashes)
-        return
-    resume = bool(spec.checkpoint.resume)
-    directory = spec.checkpoint.dir
-    if directory is not None and _check_path("checkpoint.dir", Path(directory), True, problems) \
-            and not resume and any(Path(directory).glob("step_*")):
-        from pp_core.checkpoint import latest_checkpoint  # lazy: DCP, seconds
-
-        latest = latest_checkpoint(directory)
-        if latest is not None:
-            notes.append(f"checkpoint.dir: {quoted(directory)} holds checkpoints up to "
-                         f"{latest.name}; this run starts at step 0 and replaces those it "
-                         f"saves again (checkpoint.resume: true continues from {latest.name})")
-    for name in ("metrics", "trace", "schedule_image"):
-        path = getattr(spec.output, name)
-        if path is None:
-            continue
-        key = f"output.{name}"
-        if _check_path(key, Path(path), False, problems) and Path(path).is_file():
-            kept = "appended to (checkpoint.resume is set)" if name == "metrics" and resume \
-                else "replaced"
-            notes.append(f"{key}: {quoted(path)} exists and will be {kept}")
-    if spec.output.tensorboard:  # a directory TensorBoard writes its event files into
-        _check_path("output.tensorboard", Path(spec.output.tensorboard), True, problems)
-
-
-def _check_path(key: str, path: Path, is_dir: bool, problems: list[str]) -> bool:
-    """Whether ``path`` can be created or written as a file (``is_dir``: a directory)."""
-    expected = "a directory" if is_dir else "a file"
-    if path.exists():
-        if path.is_dir() != is_dir:
-            found = "a directory" if path.is_dir() else "a file"
-            problems.append(f"{key}: {quoted(str(path))} is {found}, expected {expected}; "
-                            f"choose another path")
-            return False
-        if not os.access(path, os.W_OK | (os.X_OK if is_dir else 0)):
-            problems.append(f"{key}: {quoted(str(path))} is not writable by this user; fix its "
-                            f"permissions or choose another path")
-            return False
-        return _has_space(key, path if is_dir else path.parent, problems)
-    ancestor = path.absolute().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        problems.append(f"{key}: cannot create {quoted(str(path))}: {quoted(str(ancestor))} is a "
-                        f"file, not a directory; choose another path")
-        return False
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        problems.append(f"{key}: cannot create {quoted(str(path))}: no permission to write in "
-                        f"{quoted(str(ancestor))}; choose a writable place")
-        return False
-    return _has_space(key, ancestor, problems)
-
-
-def _has_space(key: str, directory: Path, problems: list[str]) -> bool:
-    if shutil.disk_usage(directory).free == 0:
-        problems.append(f"{key}: no space left on the device holding {quoted(str(directory))}; "
-                        f"free some space or choose another place")
-        return False
-    return True
 
 
 def check_local_ranks(spec: Spec, problems: list[str]) -> None:

@@ -129,8 +129,8 @@ DEGREE_OVERRIDES = ("pp_size", "dp_replicate", "dp_shard", "tp_size", "ep_size")
 
 
 def _plan_world(args, spec, world: int, cap) -> int:
-    """``--world N``: rank the layouts (:mod:`pp_core.app.launch.plan_world`)."""
-    from pp_core.app.launch.plan_world import format_world, plan_world  # lazy: torch, the planner
+    """``--world N``: rank the layouts (:mod:`pp_core.app.plan.plan_world`)."""
+    from pp_core.app.plan.plan_world import format_world, plan_world  # lazy: torch, the planner
     from pp_core.app.spec import parse_override  # lazy: as plan_command's imports
 
     fixed = {}

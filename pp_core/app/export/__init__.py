@@ -2,5 +2,6 @@
 
 ``hf`` plans a Hugging Face directory (``save_pretrained`` or the directory form), ``stream``
 writes it from a checkpoint or from the ranks, ``run`` is ``checkpoint.export_hf`` (the ranks
-write it as the run ends), ``command`` is ``pp-core export``, ``peft`` a LoRA run's adapter.
+write it as the run ends), ``peft`` a LoRA run's adapter. ``pp-core export`` picks among them
+(:mod:`pp_core.app.commands.export`).
 """

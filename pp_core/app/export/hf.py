@@ -18,10 +18,11 @@ any splitter) gives the same directory; the weights stream through
 an HF model gets the directory form: the same weight files and index, and
 ``pp_core_model.yaml``, the YAML ``model`` section that rebuilds it.
 
-A checkpoint knows what it was trained for from ``pp_core_export.json`` (written beside each
-checkpoint by :func:`export_files`; older checkpoints: the model section of ``pp_core_run.json``).
-:func:`directory_from_state_keys` is the seam for other directory kinds (e.g. an adapter export):
-it takes ``[(output name, checkpoint key)]`` and writes the weights of a directory.
+A checkpoint knows what it was trained for from the ``export`` section of its record
+(:mod:`pp_core.checkpoint.record`; :func:`export_record` fills it as each checkpoint is saved;
+older checkpoints: the model of their ``run`` section). :func:`directory_from_state_keys` is the
+seam for other directory kinds (e.g. an adapter export): it takes ``[(output name, checkpoint
+key)]`` and writes the weights of a directory.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ from typing import Any
 
 import torch
 
+from pp_core.checkpoint.directory import check_dir
+from pp_core.checkpoint.record import read_section
 from pp_core.errors import PipelineError, install_extra
 
-__all__ = ["EXPORT_FILE", "MODEL_FILE", "export_files", "export_directory", "hf_target",
-           "HFTarget", "directory_from_state_keys", "write_hf_files", "default_max_shard_size",
-           "TOKENIZER_FILES"]
+__all__ = ["MODEL_FILE", "export_record", "recorded_export", "export_hf_directory",
+           "export_directory_form", "hf_target", "HFTarget", "directory_from_state_keys",
+           "write_hf_files", "write_model_file", "default_max_shard_size", "TOKENIZER_FILES"]
 
-EXPORT_FILE = "pp_core_export.json"
 MODEL_FILE = "pp_core_model.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
@@ -55,9 +57,9 @@ def _absolute(value):
     return value
 
 
-def export_files(spec) -> dict[str, str]:
-    """``{EXPORT_FILE: text}``: the model and data sections (paths made absolute) and the
-    training dtype, saved beside each checkpoint so it can be exported on its own."""
+def export_record(spec) -> dict:
+    """The record's ``export`` section: the model and data sections (paths made absolute) and
+    the training dtype, saved with each checkpoint so it can be exported on its own."""
     args = dict(spec.model.args)
     if "config" in args:
         args["config"] = _absolute(args["config"])
@@ -65,16 +67,15 @@ def export_files(spec) -> dict[str, str]:
     record = {"model": {"name": spec.model.name, "target": spec.model.target, "args": args,
                         "dtype": spec.model.dtype},
               "data": {"name": spec.data.name, "args": data_args}}
-    return {EXPORT_FILE: json.dumps(record, default=str, indent=1) + "\n"}
+    return json.loads(json.dumps(record, default=str))  # plain values, as read back
 
 
-def _record(checkpoint: Path) -> dict:
-    for name in (EXPORT_FILE, "pp_core_run.json"):
-        try:
-            value = json.loads((checkpoint / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(value, dict) and isinstance(value.get("model"), dict):
+def recorded_export(checkpoint) -> dict:
+    """What the checkpoint records for its export (older ones: the model of their ``run``
+    section), or ``{}``."""
+    for section in ("export", "run"):
+        value = read_section(checkpoint, section)
+        if value is not None and isinstance(value.get("model"), dict):
             return value
     return {}
 
@@ -217,21 +218,22 @@ def write_hf_files(output: Path, target: HFTarget, dtype: torch.dtype,
 
 def directory_from_state_keys(checkpoint, output, names: list[tuple[str, str]], dtype=None,
                               max_shard_size=None, total_parameters: int = 0, metadata=None,
-                              converted: HFTarget | None = None, change=None):
+                              converted: HFTarget | None = None, change=None,
+                              verify: bool = True):
     """Write the weights of a directory from a DCP checkpoint: ``names`` lists
     ``(output name, checkpoint key)`` in file order (keys as DCP stores them,
-    ``model.<fqn>``); returns the :class:`~pp_core.app.export.stream.Layout` written.
+    ``model.<fqn>``); returns the :class:`~pp_core.app.export.stream.ShardLayout` written.
     ``converted``: an :class:`HFTarget` whose ``convert`` renames the tensors read from
     ``names``' keys into its ``saved`` names (the file's). ``change``: ``{output name: tensor}
     -> {output name: tensor}`` applied to each batch read before that (``--merge`` adds the
-    LoRA deltas there), so no more than a batch is ever held."""
+    LoRA deltas there), so no more than a batch is ever held. ``verify``: the checkpoint's
+    checksums checked as it is read (once per command)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # lazy: DCP
 
-    from pp_core.checkpoint.directory import check_dir
-    from pp_core.app.export.stream import plan_layout, write_from_checkpoint
+    from pp_core.app.export.stream import plan_shards, write_from_checkpoint
 
     checkpoint = Path(checkpoint)
-    metadata = metadata or check_dir(checkpoint)
+    metadata = metadata or check_dir(checkpoint, verify)
     stored = {k: v for k, v in metadata.state_dict_metadata.items()
               if isinstance(v, TensorStorageMetadata)}
     missing = [key for _, key in names if key not in stored]
@@ -243,8 +245,8 @@ def directory_from_state_keys(checkpoint, output, names: list[tuple[str, str]], 
                for name, key in names]
     size = max_shard_size or default_max_shard_size()
     if converted is None and change is None:
-        layout = plan_layout(entries, dtype, size, total_parameters)
-        write_from_checkpoint(checkpoint, output, layout, stored)
+        layout = plan_shards(entries, dtype, size, total_parameters)
+        write_from_checkpoint(checkpoint, output, layout, stored, verify=verify)
         return layout
     named = {key: name for name, key in names}
     change = change or (lambda batch: batch)
@@ -253,15 +255,16 @@ def directory_from_state_keys(checkpoint, output, names: list[tuple[str, str]], 
         return change({named[key]: value for key, value in state.items()})
 
     if converted is None:
-        layout, convert = plan_layout(entries, dtype, size, total_parameters), read
+        layout, convert = plan_shards(entries, dtype, size, total_parameters), read
     else:
-        trained = _training_dtype(plan_layout(entries, None, size))
-        layout = plan_layout([(n, "", shape, trained if d.is_floating_point else d)
+        trained = _training_dtype(plan_shards(entries, None, size))
+        layout = plan_shards([(n, "", shape, trained if d.is_floating_point else d)
                               for n, (shape, d) in converted.saved.items()],
                              dtype, size, total_parameters, converted.groups)
         convert = lambda state: converted.convert(read(state))  # noqa: E731
     write_from_checkpoint(checkpoint, output, layout, stored,
-                          source_keys=[key for _, key in names], convert=convert)
+                          source_keys=[key for _, key in names], convert=convert,
+                          verify=verify)
     return layout
 
 
@@ -270,40 +273,54 @@ def _training_dtype(layout) -> torch.dtype:
     return max(set(floating), key=floating.count) if floating else torch.float32
 
 
-def export_directory(checkpoint, output, format: str = "hf", dtype=None,
-                     max_shard_size=None) -> Path:
-    """``pp-core export CKPT --format hf|safetensors -o DIR``: see the module docstring."""
-    import yaml  # lazy: only the directory form writes YAML
-
-    from pp_core.checkpoint.directory import check_dir
-
+def _checked(checkpoint, output, verify: bool):
+    """The checkpoint's DCP metadata and its export record, and ``output`` a directory."""
     checkpoint, output = Path(checkpoint), Path(output)
-    metadata = check_dir(checkpoint)
-    record = _record(checkpoint)
     if output.exists() and not output.is_dir():
         raise PipelineError(f"-o {str(output)!r} is a file; a directory export needs a "
                             f"directory (new or existing)")
-    if format == "hf":
-        target = hf_target(record.get("model") or {})
-        if target is None:
-            found = (record.get("model") or {}).get("name") or "(unknown)"
-            raise PipelineError(f"checkpoint {str(checkpoint)!r} is of model {found!r}, not a "
-                                f"Hugging Face model (model.name: hf_causal_lm); export it with "
-                                f"--format safetensors -o DIR (the directory form) instead")
-        layout = directory_from_state_keys(checkpoint, output,
-                                           [(n, f"model.{n}") for n in target.names], dtype,
-                                           max_shard_size, target.total_parameters, metadata,
-                                           converted=target if target.convert else None)
-        write_hf_files(output, target, dtype or _training_dtype(layout), record.get("data"))
-        return output
+    return checkpoint, output, check_dir(checkpoint, verify), recorded_export(checkpoint)
+
+
+def export_hf_directory(checkpoint, output, dtype=None, max_shard_size=None,
+                        verify: bool = True) -> Path:
+    """``pp-core export CKPT --format hf -o DIR``: the ``save_pretrained`` directory."""
+    checkpoint, output, metadata, record = _checked(checkpoint, output, verify)
+    target = hf_target(record.get("model") or {})
+    if target is None:
+        found = (record.get("model") or {}).get("name") or "(unknown)"
+        raise PipelineError(f"checkpoint {str(checkpoint)!r} is of model {found!r}, not a "
+                            f"Hugging Face model (model.name: hf_causal_lm); export it with "
+                            f"--format safetensors -o DIR (the directory form) instead")
+    layout = directory_from_state_keys(checkpoint, output,
+                                       [(n, f"model.{n}") for n in target.names], dtype,
+                                       max_shard_size, target.total_parameters, metadata,
+                                       converted=target if target.convert else None,
+                                       verify=verify)
+    write_hf_files(output, target, dtype or _training_dtype(layout), record.get("data"))
+    return output
+
+
+def export_directory_form(checkpoint, output, dtype=None, max_shard_size=None,
+                          verify: bool = True) -> Path:
+    """``pp-core export CKPT --format safetensors -o DIR``: any model's weights, index and
+    the YAML model section that rebuilds it."""
+    checkpoint, output, metadata, record = _checked(checkpoint, output, verify)
     names = [(k[len("model."):], k) for k in metadata.state_dict_metadata
              if k.startswith("model.")]
     layout = directory_from_state_keys(checkpoint, output, names, dtype, max_shard_size,
-                                       metadata=metadata)
+                                       metadata=metadata, verify=verify)
     section = {k: v for k, v in (record.get("model") or {}).items() if v not in (None, {})}
     if dtype is not None or section.get("dtype"):
         section["dtype"] = str(dtype or _training_dtype(layout)).removeprefix("torch.")
-    (output / MODEL_FILE).write_text(
-        "# the YAML model section this directory's weights belong to (pp-core export)\n"
-        + yaml.safe_dump({"model": section}, sort_keys=False), encoding="utf-8")
+    write_model_file(output, section, "pp-core export")
     return output
+
+
+def write_model_file(output: Path, section: dict, by: str) -> None:
+    """``pp_core_model.yaml``: the YAML model section the directory's weights belong to."""
+    import yaml  # lazy: only the directory form writes YAML
+
+    (output / MODEL_FILE).write_text(
+        f"# the YAML model section this directory's weights belong to ({by})\n"
+        + yaml.safe_dump({"model": section}, sort_keys=False), encoding="utf-8")

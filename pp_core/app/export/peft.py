@@ -8,34 +8,33 @@ the checkpoint (any layout wrote it: DCP keys are the unsplit model's names) and
 adapters are small, so one process holds them. ``--merge`` writes the merged model instead
 (what ``merge_and_unload`` gives): ``save_pretrained``'s directory for a Hugging Face model, else
 ``model.safetensors`` with the model's own names, streamed from the checkpoint as the base's
-export is (:mod:`pp_core.app.export_stream`), each LoRA layer's delta added per batch.
+export is (:mod:`pp_core.app.export.stream`), each LoRA layer's delta added per batch.
 
-What the run was: the ``model`` section of the checkpoint's ``pp_core_run.json``
-(:mod:`pp_core.app.checkpoint_identity`), which records ``model.lora``.
+What the run was: the model the ``run`` section of the checkpoint's record holds
+(:func:`pp_core.app.check.resume.run_identity` fills it), which records ``model.lora``.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 from pp_core.app.adapters import lora_config, peft_model
-from pp_core.app.checkpoint_identity import IDENTITY_FILE
-from pp_core.errors import ConfigError, PipelineError
+from pp_core.app.export.hf import (directory_from_state_keys, hf_target, recorded_export,
+                                   write_hf_files)
+from pp_core.checkpoint import read_tensors
+from pp_core.checkpoint.directory import check_dir
+from pp_core.checkpoint.record import read_section
+from pp_core.errors import ConfigError
 
-__all__ = ["lora_settings", "export_peft_adapter", "export_merged", "export_lora_command"]
+__all__ = ["lora_settings", "export_peft_adapter", "export_merged"]
 
 _PREFIX = "base_model.model."  # where PEFT keeps the model it changed in place
 
 
 def lora_settings(checkpoint) -> Optional[dict]:
     """The ``model`` section a checkpoint records when its run had ``model.lora``, else None."""
-    try:
-        recorded = json.loads((Path(checkpoint) / IDENTITY_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    model = recorded.get("model") if isinstance(recorded, dict) else None
+    model = (read_section(checkpoint, "run") or {}).get("model")
     if not isinstance(model, dict) or not model.get("lora"):
         return None
     return model
@@ -72,60 +71,34 @@ def _peft_model(section: dict, meta: bool):
     return peft_model(base, config, "exporting a model.lora run")
 
 
-def _read(checkpoint, names: list[str]) -> dict:
-    """Only the tensors ``names`` (the unsplit model's FQNs) of a DCP checkpoint, on the CPU."""
-    import torch  # lazy: torch, only for an export
-    import torch.distributed.checkpoint as dcp  # lazy: DCP, only for an export
-
-    from pp_core.checkpoint import SafeLoadPlanner, SafeReader
-    from pp_core.checkpoint.state import single_process_quiet
-
-    reader = SafeReader(str(checkpoint))
-    metadata = reader.read_metadata().state_dict_metadata
-    missing = [n for n in names if f"model.{n}" not in metadata]
-    if missing:
-        raise PipelineError(f"checkpoint {str(checkpoint)!r} has no adapter tensors "
-                            f"{missing[:3]}{' ...' if len(missing) > 3 else ''}; was it written "
-                            f"by the model.lora run its {IDENTITY_FILE} describes?")
-    state = {f"model.{n}": torch.empty(metadata[f"model.{n}"].size,
-                                       dtype=metadata[f"model.{n}"].properties.dtype)
-             for n in names}
-    with single_process_quiet():  # one process reads: DCP's warning says what is meant
-        dcp.load(state, storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner(),
-                 no_dist=True)
-    return {key[len("model."):]: value for key, value in state.items()}
-
-
-def export_peft_adapter(checkpoint, output, section: Optional[dict] = None) -> Path:
+def export_peft_adapter(checkpoint, output, section: Optional[dict] = None,
+                        verify: bool = True) -> Path:
     """Write the PEFT adapter directory of a ``model.lora`` checkpoint (module docstring)."""
     section = section or lora_settings(checkpoint)
     if section is None:
         raise ConfigError(f"{str(checkpoint)!r} is not a checkpoint of a model.lora run (its "
-                          f"{IDENTITY_FILE} records no model.lora); export its weights with "
+                          f"record holds no model.lora); export its weights with "
                           f"pp-core export CKPT -o model.safetensors")
-    model = _with_adapters(checkpoint, section)
+    model = _with_adapters(checkpoint, section, verify)
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(output), safe_serialization=True)
     return output
 
 
-def export_merged(checkpoint, output, section: Optional[dict] = None) -> Path:
+def export_merged(checkpoint, output, section: Optional[dict] = None,
+                  verify: bool = True) -> Path:
     """``--merge``: the base with the adapters merged in, streamed - the directory ``pp-core
     export --format hf`` (or the directory form) writes of the base, each LoRA layer's weight
     read batch by batch and given PEFT's own ``get_delta_weight`` as ``merge_and_unload`` adds
     it; only the adapters are held whole."""
-    from pp_core.checkpoint.directory import check_dir  # lazy: DCP, only for an export
-    from pp_core.app.export.hf import (_record, directory_from_state_keys,  # lazy: torch
-                                       hf_target, write_hf_files)
-
     section = section or lora_settings(checkpoint)
     if section is None:
         raise ConfigError(f"--merge merges LoRA adapters, and {str(checkpoint)!r} is not a "
                           f"checkpoint of a model.lora run; drop --merge")
     checkpoint, output = Path(checkpoint), Path(output)
-    metadata = check_dir(checkpoint)
-    model = _with_adapters(checkpoint, section)
+    metadata = check_dir(checkpoint, verify)
+    model = _with_adapters(checkpoint, section, verify)
     layers = {f"{name}.weight": module for name, module in model.base_model.model.named_modules()
               if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
     if any(any(getattr(layer, "use_dora", {}).values()) for layer in layers.values()):
@@ -146,43 +119,26 @@ def export_merged(checkpoint, output, section: Optional[dict] = None) -> Path:
     target = hf_target({k: v for k, v in section.items() if k != "lora"})
     if target is None:
         directory_from_state_keys(checkpoint, output, list(key_of.items()), metadata=metadata,
-                                  change=merge)
+                                  change=merge, verify=verify)
         return output
     layout = directory_from_state_keys(checkpoint, output,
                                        [(n, key_of[n]) for n in target.names], None, None,
                                        target.total_parameters, metadata,
                                        converted=target if target.convert else None,
-                                       change=merge)
+                                       change=merge, verify=verify)
     floating = [d for d in layout.dtypes.values() if d.is_floating_point]
     write_hf_files(output, target, max(set(floating), key=floating.count),
-                   _record(checkpoint).get("data"))
+                   recorded_export(checkpoint).get("data"))
     return output
 
 
-def _with_adapters(checkpoint, section: dict):
-    """The run's PEFT model on the meta device with the checkpoint's adapters put in place."""
+def _with_adapters(checkpoint, section: dict, verify: bool):
+    """The run's PEFT model on the meta device with the checkpoint's adapters put in place
+    (only they are read: adapters are small)."""
     model = _peft_model(section, meta=True)
-    inner = [n[len(_PREFIX):] for n, p in model.named_parameters() if p.requires_grad]
-    tensors = _read(checkpoint, inner)
-    model.load_state_dict({_PREFIX + n: t for n, t in tensors.items()}, strict=False, assign=True)
+    inner = [f"model.{n[len(_PREFIX):]}" for n, p in model.named_parameters() if p.requires_grad]
+    tensors = read_tensors(checkpoint, inner, verify)
+    model.load_state_dict({_PREFIX + k[len("model."):]: t for k, t in tensors.items()},
+                          strict=False, assign=True)
     return model
 
-
-def export_lora_command(source: Path, args) -> int:
-    """``pp-core export CKPT --format hf [--merge] -o DIR`` of a ``model.lora`` checkpoint."""
-    import time  # lazy: with the command
-
-    if args.merge and args.format != "hf":
-        raise ConfigError("--merge writes a Hugging Face directory; add --format hf")
-    section = lora_settings(source)
-    if section is None:
-        raise ConfigError(f"--format hf here exports the PEFT adapter of a model.lora run, and "
-                          f"{str(source)!r} records no model.lora; export its weights with "
-                          f"pp-core export CKPT -o model.safetensors")
-    started = time.perf_counter()
-    write = export_merged if args.merge else export_peft_adapter
-    output = write(source, args.output, section)
-    files = sorted(p.name for p in output.iterdir() if not p.name.startswith("."))
-    print(f"wrote {output} from {source} in {time.perf_counter() - started:.1f} s: "
-          f"{', '.join(files)}")
-    return 0

@@ -10,16 +10,15 @@ model that is not an HF model gets the directory form (weights, index, ``pp_core
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from pp_core.app.export.hf import (EXPORT_FILE, MODEL_FILE, default_max_shard_size,
-                                   export_files, hf_target, write_hf_files)
+from pp_core.app.export.hf import (default_max_shard_size, export_record, hf_target,
+                                   write_hf_files, write_model_file)
 from pp_core.checkpoint.expert_state import expert_dtensors
-from pp_core.app.export.stream import plan_layout, write_from_ranks
+from pp_core.app.export.stream import plan_shards, write_from_ranks
 from pp_core.config import resolve_dtype
 from pp_core.parallel.dtensor_state import unstride
 
@@ -60,7 +59,7 @@ def export_from_run(spec, parts, output, process_group=None) -> Path:
     """Write the hand-back directory of this run's current weights into ``output``
     (collective over ``process_group``, default every rank)."""
     output = Path(output)
-    record = json.loads(export_files(spec)[EXPORT_FILE])
+    record = export_record(spec)
     target = hf_target(record["model"])
     state = _local_state(parts)
     dtype = _training_dtype(spec)
@@ -69,18 +68,14 @@ def export_from_run(spec, parts, output, process_group=None) -> Path:
         total = target.total_parameters
     else:
         entries, total = _gathered_entries(state, process_group), 0
-    layout = plan_layout(entries, dtype, default_max_shard_size(), total)
+    layout = plan_shards(entries, dtype, default_max_shard_size(), total)
     write_from_ranks(state, output, layout, process_group)
     if dist.get_rank(process_group) == 0:
         if target is not None:
             write_hf_files(output, target, dtype, record.get("data"))
         else:
-            import yaml  # lazy: only the directory form writes YAML
-
-            section = {k: v for k, v in record["model"].items() if v not in (None, {})}
-            (output / MODEL_FILE).write_text(
-                "# the YAML model section this directory's weights belong to (pp-core run)\n"
-                + yaml.safe_dump({"model": section}, sort_keys=False), encoding="utf-8")
+            write_model_file(output, {k: v for k, v in record["model"].items()
+                                      if v not in (None, {})}, "pp-core run")
     dist.barrier(group=process_group)
     return output
 

@@ -3,15 +3,15 @@
 Both ways into a directory end in torch's own DCP Hugging Face machinery:
 
 * from a DCP checkpoint (``pp-core export``, one process, no process group):
-  :func:`write_from_checkpoint` reads a bounded batch of tensors at a time with DCP
-  (``SafeReader``), casts them, and writes each batch with DCP's ``HuggingFaceStorageWriter``
-  as one DCP-sharded safetensors file; torch's ``consolidate_safetensors_files`` then writes the
+  :func:`write_from_checkpoint` reads a bounded batch of tensors at a time
+  (:func:`pp_core.checkpoint.read_tensors`), casts them, and writes each batch with DCP's
+  ``HuggingFaceStorageWriter`` as one DCP-sharded safetensors file; torch's ``consolidate_safetensors_files`` then writes the
   final files tensor by tensor (it holds one tensor's bytes at a time);
 * from the ranks of a run (``checkpoint.export_hf``): :func:`write_from_ranks` hands every rank's
   state (DTensors and all) to ``dcp.save`` with the same writer, then every rank consolidates its
   share of the output files (``consolidate_safetensors_files_on_every_rank``). No gather.
 
-Either way the result is :class:`Layout`'s files: ``model.safetensors``, or the shards and
+Either way the result is :class:`ShardLayout`'s files: ``model.safetensors``, or the shards and
 ``model.safetensors.index.json`` named and split as Hugging Face's ``save_pretrained`` names and
 splits them (huggingface_hub's ``split_state_dict_into_shards_factory``). What goes beside the
 weights (``config.json``, tokenizer, the YAML model section) is the caller's.
@@ -33,7 +33,7 @@ import torch
 from pp_core._torch_compat import consolidate_hf_safetensors
 from pp_core.errors import PipelineError, install_extra
 
-__all__ = ["Layout", "plan_layout", "write_from_checkpoint", "write_from_ranks",
+__all__ = ["ShardLayout", "plan_shards", "write_from_checkpoint", "write_from_ranks",
            "DEFAULT_BATCH_BYTES", "SINGLE_FILE", "INDEX_FILE"]
 
 SINGLE_FILE = "model.safetensors"
@@ -44,7 +44,7 @@ is read alone)."""
 
 
 @dataclass
-class Layout:
+class ShardLayout:
     """Where each tensor goes: ``sources`` maps each output name (in file order) to the key it
     is read from; ``index_of`` maps it to its file (1-based); ``shapes`` / ``dtype``: what is
     written."""
@@ -74,14 +74,15 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def plan_layout(entries: list[tuple[str, str, tuple, torch.dtype]], dtype: torch.dtype | None,
-                max_shard_size, total_parameters: int = 0, groups: dict | None = None) -> Layout:
+def plan_shards(entries: list[tuple[str, str, tuple, torch.dtype]], dtype: torch.dtype | None,
+                max_shard_size, total_parameters: int = 0,
+                groups: dict | None = None) -> ShardLayout:
     """The files of ``entries`` (``(output name, source key, shape, stored dtype)``, in order),
     split as ``save_pretrained`` splits a state dict at ``max_shard_size`` (bytes or ``"5GB"``).
 
     ``groups``: ``{output name: (storage key, elements)}`` for outputs that are views of one
     tensor (``save_pretrained`` keeps such views in one file and counts the storage once)."""
-    layout = Layout({}, {}, {}, dtype, 1, 0, total_parameters)
+    layout = ShardLayout({}, {}, {}, dtype, 1, 0, total_parameters)
     sizes = {}
     for name, source, shape, stored in entries:
         layout.sources[name], layout.shapes[name] = source, tuple(shape)
@@ -163,19 +164,21 @@ def _batches(keys: list[str], stored: dict, budget: int):
         yield batch
 
 
-def write_from_checkpoint(checkpoint, output, layout: Layout, stored: dict,
+def write_from_checkpoint(checkpoint, output, layout: ShardLayout, stored: dict,
                           budget: int = DEFAULT_BATCH_BYTES, convert=None,
-                          source_keys: list[str] | None = None) -> list[Path]:
+                          source_keys: list[str] | None = None,
+                          verify: bool = True) -> list[Path]:
     """Write ``layout``'s safetensors files into ``output`` from the DCP checkpoint at
     ``checkpoint`` (``stored``: ``{source key: TensorStorageMetadata}``); returns the files.
 
     ``convert``: ``{source key: tensor} -> {output name: tensor}`` applied to each batch read
     (e.g. transformers' own ``revert_weight_conversion``) over ``source_keys``; without it each
-    output name takes its ``layout.sources`` key.
+    output name takes its ``layout.sources`` key. ``verify``: the checkpoint's checksums
+    checked by the first read (:func:`~pp_core.checkpoint.read_tensors`).
     """
     import torch.distributed.checkpoint as dcp  # lazy: DCP, seconds
 
-    from pp_core.checkpoint.safe_reader import SafeLoadPlanner, SafeReader
+    from pp_core.checkpoint import read_tensors
     from pp_core.checkpoint.state import single_process_quiet
 
     output = Path(output)
@@ -189,11 +192,7 @@ def write_from_checkpoint(checkpoint, output, layout: Layout, stored: dict,
     keys = source_keys if convert is not None else list(named)
     try:
         for number, batch in enumerate(_batches(keys, stored, budget)):
-            state = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype)
-                     for k in batch}
-            with single_process_quiet():
-                dcp.load(state, storage_reader=SafeReader(str(checkpoint)),
-                         planner=SafeLoadPlanner(), no_dist=True)
+            state = read_tensors(checkpoint, batch, verify)
             found = convert(state) if convert is not None else \
                 {n: state[k] for k in batch for n in named[k]}
             unknown = sorted(set(found) - set(layout.index_of))
@@ -214,7 +213,7 @@ def write_from_checkpoint(checkpoint, output, layout: Layout, stored: dict,
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def write_from_ranks(parts_state: dict, output, layout: Layout, process_group=None) -> None:
+def write_from_ranks(parts_state: dict, output, layout: ShardLayout, process_group=None) -> None:
     """Write ``layout``'s files into ``output`` from every rank's share (collective).
 
     ``parts_state``: this rank's ``{output name: tensor or DTensor}`` (whole names, whole
@@ -262,7 +261,7 @@ def _clear_old_weights(output: Path) -> None:
             path.unlink()
 
 
-def _consolidate(sharded: Path, output: Path, layout: Layout, process_group=None,
+def _consolidate(sharded: Path, output: Path, layout: ShardLayout, process_group=None,
                 distributed: bool = False) -> list[Path]:
     """torch's consolidation of the DCP-sharded files into ``layout``'s files (on every rank of
     ``process_group`` its share of them when ``distributed``), then the names and the index of
@@ -289,7 +288,7 @@ def _dcp_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
-def _write_index(output: Path, layout: Layout) -> None:
+def _write_index(output: Path, layout: ShardLayout) -> None:
     """``model.safetensors.index.json`` as ``save_pretrained`` writes it (only when sharded)."""
     index_file = output / INDEX_FILE
     if layout.num_files == 1:

@@ -30,9 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pp_core import build_pipeline
-from pp_core.app.checkpoint_identity import identity_files
 from pp_core.app.rank.data_metrics import batch_figures
-from pp_core.app.export.hf import export_files
 from pp_core.app.factories import build_dataset, build_model, dp_slice
 from pp_core.app.rank.health import apply_update, weights_finite
 from pp_core.app.machine import MachineShare
@@ -307,10 +305,13 @@ def train(spec: Spec) -> dict[str, Any]:
                 raise PipelineError(f"step {step}: the weights hold NaN or inf values; the "
                                     f"checkpoint was not saved, so {directory!r} keeps its last "
                                     f"good one")
+            from pp_core.app.check.resume import run_identity  # lazy: DCP, as below
+            from pp_core.app.export.hf import export_record  # lazy: DCP, as below
             from pp_core.checkpoint import save_checkpoint  # lazy: as DCP's, the first save pays
 
             path = save_checkpoint(directory, step, pipe.model_parts, optimizers,
-                                   extra_files={**identity_files(spec), **export_files(spec)})
+                                   record={"run": run_identity(spec),
+                                           "export": export_record(spec)})
             say(f"checkpoint saved: {path}")
         if spec.checkpoint.export_hf:
             from pp_core.app.export.run import export_due, export_from_run  # lazy: as DCP's

@@ -1,10 +1,10 @@
 """What a checkpoint was written for, and the refusal of a resume into something else.
 
-Each checkpoint ``pp-core run`` saves holds ``pp_core_run.json`` beside DCP's files: the model
-(``model.name`` or ``model.target``, ``model.args``), the optimizer and the pipeline layout
-(every degree: ``pp_size``, ``dp_replicate``, ``dp_shard``, ``tp_size``, ``ep_size``). A file
-that is there but malformed (truncated, not JSON, the wrong shape) is refused naming it, never
-skipped.
+Each checkpoint ``pp-core run`` saves records, in the ``run`` section of its record
+(:mod:`pp_core.checkpoint.record`), the model (``model.name`` or ``model.target``,
+``model.args``), the optimizer and the pipeline layout (every degree: ``pp_size``,
+``dp_replicate``, ``dp_shard``, ``tp_size``, ``ep_size``). A record that is there but malformed
+(truncated, not JSON, the wrong shape) is refused naming it, never skipped.
 :func:`check_resume_identity` compares a resume's checkpoint with the pipeline file before any
 rank starts, by two means that do not depend on each other:
 
@@ -24,53 +24,40 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pp_core.checkpoint.directory import check_dir, resume_checkpoint
+from pp_core.checkpoint.record import RecordError, read_section
 from pp_core.errors import PPCoreError, shorten
 
-__all__ = ["IDENTITY_FILE", "run_identity", "identity_files", "check_resume_identity"]
+__all__ = ["run_identity", "check_resume_identity"]
 
-IDENTITY_FILE = "pp_core_run.json"
 DEGREES = ("pp_size", "dp_replicate", "dp_shard", "tp_size", "ep_size")
 """Every degree of the layout, as ``distributed`` names them; the identity records each."""
 
 
 def run_identity(spec, fqns_per_stage=None) -> dict[str, Any]:
-    """The identity of what ``spec`` trains (JSON-able)."""
+    """The identity of what ``spec`` trains (JSON-able): the record's ``run`` section."""
     dist = spec.distributed
     return {
         "model": {"name": spec.model.name, "target": spec.model.target,
                   "args": spec.model.args, "lora": spec.model.lora,  # the PEFT export reads it
                   "freeze": spec.model.freeze},
         "optimizer": spec.train.optimizer.get("name", "AdamW"),
-        "checksums": "pp_core_checksums.json",  # written beside it: a missing one is refused
         "layout": {**{degree: getattr(dist, degree) for degree in DEGREES},
                    "pp_schedule": spec.pipeline.pp_schedule, "fqns_per_stage": fqns_per_stage},
     }
 
 
-def identity_files(spec, fqns_per_stage=None) -> dict[str, str]:
-    """``{file name: text}`` for :func:`~pp_core.checkpoint.save_checkpoint`."""
-    return {IDENTITY_FILE: json.dumps(run_identity(spec, fqns_per_stage), default=str,
-                                      indent=1) + "\n"}
-
-
 def _recorded(path: Path) -> dict | None:
-    """The recorded identity; ``None`` without the file (an older pp-core); a malformed one
-    (truncated, not JSON, the wrong shape) is a :class:`PPCoreError` naming it."""
-    file = path / IDENTITY_FILE
-    if not file.exists():
-        return None
+    """The recorded identity; ``None`` without one (an older pp-core); a malformed one
+    (truncated, not JSON, the wrong shape) is a :class:`PPCoreError` naming its file."""
     try:
-        value = json.loads(file.read_text(encoding="utf-8"))
-        why = _shape_problem(value)
-    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
-        why = f"{type(exc).__name__}: {shorten(str(exc), 120)}"
-    if why is not None:
+        return read_section(path, "run", _shape_problem)
+    except RecordError as exc:
         raise PPCoreError(
-            f"checkpoint.resume: {str(file)!r} is malformed ({why}); it records what the "
+            f"checkpoint.resume: {str(exc.file)!r} is malformed ({exc.why}); it records what the "
             f"checkpoint was written for, so it is not resumed without it: restore the file "
             f"(another step_NNNNNNNN directory has one), or delete it to resume without the "
-            f"identity check")
-    return value
+            f"identity check") from None
 
 
 def _shape_problem(value) -> str | None:
@@ -174,7 +161,6 @@ def _compare_metadata(spec, path: Path, metadata, model, problems: list[str]) ->
 
 def check_resume_identity(spec, model, problems: list[str], notes: list[str]) -> None:
     """Refuse a resume into another model or optimizer (see the module docstring)."""
-    from pp_core.checkpoint.directory import check_dir, resume_checkpoint  # lazy: torch's DCP, seconds
     try:
         path = resume_checkpoint(spec.checkpoint.dir, spec.checkpoint.resume,
                                  spec.checkpoint.verify)

@@ -3,18 +3,16 @@
 
 The profile times every unit alone, one microbatch after another, in one quiet process. A CPU
 rank of a pipeline pays more for the same units: activations of several microbatches in flight
-(fresh pages, colder caches), the kernel's share of every hand-off, peers on the same cores.
-On this machine's 2 cores, the benchmark GPT at pp 4 spent 15-45 % more CPU per rank and step
-than its units' profiled F and B and the executor's per-action time add up to (user and system
-time): the part of the planner's under-prediction that no one collective or
-engine explains (docs/benchmarks.md).
+(fresh pages, colder caches), the kernel's share of every hand-off, peers on the same cores:
+more CPU per rank and step than its units' profiled F and B and the executor's per-action time
+add up to, the part of the planner's under-prediction that no one collective or engine explains
+(the figures: docs/benchmarks.md).
 
 So ``pp-core plan --world N`` measures it once, on the model itself: ``min(N, 4)`` local
 processes run the spec's model as a 1F1B pipeline (the profile's cost-balanced split, every
 microbatch of the global batch) for a few steps and report their CPU seconds per step; the
 factor is their sum over what a profile taken by the first of them just before predicts for
-the same ranks (this machine's speed drifts by a third between minutes: the two figures are
-taken seconds apart). The tp-1 profiles' times are scaled by it
+the same ranks (taken seconds apart, since a machine's speed drifts between minutes). The tp-1 profiles' times are scaled by it
 (:meth:`pp_core.planning.costs.ModelProfile.scaled`) before the layouts are ranked: CPU time,
 so the simulator still shares the cores out itself. A tp profile is left as measured: its tp
 processes were already running together, and scaled it over-predicted (docs/benchmarks.md).

@@ -6,11 +6,9 @@ not hold move the step of a CPU layout whose processes outnumber the cores:
 
 * ranks that meet inside every block - a tp stage all-reduces in every block, an ep layer
   all-to-alls in every MoE layer - wait at each collective for a peer the scheduler is not
-  running: on this machine's 2 cores pp 2 x tp 2 ran 1.3-1.7x its arithmetic, while ep's
-  all-to-alls, timed apart, made pp 2 x dp 2 x ep 2 predicted 1.4x too slow;
-* the machine's speed drifts from one minute to the next (by a third, docs/benchmarks.md), and
-  each of those parts was measured at its own minute: the pipeline factor of one call was 1.05,
-  of the next 1.42.
+  running, which no part timed apart shows;
+* the machine's speed drifts from one minute to the next, and each of those parts was measured
+  at its own minute (the figures of both: docs/benchmarks.md).
 
 So where the whole world runs on this machine (at most :data:`MAX_WORLD` CPU processes),
 ``pp-core plan --world N`` runs, for each degree pair ``(tp, ep)`` of the planned layouts, the
@@ -18,9 +16,9 @@ one with the most pipeline stages - its best plan, written as ``-o`` writes it, 
 same training loop as ``pp-core run`` - for a few steps, one pair right after the other, and
 multiplies the predicted step of every plan at those degrees by that run's measured over
 predicted step (:func:`calibrated`; clipped to :data:`BOUNDS`). The arithmetic still ranks the
-plans of a layout and the layouts of a pair; the run sets the pair's level. About twenty
-seconds per pair (each runs twice, :func:`time_layouts`); what each run measured is in the
-plan's JSON (``timed_layouts``) and table.
+plans of a layout and the layouts of a pair; the run sets the pair's level. Each pair runs
+twice (:func:`time_layouts`); what each run measured is in the plan's JSON (``timed_layouts``)
+and table.
 """
 
 from __future__ import annotations
@@ -45,8 +43,8 @@ MAX_WORLD = 4
 """The largest world timed by a run here (more local processes only measure how they queue)."""
 
 BOUNDS = (0.25, 10.0)
-"""A factor outside is a run gone wrong (a machine busy with something else): clipped. Wide:
-pp 1 x tp 4 on 2 cores ran 2.4-3x its arithmetic."""
+"""A factor outside is a run gone wrong (a machine busy with something else): clipped. Wide,
+since a tp layout with more processes than cores runs several times its arithmetic."""
 
 WARMUP, TIMED = 2, 6
 
@@ -84,7 +82,7 @@ def timed_degrees(admitted: Iterable[ParallelDims]) -> dict[tuple[int, int], Par
 
 def time_layouts(layouts: dict[tuple[int, int], object], world: int, backend: str,
                  written: Callable[[object], dict]) -> dict[tuple[int, int], TimedLayout]:
-    """Each planned layout of ``layouts`` (a :class:`~pp_core.app.launch.plan_world.LayoutPlan`)
+    """Each planned layout of ``layouts`` (a :class:`~pp_core.app.plan.plan_world.LayoutPlan`)
     run as ``written(layout)`` says, by ``world`` local processes: every layout once, then
     every layout again, the second round counting - the first run after the profiles took
     1.4x its repeat a few seconds later (whatever the measuring before it left behind)."""

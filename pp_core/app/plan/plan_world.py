@@ -11,10 +11,10 @@ What is measured, once per call: the model's units at every tp degree the layout
 stage by its tp processes, collectives included, as :func:`pp_core.app.launch.decide.plan_spec`
 profiles it), the point-to-point link, and the collectives that dp, FSDP2 and ep add
 (:func:`pp_core.measure.collectives.measure_collectives`), and on CPU ranks how much more a
-unit costs inside a running pipeline than alone (:mod:`pp_core.app.launch.pipeline_factor`:
+unit costs inside a running pipeline than alone (:mod:`pp_core.app.plan.pipeline_factor`:
 the tp-1 profile's times are scaled by it). Where the whole world runs on this machine, one
 layout per tp / ep degree pair is then run a few steps and sets that pair's level
-(:mod:`pp_core.app.launch.timed_layouts`); the other layouts differ in arithmetic only.
+(:mod:`pp_core.app.plan.timed_layouts`); the other layouts differ in arithmetic only.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from pp_core.app.launch.decide import plan_spec, written_spec
-from pp_core.app.launch.pipeline_factor import measure_pipeline_factor
-from pp_core.app.launch.timed_layouts import MAX_WORLD, calibrated, time_layouts, timed_degrees
+from pp_core.app.plan.pipeline_factor import measure_pipeline_factor
+from pp_core.app.plan.timed_layouts import MAX_WORLD, calibrated, time_layouts, timed_degrees
 from pp_core.app.factories import build_model
 from pp_core.app.machine import MachineShare
 from pp_core.app.spec import Spec
@@ -218,7 +218,7 @@ def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = 
 
 def _timed(planned: list[LayoutPlan], world: int, backend: str, say) -> dict:
     """One planned layout per tp / ep degree pair, run
-    (:mod:`pp_core.app.launch.timed_layouts`); none where a run failed."""
+    (:mod:`pp_core.app.plan.timed_layouts`); none where a run failed."""
     by_dims = {lp.dims: lp for lp in planned}
     runnable = {key: by_dims[dims]
                 for key, dims in timed_degrees(lp.dims for lp in planned).items()}

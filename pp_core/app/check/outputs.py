@@ -1,0 +1,85 @@
+"""Every path a run writes, checked before any process starts: writable, with room, of the right
+kind (a file or a directory), and overwriting no input or other output
+(:mod:`pp_core.app.output_paths`); nothing is created. An existing output gets a note: a
+checkpoint directory that already holds checkpoints, a metrics file appended to or replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from pp_core.app.output_paths import collisions, path_problems, run_paths
+from pp_core.app.spec import Spec
+from pp_core.errors import quoted
+
+__all__ = ["check_outputs"]
+
+
+def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
+    """Every output path can be written (nothing is created) and overwrites no input or other
+    output (:mod:`pp_core.app.output_paths`); an existing file gets a note."""
+    uses = run_paths(spec)
+    clashes = path_problems(uses) or collisions(uses)
+    if clashes:
+        problems.extend(clashes)
+        return
+    resume = bool(spec.checkpoint.resume)
+    directory = spec.checkpoint.dir
+    if directory is not None and _check_path("checkpoint.dir", Path(directory), True, problems) \
+            and not resume and any(Path(directory).glob("step_*")):
+        from pp_core.checkpoint import latest_checkpoint  # lazy: DCP, seconds
+
+        latest = latest_checkpoint(directory)
+        if latest is not None:
+            notes.append(f"checkpoint.dir: {quoted(directory)} holds checkpoints up to "
+                         f"{latest.name}; this run starts at step 0 and replaces those it "
+                         f"saves again (checkpoint.resume: true continues from {latest.name})")
+    for name in ("metrics", "trace", "schedule_image"):
+        path = getattr(spec.output, name)
+        if path is None:
+            continue
+        key = f"output.{name}"
+        if _check_path(key, Path(path), False, problems) and Path(path).is_file():
+            kept = "appended to (checkpoint.resume is set)" if name == "metrics" and resume \
+                else "replaced"
+            notes.append(f"{key}: {quoted(path)} exists and will be {kept}")
+    if spec.output.tensorboard:  # a directory TensorBoard writes its event files into
+        _check_path("output.tensorboard", Path(spec.output.tensorboard), True, problems)
+
+
+def _check_path(key: str, path: Path, is_dir: bool, problems: list[str]) -> bool:
+    """Whether ``path`` can be created or written as a file (``is_dir``: a directory)."""
+    expected = "a directory" if is_dir else "a file"
+    if path.exists():
+        if path.is_dir() != is_dir:
+            found = "a directory" if path.is_dir() else "a file"
+            problems.append(f"{key}: {quoted(str(path))} is {found}, expected {expected}; "
+                            f"choose another path")
+            return False
+        if not os.access(path, os.W_OK | (os.X_OK if is_dir else 0)):
+            problems.append(f"{key}: {quoted(str(path))} is not writable by this user; fix its "
+                            f"permissions or choose another path")
+            return False
+        return _has_space(key, path if is_dir else path.parent, problems)
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        problems.append(f"{key}: cannot create {quoted(str(path))}: {quoted(str(ancestor))} is a "
+                        f"file, not a directory; choose another path")
+        return False
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        problems.append(f"{key}: cannot create {quoted(str(path))}: no permission to write in "
+                        f"{quoted(str(ancestor))}; choose a writable place")
+        return False
+    return _has_space(key, ancestor, problems)
+
+
+def _has_space(key: str, directory: Path, problems: list[str]) -> bool:
+    if shutil.disk_usage(directory).free == 0:
+        problems.append(f"{key}: no space left on the device holding {quoted(str(directory))}; "
+                        f"free some space or choose another place")
+        return False
+    return True
