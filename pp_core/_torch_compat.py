@@ -53,6 +53,11 @@ except ImportError:  # pragma: no cover - a torch without it
 # The autograd node type of a leaf tensor (its ``.variable`` is the leaf). backward.py tells leaf
 # nodes apart by type, since ``getattr(node, "variable")`` raises, slowly, on every other node.
 # Checked on 2.13, 2.14, 2.15.0. Missing: None, and backward.py falls back to that getattr.
+DYNAMO_MODULE = "torch._dynamo"
+"""The module torch imports on a process's first optimizer (``Optimizer.__init__`` calls a
+``torch._disable_dynamo`` function) and first elementwise op on meta tensors: seconds of a rank's
+start, which a warm fork server imports ahead (``pp_core.app.launch.warm``). Checked on 2.13."""
+
 ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
 
 # ---------------------------------------------------------------------------------- c10d (comm.py)

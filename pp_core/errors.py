@@ -11,7 +11,17 @@ import reprlib
 
 __all__ = ["PPCoreError", "PluginError", "ScheduleError", "ScheduleFileNotFoundError",
            "ConfigError", "PipelineError", "quoted",
-           "shorten", "closest", "did_you_mean", "about"]
+           "shorten", "closest", "did_you_mean", "about", "DISTRIBUTION", "install_extra"]
+
+DISTRIBUTION = "pp-core-torch"
+"""pp-core's name on the package index (``pp-core`` there is another project, a Zope package:
+``-``, ``_`` and ``.`` make one name). The import name ``pp_core``, the command ``pp-core`` and
+the entry-point group ``pp_core`` keep theirs."""
+
+
+def install_extra(extra: str) -> str:
+    """``pip install 'pp-core-torch[lora]'``: what a message about a missing extra tells."""
+    return f"pip install '{DISTRIBUTION}[{extra}]'"
 
 
 class PPCoreError(Exception):

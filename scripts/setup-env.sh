@@ -31,8 +31,12 @@ fi
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --upgrade "pip>=23" "setuptools>=77"
 "${pip[@]}" "torch==$torch_version"
+# pp-core's distribution was called pp-core before it took a name of its own on the package
+# index (pp-core-torch); a venv made then still holds it, and its entry points would
+# register every built-in plugin twice
+"$venv/bin/python" -m pip uninstall --yes --quiet pp-core >/dev/null 2>&1 || true
 "${pip[@]}" -e ".[suite]"
 # The example third-party plugin package, installed as a user would (examples/plugin_model.yaml
 # names its model and dataset).
-"${pip[@]}" --no-deps ./examples/pp_example_plugin
+"${pip[@]}" ./examples/pp_example_plugin   # its dependency, pp-core-torch, is the checkout above
 echo "$want" > "$stamp"

@@ -32,6 +32,10 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
          --disable-pip-version-check --progress-bar off)
     "${pip[@]}" --upgrade "pip>=23" "setuptools>=77"
     "${pip[@]}" "torch==$version"
+    # pp-core's distribution was called pp-core before it took a name of its own on the package
+    # index (pp-core-torch); a venv made then still holds it, and its entry points would
+    # register every built-in plugin twice
+    "$venv/bin/python" -m pip uninstall --yes --quiet pp-core >/dev/null 2>&1 || true
     # torch pinned again, so that resolving pp-core's extras can never move it
     "${pip[@]}" -e ".[suite]" "torch==$version"
     "${pip[@]}" --no-deps ./examples/pp_example_plugin

@@ -29,19 +29,37 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 from typing import Any, Optional
 
-from pp_core.errors import ConfigError, did_you_mean
+from pp_core.errors import ConfigError, did_you_mean, install_extra
 
 __all__ = ["apply_adapters", "adapted_meta_model", "lora_config", "freeze_parameters",
-           "peft_missing"]
+           "peft_missing", "peft_model"]
 
 _RENAMED = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
 
 
+def peft_model(model, config, key: str = "model.lora"):
+    """``peft.get_peft_model(model, config)``, without the transformers warning it triggers.
+
+    PEFT's ``PeftModel.__init__`` reads the model's ``is_gradient_checkpointing``, which
+    transformers 5 renamed (``is_activation_checkpointing``) and warns about on every read: a
+    FutureWarning about PEFT's code, printed by every rank and every LoRA command, that asks
+    nothing of the user. Only that one warning is dropped, only here."""
+    try:
+        from peft import get_peft_model  # lazy: peft is an extra
+    except ImportError:
+        raise peft_missing(key) from None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated",
+                                category=FutureWarning)
+        return get_peft_model(model, config)
+
+
 def peft_missing(key: str = "model.lora") -> ConfigError:
     return ConfigError(f"{key} builds adapters with the peft library, which is not installed; "
-                       f"install it with pip install 'pp-core[lora]' (or pip install peft), or "
+                       f"install it with {install_extra('lora')} (or pip install peft), or "
                        f"remove {key}")
 
 
@@ -143,13 +161,9 @@ def apply_adapters(model, lora: Optional[dict], freeze, tp_size: int = 1):
                 f"model.lora.use_dora with distributed.tp_size={tp_size}: DoRA's magnitude "
                 f"vectors are not sharded (plain LoRA adapters are, by the tensor-parallel plan); "
                 f"set model.lora.use_dora: false, or distributed.tp_size: 1")
-        try:
-            from peft import get_peft_model  # lazy: peft is an extra
-        except ImportError:
-            raise peft_missing() from None
         config = lora_config(lora, model)
         try:
-            model = get_peft_model(model, config).base_model.model
+            model = peft_model(model, config).base_model.model
             if getattr(model, "pp_checkpoint", None) is not None:  # each stage loads its own
                 model.pp_lora_init = config.init_lora_weights  # adapters re-made after loading
         except (ValueError, TypeError, KeyError) as exc:  # e.g. no module matches the targets

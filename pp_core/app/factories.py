@@ -10,8 +10,6 @@ the model or dataset, its plugin and distribution - at validate and on the ranks
 from __future__ import annotations
 
 import inspect
-import os
-from pathlib import Path
 from typing import Callable
 
 from pp_core.app.adapters import apply_adapters
@@ -106,35 +104,9 @@ def dataset_args(spec: Spec, factory: Callable, evaluation: bool = False) -> dic
     args = dict(spec.data.args)
     if evaluation:
         args.update(spec.data.eval_args)
-    _relative_to_file(spec, factory, args)
     if "batch_size" not in args and accepts(factory, "batch_size"):
         args["batch_size"] = spec.global_batch_size
     return args
-
-
-PATH_ARGS = "pp_path_args"
-"""A dataset factory's attribute naming its arguments that are paths (``tokenized_text``:
-``("files", "eval_files")``): relative ones are taken relative to the pipeline file."""
-
-
-def _relative_to_file(spec: Spec, factory: Callable, args: dict) -> None:
-    """Each path argument ``factory`` declares (:data:`PATH_ARGS`), when relative, joined to the
-    pipeline file's directory: the file validates and runs from any working directory."""
-    names = getattr(factory, PATH_ARGS, ())
-    source = Path(str(spec.source))
-    if not names or not source.is_file():
-        return
-
-    def under(value):
-        if isinstance(value, (list, tuple)):
-            return [under(v) for v in value]
-        if isinstance(value, str) and value and not os.path.isabs(os.path.expanduser(value)):
-            return os.path.join(str(source.parent), value)
-        return value
-
-    for name in names:
-        if name in args:
-            args[name] = under(args[name])
 
 
 def dp_slice(value, dp_rank: int, dp_size: int, global_batch: int, dims=None):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from pp_core.app.spec.paths import NOT_PATHS
 from pp_core.errors import PPCoreError, quoted
 
 __all__ = ["PathUse", "run_paths", "collisions", "path_problems", "writable_problem",
@@ -34,8 +35,6 @@ __all__ = ["PathUse", "run_paths", "collisions", "path_problems", "writable_prob
 CHECKPOINT_MANAGED = ("step_*", "latest", ".latest.tmp-*")
 """Entries of ``checkpoint.dir`` a save creates, moves aside or replaces."""
 
-NOT_PATHS = {"progress", "summary"}
-"""``output`` keys that are not paths; every other string under ``output`` is a file written."""
 
 
 @dataclass(frozen=True)

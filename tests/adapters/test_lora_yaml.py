@@ -131,5 +131,5 @@ def test_bad_lora_settings_name_the_key_and_the_fix():
 
 def test_peft_missing_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)
-    with pytest.raises(ConfigError, match=r"pip install 'pp-core\[lora\]'"):
+    with pytest.raises(ConfigError, match=r"pip install 'pp-core-torch\[lora\]'"):
         build_model(spec_of())

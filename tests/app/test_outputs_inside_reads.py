@@ -142,10 +142,10 @@ def test_run_refuses_metrics_inside_the_corpus_before_any_rank_starts(tmp_path):
                                         + "output: {metrics: corpus/metrics.jsonl}\n")
     done = _pp_core("run", "pipe.yaml", cwd=tmp_path)
     assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
-    assert done.stderr == (
-        "pp-core: error: pipe.yaml: output.metrics 'corpus/metrics.jsonl' lies at 'metrics.jsonl' "
-        "inside data.args.files 'corpus', which this command reads: writing there changes its "
-        "input; choose another place\n")
+    assert done.stderr == (  # both paths made absolute against the file's folder
+        f"pp-core: error: pipe.yaml: output.metrics '{tmp_path}/corpus/metrics.jsonl' lies at "
+        f"'metrics.jsonl' inside data.args.files '{tmp_path}/corpus', which this command reads: "
+        f"writing there changes its input; choose another place\n")
     assert not (tmp_path / "corpus" / "metrics.jsonl").exists()
 
 

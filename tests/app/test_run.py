@@ -43,7 +43,9 @@ def test_the_readme_demo_trains_and_prints_a_summary(tmp_path):
     trace = json.loads((out / "trace.json").read_text())["traceEvents"]
     names = {event["name"] for event in trace if event["ph"] == "X"}
     assert {"0F0", "3I0", "1W0"} <= names and {e["pid"] for e in trace} == {0, 1}
-    assert (out / "schedule.svg").read_text().startswith("<svg")
+    picture = (out / "schedule.svg").read_text()  # the run measured, above it simulated
+    assert picture.startswith("<svg") and "measured, step " in picture and "simulated (" in picture
+    assert picture.count("% measured</text>") == picture.count("% simulated</text>") == 2
     assert (out / "checkpoints" / "step_00000016" / ".metadata").is_file()
 
 

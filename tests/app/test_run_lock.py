@@ -108,11 +108,12 @@ def test_concurrent_runs_of_one_pipeline_one_refused_then_a_killed_ones_lock_tak
         assert first.poll() is None  # the first one still trains
         assert second.returncode == 1 and second.stdout == "", second.stdout + second.stderr
         assert second.stderr == (
-            f"pp-core: error: checkpoint.dir: 'ckpt' is being written by another pp-core run: "
+            f"pp-core: error: checkpoint.dir: '{tmp_path / 'ckpt'}' is being written by another "
+            f"pp-core run: "
             f"pid {first.pid} on host {socket.gethostname()} (pipeline pipe.yaml, started "
             f"{json.loads((tmp_path / 'ckpt' / LOCK_NAME).read_text())['started']}); wait for "
             f"it to end or stop it, or give this run another checkpoint.dir (lock file "
-            f"'ckpt/{LOCK_NAME}')\n")
+            f"'{tmp_path / 'ckpt' / LOCK_NAME}')\n")
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)  # the launcher and its ranks, no cleanup at all

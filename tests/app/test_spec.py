@@ -199,7 +199,7 @@ def test_overrides_create_and_replace(tmp_path):
     spec = load_spec(path, ["train.steps=7", "data.args.seq_len=8", "output.metrics=m.jsonl",
                             "train.optimizer.lr=1e-2"])
     assert spec.train.steps == 7 and spec.data.args["seq_len"] == 8
-    assert spec.output.metrics == "m.jsonl"
+    assert spec.output.metrics == str(tmp_path / "m.jsonl")  # beside the file, absolute
     assert spec.train.optimizer["lr"] == 0.01  # YAML reads 1e-2 as a string; coerced
     with pytest.raises(SpecError, match=r"train.steps is 3 \(int\), not a mapping"):
         load_spec(path, ["train.steps.x=1"])

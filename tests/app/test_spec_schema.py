@@ -195,7 +195,8 @@ SNAPSHOT = {
     "output": [
         ("metrics", "optional(inner=text)", None, "JSON-lines metrics file"),
         ("trace", "optional(inner=text)", None, "Chrome trace (chrome://tracing, Perfetto)"),
-        ("schedule_image", "optional(inner=text)", None, "SVG timeline of the schedule"),
+        ("schedule_image", "optional(inner=text)", None,
+         "SVG of a steady step as measured, above the same step simulated"),
         ("progress", "one_of(options=('auto', 'bar', 'plain', 'off'))", "auto",
          "auto: a bar on a terminal, plain lines otherwise"),
         ("summary", "flag", True, "print the summary table at the end"),

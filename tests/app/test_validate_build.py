@@ -158,7 +158,7 @@ def test_a_missing_optional_dependency_names_the_extra(tmp_path):
                            capture_output=True, text=True, env=env, timeout=300)
     assert found.returncode == 1, found.stdout + found.stderr
     assert "model.name: model 'hf_causal_lm' needs Hugging Face transformers" in found.stderr
-    assert "pip install 'pp-core[transformers]'" in found.stderr
+    assert "pip install 'pp-core-torch[transformers]'" in found.stderr
     assert "Traceback" not in found.stderr
 
 

@@ -273,7 +273,7 @@ def _guard(key: str, what: str, why: str) -> str:
     kind = "model factory" if key == "model.args" else what
     return (f"{key}: {'the model factory' if key == 'model.args' else kind} refused these "
             f"arguments ({why}); fix {key}, or {what} from plugin 'pp_core_builtins.models' "
-            f"(pp-core 0.1.0) if the arguments are right (skip a broken plugin with "
+            f"(pp-core-torch 0.1.0) if the arguments are right (skip a broken plugin with "
             f"PP_CORE_DISABLE_PLUGINS=<plugin name>)")
 
 
@@ -352,7 +352,7 @@ REFUSED = [
      "resources different keys or make their configurations equal"),
     # fixes: output.tensorboard is a directory validate checks
     ({**BASE, "output": {"tensorboard": "a_file"}},
-     "output.tensorboard: 'a_file' is a file, expected a directory; choose another path"),
+     "output.tensorboard: '<DIR>/a_file' is a file, expected a directory; choose another path"),
     # smaller: dtypes, compile options
     (_with("model", dtype="float8_e4m3fn"),
      "model.dtype: expected a floating-point dtype name: float32, bfloat16, float16 or float64 "
@@ -410,7 +410,7 @@ REFUSED = [
 def test_validate_refuses(tmp_path, capsys, monkeypatch, values, expected):
     code, err = _validate(tmp_path, capsys, monkeypatch, values)
     assert code == 1, err
-    expected = expected.replace("<DIR>", str(tmp_path))  # corpus paths: under the file's directory
+    expected = expected.replace("<DIR>", str(tmp_path))  # every relative path: under the file's folder
     if expected.endswith("object at 0x"):  # an address follows
         assert err.startswith(f"pp-core: error: {tmp_path / 'pipe.yaml'}: {expected}"), err
         assert err.count("\n") == 1, err

@@ -15,7 +15,7 @@ build-backend = "setuptools.build_meta"
 [project]
 name = "{name}"
 version = "0.1.0"
-dependencies = ["pp-core"]
+dependencies = ["pp-core-torch"]
 
 [project.entry-points.pp_core]
 {entry} = "{package}"

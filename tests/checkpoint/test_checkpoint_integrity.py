@@ -99,11 +99,13 @@ def test_a_damaged_checkpoint_is_refused_by_validate_export_and_load(saved, caps
     code, out, err = _cli(capsys, "validate", "pipe.yaml")
     assert code == 0, err  # intact: resumes
     damage(saved)
-    where = f"checkpoint 'ckpt/step_00000002' is incomplete or corrupt: {says}"
+    where = f"step_00000002' is incomplete or corrupt: {says}"
     code, out, err = _cli(capsys, "validate", "pipe.yaml")
     assert code == 1 and out == "" and err.count("\n") == 1, err
     assert err.startswith("pp-core: error: pipe.yaml: checkpoint.resume: ") and where in err, err
+    assert f"checkpoint '{saved.parent}/" in err, err  # the file's paths, made absolute
     code, out, err = _cli(capsys, "export", "ckpt", "-o", "model.pt")
+    assert "checkpoint 'ckpt/" in err, err  # a command-line path, as given
     assert (code, out) == (1, "") and err == f"pp-core: error: {err[16:]}" and where in err, err
     assert err.count("\n") == 1 and not Path("model.pt").exists()
     with pytest.raises(PipelineError, match="incomplete or corrupt"):
@@ -148,7 +150,7 @@ def test_a_malformed_record_is_refused_naming_it(saved, capsys, text, says):
     (saved / RECORD_FILE).write_bytes(text if isinstance(text, bytes) else text.encode())
     code, out, err = _cli(capsys, "validate", "pipe.yaml", "--set", "checkpoint.verify=false")
     assert code == 1 and out == "" and err.count("\n") == 1, err
-    assert f"checkpoint.resume: 'ckpt/step_00000002/{RECORD_FILE}' is malformed (" in err, err
+    assert f"checkpoint.resume: '{saved / RECORD_FILE}' is malformed (" in err, err
     assert says in err, err
     assert "Traceback" not in err and "AttributeError" not in err
 
@@ -171,7 +173,7 @@ def test_an_older_checkpoint_is_read_from_its_own_files_and_refused_when_malform
     older.write_text('{"model": "gpt"}')
     code, out, err = _cli(capsys, "validate", "pipe.yaml", "--set", "checkpoint.verify=false")
     assert code == 1 and err.count("\n") == 1, err
-    assert f"checkpoint.resume: 'ckpt/step_00000002/{older.name}' is malformed (" in err, err
+    assert f"checkpoint.resume: '{saved / older.name}' is malformed (" in err, err  # made absolute
 
 
 def test_a_truncated_record_no_longer_lets_a_head_count_change_resume(saved, capsys):
@@ -190,7 +192,7 @@ def test_run_refuses_to_resume_a_zeroed_shard_before_any_rank_starts(saved):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
     assert done.stderr == (
-        f"pp-core: error: pipe.yaml: checkpoint.resume: checkpoint 'ckpt/step_00000002' is incomplete "
+        f"pp-core: error: pipe.yaml: checkpoint.resume: checkpoint '{saved}' is incomplete "
         f"or corrupt: its file __0_0.distcp does not match the sha256 checksum recorded when it "
         f"was written (its bytes changed since); resume or export from another step_NNNNNNNN "
         f"directory, or delete this one (checkpoint.verify: false, or export --no-verify, skips "

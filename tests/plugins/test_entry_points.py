@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pp_core.errors import DISTRIBUTION
 from tests.cases.cli import PP_CORE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +39,7 @@ def test_every_plugin_module_is_declared_under_its_own_module_path():
 
 def test_installed_entry_points_match_pyproject():
     installed = {ep.name: ep.value for ep in metadata.entry_points(group="pp_core")
-                 if ep.dist is not None and ep.dist.metadata["Name"] == "pp-core"}
+                 if ep.dist is not None and ep.dist.metadata["Name"] == DISTRIBUTION}
     assert installed == declared(), REFRESH
 
 
@@ -47,8 +48,8 @@ def test_plugins_command_lists_every_built_in():
     out = subprocess.run([sys.executable, "-m", "pp_core", "plugins"], capture_output=True,
                          text=True, check=True).stdout
     for name in declared():
-        assert re.search(rf"^{re.escape(name)}  \[pp-core ", out, re.M), name
-    assert "pp_core.model_initializers  [pp-core" in out
+        assert re.search(rf"^{re.escape(name)}  \[{DISTRIBUTION} ", out, re.M), name
+    assert f"pp_core.model_initializers  [{DISTRIBUTION} " in out
 
 
 @pytest.mark.cli

@@ -315,7 +315,7 @@ def test_plugin_stays_out_of_the_way_without_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "transformers is not installed; pip install 'pp-core[transformers]'" in out.stdout
+    assert "transformers is not installed; pip install 'pp-core-torch[transformers]'" in out.stdout
     assert "PluginError model 'hf_causal_lm' needs Hugging Face transformers" in out.stdout
 
 

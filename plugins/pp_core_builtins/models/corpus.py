@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Iterator, Optional
 
+from pp_core.errors import install_extra
 
 __all__ = ["expand_files", "read_documents", "load_tokenizer", "ByteTokenizer"]
 
@@ -92,7 +93,7 @@ def read_documents(path: Path, text_field: str, doc_separator: Optional[str],
             import datasets  # lazy: datasets is an optional extra
         except ImportError:
             raise ImportError(f"tokenized_text: {str(path)!r} is a saved HF dataset; reading it "
-                              f"needs `pip install datasets`") from None
+                              f"needs the datasets package: `{install_extra('data')}`") from None
         data = datasets.load_from_disk(str(path))
         if isinstance(data, datasets.DatasetDict):
             if hf_split not in data:
@@ -117,7 +118,7 @@ def read_documents(path: Path, text_field: str, doc_separator: Optional[str],
             import pyarrow.parquet as parquet  # lazy: pyarrow is an optional extra
         except ImportError:
             raise ImportError(f"tokenized_text: reading {str(path)!r} needs pyarrow "
-                              f"(`pip install pyarrow`)") from None
+                              f"(`{install_extra('data')}`)") from None
         schema = parquet.read_schema(path)
         _column(schema.names, text_field, repr(str(path)))
         column = parquet.read_table(path, columns=[text_field]).column(text_field)
@@ -163,7 +164,7 @@ class HFTokenizer:
                 from transformers import AutoTokenizer  # lazy: transformers is an optional extra
             except ImportError:
                 raise ImportError(f"tokenized_text: {str(path)!r} has no tokenizer.json; loading "
-                                  f"it needs transformers (`pip install transformers`)") from None
+                                  f"it needs transformers (`{install_extra('transformers')}`)") from None
             self._fast = None
             self._auto = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
             self.vocab_size = len(self._auto)

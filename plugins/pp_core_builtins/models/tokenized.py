@@ -183,4 +183,6 @@ def tokenized_text(files, tokenizer: str = "bytes", seq_len: int = 64, pack: boo
     return TokenizedText(files, tokenizer, seq_len, pack, **kwargs)
 
 
-tokenized_text.pp_path_args = ("files", "eval_files")  # relative to the pipeline file (pp-core run)
+# relative to the pipeline file (pp_core.app.spec.paths); "bytes" is a tokenizer, not a path
+tokenized_text.pp_path_args = {"files": (), "eval_files": (), "tokenizer": ("bytes",),
+                               "cache_dir": ()}

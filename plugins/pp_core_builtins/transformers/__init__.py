@@ -4,7 +4,7 @@ Provides the ``hf_decoder`` splitter (decoder-only models: stage-friendly forwar
 embeddings across stages), the ``hf_vision_language`` splitter (LLaVA, LLaVA-NeXT, Qwen2-VL:
 the vision tower's blocks and the projector as units of the split, images cut by sample), the
 ``hf_causal_lm`` and ``hf_image_text_to_text`` models and the ``image_text`` dataset a YAML
-pipeline can name. Needs ``pip install "pp-core[transformers]"``; without it this plugin
+pipeline can name. Needs ``pip install "pp-core-torch[transformers]"``; without it this plugin
 still loads (nothing here imports ``transformers`` at import time), its splitter accepts no
 model, and ``hf_causal_lm`` says what to install. See ``docs/transformers.md``.
 
@@ -20,6 +20,7 @@ import sys
 
 from pp_core import PluginError, hookimpl
 from pp_core.callables import LazyCallable
+from pp_core.errors import install_extra
 
 __all__ = [
     "HFDecoderSplitter",
@@ -37,7 +38,7 @@ __all__ = [
     "PP_CORE_UNAVAILABLE",
 ]
 
-INSTALL = "pip install 'pp-core[transformers]'"
+INSTALL = install_extra("transformers")
 
 _HOMES = {"HFDecoderSplitter": "splitter", "DecoderAdapter": "forward", "DecoderLayout": "layout",
           "find_layout": "layout", "load_part": "loading", "checkpoint_index": "loading",
@@ -89,6 +90,10 @@ def hf_image_text_to_text(config, **kwargs):
     from pp_core_builtins.transformers.models import hf_image_text_to_text as build  # lazy: torch
 
     return build(config, **kwargs)
+
+
+hf_causal_lm.pp_path_args = ("config", "checkpoint")  # relative to the pipeline file
+hf_image_text_to_text.pp_path_args = ("config", "checkpoint")
 
 
 def causal_lm_loss(logits, labels, *, num_valid_tokens=None):

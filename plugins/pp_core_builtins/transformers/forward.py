@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from pp_core import ConfigError
+from pp_core.errors import DISTRIBUTION
 
 __all__ = ["DecoderAdapter", "GemmaAdapter", "MRopeAdapter", "BUILTIN_ADAPTERS",
            "patch_text_module", "patch_causal_lm", "text_stage_forward"]
@@ -50,7 +51,7 @@ def _mask_function(attention_type: str):
 
         raise ConfigError(f"pp_core_builtins.transformers needs transformers>=4.53 "
                           f"(masking_utils), found {transformers.__version__}; "
-                          f"pip install -U 'pp-core[transformers]'"
+                          f"pip install -U '{DISTRIBUTION}[transformers]'"
                           ) from None
 
     name = _MASK_FUNCTIONS.get(attention_type)

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from pp_core import __version__
+from pp_core.errors import DISTRIBUTION
 from pp_core.plugin_manager import CORE_PLUGIN_NAME, load_plugins
 
 HELP = """\
@@ -36,7 +37,7 @@ def describe(plugins) -> list[dict]:
     for name, _plugin in plugins.pm.list_name_plugin():
         dist, version = plugins.distribution(name)
         if name == CORE_PLUGIN_NAME:
-            dist, version = "pp-core", _core_version()
+            dist, version = DISTRIBUTION, _core_version()
         hooks = sorted(h.name for h in plugins.pm.get_hookcallers(_plugin) or [])
         rows[name] = {"name": name, "distribution": dist, "version": version, "hooks": hooks,
                       "provides": {}, "error": None,

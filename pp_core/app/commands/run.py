@@ -57,14 +57,17 @@ def run_command(args) -> int:
     from pp_core.planning.sizes import parse_size
 
     cap = None if args.memory_cap is None else parse_size(args.memory_cap)
-    spec, found = load_checked(args)
+    warm: list[bool] = []  # the ranks forked from a fork server importing what they need
+    if not started_by_torchrun():  # (pp_core.app.launch.warm) while the file is checked
+        from pp_core.app.launch.warm import start  # lazy: only when `pp-core run` launches
+
+        spec, found = load_checked(args, once_read=lambda: warm.append(start()))
+    else:
+        spec, found = load_checked(args)
     if cap is not None and not is_auto(spec.pipeline.pp_schedule):
         raise ConfigError(f"--memory-cap={args.memory_cap} only steers pipeline.pp_schedule: "
                           f"auto, and the file names {spec.pipeline.pp_schedule!r}; drop "
                           f"--memory-cap or set pp_schedule: auto")
-    if not started_by_torchrun() or os.environ.get("RANK") == "0":  # once, not once per rank
-        for note in found.notes:
-            print(f"pp-core: note: {note}", flush=True)
     from torch.distributed.elastic.multiprocessing import SignalException  # lazy: torch
 
     from pp_core.app.commands.run_lock import run_locks  # lazy: only when a run starts
@@ -72,10 +75,15 @@ def run_command(args) -> int:
     try:
         taken: list[str] = []
         with run_locks(spec, taken):  # one writer per checkpoint.dir and output
+            # the checks' notes ("m.jsonl exists and will be replaced") once this run holds its
+            # outputs: a run another one refuses replaces nothing
+            if not started_by_torchrun() or os.environ.get("RANK") == "0":  # not once per rank
+                for note in found.notes:
+                    print(f"pp-core: note: {note}", flush=True)
             for note in taken:
                 print(f"pp-core: note: {note}", flush=True)
             launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True),
-                   memory_cap=cap)
+                   memory_cap=cap, warm=any(warm))
     except (KeyboardInterrupt, SignalException, Interrupted) as exc:
         reason, code = exit_code(exc)
         print(f"\npp-core: interrupted by {reason.name}; the ranks were stopped", file=sys.stderr)

@@ -43,13 +43,16 @@ def register(subparsers) -> None:
     validate.set_defaults(func=validate_command)
 
 
-def load_checked(args):
+def load_checked(args, once_read=None):
     """The spec of ``args.pipeline`` (with ``--set``) and what :func:`~pp_core.app.check.preflight`
-    found in it; a problem is one :class:`~pp_core.app.spec.SpecError`."""
+    found in it; a problem is one :class:`~pp_core.app.spec.SpecError`. ``once_read()`` is called
+    when the file is read and before it is checked (``run`` starts its ranks' imports then)."""
     from pp_core.app.check import preflight  # lazy: only when the command runs
     from pp_core.app.spec import load_spec
 
     spec = load_spec(args.pipeline, args.overrides)
+    if once_read is not None:
+        once_read()
     return spec, preflight(spec)
 
 

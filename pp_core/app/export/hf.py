@@ -40,7 +40,7 @@ import torch
 
 from pp_core.checkpoint.directory import check_dir
 from pp_core.checkpoint.record import read_section
-from pp_core.errors import PipelineError
+from pp_core.errors import PipelineError, install_extra
 
 __all__ = ["MODEL_FILE", "export_record", "recorded_export", "export_hf_directory",
            "export_directory_form", "hf_target", "HFTarget", "directory_from_state_keys",
@@ -139,8 +139,9 @@ def hf_target(model_section: dict) -> HFTarget | None:
         import transformers  # lazy: transformers, seconds
         from transformers import AutoConfig  # lazy: transformers
     except ImportError:
-        raise PipelineError("pp-core export --format hf needs transformers; pip install "
-                            "'pp-core[transformers]', or export with --format safetensors") from None
+        raise PipelineError(f"pp-core export --format hf needs transformers; "
+                            f"{install_extra('transformers')}, or export with --format "
+                            f"safetensors") from None
     given = (model_section.get("args") or {}).get("config")
     source = Path(given) if isinstance(given, str) and Path(given).is_dir() else None
     if source is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from pp_core.app.adapters import lora_config, peft_missing
+from pp_core.app.adapters import lora_config, peft_model
 from pp_core.app.export.hf import (directory_from_state_keys, hf_target, recorded_export,
                                    write_hf_files)
 from pp_core.checkpoint import read_tensors
@@ -61,18 +61,14 @@ def _base_model(section: dict, meta: bool):
 
 
 def _peft_model(section: dict, meta: bool):
-    try:
-        from peft import get_peft_model  # lazy: peft is an extra
-    except ImportError:
-        raise peft_missing("exporting a model.lora run") from None
     base = _base_model(section, meta)
     config = lora_config(dict(section["lora"]), base)
     if meta:
-        import torch  # lazy: with peft
+        import torch  # lazy: only for an export
 
         with torch.device("meta"):
-            return get_peft_model(base, config)
-    return get_peft_model(base, config)
+            return peft_model(base, config, "exporting a model.lora run")
+    return peft_model(base, config, "exporting a model.lora run")
 
 
 def export_peft_adapter(checkpoint, output, section: Optional[dict] = None,

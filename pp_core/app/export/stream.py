@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from pp_core._torch_compat import consolidate_hf_safetensors
-from pp_core.errors import PipelineError
+from pp_core.errors import PipelineError, install_extra
 
 __all__ = ["ShardLayout", "plan_shards", "write_from_checkpoint", "write_from_ranks",
            "DEFAULT_BATCH_BYTES", "SINGLE_FILE", "INDEX_FILE"]
@@ -143,8 +143,8 @@ def _writer(path: Path, names, save_distributed: bool, mapping: dict[str, int] |
     try:
         import safetensors  # noqa: F401  # lazy: DCP's HF writer writes through it
     except ImportError:
-        raise PipelineError("a directory export writes safetensors files: pip install "
-                            "safetensors (or 'pp-core[transformers]')") from None
+        raise PipelineError(f"a directory export writes safetensors files: pip install "
+                            f"safetensors (or {install_extra('transformers')})") from None
 
     return HuggingFaceStorageWriter(str(path), save_distributed=save_distributed,
                                     fqn_to_index_mapping=mapping or dict.fromkeys(names, 1))

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from pp_core.app.logs import configure_logging
 from pp_core.app.launch.decide import decide
+from pp_core.app.launch.warm import adopt, snapshot
 from pp_core.app.interrupts import interrupt_once, signals_raise
 from pp_core.app.machine import MachineShare
 from pp_core.app.rendezvous import prepare_endpoint, started_by_torchrun
@@ -44,9 +45,12 @@ def is_loopback(address: str) -> bool:
 
 
 def rank_main(spec_values: dict, entrypoint: Callable | None = None,
-              source: str = "pipeline") -> Any:
+              source: str = "pipeline", launcher: tuple | None = None) -> Any:
     """What every rank runs: rebuild the :class:`Spec` from :meth:`Spec.to_dict` and train (or
-    call ``entrypoint(spec)``)."""
+    call ``entrypoint(spec)``). ``launcher``: the launcher's environment and ``sys.path``, for a
+    rank forked warm (:mod:`pp_core.app.launch.warm`)."""
+    if launcher is not None:
+        adopt(launcher)
     configure_logging(f"pp-core rank {os.environ.get('RANK', '0')}")
     interrupt_once()
     # the launcher reports a failed step once, as the run's error (not once per rank)
@@ -81,7 +85,7 @@ def _has_interface(name: str) -> bool:
 
 def launch(spec: Spec, entrypoint: Callable | None = None,
            announce: Callable[[str], None] | None = None,
-           memory_cap: int | None = None) -> dict[int, Any]:
+           memory_cap: int | None = None, warm: bool = False) -> dict[int, Any]:
     """Run the pipeline on this machine's ranks; returns each local rank's return value.
 
     :param entrypoint: a picklable ``entrypoint(spec)`` to run on every rank instead of
@@ -89,6 +93,8 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
     :param announce: called with one line (ranks, device and why) once every check passed,
         just before the processes start.
     :param memory_cap: bytes per rank for ``pipeline.pp_schedule: auto`` (planned here, once).
+    :param warm: fork the ranks from the fork server :func:`pp_core.app.launch.warm.start` began
+        (imports done), instead of spawning them.
     When this process is itself a rank (started by torchrun), it just runs that rank.
     """
     from pp_core.runtime.group import resolve_timeout  # lazy: torch, once launching
@@ -114,7 +120,7 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
             announce(f"starting {layout.local_ranks} rank(s) on this machine "
                      f"({spec.dims.describe()}{node}) on {layout.device} ({layout.reason})")
         with _launch_temp_dir() as logs:
-            return _elastic_launch(spec, entrypoint, layout.local_ranks, endpoint, logs)
+            return _elastic_launch(spec, entrypoint, layout.local_ranks, endpoint, logs, warm)
 
 
 @contextlib.contextmanager
@@ -134,7 +140,7 @@ def _launch_temp_dir():
             tempfile.tempdir = previous
 
 
-def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str):
+def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str, warm: bool):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs  # lazy: torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
@@ -152,7 +158,8 @@ def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str):
     config = LaunchConfig(
         min_nodes=dist.nnodes, max_nodes=dist.nnodes, nproc_per_node=nproc,
         run_id=dist.rdzv_id, rdzv_backend=dist.rdzv_backend, rdzv_endpoint=str(endpoint),
-        rdzv_configs=rdzv_configs, max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        rdzv_configs=rdzv_configs, max_restarts=0, monitor_interval=0.1,
+        start_method="forkserver" if warm else "spawn",
         local_addr=host if is_loopback(host) else None,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # not a /tmp/torchelastic_* per run
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
@@ -167,7 +174,8 @@ def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str):
         contextlib.nullcontext()  # else torch's TCPStore servers listen on every interface
     try:
         with listeners, _loopback_gloo(is_loopback(host)):
-            return elastic_launch(config, rank_main)(spec.to_dict(), entrypoint, spec.source)
+            return elastic_launch(config, rank_main)(spec.to_dict(), entrypoint, spec.source,
+                                                     snapshot() if warm else None)
     except ChildFailedError as exc:
         raise PipelineError(_failure_message(exc)) from None
     except RendezvousError as exc:

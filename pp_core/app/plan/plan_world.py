@@ -195,7 +195,9 @@ def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = 
     profile_s = time.perf_counter() - started
     started = time.perf_counter()
     planned = []
-    for dims in admitted:
+    for number, dims in enumerate(admitted, 1):
+        if say is not None:
+            say(f"plan: planning layout {number}/{len(admitted)}: {dims.describe()}")
         outcome = plan_layout(spec, dims, world, profiles[dims.tp], memory_cap, link,
                                collectives, experts)
         (planned if isinstance(outcome, LayoutPlan) else dropped).append(outcome)
@@ -294,6 +296,9 @@ def format_world(found: WorldPlan, top: int = 8) -> str:
                      f", {describe(lp.best)}: predicted step "
                      f"{lp.best.predicted_step_s * 1e3:.1f} ms, peak "
                      f"{format_bytes(lp.best.peak_bytes)} per rank")
+        if lp.plan.processors is not None:  # fewer cores than ranks: predicted as shared
+            lines.append(f"cores: its ranks share {lp.plan.processors:g} processors' worth of "
+                         f"this machine's cores (predicted with the processor-sharing replay)")
     for dropped in found.dropped[:top]:
         d = dropped.dims
         lines.append(f"dropped pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard "

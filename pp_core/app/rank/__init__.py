@@ -30,15 +30,11 @@ import torch
 import torch.distributed as dist
 
 from pp_core import build_pipeline
-from pp_core.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
-from pp_core.app.check.resume import run_identity
 from pp_core.app.rank.data_metrics import batch_figures
-from pp_core.app.export.hf import export_record
-from pp_core.app.export.run import export_due, export_from_run
 from pp_core.app.factories import build_dataset, build_model, dp_slice
 from pp_core.app.rank.health import apply_update, weights_finite
 from pp_core.app.machine import MachineShare
-from pp_core.app.rank.progress import Progress
+from pp_core.app.rank.progress import Progress, phase
 from pp_core.app.rank.run_outputs import RunRecorder
 from pp_core.app.spec import Spec
 from pp_core.app.spec.sections import TrainSpec
@@ -219,12 +215,18 @@ def _resume_step(spec: Spec, pipe, optimizers, ctx: RankContext, say) -> int:
     resume = spec.checkpoint.resume
     if not resume:
         return 0
+    # torch's DCP and the DTensor it imports take seconds: a run that never resumes, saves or
+    # exports starts training without them
+    from pp_core.checkpoint import load_checkpoint, resume_checkpoint  # lazy: DCP, seconds
+
     verify = spec.checkpoint.verify  # free when this command's preflight verified it already
     path = resume_checkpoint(spec.checkpoint.dir, resume, verify)
     if path is None:
         say(f"checkpoint.resume: no checkpoint in {spec.checkpoint.dir!r} yet; starting at "
             f"step 0")
         return 0
+    if ctx.rank == 0:
+        phase(f"loading checkpoint {path}")
     step = load_checkpoint(path, pipe.model_parts, optimizers, verify=verify)
     say(f"resumed from {path} (step {step})")
     return step
@@ -246,6 +248,10 @@ def train(spec: Spec) -> dict[str, Any]:
     """Run this rank's part of the pipeline; rank 0 returns the summary (see ``format_summary``)."""
     started = time.perf_counter()
     ctx = RankContext(spec)
+    if ctx.rank == 0:
+        weights = " and loading its weights" if spec.model.args.get("checkpoint") or \
+            isinstance(spec.model.args.get("config"), str) else ""
+        phase(f"building the model and its pipeline on {ctx.world_size} rank(s){weights}")
     pipe, optimizers, num_params, dp_units, aux_losses = _build(spec, ctx)
     config = spec.pipeline
     base_lrs = [[g["lr"] for g in o.param_groups] if o else [] for o in optimizers]
@@ -299,12 +305,19 @@ def train(spec: Spec) -> dict[str, Any]:
                 raise PipelineError(f"step {step}: the weights hold NaN or inf values; the "
                                     f"checkpoint was not saved, so {directory!r} keeps its last "
                                     f"good one")
+            from pp_core.app.check.resume import run_identity  # lazy: DCP, as below
+            from pp_core.app.export.hf import export_record  # lazy: DCP, as below
+            from pp_core.checkpoint import save_checkpoint  # lazy: as DCP's, the first save pays
+
             path = save_checkpoint(directory, step, pipe.model_parts, optimizers,
                                    record={"run": run_identity(spec),
                                            "export": export_record(spec)})
             say(f"checkpoint saved: {path}")
-        if (export_dir := export_due(spec, step)) is not None:
-            say(f"exported: {export_from_run(spec, pipe.model_parts, export_dir)}")
+        if spec.checkpoint.export_hf:
+            from pp_core.app.export.run import export_due, export_from_run  # lazy: as DCP's
+
+            if (export_dir := export_due(spec, step)) is not None:
+                say(f"exported: {export_from_run(spec, pipe.model_parts, export_dir)}")
     progress.close()
     result = recorder.finish(start_step, time.perf_counter() - started, dp_units)
     dist.barrier()

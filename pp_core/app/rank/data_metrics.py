@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pp_core.errors import ConfigError
+from pp_core.errors import ConfigError, install_extra
 from pp_core.hookspecs import hookimpl
 from pp_core.runtime.microbatch import first_tensor
 from pp_core.write_failures import disk_error, write_failure
@@ -69,7 +69,7 @@ class TensorBoardSink:
         except ImportError:
             raise ConfigError(
                 f"output.tensorboard={directory!r} needs the tensorboard package: "
-                f"pip install 'pp-core[tensorboard]' (or pip install tensorboard), or remove "
+                f"{install_extra('tensorboard')} (or pip install tensorboard), or remove "
                 f"output.tensorboard") from None
         self.directory, self.writer = directory, None
         _quiet_writer_thread()

@@ -14,7 +14,14 @@ import sys
 import time
 from typing import IO, Any, Sequence
 
-__all__ = ["Progress", "format_duration", "format_bytes", "format_summary"]
+__all__ = ["Progress", "phase", "format_duration", "format_bytes", "format_summary"]
+
+
+def phase(text: str, stream: IO[str] | None = None) -> None:
+    """Say that a phase of a long command begins (``pp-core: building ...``), where the progress
+    line goes (stdout, as ``starting N rank(s)``; stderr holds the errors), so that no stretch
+    of seconds passes in silence."""
+    print(f"pp-core: {text}", file=stream if stream is not None else sys.stdout, flush=True)
 
 
 def format_duration(seconds: float | None) -> str:

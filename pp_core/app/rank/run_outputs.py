@@ -11,6 +11,7 @@ for the same schedule with the per-action costs this run measured.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -20,15 +21,18 @@ import torch.distributed as dist
 from pp_core.app.rank.output_files import MetricsFile, write_output
 from pp_core.app.rank.progress import format_summary
 from pp_core.app.rank.timing import ActionTimer, StepTotals, peak_memory
+from pp_core.devices import cpu_cores
 from pp_core.schedule.labels import KINDS, WAIT, category
 from pp_core.schedule.render import render_svg
+from pp_core.schedule.run_picture import (MeasuredRank, render_run_svg, steady_step,
+                                          step_costs)
 from pp_core.schedule.simulate import Costs, simulate
 from pp_core.schedule.trace import run_trace, write_json
 
 __all__ = ["RunRecorder"]
 
 TRACE_STEPS = 20  # the trace keeps the last this-many steps (a long run's trace stays small)
-SLOW_FACTOR, SLOW_AFTER_STEPS = 3.0, 3  # a step this much slower than the mean is logged
+SLOW_FACTOR, SLOW_AFTER_STEPS = 3.0, 3  # a step this much slower than the mean is counted
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,7 @@ class RunRecorder:
         self.steady_totals = StepTotals()
         self.kind_times: dict[str, list[float]] = {}  # "<stage><kind>" -> [seconds, count]
         self.clock_offset = time.time() - time.perf_counter()
+        self.slow_steps: list[tuple[int, float, float]] = []  # (step, seconds, x the mean)
         self.tokens_per_step = 0
         self.timer = ActionTimer(ctx.device)
         self.plugins = pipe.plugins
@@ -121,14 +126,16 @@ class RunRecorder:
         return loss
 
     def _check_pace(self, step: int, seconds: float) -> None:
-        """Log a step much slower than the steady steps before it (a straggling peer, a
-        swapping host, a recompilation): the summary's means would hide it."""
+        """Count a step much slower than the steady steps before it (a straggling peer, a
+        swapping host, a recompilation), which the summary's means would hide; the run ends with
+        one warning about them (:meth:`_slow_warning`). A step that was slow while the machine
+        had more runnable work than processors (:func:`machine_busy`) is not counted: on a
+        machine shared with other work, that is the other work's doing."""
         steady = self.steady_totals
         mean = steady.seconds / steady.steps if steady.steps else 0.0
-        if steady.steps >= SLOW_AFTER_STEPS and seconds > SLOW_FACTOR * mean:
-            logger.warning("rank %d: step %d of this run took %.3f s, %.1fx the mean of the %d "
-                           "steps before it (%.3f s)", self.rank, step, seconds, seconds / mean,
-                           steady.steps, mean)
+        if steady.steps >= SLOW_AFTER_STEPS and seconds > SLOW_FACTOR * mean \
+                and not machine_busy():
+            self.slow_steps.append((step, seconds, seconds / mean))
 
     def _trim_events(self, step: int) -> None:
         if self.events and self.events[0][4] <= step - TRACE_STEPS:
@@ -193,6 +200,8 @@ class RunRecorder:
                            if count},
             "events": [(n, c, s + self.clock_offset, e + self.clock_offset, st)
                        for n, c, s, e, st in self.events],
+            "slow_steps": (len(self.slow_steps), max(self.slow_steps, key=lambda s: s[2],
+                                                     default=None)),
         }
 
     def finish(self, start_step: int, wall_s: float, dp_units: int) -> dict[str, Any]:
@@ -221,15 +230,17 @@ class RunRecorder:
     def _summarise(self, ranks: list[dict], start_step: int, wall_s: float) -> dict[str, Any]:
         spec, out = self.spec, self.spec.output
         schedule = self._schedule()
-        simulated, note = self._simulate(schedule, ranks)
+        result, note = self._simulate(schedule, ranks)
+        simulated = None if result is None else \
+            [idle / (result.makespan or 1.0) for idle in result.idle]
         for figures in ranks:
             figures["bubble_simulated"] = None if simulated is None else \
                 simulated[figures["pp_rank"]]
         if out.trace:
             write_output("output.trace", out.trace, lambda to: write_json(run_trace(ranks), to))
         if out.schedule_image and schedule is not None:
-            write_output("output.schedule_image", out.schedule_image,
-                         lambda to: to.write_text(render_svg(simulate(schedule))))
+            write_output("output.schedule_image", out.schedule_image, lambda to: to.write_text(
+                self._picture(schedule, ranks, start_step)))
         model = spec.model.name or spec.model.target
         summary = {
             "source": spec.source, "model": model, "data": spec.data.name,
@@ -242,7 +253,8 @@ class RunRecorder:
             "wall_s": wall_s, "tokens_per_step": self.tokens_per_step, "losses": self.losses,
             "steps": self.steps, "step_times": self.step_times, "tokens_per_s": self.tokens_per_s,
             "eval_loss": self.eval_loss, "bubble_note": note, **self._data_summary(),
-            "ranks": [{k: v for k, v in r.items() if k not in ("events", "kind_times")}
+            "ranks": [{k: v for k, v in r.items() if k not in ("events", "kind_times",
+                                                              "slow_steps")}
                       for r in ranks],
             "holds": _holds(self.pipe),
             "outputs": {"metrics": out.metrics, "trace": out.trace,
@@ -255,6 +267,7 @@ class RunRecorder:
             summary["plan"] = {**planned, "measured_step_s": max(measured) if measured else None}
         if out.summary and self.steps:
             print(format_summary(summary), flush=True)
+        _slow_warning(ranks, start_step)
         return summary
 
     def _schedule(self):
@@ -263,7 +276,8 @@ class RunRecorder:
         return getattr(self.pipe, "schedule", None)
 
     def _simulate(self, schedule, ranks: list[dict]):
-        """Per pp rank idle share predicted by the simulator, with this run's mean action costs."""
+        """The simulator's run of ``schedule`` with this run's mean action costs (seconds), and
+        the note saying which costs it used."""
         if schedule is None:
             return None, None
 
@@ -281,10 +295,48 @@ class RunRecorder:
         else:
             costs = Costs()
             note = "simulated with unit costs (F=1, B=2, I=1, W=1); per-action times not recorded"
-        result = simulate(schedule, costs)
-        makespan = result.makespan or 1.0
-        return [idle / makespan for idle in result.idle], note
+        return simulate(schedule, costs), note
 
+    @staticmethod
+    def _picture(schedule, ranks: list[dict], start_step: int) -> str:
+        """``output.schedule_image``: a steady step as measured on the first rank of each pipeline
+        rank, above the same step simulated (:mod:`pp_core.schedule.run_picture`); the schedule
+        simulated at unit costs when no action was timed."""
+        firsts: dict[int, dict] = {}
+        for figures in ranks:
+            firsts.setdefault(figures["pp_rank"], figures)
+        rows = [firsts[pp_rank] for pp_rank in sorted(firsts)]
+        step = steady_step([figures["events"] for figures in rows])
+        if step is None or not any(figures["kind_times"] for figures in rows):
+            return render_svg(simulate(schedule))
+        measured = [MeasuredRank(figures["rank"], [e[:4] for e in figures["events"]
+                                                   if e[4] == step]) for figures in rows]
+        costs = {s: kinds for s, kinds in step_costs(measured).items() if s < schedule.num_stages}
+        return render_run_svg(measured, simulate(schedule, Costs(per_stage=costs)),
+                              start_step + step)
+
+
+def machine_busy() -> bool:
+    """Whether this machine has more runnable work than processors (its 1-minute load average
+    over the cores this process may use): then a slow step is other work's doing, not news."""
+    try:
+        return os.getloadavg()[0] > cpu_cores()
+    except OSError:  # no load average on this platform: count every slow step
+        return False
+
+
+def _slow_warning(ranks: list[dict], start_step: int) -> None:
+    """One warning for the run's slow steps, every rank's counted together, naming the slowest."""
+    counts = [(figures["rank"], *figures["slow_steps"]) for figures in ranks
+              if figures["slow_steps"][0]]
+    if not counts:
+        return
+    rank, _count, (step, seconds, factor) = max(counts, key=lambda c: c[2][2])
+    logger.warning("%d step(s) took over %gx the mean of the steps before them (on rank(s) %s); "
+                   "the slowest, step %d on rank %d, took %.3f s, %.1fx: a straggling peer, a "
+                   "swapping host or a recompilation (output.trace shows the last steps)",
+                   sum(c[1] for c in counts), SLOW_FACTOR, ", ".join(str(c[0]) for c in counts),
+                   start_step + step, rank, seconds, factor)
 
 def _holds(pipe) -> list | None:
     """Per stage, the module names it holds (the split every rank built), or ``None``."""

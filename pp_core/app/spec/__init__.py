@@ -28,6 +28,7 @@ from typing import Any, Iterable
 
 from pp_core.app.spec.combinations import auto_expert_parallel_refusal, check_combinations
 from pp_core.app.spec.checkers import Mismatch, describe_value
+from pp_core.app.spec.paths import named_factories, resolve_paths, search_beside
 from pp_core.app.spec.schema import REQUIRED_SECTIONS, SCHEMA, Key
 from pp_core.app.spec.sections import (SECTIONS, CheckpointSpec, DataSpec, DistributedSpec,
                                        ModelSpec, OutputSpec, TrainSpec)
@@ -209,7 +210,9 @@ def _explicit_null(data: dict, section: str, key: str) -> bool:
 
 
 def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> Spec:
-    """Read ``path``, apply ``--set`` overrides, and check everything that needs no plugin."""
+    """Read ``path``, apply ``--set`` overrides, check everything that needs no plugin, and make
+    every relative path absolute against the file's folder (:mod:`pp_core.app.spec.paths`; the
+    named factories say which of their arguments are paths)."""
     file = Path(path)
     if not file.is_file():
         raise SpecError([f"no such file {quoted(str(file))}"], str(file))
@@ -220,4 +223,7 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> Spec:
     if data is not None and not isinstance(data, dict):
         raise SpecError([f"expected a mapping with sections {', '.join(SCHEMA)}, found "
                          f"{describe_value(data)}"], str(file))
-    return parse_spec(apply_overrides(data or {}, overrides), str(file))
+    spec = parse_spec(apply_overrides(data or {}, overrides), str(file))
+    folder = str(file.resolve().parent)
+    search_beside(spec, folder)
+    return resolve_paths(spec, folder, *named_factories(spec))

@@ -173,7 +173,7 @@ class CheckpointSpec:
 class OutputSpec:
     metrics: str | None = key(None, optional(text), "JSON-lines metrics file")
     trace: str | None = key(None, optional(text), "Chrome trace (chrome://tracing, Perfetto)")
-    schedule_image: str | None = key(None, optional(text), "SVG timeline of the schedule")
+    schedule_image: str | None = key(None, optional(text), "SVG of a steady step as measured, above the same step simulated")
     progress: str = key("auto", one_of("auto", "bar", "plain", "off"), "auto: a bar on a "
                         "terminal, plain lines otherwise")
     summary: bool = key(True, flag, "print the summary table at the end")
