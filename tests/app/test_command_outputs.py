@@ -118,11 +118,12 @@ def test_plan_writes_what_differs_with_paths_for_where_it_writes(tmp_path, monke
     assert written == {
         "model": {"name": "gpt", "args": MODEL},
         "data": {"name": "tokenized_text",
-                 "args": {**PIPE["data"]["args"], "files": "../a/corpus.txt"}},
+                 "args": {**PIPE["data"]["args"], "files": "../a/corpus.txt",
+                          "cache_dir": "../a/cache"}},
         "pipeline": {"pp_schedule": "dfs", "pp_batch_size": 4, "pp_microbatch_size": 2,
                      "loss_fn": "cross_entropy"},
         "distributed": {"pp_size": 2, "device": "cpu"},
         "train": {"steps": 1},
-        "checkpoint": {"dir": "runs/chosen/ckpt", "export_hf": "runs/chosen/hf"},
-        "output": {"metrics": "runs/chosen/metrics.jsonl", "progress": "off"}}
+        "checkpoint": {"dir": "../a/runs/chosen/ckpt", "export_hf": "../a/runs/chosen/hf"},
+        "output": {"metrics": "../a/runs/chosen/metrics.jsonl", "progress": "off"}}
     assert moved == ["checkpoint.dir", "checkpoint.export_hf", "output.metrics"]

@@ -59,7 +59,7 @@ CASES = [
     ("cache_dir is a file", {**BASE, "data": {**CORPUS, "args": {**CORPUS["args"],
                                                                  "cache_dir": "corpus.txt"}}},
      "data.args: dataset 'tokenized_text' refused these arguments (ValueError: tokenized_text: "
-     "cache_dir='corpus.txt' is a file, expected a directory for the token cache (it is "
+     "cache_dir='{folder}/corpus.txt' is a file, expected a directory for the token cache (it is "
      f"created when missing)); fix data.args, or {CORPUS_PLUGIN}{REST}"),
     ("negative z_loss_coef", {**BASE, "model": {"name": "moe_gpt",
                                                 "args": {**MOE, "z_loss_coef": -0.1}}},
@@ -104,6 +104,7 @@ def test_validate_refuses_in_one_line(tmp_path, capsys, monkeypatch, values, mes
     code = cli.main(["validate", "pipe.yaml"])
     out = capsys.readouterr()
     assert code == 1 and out.out == "", out.out + out.err
+    message = message.replace("{folder}", str(tmp_path))
     assert out.err == f"pp-core: error: pipe.yaml: {message}\n"
 
 

@@ -3,8 +3,8 @@ to another project (``pp.core``, a Zope package; ``-``, ``_`` and ``.`` make one
 nothing in the repository may tell anyone to install it - a user following such a line, or a
 plugin listing it as a dependency, gets that package."""
 
+import os
 import re
-import subprocess
 import tomllib
 from pathlib import Path
 
@@ -16,17 +16,25 @@ PIP_INSTALL_OLD = re.compile(rf"""pip3?\s+install\s+(?:-\S+\s+)*["']?{OLD}\b""",
 DEPENDS_ON_OLD = re.compile(rf"""["']{OLD}(?:\[[^\]]*\])?\s*(?:[<>=!~;][^"']*)?["']""")
 
 
+SKIPPED = {"__pycache__", "build", "dist", "runs", "node_modules"}
+"""Folders no commit holds: bytecode, builds, run outputs (hidden ones - .git, .venv* - too)."""
+
+
 def _tracked_text_files():
-    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.split("\0")
-    for name in filter(None, names):
-        path = ROOT / name
-        if path.suffix in (".py", ".md", ".toml", ".yaml", ".yml", ".sh", ".txt", ".cfg", "") \
-                and path.is_file():
-            try:
-                yield name, path.read_text(encoding="utf-8")
-            except UnicodeDecodeError:
-                continue
+    """The repository's text files, walked (no ``git``: a test of the fast tier starts no
+    process), less what is never committed."""
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED
+                   and not d.endswith(".egg-info")]
+        for file in files:
+            path = Path(folder) / file
+            name = str(path.relative_to(ROOT))
+            if path.suffix in (".py", ".md", ".toml", ".yaml", ".yml", ".sh", ".txt", ".cfg", "") \
+                    and path.is_file():
+                try:
+                    yield name, path.read_text(encoding="utf-8")
+                except UnicodeDecodeError:
+                    continue
 
 
 def _requirements(pyproject: dict) -> list[str]:

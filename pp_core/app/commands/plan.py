@@ -189,10 +189,10 @@ READ_KEYS = (("data", "args"), ("data", "eval_args"), ("model", "args"),
 
 def written_file(spec, values: dict, path: str) -> tuple[dict, list[str]]:
     """What ``plan -o PATH`` writes of ``values`` (the planned spec, every key): only what differs
-    from the defaults; each relative path the source file reads (found from its folder) rewritten
-    from PATH's folder; each output moved into a folder named after PATH beside the source
-    run's (``runs/ckpt`` -> ``runs/chosen/ckpt``), so running it replaces nothing of that run.
-    Returns the values and the output keys moved."""
+    from the defaults; each path the source file reads written relative to PATH's folder (a
+    pipeline file's relative paths are relative to its folder); each output moved into a folder
+    named after PATH beside the source run's (``runs/ckpt`` -> ``runs/chosen/ckpt``), so running
+    it replaces nothing of that run. Returns the values and the output keys moved."""
     from pp_core.app.spec.schema import SCHEMA  # lazy: as plan_command's imports
 
     out = {}
@@ -212,7 +212,8 @@ def written_file(spec, values: dict, path: str) -> tuple[dict, list[str]]:
         value = out.get(section, {}).get(key)
         written = value.get("dir") if isinstance(value, dict) else value
         if isinstance(written, str) and written:
-            beside = str(Path(written).parent / Path(path).stem / Path(written).name)
+            beside = _from(target, source / Path(written).parent / Path(path).stem
+                           / Path(written).name)
             extra = {k: v for k, v in value.items() if k != "dir" and v is not None} \
                 if isinstance(value, dict) else {}
             out[section][key] = {"dir": beside, **extra} if extra else beside
@@ -228,18 +229,18 @@ def _normal(key):
         return key.default
 
 
-def _relocated(value, source: Path, target: Path):
-    """``value`` with each relative path that exists from ``source`` rewritten from ``target``."""
-    import glob  # lazy: only with -o
+def _from(target: Path, path: Path) -> str:
+    """``path`` as the pipeline file in ``target`` names it: relative to that folder."""
+    return os.path.relpath(path, target)
 
+
+def _relocated(value, source: Path, target: Path):
+    """``value`` with each path inside the source file's folder (the spec made every relative
+    path absolute against it) rewritten relative to ``target``; other values as they are."""
     if isinstance(value, dict):
         return {k: _relocated(v, source, target) for k, v in value.items()}
     if isinstance(value, list):
         return [_relocated(v, source, target) for v in value]
-    if not isinstance(value, str) or not value or os.path.isabs(os.path.expanduser(value)) or \
-            source == target:
-        return value
-    found = source / value
-    if found.exists() or (glob.has_magic(value) and glob.glob(str(found))):
-        return os.path.relpath(found, target)
+    if isinstance(value, str) and os.path.isabs(value) and Path(value).is_relative_to(source):
+        return _from(target, Path(value))
     return value
