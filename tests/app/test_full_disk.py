@@ -69,7 +69,7 @@ def test_a_full_metrics_disk_ends_the_metrics_and_trace_not_the_training(tmp_pat
         done = _run(tmp_path, "output.metrics=m.jsonl", "output.summary=true", limit=3000)
         lines = (tmp_path / "m.jsonl").read_text().splitlines()
         left = [".filler", "m.jsonl"]
-        reason, path = "the file grew past the size this process may write", "m.jsonl"
+        reason, path = "the file grew past the size this process may write", str(tmp_path / "m.jsonl")
         fix = "free some space or choose another place"
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr

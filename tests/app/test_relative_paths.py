@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from pp_core.checkpoint.record import read_section
+
 from tests.cases.cli import PP_CORE
 
 pytest.importorskip("peft")
@@ -30,7 +32,7 @@ data:
   name: tokenized_text
   args: {files: [corpus.txt], tokenizer: tok, seq_len: 16, cache_dir: cache}
 pipeline: {pp_schedule: 1f1b, pp_batch_size: 4, pp_microbatch_size: 2,
-           loss_fn: "pp_core_builtins.transformers:causal_lm_loss"}
+           loss_fn: cross_entropy}
 distributed: {pp_size: 2, device: cpu}
 train: {steps: 2, log_every: 1}
 checkpoint: {dir: ckpt, every: 2}
@@ -73,7 +75,7 @@ def test_a_pipeline_folder_runs_resumes_and_exports_from_elsewhere(tmp_path):
     out = _pp_core(b, "run", "../A/pipe.yaml", "--set", "train.steps=3",
                    "--set", "checkpoint.resume=ckpt/step_00000002")
     assert f"resumed from {a / 'ckpt' / 'step_00000002'} (step 2)" in out, out
-    record = json.loads((a / "ckpt" / "step_00000003" / "pp_core_run.json").read_text())
+    record = read_section(a / "ckpt" / "step_00000003", "run")
     assert record["model"]["args"]["config"] == str(a / "base")
 
     _pp_core(b, "export", "../A/ckpt", "--format", "hf", "-o", "../C/adapter")

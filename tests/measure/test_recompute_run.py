@@ -148,8 +148,10 @@ def test_a_cap_no_ac_free_plan_fits_is_met_by_recomputing_on_some_stages_and_run
     for name, want in grads.items():
         torch.testing.assert_close(got["grads"][name], want, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, name=name: f"grad of {name}: {m}")
+    # AdamW divides each gradient by its running magnitude: where a gradient is near zero, a
+    # difference in the last bits of the summation order moves that weight by ~1e-6 of lr 0.01
     for name, want in params.items():
-        torch.testing.assert_close(got["params"][name], want, rtol=1e-4, atol=1e-6,
+        torch.testing.assert_close(got["params"][name], want, rtol=1e-4, atol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
