@@ -12,4 +12,5 @@ if [ "${1:-}" = "--fast" ]; then
     tier=(-m "not ranks and not cli")
     export PP_CORE_FAST_TIER=1  # tests/conftest.py: an unmarked test that starts a process fails
 fi
-exec "${PP_CORE_VENV:-.venv}/bin/python" -m pytest -q "${tier[@]}" "$@"
+# the ten slowest tests are printed at the end of every run, so growth is seen when it happens
+exec "${PP_CORE_VENV:-.venv}/bin/python" -m pytest -q --durations=10 "${tier[@]}" "$@"
