@@ -105,6 +105,17 @@ def _source(given: Path) -> Path:
     return given
 
 
+def _run_reads(source: Path) -> dict:
+    """The sections of the run ``source`` was saved by, as recorded (the paths it read)."""
+    from pp_core.app.export.described import recorded_export  # lazy: with the command
+    from pp_core.checkpoint.record import read_section
+
+    record = recorded_export(source)
+    run = read_section(source, "run") or {}
+    return {"model": {**(record.get("model") or {}), **(run.get("model") or {})},
+            "data": record.get("data") or {}}
+
+
 def _writer(args, output: Path):
     """What the flags ask for: ``"hf"`` (a Hugging Face directory, or a LoRA run's adapter),
     ``"directory"`` (the directory form) or ``"file"`` (one ``state_dict`` file); a
@@ -149,10 +160,13 @@ def export_command(args) -> int:
     from pp_core.checkpoint.directory import check_dir
 
     source, output = _source(Path(args.checkpoint)), Path(args.output)
-    refuse_export_collisions(args.checkpoint, str(source), args.output)
     kind = _writer(args, output)
+    refuse_export_collisions(args.checkpoint, str(source), args.output,
+                             None if kind == "file" else "directory")
     options = {"dtype": _dtype(args.dtype), "max_shard_size": _size(args.max_shard_size)}
     check_dir(source, args.verify)  # whole and as written before its record is read; once
+    refuse_export_collisions(args.checkpoint, str(source), args.output,
+                             None if kind == "file" else "directory", _run_reads(source))
     if kind == "file":
         print(f"wrote {export_checkpoint(source, output, verify=args.verify)} from {source}")
         return 0
@@ -162,8 +176,12 @@ def export_command(args) -> int:
         from pp_core.app.export.hf import export_directory_form  # lazy: torch
 
         write = export_directory_form
+    from pp_core.app.export.staging import staged_directory  # lazy: with a directory export
+
     started = time.perf_counter()
-    written = write(source, output, verify=args.verify, **options)
+    with staged_directory(output, "-o") as staging:
+        write(source, staging, verify=args.verify, **options)
+    written = output
     files = sorted(p.name for p in written.iterdir() if not p.name.startswith("."))
     print(f"wrote {written} from {source} in {time.perf_counter() - started:.1f} s: "
           f"{', '.join(files)}")
