@@ -106,12 +106,18 @@ def _source(given: Path) -> Path:
 
 
 def _run_reads(source: Path) -> dict:
-    """The sections of the run ``source`` was saved by, as recorded (the paths it read)."""
+    """The model and data sections of the run ``source`` was saved by, as recorded: the paths
+    it read, which ``-o`` must not write over (an unreadable record: none; the checksums and
+    the record's own check refuse it next)."""
     from pp_core.app.export.described import recorded_export  # lazy: with the command
     from pp_core.checkpoint.record import read_section
+    from pp_core.errors import PPCoreError
 
-    record = recorded_export(source)
-    run = read_section(source, "run") or {}
+    try:
+        record = recorded_export(source)
+        run = read_section(source, "run") or {}
+    except PPCoreError:
+        return {}
     return {"model": {**(record.get("model") or {}), **(run.get("model") or {})},
             "data": record.get("data") or {}}
 
@@ -161,12 +167,10 @@ def export_command(args) -> int:
 
     source, output = _source(Path(args.checkpoint)), Path(args.output)
     kind = _writer(args, output)
-    refuse_export_collisions(args.checkpoint, str(source), args.output,
-                             None if kind == "file" else "directory")
+    refuse_export_collisions(args.checkpoint, str(source), args.output,  # before any work
+                             None if kind == "file" else "directory", _run_reads(source))
     options = {"dtype": _dtype(args.dtype), "max_shard_size": _size(args.max_shard_size)}
     check_dir(source, args.verify)  # whole and as written before its record is read; once
-    refuse_export_collisions(args.checkpoint, str(source), args.output,
-                             None if kind == "file" else "directory", _run_reads(source))
     if kind == "file":
         print(f"wrote {export_checkpoint(source, output, verify=args.verify)} from {source}")
         return 0
