@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from pp_core.app import cli  # noqa: E402
 from pp_core.app.check.resume import check_resume_identity, run_identity  # noqa: E402
-from pp_core.app.export.described import export_record  # noqa: E402
+from pp_core.app.export.hf import export_record  # noqa: E402
 from pp_core.app.spec import load_spec  # noqa: E402
 from pp_core.checkpoint import save_checkpoint  # noqa: E402
 from pp_core.checkpoint.record import CHECKSUMS_FILE, RECORD_FILE, SECTIONS  # noqa: E402
