@@ -3,16 +3,18 @@
 ``pp-core export CKPT --format hf -o DIR`` and ``checkpoint.export_hf: DIR`` write what
 Hugging Face's ``save_pretrained`` writes for the run's model:
 
-* ``config.json``: the run's HF config (``model.args.config``), ``architectures`` and the dtype
-  set; ``generation_config.json`` as ``save_pretrained`` writes it (the source directory's when
-  it had one);
+* ``config.json``: the run's HF config (the content the checkpoint recorded of
+  ``model.args.config``), ``architectures`` and the dtype set; ``generation_config.json`` as
+  ``save_pretrained`` writes it (the source directory's, as recorded, when it had one);
 * ``model.safetensors``, or shards ``model-0000i-of-0000N.safetensors`` with
   ``model.safetensors.index.json``, split at ``--max-shard-size`` (default: the installed
   ``save_pretrained``'s), the tensors in its order; a tied weight stored once, under the name
   ``save_pretrained`` keeps (``model.embed_tokens.weight``, not ``lm_head.weight``);
 * the tokenizer files when the run's data names a tokenizer directory or ``tokenizer.json``;
-  the processor's files (``save_pretrained`` of ``AutoProcessor``) when it names a processor
-  directory (``image_text``), so a vision-language model's directory loads with its processor.
+  the processor's files when it names a processor directory (``image_text``), so a
+  vision-language model's directory loads with its processor - as the checkpoint recorded them
+  (:mod:`pp_core.app.export.described`; an earlier pp-core's checkpoint: read from those
+  directories, the processor through ``AutoProcessor``).
 
 The keys are the unsplit model's names, so every layout (pp, tp, dp_shard / dp_replicate, ep,
 any splitter) gives the same directory; the weights stream through
@@ -21,8 +23,9 @@ an HF model gets the directory form: the same weight files and index, and
 ``pp_core_model.yaml``, the YAML ``model`` section that rebuilds it.
 
 A checkpoint knows what it was trained for from the ``export`` section of its record
-(:mod:`pp_core.checkpoint.record`; :func:`export_record` fills it as each checkpoint is saved;
-older checkpoints: the model of their ``run`` section). :func:`directory_from_state_keys` is the
+(:mod:`pp_core.checkpoint.record`; :func:`~pp_core.app.export.described.export_record` fills it
+as each checkpoint is saved; older checkpoints: the model of their ``run`` section). The callers
+write into a staging directory renamed in whole (:mod:`pp_core.app.export.staging`). :func:`directory_from_state_keys` is the
 seam for other directory kinds (e.g. an adapter export): it takes ``[(output name, checkpoint
 key)]`` and writes the weights of a directory.
 """
