@@ -1,8 +1,11 @@
 """Every path a command reads and writes, and the pairs that would overwrite one another.
 
 A run reads its pipeline file, a schedule CSV, data and tokenizer files named in ``*.args``
-and the checkpoint it resumes from; it writes ``output.*`` files and checkpoints under
-``checkpoint.dir`` (``step_NNNNNNNN`` directories and the ``latest`` pointer, which it replaces).
+the token cache (``*cache_dir``) and the checkpoint it resumes from; it writes ``output.*`` files,
+checkpoints under ``checkpoint.dir`` (``step_NNNNNNNN`` directories and the ``latest`` pointer,
+which it replaces) and the ``checkpoint.export_hf`` directory (replaced as a whole). ``export -o``
+is checked against the checkpoint and what the run it records read (:func:`recorded_reads`),
+``schedule export FILE.yaml -o`` against what that file's run reads (:func:`pipeline_reads`).
 :func:`collisions` compares all of them at once, by the file they resolve to (symbolic links,
 ``..`` and hard links included), so a write that lands on an input, on another output or inside
 what the checkpoint directory manages is refused naming both keys: one check for every key,
