@@ -1,8 +1,11 @@
 """Every path a command reads and writes, and the pairs that would overwrite one another.
 
 A run reads its pipeline file, a schedule CSV, data and tokenizer files named in ``*.args``
-and the checkpoint it resumes from; it writes ``output.*`` files and checkpoints under
-``checkpoint.dir`` (``step_NNNNNNNN`` directories and the ``latest`` pointer, which it replaces).
+the token cache (``*cache_dir``) and the checkpoint it resumes from; it writes ``output.*`` files,
+checkpoints under ``checkpoint.dir`` (``step_NNNNNNNN`` directories and the ``latest`` pointer,
+which it replaces) and the ``checkpoint.export_hf`` directory (replaced as a whole). ``export -o``
+is checked against the checkpoint and what the run it records read (:func:`recorded_reads`),
+``schedule export FILE.yaml -o`` against what that file's run reads (:func:`pipeline_reads`).
 :func:`collisions` compares all of them at once, by the file they resolve to (symbolic links,
 ``..`` and hard links included), so a write that lands on an input, on another output or inside
 what the checkpoint directory manages is refused naming both keys: one check for every key,
@@ -29,7 +32,7 @@ from typing import Any, Iterable
 from pp_core.app.spec.paths import NOT_PATHS
 from pp_core.errors import PPCoreError, quoted
 
-__all__ = ["PathUse", "run_paths", "collisions", "path_problems", "writable_problem",
+__all__ = ["PathUse", "run_paths", "recorded_reads", "pipeline_reads", "collisions", "path_problems", "writable_problem",
            "refuse_collisions", "refuse_output", "refuse_export_collisions"]
 
 CHECKPOINT_MANAGED = ("step_*", "latest", ".latest.tmp-*")
@@ -122,10 +125,14 @@ def _clash(a: PathUse, b: PathUse) -> str | None:
             continue
         if outer.managed and not any(fnmatch.fnmatchcase(entry, p) for p in outer.managed):
             continue  # a place in the checkpoint directory that saves (and reads) leave alone
-        if outer.writes:
+        if outer.writes and outer.managed:
             return (f"{inner.key} {inner.path!r} lies at {entry!r} inside {outer.key} "
                     f"{outer.path!r}, which a checkpoint save replaces or moves aside; put "
                     f"{inner.key} outside it (or elsewhere than {', '.join(outer.managed)})")
+        if outer.writes:
+            return (f"{inner.key} {inner.path!r} lies at {entry!r} inside {outer.key} "
+                    f"{outer.path!r}, which is replaced as a whole directory when it is "
+                    f"written; put {outer.key} somewhere that holds neither")
         if inner.writes:
             return (f"{inner.key} {inner.path!r} lies at {entry!r} inside {outer.key} "
                     f"{outer.path!r}, which this command reads: writing there changes its "
@@ -199,14 +206,30 @@ def run_paths(spec) -> list[PathUse]:
     for name, value in vars(spec.output).items():
         if name not in NOT_PATHS and isinstance(value, str) and value:
             uses.append(PathUse(f"output.{name}", value, True, tree=name in OUTPUT_DIRECTORIES))
+    export = spec.checkpoint.export_hf
+    if export and isinstance(export.get("dir"), str):
+        uses.append(PathUse("checkpoint.export_hf", export["dir"], True, tree=True))
+    return uses
+
+
+def recorded_reads(sections: dict) -> list[PathUse]:
+    """What the run a checkpoint records read (``{"model": {"args": ...}, "data": {...}}``):
+    the base model, tokenizer, processor and corpus an export of it must not overwrite."""
+    uses = []
+    for section, sub in (("model", "args"), ("data", "args")):
+        args = (sections.get(section) or {}).get(sub) or {}
+        for name, value in (args.items() if isinstance(args, dict) else ()):
+            uses += _argument_reads(f"the run's {section}.{sub}.{name}", value)
     return uses
 
 
 def _argument_reads(key: str, value: Any) -> list[PathUse]:
     """What an argument reads: an existing file; an existing directory (all it holds: a corpus, a
-    tokenizer); a glob (whatever it matches). A ``*cache_dir`` argument is written, not read."""
+    tokenizer); a glob (whatever it matches). A ``*cache_dir`` argument (the token cache) is
+    read whole, whether it exists yet or not: no output may land inside it."""
     if key.endswith("cache_dir"):
-        return []
+        return [PathUse(key, value, False, tree=True)] if isinstance(value, str) and value \
+            and "\0" not in value else []
     uses = []
     for text in _strings(value):
         if "\0" in text or not text:
@@ -221,24 +244,56 @@ def _argument_reads(key: str, value: Any) -> list[PathUse]:
     return uses
 
 
-def refuse_collisions(reads: dict[str, str | None], writes: dict[str, str | None]) -> None:
+def pipeline_reads(source: str) -> list[PathUse]:
+    """What the run of the pipeline file ``source`` reads, from its YAML alone (no torch, no
+    plugin: the schedule commands use it): the file, its schedule CSV, every existing path or
+    glob under ``model.args`` / ``data.args`` (relative ones against the file's folder)."""
+    from pp_core.app.spec.paths import absolute  # lazy: with a pipeline file
+    from pp_core.app.spec.yaml import read_yaml
+
+    try:
+        data = read_yaml(Path(source).read_bytes()) or {}
+    except Exception:  # noqa: BLE001 - the command reports an unreadable file itself
+        return []
+    folder = os.path.dirname(os.path.abspath(source))
+    sections = {name: data.get(name) if isinstance(data, dict) else None
+                for name in ("model", "data", "pipeline")}
+    resolved = {name: {"args": {k: absolute(v, folder)
+                                for k, v in ((section or {}).get("args") or {}).items()}
+                       if isinstance((section or {}).get("args"), dict) else {}}
+                for name, section in sections.items() if isinstance(section, dict)}
+    uses = [PathUse("the pipeline file", source, False)]
+    csv = (sections.get("pipeline") or {}).get("pp_schedule_csv")
+    if isinstance(csv, str) and csv:
+        uses.append(PathUse("pipeline.pp_schedule_csv", absolute(csv, folder), False))
+    return uses + [PathUse(u.key.replace("the run's ", ""), u.path, u.writes, u.tree, u.managed,
+                           u.pattern) for u in recorded_reads(resolved)]
+
+
+def refuse_collisions(reads: dict[str, str | None], writes: dict[str, str | None],
+                      uses: Iterable[PathUse] = ()) -> None:
     """Raise :class:`~pp_core.errors.PPCoreError` when a command's outputs would overwrite its
-    inputs or each other (``{flag: path}``; ``None`` and ``-`` for stdout are skipped)."""
-    uses = [PathUse(k, p, False) for k, p in reads.items() if p and p != "-"]
+    inputs or each other (``{flag: path}``; ``None`` and ``-`` for stdout are skipped;
+    ``uses``: more paths it reads, e.g. :func:`pipeline_reads`)."""
+    uses = [PathUse(k, p, False) for k, p in reads.items() if p and p != "-"] + list(uses)
     uses += [PathUse(k, p, True) for k, p in writes.items() if p and p != "-"]
     problems = path_problems(uses) + collisions(uses)
     if problems:
         raise PPCoreError("; ".join(problems))
 
 
-def refuse_export_collisions(argument: str, source: str, output: str) -> None:
-    """``pp-core export CKPT -o FILE``: refuse an ``-o`` that lands on or inside the checkpoint it
+def refuse_export_collisions(argument: str, source: str, output: str,
+                             kind: str | None = None, run: dict | None = None) -> None:
+    """``pp-core export CKPT -o OUT``: refuse an ``-o`` that lands on or inside the checkpoint it
     reads (``source``, the step directory), or on what a checkpoint.dir given as ``argument``
-    points through (``latest``, its ``step_*`` directories), or that cannot be created."""
+    points through (``latest``, its ``step_*`` directories), or - once the checkpoint's record
+    is read, ``run`` - on what the run it was saved by read (its base model, tokenizer,
+    processor, corpus), or that cannot be created as ``kind`` (a directory export replaces
+    ``OUT`` whole: refused where ``OUT`` holds what no export writes)."""
     uses = [PathUse("CKPT", source, False, tree=True)]
     if not _same(argument, source):
         uses.append(PathUse("CKPT", argument, False, tree=True, managed=CHECKPOINT_MANAGED))
-    refuse_output("-o", output, uses, kind=None)  # a file or a directory, by --format
+    refuse_output("-o", output, uses + recorded_reads(run or {}), kind=kind)
 
 
 def writable_problem(key: str, path: str, kind: str | None = "file") -> str | None:
@@ -281,10 +336,14 @@ def refuse_output(key: str, path: str, uses: Iterable[PathUse], kind: str | None
     """A command's own output (``-o``) before it does any work: not one of the paths it or the
     run it describes uses (``uses``; landing on or inside an input, or on an output), and
     writable as ``kind`` (:func:`writable_problem`); raises :class:`PPCoreError`."""
-    output = PathUse(key, path, True)
+    output = PathUse(key, path, True, tree=kind == "directory")
     problems = path_problems([output]) + [
         why for use in uses if use.path and "\0" not in use.path
         and (why := _clash(output, use)) is not None]
     problem = problems[0] if problems else writable_problem(key, path, kind)
+    if problem is None and kind == "directory":
+        from pp_core.app.export.staging import replace_problem  # lazy: only a directory export
+
+        problem = replace_problem(key, path)
     if problem is not None:
         raise PPCoreError(problem)

@@ -13,7 +13,8 @@ its size and digest; the first that differs is refused in one line naming it and
 (4 KiB zeroed inside a shard, same size, included). ``checkpoint.verify: false`` (``pp-core
 export --no-verify``) skips the check. A checkpoint without the file is read as before when it
 comes from an older pp-core, and refused when its record says it was written
-(:func:`~pp_core.checkpoint.record.promises_checksums`). A path verified once is not read again
+(:func:`~pp_core.checkpoint.record.promises_checksums`), and so is a list that leaves out a file
+the DCP metadata references (:func:`check_listed`). A path verified once is not read again
 by the same command (its ranks inherit the record through ``$PP_CORE_VERIFIED_CHECKPOINTS``),
 unless its list changed.
 """
@@ -29,7 +30,8 @@ from pathlib import Path
 from pp_core.checkpoint.record import CHECKSUMS_FILE, corrupt, promises_checksums
 from pp_core.errors import PipelineError
 
-__all__ = ["ALGORITHM", "hashing_writer", "files_missed", "manifest_text", "verify_checkpoint"]
+__all__ = ["ALGORITHM", "hashing_writer", "files_missed", "manifest_text", "verify_checkpoint",
+           "check_listed"]
 
 ALGORITHM = "sha256"
 BLOCK = 1 << 23  # bytes read at a time when verifying
@@ -173,3 +175,18 @@ def verify_checkpoint(path: str | os.PathLike, verify: bool = True) -> None:
     if verify:
         known = [s for s in os.environ.get(_VERIFIED_ENV, "").split(os.pathsep) if s]
         os.environ[_VERIFIED_ENV] = os.pathsep.join(known[-7:] + [stamp])
+
+
+def check_listed(path: str | os.PathLike, referenced, verify: bool = True) -> None:
+    """Refuse a checkpoint whose checksums list leaves out a file its DCP ``.metadata``
+    references (``referenced``: their names) or the ``.metadata`` itself: a file dropped from
+    the list would otherwise be read unverified (nothing with ``verify=False``)."""
+    path = Path(path)
+    manifest = _manifest(path) if verify else None
+    if manifest is None:
+        return  # no list: verify_checkpoint already refused one that was promised
+    unlisted = sorted((set(referenced) | {".metadata"}) - set(manifest["files"]))
+    if unlisted:
+        raise _corrupt(path, f"its file {unlisted[0]} is not in its {CHECKSUMS_FILE} (every "
+                             f"file the checkpoint's .metadata names must be listed and "
+                             f"verified)")

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from pp_core.checkpoint.checksums import verify_checkpoint
+from pp_core.checkpoint.checksums import check_listed, verify_checkpoint
 from pp_core.checkpoint.record import corrupt, latest_name
 from pp_core.checkpoint.safe_reader import SafeReader
 from pp_core.errors import PipelineError
@@ -88,6 +88,7 @@ def check_dir(path: Path, verify: bool = False):
         name = str(getattr(info, "relative_path", ""))
         sizes[name] = max(sizes.get(name, 0), int(getattr(info, "offset", 0))
                           + int(getattr(info, "length", 0)))
+    check_listed(path, sizes, verify)  # no file DCP reads is left out of the list
     for name, needed in sorted(sizes.items()):
         file = path / name
         if not file.is_file():

@@ -6,14 +6,16 @@ holds two files of pp-core's, and its directory (``checkpoint.dir``) one:
 * ``pp_core_record.json``, the record: one JSON object whose sections the application fills
   with plain values when it saves (the library never reads a spec)::
 
-      {"version": 1, "checksums": "pp_core_checksums.json",
+      {"version": 1, "checksums": "pp_core_checksums.json", "promises_checksums": true,
        "run": {"model": {...}, "optimizer": "AdamW", "layout": {...}},
        "export": {"model": {...}, "data": {...}}}
 
   ``run`` is what the checkpoint was trained for (the resume check compares it with the
   pipeline file), ``export`` what an export needs on its own (the model and data sections, the
-  training dtype). Every pp-core that writes a record writes the checksums too, so a record
-  without its list is refused (:func:`promises_checksums`).
+  training dtype, and what describes an HF model: :mod:`pp_core.app.export.described`). Every
+  pp-core that writes a record writes the checksums too (``promises_checksums``), so a record
+  without its list is refused (:func:`promises_checksums`), as is an earlier release's
+  ``pp_core_export.json`` without one (that release wrote both).
 * ``pp_core_checksums.json``: every file's size and sha256, the record's included
   (:mod:`pp_core.checkpoint.checksums`); written after the record, so it is a file of its own.
 * ``latest`` in the directory: the name of the checkpoint saved last, written to a temporary
@@ -76,7 +78,8 @@ def record_files(sections: Mapping[str, dict] | None) -> dict[str, str]:
     if unknown:
         raise ValueError(f"unknown checkpoint record section(s) {unknown}; known: "
                          f"{sorted(SECTIONS)}")
-    record = {"version": VERSION, "checksums": CHECKSUMS_FILE, **sections}
+    record = {"version": VERSION, "checksums": CHECKSUMS_FILE, "promises_checksums": True,
+              **sections}
     return {RECORD_FILE: json.dumps(record, default=str, indent=1) + "\n"}
 
 
@@ -117,15 +120,20 @@ def read_section(path: str | os.PathLike, name: str,
 
 def promises_checksums(path: str | os.PathLike) -> str | None:
     """The file of the checkpoint at ``path`` that says a checksums list was written (deleting
-    or garbling the list must not switch the check off), or None (an older pp-core's)."""
+    or garbling the list, or dropping the file that names it, must not switch the check off),
+    or None (an older pp-core's): the record (every pp-core that writes one writes the list and
+    says so, ``promises_checksums``), an earlier release's ``pp_core_run.json`` naming the list,
+    or its ``pp_core_export.json`` (the releases that wrote it wrote the list)."""
     path = Path(path)
     if (path / RECORD_FILE).exists():
-        return RECORD_FILE  # every pp-core that writes a record writes the list
+        return RECORD_FILE
     run = path / SECTIONS["run"]
     try:
-        return run.name if CHECKSUMS_FILE in run.read_text(encoding="utf-8") else None
+        if CHECKSUMS_FILE in run.read_text(encoding="utf-8"):
+            return run.name
     except (OSError, ValueError):
-        return None
+        pass
+    return SECTIONS["export"] if (path / SECTIONS["export"]).exists() else None
 
 
 def latest_name(directory: str | os.PathLike) -> str:

@@ -45,6 +45,12 @@ def check_outputs(spec: Spec, problems: list[str], notes: list[str]) -> None:
             notes.append(f"{key}: {quoted(path)} exists and will be {kept}")
     if spec.output.tensorboard:  # a directory TensorBoard writes its event files into
         _check_path("output.tensorboard", Path(spec.output.tensorboard), True, problems)
+    export = spec.checkpoint.export_hf
+    if export and _check_path("checkpoint.export_hf", Path(export["dir"]), True, problems):
+        from pp_core.app.export.staging import replace_problem  # lazy: with export_hf
+
+        if (problem := replace_problem("checkpoint.export_hf", export["dir"])) is not None:
+            problems.append(problem)
 
 
 def _check_path(key: str, path: Path, is_dir: bool, problems: list[str]) -> bool:

@@ -10,6 +10,8 @@ rank starts, by two means that do not depend on each other:
 
 * the recorded identity (when there is one): a different model or ``model.args`` (other head
   counts, which change no parameter shape) or ``train.optimizer.name`` is refused naming the key;
+  an argument naming a path is compared by what it resolves to (:mod:`pp_core.app.check.
+  identity`: the config's content, the weights' digest), not by its string;
 * DCP's own ``.metadata`` (every checkpoint has it): the parameter names and shapes against the
   model built on the meta device (a 4-layer checkpoint into a 2-layer model), and the names of
   the optimizer state against what ``train.optimizer`` keeps (``exp_avg`` or
@@ -24,6 +26,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pp_core.app.check.identity import resolved_paths
 from pp_core.checkpoint.directory import check_dir, resume_checkpoint
 from pp_core.checkpoint.record import RecordError, read_section
 from pp_core.errors import PPCoreError, shorten
@@ -40,7 +43,7 @@ def run_identity(spec, fqns_per_stage=None) -> dict[str, Any]:
     return {
         "model": {"name": spec.model.name, "target": spec.model.target,
                   "args": spec.model.args, "lora": spec.model.lora,  # the PEFT export reads it
-                  "freeze": spec.model.freeze},
+                  "freeze": spec.model.freeze, "resolved": resolved_paths(spec.model.args)},
         "optimizer": spec.train.optimizer.get("name", "AdamW"),
         "layout": {**{degree: getattr(dist, degree) for degree in DEGREES},
                    "pp_schedule": spec.pipeline.pp_schedule, "fqns_per_stage": fqns_per_stage},
@@ -88,8 +91,18 @@ def _compare_recorded(spec, path: Path, recorded: dict, problems: list[str],
                             f"{ours[key]!r}; resume with the model it was trained with")
             return
     args_then, args_now = theirs.get("args") or {}, ours["args"]
+    then, now = theirs.get("resolved") or {}, ours.get("resolved") or {}
+    changed = sorted(k for k in then if args_then.get(k) == args_now.get(k)
+                     and then[k] != now.get(k))
+    if changed:
+        k = changed[0]
+        problems.append(f"model.args.{k}: {where} model.args.{k}={args_now[k]!r} as it was "
+                        f"then; it holds another model now (its config or weights changed "
+                        f"since); resume with the model it was trained with")
+        return
     differ = sorted(k for k in set(args_then) | set(args_now)
-                    if args_then.get(k) != args_now.get(k))
+                    if args_then.get(k) != args_now.get(k)
+                    and not (k in then and then[k] == now.get(k)))  # one content, two names
     if differ:
         shown = ", ".join(f"{k}: {args_then.get(k, '(unset)')!r} then, "
                           f"{args_now.get(k, '(unset)')!r} now" for k in differ[:4])

@@ -105,6 +105,23 @@ def _source(given: Path) -> Path:
     return given
 
 
+def _run_reads(source: Path) -> dict:
+    """The model and data sections of the run ``source`` was saved by, as recorded: the paths
+    it read, which ``-o`` must not write over (an unreadable record: none; the checksums and
+    the record's own check refuse it next)."""
+    from pp_core.app.export.described import recorded_export  # lazy: with the command
+    from pp_core.checkpoint.record import read_section
+    from pp_core.errors import PPCoreError
+
+    try:
+        record = recorded_export(source)
+        run = read_section(source, "run") or {}
+    except PPCoreError:
+        return {}
+    return {"model": {**(record.get("model") or {}), **(run.get("model") or {})},
+            "data": record.get("data") or {}}
+
+
 def _writer(args, output: Path):
     """What the flags ask for: ``"hf"`` (a Hugging Face directory, or a LoRA run's adapter),
     ``"directory"`` (the directory form) or ``"file"`` (one ``state_dict`` file); a
@@ -149,8 +166,9 @@ def export_command(args) -> int:
     from pp_core.checkpoint.directory import check_dir
 
     source, output = _source(Path(args.checkpoint)), Path(args.output)
-    refuse_export_collisions(args.checkpoint, str(source), args.output)
     kind = _writer(args, output)
+    refuse_export_collisions(args.checkpoint, str(source), args.output,  # before any work
+                             None if kind == "file" else "directory", _run_reads(source))
     options = {"dtype": _dtype(args.dtype), "max_shard_size": _size(args.max_shard_size)}
     check_dir(source, args.verify)  # whole and as written before its record is read; once
     if kind == "file":
@@ -162,8 +180,12 @@ def export_command(args) -> int:
         from pp_core.app.export.hf import export_directory_form  # lazy: torch
 
         write = export_directory_form
+    from pp_core.app.export.staging import staged_directory  # lazy: with a directory export
+
     started = time.perf_counter()
-    written = write(source, output, verify=args.verify, **options)
+    with staged_directory(output, "-o") as staging:
+        write(source, staging, verify=args.verify, **options)
+    written = output
     files = sorted(p.name for p in written.iterdir() if not p.name.startswith("."))
     print(f"wrote {written} from {source} in {time.perf_counter() - started:.1f} s: "
           f"{', '.join(files)}")

@@ -1,8 +1,8 @@
 """One writer per output: a run locks its checkpoint directory and its output files.
 
 ``pp-core run`` takes, before any rank starts, one lock per place it writes:
-``<checkpoint.dir>/.pp-core.lock`` and, beside each ``output.*`` path,
-``.<name>.pp-core.lock``. Each is an ``flock`` held by the launching process for the whole run,
+``<checkpoint.dir>/.pp-core.lock`` and, beside each ``output.*`` path and the
+``checkpoint.export_hf`` directory (an export replaces it whole), ``.<name>.pp-core.lock``. Each is an ``flock`` held by the launching process for the whole run,
 and the file says who holds it (pid, host, pipeline file, start time). A second run that wants
 any of them is refused before it starts, naming the holder; the kernel releases the ``flock`` of
 a process that died however it died, so a lock file a killed run left behind is taken over with
@@ -38,10 +38,14 @@ def lock_files(spec) -> list[tuple[str, Path]]:
     found = []
     if spec.checkpoint.dir:
         found.append(("checkpoint.dir", Path(spec.checkpoint.dir).expanduser() / LOCK_NAME))
-    for name, value in sorted(vars(spec.output).items()):
-        if name not in NOT_PATHS and isinstance(value, str) and value and "\0" not in value:
+    beside = [(f"output.{name}", value) for name, value in sorted(vars(spec.output).items())
+              if name not in NOT_PATHS]
+    if spec.checkpoint.export_hf:
+        beside.append(("checkpoint.export_hf", spec.checkpoint.export_hf.get("dir")))
+    for key, value in beside:
+        if isinstance(value, str) and value and "\0" not in value:
             path = Path(value.rstrip("/" + os.sep) or ".").expanduser()
-            found.append((f"output.{name}", path.parent / f".{path.name}{LOCK_NAME}"))
+            found.append((key, path.parent / f".{path.name}{LOCK_NAME}"))
     return found
 
 

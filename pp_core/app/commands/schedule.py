@@ -12,7 +12,7 @@ import json
 import math
 import sys
 
-from pp_core.app.output_paths import refuse_collisions
+from pp_core.app.output_paths import pipeline_reads, refuse_collisions
 from pp_core.errors import PPCoreError, ScheduleError
 from pp_core.schedule.buffer_plan import recv_buffer_report
 from pp_core.schedule.build import build_schedule
@@ -174,8 +174,10 @@ FLAGS = {"num_ranks": "--pp", "stages_per_rank": "--stages-per-rank",
 
 
 def _schedule(args):
+    pipeline = args.name if args.name and args.name.endswith((".yaml", ".yml")) else None
     refuse_collisions({"--csv": args.csv},
-                      {"-o": args.output, "--trace": getattr(args, "trace", None)})
+                      {"-o": args.output, "--trace": getattr(args, "trace", None)},
+                      pipeline_reads(pipeline) if pipeline else ())
     if args.pp is not None and args.microbatches is not None:
         too_large = size_problem(args.pp, args.stages_per_rank, args.microbatches, FLAGS)
         if too_large is not None:

@@ -3,16 +3,18 @@
 ``pp-core export CKPT --format hf -o DIR`` and ``checkpoint.export_hf: DIR`` write what
 Hugging Face's ``save_pretrained`` writes for the run's model:
 
-* ``config.json``: the run's HF config (``model.args.config``), ``architectures`` and the dtype
-  set; ``generation_config.json`` as ``save_pretrained`` writes it (the source directory's when
-  it had one);
+* ``config.json``: the run's HF config (the content the checkpoint recorded of
+  ``model.args.config``), ``architectures`` and the dtype set; ``generation_config.json`` as
+  ``save_pretrained`` writes it (the source directory's, as recorded, when it had one);
 * ``model.safetensors``, or shards ``model-0000i-of-0000N.safetensors`` with
   ``model.safetensors.index.json``, split at ``--max-shard-size`` (default: the installed
   ``save_pretrained``'s), the tensors in its order; a tied weight stored once, under the name
   ``save_pretrained`` keeps (``model.embed_tokens.weight``, not ``lm_head.weight``);
 * the tokenizer files when the run's data names a tokenizer directory or ``tokenizer.json``;
-  the processor's files (``save_pretrained`` of ``AutoProcessor``) when it names a processor
-  directory (``image_text``), so a vision-language model's directory loads with its processor.
+  the processor's files when it names a processor directory (``image_text``), so a
+  vision-language model's directory loads with its processor - as the checkpoint recorded them
+  (:mod:`pp_core.app.export.described`; an earlier pp-core's checkpoint: read from those
+  directories, the processor through ``AutoProcessor``).
 
 The keys are the unsplit model's names, so every layout (pp, tp, dp_shard / dp_replicate, ep,
 any splitter) gives the same directory; the weights stream through
@@ -21,15 +23,15 @@ an HF model gets the directory form: the same weight files and index, and
 ``pp_core_model.yaml``, the YAML ``model`` section that rebuilds it.
 
 A checkpoint knows what it was trained for from the ``export`` section of its record
-(:mod:`pp_core.checkpoint.record`; :func:`export_record` fills it as each checkpoint is saved;
-older checkpoints: the model of their ``run`` section). :func:`directory_from_state_keys` is the
+(:mod:`pp_core.checkpoint.record`; :func:`~pp_core.app.export.described.export_record` fills it
+as each checkpoint is saved; older checkpoints: the model of their ``run`` section). The callers
+write into a staging directory renamed in whole (:mod:`pp_core.app.export.staging`). :func:`directory_from_state_keys` is the
 seam for other directory kinds (e.g. an adapter export): it takes ``[(output name, checkpoint
 key)]`` and writes the weights of a directory.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -38,8 +40,9 @@ from typing import Any
 
 import torch
 
+from pp_core.app.export.described import (HF_MODELS, TOKENIZER_FILES, config_from_record,
+                                          export_record, recorded_export, recorded_files)
 from pp_core.checkpoint.directory import check_dir
-from pp_core.checkpoint.record import read_section
 from pp_core.errors import PipelineError, install_extra
 
 __all__ = ["MODEL_FILE", "export_record", "recorded_export", "export_hf_directory",
@@ -47,42 +50,6 @@ __all__ = ["MODEL_FILE", "export_record", "recorded_export", "export_hf_director
            "write_hf_files", "write_model_file", "default_max_shard_size", "TOKENIZER_FILES"]
 
 MODEL_FILE = "pp_core_model.yaml"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
-                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
-HF_MODELS = {"hf_causal_lm": "AutoModelForCausalLM",
-             "hf_image_text_to_text": "AutoModelForImageTextToText"}
-"""The HF model names, and the ``Auto`` class that builds (and ``from_pretrained`` loads) each."""
-DATA_PATHS = ("tokenizer", "processor")  # data arguments the export reads: kept absolute
-
-
-def _absolute(value):
-    if isinstance(value, str) and value and os.path.exists(os.path.expanduser(value)):
-        return str(Path(os.path.expanduser(value)).resolve())
-    return value
-
-
-def export_record(spec) -> dict:
-    """The record's ``export`` section: the model and data sections (paths made absolute) and
-    the training dtype, saved with each checkpoint so it can be exported on its own."""
-    args = dict(spec.model.args)
-    if "config" in args:
-        args["config"] = _absolute(args["config"])
-    data_args = {k: _absolute(v) if k in DATA_PATHS else v for k, v in spec.data.args.items()}
-    record = {"model": {"name": spec.model.name, "target": spec.model.target, "args": args,
-                        "dtype": spec.model.dtype},
-              "data": {"name": spec.data.name, "args": data_args}}
-    return json.loads(json.dumps(record, default=str))  # plain values, as read back
-
-
-def recorded_export(checkpoint) -> dict:
-    """What the checkpoint records for its export (older ones: the model of their ``run``
-    section), or ``{}``."""
-    for section in ("export", "run"):
-        value = read_section(checkpoint, section)
-        if value is not None and isinstance(value.get("model"), dict):
-            return value
-    return {}
 
 
 def default_max_shard_size():
@@ -131,8 +98,9 @@ def _tied_targets(model) -> set[str]:
             if any(re.search(p, name) for p in patterns)}
 
 
-def hf_target(model_section: dict) -> HFTarget | None:
-    """The :class:`HFTarget` of a YAML model section, or None when it is not an HF model."""
+def hf_target(model_section: dict, record: dict | None = None) -> HFTarget | None:
+    """The :class:`HFTarget` of a YAML model section, or None when it is not an HF model; the
+    config the checkpoint's ``record`` holds when it holds one (never the base directory)."""
     if model_section.get("name") not in HF_MODELS:
         return None
     try:
@@ -144,7 +112,10 @@ def hf_target(model_section: dict) -> HFTarget | None:
                             f"safetensors") from None
     given = (model_section.get("args") or {}).get("config")
     source = Path(given) if isinstance(given, str) and Path(given).is_dir() else None
-    if source is not None:
+    recorded = config_from_record(record or {})
+    if recorded is not None:
+        config, source = recorded, None
+    elif source is not None:
         config = AutoConfig.from_pretrained(str(source), local_files_only=True)
     elif isinstance(given, dict) and given.get("model_type"):
         values = dict(given)
@@ -191,8 +162,10 @@ def _add_conversion(target: HFTarget, state: dict) -> None:
 
 
 def write_hf_files(output: Path, target: HFTarget, dtype: torch.dtype,
-                   data_section: dict | None) -> None:
-    """``config.json``, ``generation_config.json`` and the tokenizer files beside the weights."""
+                   data_section: dict | None, files: dict[str, bytes] | None = None) -> None:
+    """``config.json``, ``generation_config.json`` and the tokenizer files beside the weights;
+    ``files``: those the checkpoint recorded (:mod:`pp_core.app.export.described`), written as
+    they are instead of being read from the directories the run named."""
     config = target.config
     config.architectures = [type(target.model).__name__]
     name = str(dtype).removeprefix("torch.")
@@ -201,6 +174,13 @@ def write_hf_files(output: Path, target: HFTarget, dtype: torch.dtype,
     else:
         config.torch_dtype = name
     config.save_pretrained(str(output))
+    if files is not None:
+        for name, data in files.items():
+            (output / Path(name).name).write_bytes(data)
+        if "generation_config.json" not in files and \
+                getattr(target.model, "can_generate", lambda: False)():
+            target.model.generation_config.save_pretrained(str(output))
+        return
     generation = None
     if target.source is not None and (target.source / "generation_config.json").is_file():
         from transformers import GenerationConfig  # lazy: transformers
@@ -298,7 +278,7 @@ def export_hf_directory(checkpoint, output, dtype=None, max_shard_size=None,
                         verify: bool = True) -> Path:
     """``pp-core export CKPT --format hf -o DIR``: the ``save_pretrained`` directory."""
     checkpoint, output, metadata, record = _checked(checkpoint, output, verify)
-    target = hf_target(record.get("model") or {})
+    target = hf_target(record.get("model") or {}, record)
     if target is None:
         found = (record.get("model") or {}).get("name") or "(unknown)"
         raise PipelineError(f"checkpoint {str(checkpoint)!r} is of model {found!r}, not a "
@@ -310,7 +290,8 @@ def export_hf_directory(checkpoint, output, dtype=None, max_shard_size=None,
                                        max_shard_size, target.total_parameters, metadata,
                                        converted=target if target.convert else None,
                                        verify=verify)
-    write_hf_files(output, target, dtype or _training_dtype(layout), record.get("data"))
+    write_hf_files(output, target, dtype or _training_dtype(layout), record.get("data"),
+                   recorded_files(record))
     return output
 
 

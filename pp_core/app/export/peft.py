@@ -20,24 +20,26 @@ from pathlib import Path
 from typing import Optional
 
 from pp_core.app.adapters import lora_config, peft_model
-from pp_core.app.export.hf import (directory_from_state_keys, hf_target, recorded_export,
-                                   write_hf_files)
+from pp_core.app.export.described import recorded_export, recorded_files, self_contained
+from pp_core.app.export.hf import directory_from_state_keys, hf_target, write_hf_files
 from pp_core.checkpoint import read_tensors
 from pp_core.checkpoint.directory import check_dir
 from pp_core.checkpoint.record import read_section
 from pp_core.errors import ConfigError
 
-__all__ = ["lora_settings", "export_peft_adapter", "export_merged"]
+__all__ = ["lora_settings", "export_peft_adapter", "export_merged", "write_adapter"]
 
 _PREFIX = "base_model.model."  # where PEFT keeps the model it changed in place
 
 
 def lora_settings(checkpoint) -> Optional[dict]:
-    """The ``model`` section a checkpoint records when its run had ``model.lora``, else None."""
+    """The ``model`` section a checkpoint records when its run had ``model.lora``, else None;
+    its ``model.args.config`` the config content the checkpoint recorded when it holds one
+    (:func:`~pp_core.app.export.described.self_contained`: the base directory is not read)."""
     model = (read_section(checkpoint, "run") or {}).get("model")
     if not isinstance(model, dict) or not model.get("lora"):
         return None
-    return model
+    return self_contained(model, recorded_export(checkpoint))
 
 
 def _base_model(section: dict, meta: bool):
@@ -86,6 +88,19 @@ def export_peft_adapter(checkpoint, output, section: Optional[dict] = None,
     return output
 
 
+def write_adapter(section: dict, tensors: dict, output) -> Path:
+    """``checkpoint.export_hf`` of a ``model.lora`` run: the adapter directory
+    :func:`export_peft_adapter` writes, from the trained adapter tensors the ranks hold
+    (``{model name: tensor}``, whole)."""
+    model = _peft_model(section, meta=True)
+    model.load_state_dict({_PREFIX + k: t for k, t in tensors.items()}, strict=False,
+                          assign=True)
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(output), safe_serialization=True)
+    return output
+
+
 def export_merged(checkpoint, output, section: Optional[dict] = None,
                   verify: bool = True) -> Path:
     """``--merge``: the base with the adapters merged in, streamed - the directory ``pp-core
@@ -116,7 +131,8 @@ def export_merged(checkpoint, output, section: Optional[dict] = None,
             batch[name] = batch[name] + delta.to(batch[name].dtype)
         return batch
 
-    target = hf_target({k: v for k, v in section.items() if k != "lora"})
+    record = recorded_export(checkpoint)
+    target = hf_target({k: v for k, v in section.items() if k != "lora"}, record)
     if target is None:
         directory_from_state_keys(checkpoint, output, list(key_of.items()), metadata=metadata,
                                   change=merge, verify=verify)
@@ -127,8 +143,8 @@ def export_merged(checkpoint, output, section: Optional[dict] = None,
                                        converted=target if target.convert else None,
                                        change=merge, verify=verify)
     floating = [d for d in layout.dtypes.values() if d.is_floating_point]
-    write_hf_files(output, target, max(set(floating), key=floating.count),
-                   recorded_export(checkpoint).get("data"))
+    write_hf_files(output, target, max(set(floating), key=floating.count), record.get("data"),
+                   recorded_files(record))
     return output
 
 

@@ -5,18 +5,27 @@ its parts' state - DTensor shards of tp and FSDP2 included - to DCP's Hugging Fa
 every rank consolidates its share of the output files (:func:`pp_core.app.export.stream.
 write_from_ranks`): no rank gathers the model. The directory is the one ``pp-core export
 --format hf`` writes from a checkpoint of the same weights (:mod:`pp_core.app.export.hf`); a
-model that is not an HF model gets the directory form (weights, index, ``pp_core_model.yaml``).
+model that is not an HF model gets the directory form (weights, index, ``pp_core_model.yaml``);
+a ``model.lora`` run gets the PEFT adapter ``pp-core export`` writes of its checkpoint (each rank's
+adapter tensors, small, gathered to rank 0 and written by PEFT's own ``save_pretrained``).
+
+The directory is written beside ``DIR`` and renamed in as a whole (:mod:`pp_core.app.export.
+staging`); its config and side files come from the same description a checkpoint records
+(:mod:`pp_core.app.export.described`), taken as the export is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from pp_core.app.export.hf import (default_max_shard_size, export_record, hf_target,
-                                   write_hf_files, write_model_file)
+from pp_core.app.export.described import export_record, recorded_files, self_contained
+from pp_core.app.export.hf import (default_max_shard_size, hf_target, write_hf_files,
+                                   write_model_file)
+from pp_core.app.export.staging import staged_directory, staging_paths
 from pp_core.checkpoint.expert_state import expert_dtensors
 from pp_core.app.export.stream import plan_shards, write_from_ranks
 from pp_core.config import resolve_dtype
@@ -55,12 +64,51 @@ def _local_state(parts) -> dict:
     return wrapped["model"]
 
 
+KEY = "checkpoint.export_hf"
+
+
 def export_from_run(spec, parts, output, process_group=None) -> Path:
     """Write the hand-back directory of this run's current weights into ``output``
-    (collective over ``process_group``, default every rank)."""
+    (collective over ``process_group``, default every rank): into a staging directory rank 0
+    renames in once every rank has written its share."""
     output = Path(output)
+    first = dist.get_rank(process_group) == 0
+    staged = staged_directory(output, KEY) if first else \
+        contextlib.nullcontext(staging_paths(output)[0])
+    with staged as staging:
+        dist.barrier(group=process_group)  # rank 0 made it
+        if spec.model.lora:
+            _write_adapter(spec, parts, staging, first, process_group)
+        else:
+            _write_directory(spec, parts, staging, process_group)
+        dist.barrier(group=process_group)
+    dist.barrier(group=process_group)  # renamed in before anyone reads it
+    return output
+
+
+def _write_adapter(spec, parts, output: Path, first: bool, process_group) -> None:
+    """The PEFT adapter: every rank's trainable tensors (whole) gathered to rank 0."""
+    from pp_core.app.check.resume import run_identity  # lazy: DCP
+    from pp_core.app.export.peft import write_adapter
+
+    mine = {}
+    for part in parts:
+        for name, param in part.named_parameters():
+            if param.requires_grad:
+                value = param.full_tensor() if hasattr(param, "full_tensor") else param
+                name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+                mine[name] = value.detach().to("cpu", copy=True)
+    every = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(every, mine, group=process_group)
+    if first:
+        tensors = {name: value for found in every for name, value in found.items()}
+        section = self_contained(run_identity(spec)["model"], export_record(spec))
+        write_adapter(section, tensors, output)
+
+
+def _write_directory(spec, parts, output: Path, process_group) -> None:
     record = export_record(spec)
-    target = hf_target(record["model"])
+    target = hf_target(record["model"], record)
     state = _local_state(parts)
     dtype = _training_dtype(spec)
     groups = None
@@ -78,12 +126,10 @@ def export_from_run(spec, parts, output, process_group=None) -> Path:
     write_from_ranks(state, output, layout, process_group)
     if dist.get_rank(process_group) == 0:
         if target is not None:
-            write_hf_files(output, target, dtype, record.get("data"))
+            write_hf_files(output, target, dtype, record.get("data"), recorded_files(record))
         else:
             write_model_file(output, {k: v for k, v in record["model"].items()
                                       if v not in (None, {})}, "pp-core run")
-    dist.barrier(group=process_group)
-    return output
 
 
 def _renames(target) -> dict | None:
