@@ -32,9 +32,10 @@ import torch.distributed as dist
 from pp_core import build_pipeline
 from pp_core.app.rank.data_metrics import batch_figures
 from pp_core.app.factories import build_dataset, build_model, dp_slice
-from pp_core.app.rank.health import apply_update, weights_finite
+from pp_core.app.rank.health import apply_update
 from pp_core.app.machine import MachineShare
 from pp_core.app.rank.progress import Progress, phase
+from pp_core.app.rank.saving import Checkpoints
 from pp_core.app.rank.run_outputs import RunRecorder
 from pp_core.app.restarts import Attempts, join_group, resume_setting
 from pp_core.app.spec import Spec
@@ -260,6 +261,7 @@ def train(spec: Spec) -> dict[str, Any]:
     start_step = _resume_step(spec, pipe, optimizers, ctx, say)
     recorder.open_metrics(start_step)
     recorder.attempts = attempts = Attempts(spec, ctx.rank, begun)
+    recorder.checkpoints = checkpoints = Checkpoints(spec, ctx, recorder, attempts)
     restarted = attempts.resumed(start_step)
     if restarted:
         say(restarted)
@@ -303,27 +305,13 @@ def train(spec: Spec) -> dict[str, Any]:
         progress.update(step, global_loss, tokens / step_time, step_time)
         if train_cfg.eval_every and step % train_cfg.eval_every == 0:
             recorder.record_eval(step, _evaluate(spec, pipe, ctx, global_batch))
-        every, directory = spec.checkpoint.every, spec.checkpoint.dir
-        last = step == steps and spec.checkpoint.save_final
-        if directory and ((every and step % every == 0) or last):
-            if not weights_finite(pipe.model_parts, ctx.device):  # never over a good one
-                raise PipelineError(f"step {step}: the weights hold NaN or inf values; the "
-                                    f"checkpoint was not saved, so {directory!r} keeps its last "
-                                    f"good one")
-            from pp_core.app.check.resume import run_identity  # lazy: DCP, as below
-            from pp_core.app.export.hf import export_record  # lazy: DCP, as below
-            from pp_core.checkpoint import save_checkpoint  # lazy: as DCP's, the first save pays
-
-            path = save_checkpoint(directory, step, pipe.model_parts, optimizers,
-                                   record={"run": run_identity(spec),
-                                           "export": export_record(spec)})
-            attempts.saved(step)
-            say(f"checkpoint saved: {path}")
+        checkpoints.after_step(step, pipe, optimizers)
         if spec.checkpoint.export_hf:
             from pp_core.app.export.run import export_due, export_from_run  # lazy: as DCP's
 
             if (export_dir := export_due(spec, step)) is not None:
                 say(f"exported: {export_from_run(spec, pipe.model_parts, export_dir)}")
+    checkpoints.close()  # the last background save is complete before the run ends
     progress.close()
     result = recorder.finish(start_step, time.perf_counter() - started, dp_units)
     dist.barrier()

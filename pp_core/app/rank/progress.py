@@ -190,6 +190,15 @@ def format_summary(summary: dict[str, Any]) -> str:
             lines.append(f"  {note}")
     for stage, fqns in enumerate(summary.get("holds") or []):
         lines.append(f"  stage {stage} holds {compact_names(fqns)}")
+    saves = summary.get("saves")
+    if saves:
+        how = "staged to host memory, written in the background" if saves["async"] else \
+            "written in the step"
+        lines.append(f"  checkpoints: {saves['saves']} saved ({how}); a save held the step "
+                     f"{saves['blocked_mean_s'] * 1000:,.0f} ms (mean; longest "
+                     f"{saves['blocked_max_s'] * 1000:,.0f} ms"
+                     + (f", {saves['waited_s']:.2f} s of it waiting for the previous save)"
+                        if saves["waited_s"] >= 0.01 else ")"))
     lines.extend(_restart_lines(summary.get("restarts")))
     outputs = summary.get("outputs") or {}
     if outputs:

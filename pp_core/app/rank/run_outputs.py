@@ -70,6 +70,7 @@ class RunRecorder:
         self.plugins = pipe.plugins
         self.metrics = None  # opened by open_metrics once the first step is known
         self.attempts = None  # pp_core.app.restarts.Attempts: the account of restarts
+        self.checkpoints = None  # pp_core.app.rank.saving.Checkpoints: the time saves took
         self.tensorboard = None
         if spec.output.tensorboard and self.rank == 0:  # a pp_report_metrics sink
             from pp_core.app.rank.data_metrics import TensorBoardSink  # lazy: tensorboard
@@ -276,6 +277,8 @@ class RunRecorder:
         }
         if self.attempts is not None:
             summary["restarts"] = self.attempts.summary(time.time())
+        if self.checkpoints is not None:
+            summary["saves"] = self.checkpoints.figures()
         planned = spec.prediction
         if planned is not None:  # pipeline.pp_schedule: auto - what the planner predicted
             measured = [r["pipeline_step_s"] for r in ranks if r["pipeline_step_s"] is not None]
