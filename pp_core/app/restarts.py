@@ -108,7 +108,7 @@ def restarts_used(max_restarts: int) -> str:
     if max_restarts <= 0:
         return ""
     return (f"; the run ended after {max_restarts} restart(s), all that distributed.max_restarts "
-            f"allows (the latest complete checkpoint is kept for checkpoint.resume: true)")
+            f"allows")
 
 
 def resume_setting(spec):

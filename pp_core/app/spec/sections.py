@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from pp_core.app.spec.checkers import (activation_checkpointing, address, compile_options,
                                        endpoint, export_hf, flag, integer, lora, mapping,
-                                       mixed_precision, number, one_of, optional, param_dtype,
+                                       mixed_precision, nnodes, number, one_of, optional,
+                                       param_dtype,
                                        patterns, port, positive_number, resume, text)
 from pp_core.config import PipelineConfig
 from pp_core.parallel.dims import ParallelDims
@@ -118,7 +119,8 @@ class DistributedSpec:
     backend: str = key("auto", one_of("auto", "gloo", "nccl"), "auto: nccl on CUDA, else gloo")
     device: str = key("auto", one_of("auto", "cpu", "cuda"), "auto: cuda when every rank on the "
                       "machine gets a GPU of its own, else cpu")
-    nnodes: int = key(1, integer(1), "machines taking part; each runs the same command")
+    nnodes: int = key(1, nnodes, "machines taking part; each runs the same command ('MIN:MAX', "
+                      "torchrun's elastic form, is checked and refused: not supported yet)")
     nproc_per_node: int | None = key(None, optional(integer(1)), "ranks per machine; default "
                                      "pp_size * dp_replicate * dp_shard * tp_size / nnodes")
     node_rank: int | None = key(None, optional(integer(0)), "this machine's index (static "
