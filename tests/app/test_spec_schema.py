@@ -121,8 +121,9 @@ SNAPSHOT = {
          "auto: nccl on CUDA, else gloo"),
         ("device", "one_of(options=('auto', 'cpu', 'cuda'))", "auto",
          "auto: cuda when every rank on the machine gets a GPU of its own, else cpu"),
-        ("nnodes", "integer(maximum=None, minimum=1, word='a positive int')", 1,
-         "machines taking part; each runs the same command"),
+        ("nnodes", "nnodes", 1,
+         "machines taking part; each runs the same command ('MIN:MAX', torchrun's elastic form, "
+         "is checked and refused: not supported yet)"),
         ("nproc_per_node",
          "optional(inner=integer(maximum=None, minimum=1, word='a positive int'))",
          None,
