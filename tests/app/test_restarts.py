@@ -122,3 +122,23 @@ def test_restart_keys_are_refused_before_start_naming_the_key(distributed, check
     with pytest.raises(SpecError) as found:
         parse_spec(tiny_gpt_spec(distributed=distributed, checkpoint=checkpoint))
     assert found.value.problems == [message]
+
+
+def test_a_restart_resumes_only_a_checkpoint_this_launch_saved(tmp_path, monkeypatch):
+    """An older run's checkpoint in checkpoint.dir is not resumed after a failure of a fresh
+    run that saved none yet: the restart does what the first attempt did."""
+    from pp_core.app.restarts import LAUNCH_ENV, resume_setting
+
+    step = tmp_path / "ckpt" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    (tmp_path / "ckpt" / "latest").write_text("step_00000004\n")
+    spec = parse_spec(tiny_gpt_spec(checkpoint={"dir": str(tmp_path / "ckpt")}))
+    saved = (step / ".metadata").stat().st_mtime
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resume_setting(spec) is False  # the first attempt: checkpoint.resume
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv(LAUNCH_ENV, repr(saved + 60))  # launched after that checkpoint
+    assert resume_setting(spec) is False
+    monkeypatch.setenv(LAUNCH_ENV, repr(saved - 60))  # this launch saved it
+    assert resume_setting(spec) == str(step)
