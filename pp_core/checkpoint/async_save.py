@@ -31,6 +31,7 @@ from pp_core.checkpoint.record import record_files
 from pp_core.checkpoint.save import _finish_save
 from pp_core.checkpoint.state import single_process_quiet, state_dicts
 from pp_core.errors import PipelineError
+from pp_core.parallel.dims import background_group
 from pp_core.write_failures import disk_error
 
 __all__ = ["AsyncSaver"]
@@ -54,7 +55,7 @@ class AsyncSaver:
         waited, finished = self.wait()
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and self.group is None:
-            self.group = dist.new_group(backend="gloo")
+            self.group = background_group()
         began = time.perf_counter()
         path, files = checkpoint_path(directory, step), record_files(record)
         token = [uuid.uuid4().hex[:12]]
