@@ -22,7 +22,8 @@ from pp_core.checkpoint.directory import check_dir
 from pp_core.checkpoint.expert_state import expert_locals
 from pp_core.checkpoint.record import corrupt
 from pp_core.checkpoint.safe_reader import SafeLoadPlanner, SafeReader
-from pp_core.checkpoint.state import flat_optimizer_options, single_process_quiet, state_dicts
+from pp_core.checkpoint.state import (flat_optimizer_options, restore_rng, single_process_quiet,
+                                      state_dicts)
 from pp_core.errors import PipelineError
 from pp_core.parallel.dtensor_state import restride
 from pp_core.write_failures import disk_error, remove_partial, write_failure
@@ -64,9 +65,11 @@ def load_checkpoint(path, parts, optimizers, process_group=None, verify: bool = 
     )
 
     path = Path(path)
-    check_dir(path, verify)
+    stored = check_dir(path, verify).state_dict_metadata
     state, strided = state_dicts(parts, optimizers, 0)
+    restore_rng(state, stored)  # an older checkpoint, or another world: the generators as seeded
     _dcp_read(path, state, process_group)
+    restore_rng(state, None)
     restride(state, strided)
     expert_locals(state)
     for part, optimizer in zip(parts, optimizers):

@@ -27,7 +27,8 @@ from typing import Any, Mapping, Optional
 
 from pp_core.errors import ConfigError
 
-__all__ = ["ParallelDims", "Meshes", "ExpertGroups", "MESH_DIMS", "build_expert_groups"]
+__all__ = ["ParallelDims", "Meshes", "ExpertGroups", "MESH_DIMS", "build_expert_groups",
+           "background_group"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -221,6 +222,15 @@ def build_expert_groups(rank_grid, ep_size: int) -> ExpertGroups:
                 if me in members:
                     found["dp"] = group
     return ExpertGroups(found["ep"], found["dp"], found["ep_rank"], ep_size, dp)
+
+
+def background_group():
+    """A gloo group of every rank for work off the training path (``checkpoint.async``'s
+    background writes, :mod:`pp_core.checkpoint.async_save`): its collectives never interleave
+    with the step's. Collective: every rank calls it once, at the same point."""
+    import torch.distributed as dist  # lazy: this module imports no torch
+
+    return dist.new_group(backend="gloo")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 from pp_core.app.spec import SCHEMA
 from pp_core.app.spec.checkers import integer, optional, text
 from pp_core.app.spec.schema import REQUIRED_SECTIONS, _section_keys
-from pp_core.app.spec.sections import KEY, SECTIONS, ModelSpec, TrainSpec, key
+from pp_core.app.spec.sections import KEY, SECTIONS, ModelSpec, TrainSpec, file_name, key
 from pp_core.config import PipelineConfig
 
 
@@ -121,8 +121,9 @@ SNAPSHOT = {
          "auto: nccl on CUDA, else gloo"),
         ("device", "one_of(options=('auto', 'cpu', 'cuda'))", "auto",
          "auto: cuda when every rank on the machine gets a GPU of its own, else cpu"),
-        ("nnodes", "integer(maximum=None, minimum=1, word='a positive int')", 1,
-         "machines taking part; each runs the same command"),
+        ("nnodes", "nnodes", 1,
+         "machines taking part; each runs the same command ('MIN:MAX', torchrun's elastic form, "
+         "is checked and refused: not supported yet)"),
         ("nproc_per_node",
          "optional(inner=integer(maximum=None, minimum=1, word='a positive int'))",
          None,
@@ -141,6 +142,10 @@ SNAPSHOT = {
          "integer(maximum=1000000000, minimum=1, word='an int in [1, 1000000000]')",
          300,
          "rendezvous and process-group timeout in seconds"),
+        ("max_restarts", "integer(maximum=None, minimum=0, word='an int >= 0')", 0,
+         "times torch's elastic agent starts every rank again after a rank dies or hangs; each "
+         "restart resumes from the latest complete checkpoint of checkpoint.dir "
+         "(docs/failures.md)"),
     ],
     "train": [
         ("steps", "integer(maximum=None, minimum=1, word='a positive int')", 100,
@@ -191,6 +196,9 @@ SNAPSHOT = {
         ("verify", "flag", True,
          "check every file's recorded checksum when a checkpoint is resumed, loaded or "
          "exported (false skips it)"),
+        ("async", "flag", False,
+         "save with torch.distributed.checkpoint.async_save: staged to host memory, written "
+         "while training goes on (docs/failures.md)"),
     ],
     "output": [
         ("metrics", "optional(inner=text)", None, "JSON-lines metrics file"),
@@ -229,10 +237,10 @@ def test_a_section_made_bare_holds_the_schema_defaults():
     assert list(SECTIONS) == list(SCHEMA)
     for section, keys in SCHEMA.items():
         declared = dataclasses.fields(SECTIONS[section])
-        assert [f.name for f in declared] == [k.name for k in keys], section
+        assert [file_name(f) for f in declared] == [k.name for k in keys], section
         made = SECTIONS[section]()
-        for one in keys:
-            assert getattr(made, one.name) == one.default, f"{section}.{one.name}"
+        for one, field in zip(keys, declared):
+            assert getattr(made, field.name) == one.default, f"{section}.{one.name}"
 
 
 def test_every_section_key_is_declared_with_key_and_a_mutable_default_is_never_shared():

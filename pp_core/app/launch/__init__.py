@@ -8,9 +8,12 @@ several machines every node runs the same command with ``distributed.nnodes`` an
 ``master_addr``/``master_port`` (or ``rdzv_endpoint``); or ``torchrun`` starts the processes and
 each one runs ``pp-core run`` as a single rank (detected by ``RANK``/``WORLD_SIZE``).
 
-A rank that raises or dies makes the agent stop the others (``max_restarts=0``), and
-:func:`launch` raises :class:`~pp_core.PipelineError` with that rank's error (and traceback,
-unless pp-core raised it) instead of hanging. Before any process starts, the device
+A rank that raises or dies makes the agent stop the others; with ``distributed.max_restarts: N``
+the agent starts every rank again, up to N times (each restarted rank resumes from the latest
+complete checkpoint by itself: :mod:`pp_core.app.restarts`, which works the same under
+``torchrun --max-restarts``). A failure beyond that makes :func:`launch` raise
+:class:`~pp_core.PipelineError` with that rank's error (and traceback, unless pp-core raised it)
+and the restarts used, instead of hanging. Before any process starts, the device
 (:mod:`pp_core.devices`), the rendezvous endpoint (:mod:`pp_core.app.rendezvous`) and
 ``$PP_CORE_TIMEOUT`` are checked; torch's launcher files go to a temp dir removed afterwards.
 """
@@ -30,6 +33,7 @@ from pp_core.app.launch.warm import adopt, snapshot
 from pp_core.app.interrupts import interrupt_once, signals_raise
 from pp_core.app.machine import MachineShare
 from pp_core.app.rendezvous import prepare_endpoint, started_by_torchrun
+from pp_core.app.restarts import launch_clock, restarts_used
 from pp_core.app.spec import Spec
 from pp_core.app.spec.sections import DistributedSpec
 from pp_core.errors import ConfigError, PPCoreError, PipelineError
@@ -158,7 +162,7 @@ def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str, 
     config = LaunchConfig(
         min_nodes=dist.nnodes, max_nodes=dist.nnodes, nproc_per_node=nproc,
         run_id=dist.rdzv_id, rdzv_backend=dist.rdzv_backend, rdzv_endpoint=str(endpoint),
-        rdzv_configs=rdzv_configs, max_restarts=0, monitor_interval=0.1,
+        rdzv_configs=rdzv_configs, max_restarts=dist.max_restarts, monitor_interval=0.1,
         start_method="forkserver" if warm else "spawn",
         local_addr=host if is_loopback(host) else None,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # not a /tmp/torchelastic_* per run
@@ -173,11 +177,12 @@ def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str, 
     listeners = tcp_stores_listening_on_their_host(is_loopback) if is_loopback(host) else \
         contextlib.nullcontext()  # else torch's TCPStore servers listen on every interface
     try:
-        with listeners, _loopback_gloo(is_loopback(host)):
+        with listeners, _loopback_gloo(is_loopback(host)), \
+                launch_clock(dist.max_restarts):
             return elastic_launch(config, rank_main)(spec.to_dict(), entrypoint, spec.source,
                                                      snapshot() if warm else None)
     except ChildFailedError as exc:
-        raise PipelineError(_failure_message(exc)) from None
+        raise PipelineError(_failure_message(exc) + restarts_used(dist.max_restarts)) from None
     except RendezvousError as exc:
         raise PipelineError(_rendezvous_message(exc, endpoint, dist)) from None
     finally:

@@ -32,10 +32,12 @@ import torch.distributed as dist
 from pp_core import build_pipeline
 from pp_core.app.rank.data_metrics import batch_figures
 from pp_core.app.factories import build_dataset, build_model, dp_slice
-from pp_core.app.rank.health import apply_update, weights_finite
+from pp_core.app.rank.health import apply_update
 from pp_core.app.machine import MachineShare
 from pp_core.app.rank.progress import Progress, phase
+from pp_core.app.rank.saving import Checkpoints
 from pp_core.app.rank.run_outputs import RunRecorder
+from pp_core.app.restarts import Attempts, join_group, resume_setting
 from pp_core.app.spec import Spec
 from pp_core.app.spec.sections import TrainSpec
 from pp_core.errors import ConfigError, PipelineError
@@ -79,8 +81,7 @@ class RankContext:
             self.device = torch.device("cpu")
             torch.set_num_threads(layout.threads_per_rank)  # cores shared out
         if not dist.is_initialized():
-            dist.init_process_group(layout.backend,
-                                    timeout=timedelta(seconds=spec.distributed.timeout_s))
+            join_group(layout.backend, timedelta(seconds=spec.distributed.timeout_s))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims = dims = spec.dims
         mismatch = dims.world_size_problem(self.world_size)
@@ -212,7 +213,7 @@ def _mean_over_dp(value: float | None, ctx: RankContext) -> float | None:
 
 
 def _resume_step(spec: Spec, pipe, optimizers, ctx: RankContext, say) -> int:
-    resume = spec.checkpoint.resume
+    resume = resume_setting(spec)  # after a restart: the latest checkpoint this launch saved
     if not resume:
         return 0
     # torch's DCP and the DTensor it imports take seconds: a run that never resumes, saves or
@@ -246,7 +247,7 @@ def _evaluate(spec: Spec, pipe, ctx: RankContext, global_batch: int) -> float | 
 
 def train(spec: Spec) -> dict[str, Any]:
     """Run this rank's part of the pipeline; rank 0 returns the summary (see ``format_summary``)."""
-    started = time.perf_counter()
+    started, begun = time.perf_counter(), time.time()
     ctx = RankContext(spec)
     if ctx.rank == 0:
         weights = " and loading its weights" if spec.model.args.get("checkpoint") or \
@@ -259,6 +260,11 @@ def train(spec: Spec) -> dict[str, Any]:
     say = recorder.say
     start_step = _resume_step(spec, pipe, optimizers, ctx, say)
     recorder.open_metrics(start_step)
+    recorder.attempts = attempts = Attempts(spec, ctx.rank, begun)
+    recorder.checkpoints = checkpoints = Checkpoints(spec, ctx, recorder, attempts)
+    restarted = attempts.resumed(start_step)
+    if restarted:
+        say(restarted)
     train_cfg, steps = spec.train, spec.train.steps
     params = [p for mine in _distinct_parameters(pipe.model_parts) for p in mine]
     counted_once = tied_copies(pipe.model_parts, pipe.stage_indices)
@@ -295,29 +301,17 @@ def train(spec: Spec) -> dict[str, Any]:
         extra = {"aux_loss": _aux_loss(pipe, ctx, config)} if aux_losses else None
         recorder.record_step(step, global_loss, step_time, tokens, grad_norm, lr, t0,
                              data=batch_figures(inputs, target), extra=extra)
+        recorder.note_restart(attempts.step_done(step, step_time))
         progress.update(step, global_loss, tokens / step_time, step_time)
         if train_cfg.eval_every and step % train_cfg.eval_every == 0:
             recorder.record_eval(step, _evaluate(spec, pipe, ctx, global_batch))
-        every, directory = spec.checkpoint.every, spec.checkpoint.dir
-        last = step == steps and spec.checkpoint.save_final
-        if directory and ((every and step % every == 0) or last):
-            if not weights_finite(pipe.model_parts, ctx.device):  # never over a good one
-                raise PipelineError(f"step {step}: the weights hold NaN or inf values; the "
-                                    f"checkpoint was not saved, so {directory!r} keeps its last "
-                                    f"good one")
-            from pp_core.app.check.resume import run_identity  # lazy: DCP, as below
-            from pp_core.app.export.hf import export_record  # lazy: DCP, as below
-            from pp_core.checkpoint import save_checkpoint  # lazy: as DCP's, the first save pays
-
-            path = save_checkpoint(directory, step, pipe.model_parts, optimizers,
-                                   record={"run": run_identity(spec),
-                                           "export": export_record(spec)})
-            say(f"checkpoint saved: {path}")
+        checkpoints.after_step(step, pipe, optimizers)
         if spec.checkpoint.export_hf:
             from pp_core.app.export.run import export_due, export_from_run  # lazy: as DCP's
 
             if (export_dir := export_due(spec, step)) is not None:
                 say(f"exported: {export_from_run(spec, pipe.model_parts, export_dir)}")
+    checkpoints.close()  # the last background save is complete before the run ends
     progress.close()
     result = recorder.finish(start_step, time.perf_counter() - started, dp_units)
     dist.barrier()

@@ -59,6 +59,7 @@ class Progress:
         self.total, self.start, self.log_every, self.width = total_steps, start_step, log_every, width
         self.started = time.perf_counter()
         self._drawn = False
+        self.suffix = ""  # what the run adds to every line (a restart's account)
 
     def eta(self, step: int) -> float | None:
         done = step - self.start
@@ -70,7 +71,7 @@ class Progress:
         loss_text = "   n/a" if loss is None else f"{loss:7.4f}"
         return (f"step {step:>{len(str(self.total))}}/{self.total}  loss {loss_text}  "
                 f"{tokens_per_s:,.0f} tok/s  {step_time * 1000:,.0f} ms/step  "
-                f"ETA {format_duration(self.eta(step))}")
+                f"ETA {format_duration(self.eta(step))}{self.suffix}")
 
     def update(self, step: int, loss: float | None, tokens_per_s: float, step_time: float) -> None:
         if self.mode == "off":
@@ -189,8 +190,34 @@ def format_summary(summary: dict[str, Any]) -> str:
             lines.append(f"  {note}")
     for stage, fqns in enumerate(summary.get("holds") or []):
         lines.append(f"  stage {stage} holds {compact_names(fqns)}")
+    saves = summary.get("saves")
+    if saves:
+        how = "staged to host memory, written in the background" if saves["async"] else \
+            "written in the step"
+        lines.append(f"  checkpoints: {saves['saves']} saved ({how}); a save held the step "
+                     f"{saves['blocked_mean_s'] * 1000:,.0f} ms (mean; longest "
+                     f"{saves['blocked_max_s'] * 1000:,.0f} ms"
+                     + (f", {saves['waited_s']:.2f} s of it waiting for the previous save)"
+                        if saves["waited_s"] >= 0.01 else ")"))
+    lines.extend(_restart_lines(summary.get("restarts")))
     outputs = summary.get("outputs") or {}
     if outputs:
         lines.append("")
         lines.extend(f"  {name}: {path}" for name, path in outputs.items() if path)
     return "\n".join(lines)
+
+
+def _restart_lines(restarts: dict | None) -> list[str]:
+    """The summary's account of restarts (:meth:`pp_core.app.restarts.Attempts.summary`)."""
+    if not restarts:
+        return []
+    lines = ["", f"  restarts {restarts['restarts']}: {restarts['steps_redone']} step(s) redone; "
+                 f"goodput {restarts['goodput']:.1%} of {format_duration(restarts['wall_s'])} "
+                 f"(wall time on steps that were kept)"]
+    for found in restarts["recoveries"]:
+        lines.append(f"  restart {found['restart']}: failed after step "
+                     f"{found['failed_after_step']}, resumed at {found['resumed_from']}; "
+                     f"{found['recovery_s']:.1f} s from the last step before it to the next "
+                     f"(down {found['down_s']:.1f} s, start and load {found['startup_s']:.1f} s, "
+                     f"first step {found['first_step_s']:.1f} s)")
+    return lines

@@ -69,6 +69,8 @@ class RunRecorder:
         self.timer = ActionTimer(ctx.device)
         self.plugins = pipe.plugins
         self.metrics = None  # opened by open_metrics once the first step is known
+        self.attempts = None  # pp_core.app.restarts.Attempts: the account of restarts
+        self.checkpoints = None  # pp_core.app.rank.saving.Checkpoints: the time saves took
         self.tensorboard = None
         if spec.output.tensorboard and self.rank == 0:  # a pp_report_metrics sink
             from pp_core.app.rank.data_metrics import TensorBoardSink  # lazy: tensorboard
@@ -91,6 +93,18 @@ class RunRecorder:
         path = self.spec.output.metrics
         if path and self.rank == 0:
             self.metrics = MetricsFile(path, start_step)
+
+    def note_restart(self, recovery: dict | None) -> None:
+        """After a restart's first step: a metrics line for it (under the step it resumed from,
+        so a later resume keeps it) and the progress line says it from then on."""
+        if recovery is None or self.rank != 0:
+            return
+        if self.metrics:
+            self.metrics.write({"step": recovery["resumed_from"], "event": "restart", **recovery})
+        if self.progress is not None:
+            self.progress.suffix = f"  restarts {recovery['restart']}"
+        self.say(f"restart {recovery['restart']}: the first step after it completed "
+                 f"{recovery['recovery_s']:.1f} s after the last one before the failure")
 
     # ------------------------------------------------------------------ per step
 
@@ -261,6 +275,10 @@ class RunRecorder:
                         "schedule image": out.schedule_image,
                         "checkpoints": spec.checkpoint.dir},
         }
+        if self.attempts is not None:
+            summary["restarts"] = self.attempts.summary(time.time())
+        if self.checkpoints is not None:
+            summary["saves"] = self.checkpoints.figures()
         planned = spec.prediction
         if planned is not None:  # pipeline.pp_schedule: auto - what the planner predicted
             measured = [r["pipeline_step_s"] for r in ranks if r["pipeline_step_s"] is not None]

@@ -31,7 +31,7 @@ from pp_core.app.spec.checkers import Mismatch, describe_value
 from pp_core.app.spec.paths import named_factories, resolve_paths, search_beside
 from pp_core.app.spec.schema import REQUIRED_SECTIONS, SCHEMA, Key
 from pp_core.app.spec.sections import (SECTIONS, CheckpointSpec, DataSpec, DistributedSpec,
-                                       ModelSpec, OutputSpec, TrainSpec)
+                                       ModelSpec, OutputSpec, TrainSpec, field_values, file_name)
 from pp_core.app.spec.yaml import YamlProblem, load_yaml_text, read_yaml
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, did_you_mean, quoted
@@ -79,7 +79,7 @@ class Spec:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """``{section: {key: value}}``, plain data as in the file (and ``prediction`` when
         planned)."""
-        out = {name: {f.name: copy.deepcopy(getattr(getattr(self, name), f.name))
+        out = {name: {file_name(f): copy.deepcopy(getattr(getattr(self, name), f.name))
                       for f in fields(cls)} for name, cls in SECTIONS.items()}
         if self.prediction is not None:
             out["prediction"] = copy.deepcopy(self.prediction)
@@ -90,7 +90,8 @@ class Spec:
         """The spec :meth:`to_dict` gave (on a rank): the values as they are, checked no further
         than :class:`PipelineConfig` checks itself."""
         values = copy.deepcopy(values)
-        sections = {name: kind(**values.get(name, {})) for name, kind in SECTIONS.items()}
+        sections = {name: kind(**field_values(kind, values.get(name, {})))
+                    for name, kind in SECTIONS.items()}
         return cls(**sections, source=source, prediction=values.get("prediction"))
 
     @property
@@ -175,7 +176,8 @@ def parse_spec(data: Any, source: str = "pipeline") -> Spec:
                                   checkpoints_off=_explicit_null(data, "checkpoint", "dir"))
     if problems:
         raise SpecError(problems, source)
-    sections = {name: kind(**values[name]) for name, kind in SECTIONS.items() if name != "pipeline"}
+    sections = {name: kind(**field_values(kind, values[name])) for name, kind in SECTIONS.items()
+                if name != "pipeline"}
     return Spec(**sections, pipeline=pipeline, source=source)
 
 

@@ -115,6 +115,20 @@ def resume(value):
     raise Mismatch("true, false, or the path of a checkpoint directory")
 
 
+def nnodes(value):
+    """A positive int, or torchrun's ``"MIN:MAX"`` (``"N:N"`` is ``N``); a ``MIN < MAX`` is
+    returned as the text, for :mod:`pp_core.app.spec.combinations` to judge with the degrees."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    expected = "a positive int, or 'MIN:MAX' with 1 <= MIN <= MAX (torchrun's form)"
+    if not isinstance(value, str) or value.count(":") != 1:
+        raise Mismatch(expected)
+    low, high = (part.strip() for part in value.split(":"))
+    if not (low.isdecimal() and high.isdecimal()) or not 1 <= int(low) <= int(high):
+        raise Mismatch(expected)
+    return int(low) if int(low) == int(high) else f"{int(low)}:{int(high)}"
+
+
 def export_hf(value):
     if value is None or value is False:
         return None

@@ -48,6 +48,7 @@ def check_combinations(values: dict, problems: list[str],
                         f"{os.path.join(export['dir'], 'hf')!r}")
     problems.extend(_dtype_problems(model))
     _fold_dp_size(dist, problems)
+    problems.extend(_restart_problems(dist, ckpt))  # an elastic nnodes becomes its MAX here
     dims = ParallelDims.of(dist)
     problems.extend(dims.problems(dist["nnodes"], dist["nproc_per_node"]))
     problems.extend(_layout_problems(dist, dims))
@@ -104,6 +105,39 @@ def auto_expert_parallel_refusal(ep: int) -> str:
             f"rank, so it cannot plan distributed.ep_size: {ep} (each rank holding 1/{ep} of "
             f"the experts and routing tokens by all-to-all); name a schedule (e.g. 1f1b), or "
             f"plan at ep_size: 1 with 'pp-core plan' and run what it chose at ep_size: {ep}")
+
+
+def _restart_problems(dist: dict, ckpt: dict) -> list[str]:
+    """``max_restarts`` and an elastic ``nnodes: "MIN:MAX"`` need a checkpoint to go on from;
+    ``MIN`` nodes must hold one pipeline replica (pp x tp, x ep). Elastic membership itself is
+    refused for now: the ranks cannot yet re-form the pipeline at a smaller dp. Leaves
+    ``dist["nnodes"]`` an int (MAX) for the checks after it."""
+    found = []
+    if dist["max_restarts"] > 0 and not ckpt["dir"]:
+        found.append(f"distributed.max_restarts: {dist['max_restarts']} restarts resume from the "
+                     f"latest checkpoint, found checkpoint.dir unset (nothing to restart from); "
+                     f"add checkpoint.dir: <path> and checkpoint.every: N")
+    if not isinstance(dist["nnodes"], str):
+        return found
+    text = dist["nnodes"]
+    low, high = (int(part) for part in text.split(":"))
+    dist["nnodes"] = high
+    replica = dist["pp_size"] * dist["tp_size"] * dist["ep_size"]
+    per_node = dist["nproc_per_node"] or max(1, replica * dist["dp_size"] // high)
+    if low * per_node < replica:
+        found.append(f"distributed.nnodes: {text!r} may leave {low} node(s) x {per_node} "
+                     f"process(es) = {low * per_node} ranks, fewer than one pipeline replica "
+                     f"needs (pp_size x tp_size x ep_size = {replica}); raise MIN to "
+                     f"{-(-replica // per_node)}")
+    elif not ckpt["dir"]:
+        found.append(f"distributed.nnodes: {text!r} lets the run go on with fewer nodes from "
+                     f"the latest checkpoint, found checkpoint.dir unset (nothing to go on "
+                     f"from); add checkpoint.dir: <path>")
+    else:
+        found.append(f"distributed.nnodes: {text!r} (elastic membership) is not supported yet: "
+                     f"the ranks cannot re-form the pipeline at a smaller dp; give nnodes: "
+                     f"{high} and distributed.max_restarts: N to restart at the same size")
+    return found
 
 
 def _layout_problems(dist: dict, dims) -> list[str]:

@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable
 
 from pp_core.app.spec.checkers import anything, flag, integer, one_of, optional, text
-from pp_core.app.spec.sections import KEY, SECTIONS
+from pp_core.app.spec.sections import KEY, SECTIONS, file_name
 from pp_core.config import PipelineConfig, field_specs
 
 __all__ = ["Key", "SCHEMA", "REQUIRED_SECTIONS"]
@@ -41,7 +41,7 @@ def _section_keys(section: type) -> list[Key]:
             raise TypeError(f"{section.__name__}.{declared.name} is not declared with "
                             f"pp_core.app.spec.sections.key(default, check, doc)")
         default = declared.default_factory() if declared.default is MISSING else declared.default
-        keys.append(Key(declared.name, default=default, **declared.metadata[KEY]))
+        keys.append(Key(file_name(declared), default=default, **declared.metadata[KEY]))
     return keys
 
 

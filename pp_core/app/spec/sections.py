@@ -13,31 +13,46 @@ building these.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from pp_core.app.spec.checkers import (activation_checkpointing, address, compile_options,
                                        endpoint, export_hf, flag, integer, lora, mapping,
-                                       mixed_precision, number, one_of, optional, param_dtype,
+                                       mixed_precision, nnodes, number, one_of, optional,
+                                       param_dtype,
                                        patterns, port, positive_number, resume, text)
 from pp_core.config import PipelineConfig
 from pp_core.parallel.dims import ParallelDims
 
 __all__ = ["ModelSpec", "DataSpec", "DistributedSpec", "TrainSpec", "CheckpointSpec",
-           "OutputSpec", "SECTIONS", "key", "KEY"]
+           "OutputSpec", "SECTIONS", "key", "KEY", "file_name", "field_values"]
 
 KEY = "pp_core.spec.key"
 """The field metadata entry :func:`key` fills: ``{check, doc, required, open_mapping}``."""
+NAME = "pp_core.spec.name"
+"""The field metadata entry naming the key in the file, where it differs from the field's."""
+
+
+def file_name(declared) -> str:
+    """The name in the file of a section field (a ``dataclasses.Field``)."""
+    return declared.metadata.get(NAME) or declared.name
+
+
+def field_values(kind: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` keyed by the file's names, keyed by the fields of the section ``kind``."""
+    renamed = {file_name(f): f.name for f in fields(kind)}
+    return {renamed.get(name, name): value for name, value in values.items()}
 
 
 def key(default: Any, check: Callable[[Any], Any], doc: str, *, required: bool = False,
-        open_mapping: bool = False) -> Any:
+        open_mapping: bool = False, name: str | None = None) -> Any:
     """A section field that is a key of the file: its ``default`` (a mutable one is copied for
     each section made), its ``check``, one line of ``doc`` (``docs/yaml.md`` has one table row per
     key), whether the file must give it (``required``), and whether its value is a free mapping
-    (``open_mapping``: ``model.args``, ``train.optimizer``)."""
+    (``open_mapping``: ``model.args``, ``train.optimizer``). ``name``: the key's name in the
+    file when it cannot be the field's (``checkpoint.async``, a Python keyword, is ``async_``)."""
     declared = {KEY: {"check": check, "doc": doc, "required": required,
-                      "open_mapping": open_mapping}}
+                      "open_mapping": open_mapping}, NAME: name}
     if type(default).__hash__ is None:  # dict, list: what a dataclass refuses as a default
         return field(default_factory=lambda: copy.deepcopy(default), metadata=declared)
     return field(default=default, metadata=declared)
@@ -104,7 +119,8 @@ class DistributedSpec:
     backend: str = key("auto", one_of("auto", "gloo", "nccl"), "auto: nccl on CUDA, else gloo")
     device: str = key("auto", one_of("auto", "cpu", "cuda"), "auto: cuda when every rank on the "
                       "machine gets a GPU of its own, else cpu")
-    nnodes: int = key(1, integer(1), "machines taking part; each runs the same command")
+    nnodes: int = key(1, nnodes, "machines taking part; each runs the same command ('MIN:MAX', "
+                      "torchrun's elastic form, is checked and refused: not supported yet)")
     nproc_per_node: int | None = key(None, optional(integer(1)), "ranks per machine; default "
                                      "pp_size * dp_replicate * dp_shard * tp_size / nnodes")
     node_rank: int | None = key(None, optional(integer(0)), "this machine's index (static "
@@ -119,6 +135,9 @@ class DistributedSpec:
     rdzv_id: str = key("pp-core", text, "the job id every node passes")
     timeout_s: int = key(300, integer(1, 10**9), "rendezvous and process-group timeout in "
                          "seconds")
+    max_restarts: int = key(0, integer(0), "times torch's elastic agent starts every rank again "
+                            "after a rank dies or hangs; each restart resumes from the latest "
+                            "complete checkpoint of checkpoint.dir (docs/failures.md)")
 
     @property
     def dims(self) -> ParallelDims:
@@ -167,6 +186,9 @@ class CheckpointSpec:
                                  "DIR/step_NNNNNNNN)")
     verify: bool = key(True, flag, "check every file's recorded checksum when a checkpoint is "
                        "resumed, loaded or exported (false skips it)")
+    async_: bool = key(False, flag, "save with torch.distributed.checkpoint.async_save: staged "
+                       "to host memory, written while training goes on (docs/failures.md)",
+                       name="async")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,127 @@
+"""Saving without stopping: ``checkpoint.async: true`` through DCP's own ``async_save``.
+
+:meth:`AsyncSaver.save` stages this rank's state to host memory (DCP's stager: the
+``FileSystemWriter`` copies every tensor) and returns; DCP's thread writes the files through the
+same hashing writer as a synchronous save (:mod:`pp_core.checkpoint.checksums`: the checksums
+are computed on the way to the disk, off the training path), over a gloo group of its own (so
+its collectives never interleave with training's). A second thread of ours then waits for the
+write, gathers every rank's digests over that group, and on rank 0 writes the record and the
+checksums and publishes the checkpoint exactly as a synchronous save does
+(:func:`pp_core.checkpoint.save._finish_save`): ``latest`` moves only once every rank's files
+and the checksums are on disk, so a crash during a background write leaves the previous
+checkpoint as the one to resume from.
+
+At most one save is in flight: a new one first waits for the last (:meth:`AsyncSaver.wait`
+returns how long it waited, which the run reports), and the run waits for the last one before
+it ends. A background save that failed raises its one-line error at the next wait or poll.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch.distributed as dist
+
+from pp_core.checkpoint.checksums import hashing_writer
+from pp_core.checkpoint.directory import checkpoint_path
+from pp_core.checkpoint.record import record_files
+from pp_core.checkpoint.save import _finish_save
+from pp_core.checkpoint.state import single_process_quiet, state_dicts
+from pp_core.errors import PipelineError
+from pp_core.parallel.dims import background_group
+from pp_core.write_failures import disk_error
+
+__all__ = ["AsyncSaver"]
+
+
+class AsyncSaver:
+    """This rank's background saves, one at a time (every rank makes one and saves alike)."""
+
+    def __init__(self):
+        self.group = None  # the gloo group DCP's thread and ours talk over, made at first save
+        self.thread: threading.Thread | None = None
+        self.outcome: tuple | None = None  # (step, path, error, seconds writing)
+
+    def save(self, directory, step: int, parts, optimizers,
+             record: dict[str, dict] | None = None) -> tuple[float, float, tuple | None]:
+        """Start saving at ``<directory>/step_<step>`` (collective); returns the seconds waited
+        for the previous save, the seconds this call blocked (staging to host memory), and the
+        previous save's ``(step, path, seconds writing)`` if this call saw it finish."""
+        import torch.distributed.checkpoint as dcp  # lazy: DCP, only when a checkpoint is written
+
+        waited, finished = self.wait()
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed and self.group is None:
+            self.group = background_group()
+        began = time.perf_counter()
+        path, files = checkpoint_path(directory, step), record_files(record)
+        token = [uuid.uuid4().hex[:12]]
+        if distributed:
+            dist.broadcast_object_list(token, group=self.group, group_src=0)
+        staging = path.with_name(f"{path.name}.tmp-{token[0]}")
+        writer = hashing_writer(staging)
+        with single_process_quiet():
+            future = dcp.async_save(state_dicts(parts, optimizers, step)[0],
+                                    checkpoint_id=str(staging), storage_writer=writer,
+                                    process_group=self.group)
+        blocked = time.perf_counter() - began
+        self.thread = threading.Thread(
+            target=self._finish, args=(future, writer, staging, path, token[0], files, step,
+                                       distributed), name="pp-core checkpoint", daemon=True)
+        self.thread.start()
+        return waited, blocked, finished
+
+    def _finish(self, future, writer, staging: Path, path: Path, token: str, files, step: int,
+                distributed: bool) -> None:
+        """In the background: wait for DCP's write, then publish as a synchronous save does."""
+        began, failed, error = time.perf_counter(), None, None
+        try:
+            try:
+                future.result()
+            except BaseException as exc:  # noqa: BLE001 - reported by wait()
+                failed = exc
+            mine = (writer.digests, None if failed is None else
+                    getattr(disk_error(failed), "errno", 0))
+            ranks = [mine]
+            if distributed:
+                ranks = [None] * dist.get_world_size(self.group)
+                dist.all_gather_object(ranks, mine, group=self.group)
+            message = [None]
+            if not distributed or dist.get_rank(self.group) == 0:
+                message[0] = _finish_save(staging, path, token, ranks, files)
+            if distributed:
+                dist.broadcast_object_list(message, group=self.group, group_src=0)
+            if failed is not None and not mine[1]:
+                error = failed
+            elif message[0] is not None:
+                error = PipelineError(message[0])
+        except BaseException as exc:  # noqa: BLE001 - reported by wait()
+            error = exc
+        self.outcome = (step, path, error, time.perf_counter() - began)
+
+    def poll(self) -> tuple | None:
+        """``(step, path, seconds writing)`` of a background save that has just finished, once;
+        raises its error if it failed."""
+        if self.thread is None or self.thread.is_alive():
+            return None
+        return self._collect()
+
+    def wait(self) -> tuple[float, tuple | None]:
+        """Wait for the save in flight (if any): the seconds waited and its ``(step, path,
+        seconds writing)``. A failed one raises."""
+        if self.thread is None:
+            return 0.0, None
+        began = time.perf_counter()
+        self.thread.join()
+        return time.perf_counter() - began, self._collect()
+
+    def _collect(self) -> tuple:
+        self.thread = None
+        step, path, error, seconds = self.outcome
+        self.outcome = None
+        if error is not None:
+            raise error
+        return step, path, seconds
