@@ -242,7 +242,10 @@ def build_expert_groups(rank_grid, ep_size: int) -> ExpertGroups:
 @dataclass(frozen=True)
 class Meshes:
     """What :meth:`ParallelDims.build` made: ``mesh`` (every rank), its sub-meshes ``pp``,
-    ``dp`` (``("dp_replicate", "dp_shard")``) and ``tp``, and ``experts`` (``None`` at ep 1)."""
+    ``dp`` (``("dp_replicate", "dp_shard")``) and ``tp``, ``experts`` (``None`` at ep 1), and
+    ``loss_group``, the ranks a loss counts tokens over. ``build_pipeline(..., meshes=)`` and
+    :func:`pp_core.parallel.compose.parallelize` take it whole: a new degree adds a mesh here,
+    not a keyword to them."""
 
     dims: ParallelDims
     mesh: Any
@@ -273,6 +276,12 @@ class Meshes:
     @property
     def ep_group(self):
         return None if self.experts is None else self.experts.ep_group
+
+    @property
+    def loss_group(self):
+        """The ranks a token-normalised loss counts the step's valid tokens over (the dp
+        ranks: each holds a share of the global batch); ``None`` when there is one."""
+        return self.dp if self.dims.dp > 1 else None
 
     def data_parallel_mesh(self):
         """The sub-mesh torch's dp engines run on: ``dp_shard`` (FSDP2), ``dp_replicate``
