@@ -28,7 +28,6 @@ from pp_core.measure.optimizer_step import measure_optimizer_rate
 from pp_core.measure.overhead import measure_action_overhead
 from pp_core.measure.profile import profile_model
 from pp_core.measure.recompute import RECOMPUTE_MODES
-from pp_core.parallel.dims import ParallelDims
 from pp_core.planning.choose import Candidate, Ranking, choose_plan
 from pp_core.planning.costs import Link
 from pp_core.planning.sizes import parse_size
@@ -149,7 +148,7 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
                               recv_buffer_pool=True if config.pp_recv_buffer_pool else None,
                               pool_slack=config.pp_recv_buffer_pool_slack,
                               activation_checkpointing=activation_checkpointing, every=every,
-                              degrees=degrees or ParallelDims(pp=pp_size).to_keys())
+                              degrees=degrees)
     if group is not None:
         ranking, profile_s, profiles = _broadcast((ranking, profile_s, profiles), group)
     return AutoPlan(concrete_config(config, ranking.chosen), ranking, profile_s, link, profiles)
