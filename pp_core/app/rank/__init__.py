@@ -67,23 +67,23 @@ class RankContext:
     made (``meshes``: read ``ctx.meshes.pp_rank``, ``ctx.meshes.dp``, ...)."""
 
     def __init__(self, spec: Spec):
-        layout = MachineShare.of(spec)
+        share = MachineShare.of(spec)
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if layout.device == "cuda":
+        if share.device == "cuda":
             torch.cuda.set_device(local_rank)
             self.device = torch.device("cuda", local_rank)
         else:
             self.device = torch.device("cpu")
-            torch.set_num_threads(layout.threads_per_rank)  # cores shared out
+            torch.set_num_threads(share.threads_per_rank)  # cores shared out
         if not dist.is_initialized():
-            dist.init_process_group(layout.backend,
+            dist.init_process_group(share.backend,
                                     timeout=timedelta(seconds=spec.distributed.timeout_s))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims = dims = spec.dims
         mismatch = dims.world_size_problem(self.world_size)
         if mismatch:
             raise PipelineError(mismatch)
-        self.meshes = dims.build(layout.device)  # every mesh and group, in one place
+        self.meshes = dims.build(share.device)  # every mesh and group, in one place
 
 
 def _build(spec: Spec, ctx: RankContext):
