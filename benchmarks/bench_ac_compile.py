@@ -60,7 +60,7 @@ def run_config(schedule: str, ac: str, compiled: bool, steps: int, warmup: int) 
     from torch.utils.checkpoint import checkpoint
 
     from pp_core import PipelineConfig, build_pipeline
-    from pp_core.parallel import apply_activation_checkpointing, apply_compile, find_blocks
+    from pp_core.parallel import ParallelSettings, find_blocks, parallelize
     from pp_core_builtins.models.gpt import GPT
 
     torch.manual_seed(0)
@@ -75,10 +75,9 @@ def run_config(schedule: str, ac: str, compiled: bool, steps: int, warmup: int) 
         for block in blocks:
             inner = block.forward
             block.forward = lambda *a, inner=inner: checkpoint(inner, *a, use_reentrant=False)
-    else:
-        apply_activation_checkpointing(pipe.model_parts, ac)
-    if compiled:
-        apply_compile(pipe.model_parts)
+    parallelize(pipe, None, ParallelSettings(  # torch's own checkpoint: no AC of ours
+        activation_checkpointing="none" if ac == "torch_checkpoint" else ac,
+        compile={} if compiled else None))
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
     inputs, target = tokens[:, :-1], tokens[:, 1:]

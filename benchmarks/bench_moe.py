@@ -39,10 +39,9 @@ def rank_run(ep: int, schedule: str, steps: int, warmup: int) -> dict:
     import torch.distributed as dist
 
     from pp_core import PipelineConfig, build_pipeline
-    from pp_core.parallel import apply_data_parallel
+    from pp_core.parallel import ParallelSettings, parallelize
     from pp_core.parallel.dims import ParallelDims
-    from pp_core.parallel.expert import (apply_expert_parallel, expert_parameters,
-                                         is_expert_parameter)
+    from pp_core.parallel.expert import is_expert_parameter
     from pp_core.parallel.gradients import clip_grad_norm
     from pp_core_builtins.models.moe_gpt import MoEGPT
 
@@ -53,11 +52,8 @@ def rank_run(ep: int, schedule: str, steps: int, warmup: int) -> dict:
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=LOCAL_BATCH,
                             pp_microbatch_size=MICROBATCH, loss_fn="cross_entropy",
                             scale_grads_in_schedule=True)
-    pipe = build_pipeline(model, config, pp_group=meshes.pp, expert_groups=meshes.experts)
-    if ep > 1:
-        apply_expert_parallel(pipe.model_parts, meshes.ep_group)
-    apply_data_parallel(pipe, meshes.data_parallel_mesh(), shard=False,
-                        ignored_params=expert_parameters(pipe))
+    pipe = build_pipeline(model, config, meshes=meshes)
+    parallelize(pipe, meshes, ParallelSettings(data_parallel="replicate"))
     params = [p for part in pipe.model_parts for p in part.parameters()]
     experts = [p for part in pipe.model_parts for n, p in part.named_parameters()
                if is_expert_parameter(p) or ".experts." in n]

@@ -53,13 +53,13 @@ def build_pipeline(model, config, pp_group=None, device="cpu", **options):
 
     Every option (keyword-only, as :func:`pp_core.runtime.build.build_pipeline` takes them):
 
+    * ``meshes=``: every mesh and group of the run, ``ParallelDims(...).build(device_type)``
+      (the pp group when ``pp_group`` is None; a token-normalised loss counts the step's valid
+      tokens over ``meshes.loss_group``; ``step`` finishes TP's and EP's gradients); apply the
+      parallelisms with ``pp_core.parallel.parallelize(pipe, meshes, settings)``;
     * ``plugins=``: a :class:`pp_core.plugin_manager.Plugins`; default the installed plugins;
     * ``timeout=``: seconds a single wait may take before the step fails;
-    * ``splitter=``: a splitter name or object (``BalancedSplitter(profile)``); None: automatic;
-    * ``dp_group=``: this rank's data-parallel ranks, over which a token-normalised loss counts
-      the step's valid tokens; None: no dp;
-    * ``expert_groups=``: with expert parallelism, ``ParallelDims.build(...).experts``: ``step``
-      then averages the experts' gradients over the ranks holding the same experts; None: no ep.
+    * ``splitter=``: a splitter name or object (``BalancedSplitter(profile)``); None: automatic.
 
     Imported lazily so that ``import pp_core`` stays light (no torch.distributed).
     """

@@ -16,13 +16,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from pp_core.errors import ConfigError
-from pp_core.parallel.dims import KEYS, ParallelDims
+from pp_core.parallel.dims import ParallelDims
 
-__all__ = ["ModelShape", "DroppedLayout", "enumerate_layouts", "divisors", "degrees",
-           "largest_world", "summary"]
-
-DEGREE_KEYS = ("pp_size", "dp_replicate", "dp_shard", "tp_size", "ep_size")
-"""The degrees a layout fixes, by their YAML names under ``distributed:``."""
+__all__ = ["ModelShape", "DroppedLayout", "enumerate_layouts", "divisors", "largest_world",
+           "summary"]
 UNKNOWN_HEADS_TP = 512
 """The largest tp degree searched for a model whose attention heads pp-core cannot see (beyond
 any machine's fast-link domain today)."""
@@ -49,12 +46,7 @@ class DroppedLayout:
     reason: str
 
     def to_dict(self) -> dict:
-        return {**degrees(self.dims), "dropped": self.reason}
-
-
-def degrees(dims: ParallelDims) -> dict[str, int]:
-    """The degrees by their YAML names (as every plan object carries them)."""
-    return {KEYS[dim]: getattr(dims, dim) for dim in ("pp", "dp_replicate", "dp_shard", "tp", "ep")}
+        return {**self.dims.to_keys(), "dropped": self.reason}
 
 
 def divisors(n: int) -> list[int]:
@@ -97,15 +89,14 @@ def enumerate_layouts(world: int, shape: ModelShape,
                           f"{why}; use a --world of at most {largest:,} (a larger "
                           f"pipeline.pp_batch_size admits more dp ranks)")
     fixed = dict(fixed or {})
-    unknown = sorted(set(fixed) - set(DEGREE_KEYS))
+    searched = ParallelDims.KEYS.values()
+    unknown = sorted(set(fixed) - set(searched))
     if unknown:
-        raise ConfigError(f"--world searches the degrees {', '.join(DEGREE_KEYS)}; cannot fix "
+        raise ConfigError(f"--world searches the degrees {', '.join(searched)}; cannot fix "
                           f"{', '.join(unknown)}")
-    product = 1
-    for key in ("pp_size", "dp_replicate", "dp_shard", "tp_size"):
-        product *= fixed.get(key, 1)
+    product = ParallelDims.from_keys(fixed).world_size  # ep is drawn from the dp ranks
     if world % product:
-        written = " * ".join(f"{k}={v}" for k, v in fixed.items() if k != "ep_size")
+        written = " * ".join(f"{k}={v}" for k, v in fixed.items() if k != ParallelDims.KEYS["ep"])
         raise ConfigError(f"--world {world}: the fixed degrees {written} make {product} "
                           f"processes per layout, which does not divide {world}; drop a "
                           f"fixed degree or use a --world that {product} divides")
@@ -117,7 +108,7 @@ def enumerate_layouts(world: int, shape: ModelShape,
             for replicate in divisors(dp):
                 for ep in (divisors(dp) if experts else [1]):
                     dims = ParallelDims(pp, replicate, dp // replicate, tp, ep)
-                    if any(degrees(dims)[k] != v for k, v in fixed.items()):
+                    if any(dims.to_keys()[k] != v for k, v in fixed.items()):
                         continue
                     reason = _reason(dims, shape)
                     if reason is None:

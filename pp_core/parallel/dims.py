@@ -5,8 +5,9 @@ One frozen value holds every degree - ``pp``, ``dp_replicate``, ``dp_shard``, ``
 ep_size, sequence_parallel}``) - and everything derived from them: the world size, the divisors
 (``dp``, ``seq_len_divisor``), the ranks one machine runs, the problems (one line each, naming
 the key and the fix) and, in :meth:`ParallelDims.build`, every device mesh and process group the
-run uses. Nothing else multiplies degrees or builds a mesh or group (torchtitan's
-``ParallelDims``, in accelerate's small form); add the next degree here.
+run uses. Nothing else multiplies degrees, builds a mesh or group, or lists the degrees' YAML
+names (:attr:`ParallelDims.KEYS`, :meth:`~ParallelDims.to_keys`, :meth:`~ParallelDims.from_keys`;
+torchtitan's ``ParallelDims``, in accelerate's small form); add the next degree here.
 
 The mesh is ``("pp", "dp_replicate", "dp_shard", "tp")``: pp outermost, tp innermost (a tp
 group's per-layer collectives stay between neighbouring ranks, on one node; only activations
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 from pp_core.errors import ConfigError
 
@@ -32,9 +33,6 @@ __all__ = ["ParallelDims", "Meshes", "ExpertGroups", "MESH_DIMS", "build_expert_
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
-# the degree -> its key under ``distributed:`` in a pipeline file
-KEYS = {"pp": "pp_size", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard",
-        "tp": "tp_size", "ep": "ep_size", "sequence_parallel": "sequence_parallel"}
 
 
 @dataclass(frozen=True)
@@ -48,19 +46,37 @@ class ParallelDims:
     ep: int = 1
     sequence_parallel: bool = False
 
+    KEYS: ClassVar[dict[str, str]] = {"pp": "pp_size", "dp_replicate": "dp_replicate",
+                                      "dp_shard": "dp_shard", "tp": "tp_size", "ep": "ep_size"}
+    """Each degree -> its key under ``distributed:`` in a pipeline file (the one list of them:
+    the layout every plan object and checkpoint record carries, the degrees ``--world`` searches
+    and ``--set`` may fix)."""
+
     @classmethod
     def of(cls, distributed: Any) -> "ParallelDims":
         """From a ``distributed`` section: a :class:`~pp_core.app.spec.sections.DistributedSpec`
         or a mapping of its keys (missing keys: 1; ``dp_size`` alone means ``dp_replicate``)."""
         get = distributed.get if isinstance(distributed, Mapping) else \
             (lambda key, default=None: getattr(distributed, key, default))
-        values = {dim: get(key, None) for dim, key in KEYS.items()}
+        values = {dim: get(key, None) for dim, key in cls.KEYS.items()}
         replicate, shard = values["dp_replicate"] or 1, values["dp_shard"] or 1
         dp_size = get("dp_size", None)
         if dp_size not in (None, 1) and replicate * shard == 1:
             replicate = dp_size
         return cls(int(values["pp"] or 1), int(replicate), int(shard), int(values["tp"] or 1),
-                   int(values["ep"] or 1), bool(values["sequence_parallel"]))
+                   int(values["ep"] or 1), bool(get("sequence_parallel", False)))
+
+    @classmethod
+    def from_keys(cls, keys: Mapping[str, Any]) -> "ParallelDims":
+        """From the degrees by their YAML names (``{"pp_size": 2, "tp_size": 2}``; a missing
+        key: 1); other keys are ignored, ``sequence_parallel`` read when there."""
+        return cls(**{dim: int(keys.get(key) or 1) for dim, key in cls.KEYS.items()},
+                   sequence_parallel=bool(keys.get("sequence_parallel", False)))
+
+    def to_keys(self) -> dict[str, int]:
+        """Every degree by its YAML name, in :attr:`KEYS` order (as plan objects and checkpoint
+        records carry them): ``{"pp_size": 2, "dp_replicate": 1, ...}``."""
+        return {key: getattr(self, dim) for dim, key in self.KEYS.items()}
 
     # ------------------------------------------------------------------ derived figures
     @property
@@ -236,7 +252,10 @@ def background_group():
 @dataclass(frozen=True)
 class Meshes:
     """What :meth:`ParallelDims.build` made: ``mesh`` (every rank), its sub-meshes ``pp``,
-    ``dp`` (``("dp_replicate", "dp_shard")``) and ``tp``, and ``experts`` (``None`` at ep 1)."""
+    ``dp`` (``("dp_replicate", "dp_shard")``) and ``tp``, ``experts`` (``None`` at ep 1), and
+    ``loss_group``, the ranks a loss counts tokens over. ``build_pipeline(..., meshes=)`` and
+    :func:`pp_core.parallel.compose.parallelize` take it whole: a new degree adds a mesh here,
+    not a keyword to them."""
 
     dims: ParallelDims
     mesh: Any
@@ -267,6 +286,12 @@ class Meshes:
     @property
     def ep_group(self):
         return None if self.experts is None else self.experts.ep_group
+
+    @property
+    def loss_group(self):
+        """The ranks a token-normalised loss counts the step's valid tokens over (the dp
+        ranks: each holds a share of the global batch); ``None`` when there is one."""
+        return self.dp if self.dims.dp > 1 else None
 
     def data_parallel_mesh(self):
         """The sub-mesh torch's dp engines run on: ``dp_shard`` (FSDP2), ``dp_replicate``

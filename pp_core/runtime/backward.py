@@ -112,9 +112,41 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Optional[Sequence[tor
     if not outputs:
         return [torch.zeros_like(x) for x in inputs], WeightGrad()
     grad_list = _grads_or_ones(outputs, grads)
-    input_ids = {id(x) for x in inputs}
+    roots, parents, input_nodes, param_nodes = _graph(outputs, grad_list, inputs)
+    on_path = _on_path(input_nodes, parents)
+    groups = _parameter_groups(param_nodes, parents, on_path, roots)
 
-    # 1. the graph below the outputs: parents of every node, the leaf nodes.
+    # 4. I: keep what reaches the boundary nodes on the path, and what they give the parameters.
+    captured: dict = {}
+    gave: dict = {}  # boundary node -> [(GradientEdge, grad)] on its parameter side
+    handles = []
+    for group in groups:
+        for node in group["nodes"]:
+            if node in on_path:
+                handles.append(node.register_prehook(
+                    lambda grad_outputs, node=node: captured.__setitem__(node, grad_outputs)))
+                handles.append(node.register_hook(
+                    lambda grad_inputs, grad_outputs, node=node:
+                    _keep_parameter_side(node, grad_inputs, on_path, gave)))
+    try:
+        wanted = [x for x in inputs if x.requires_grad]
+        with donated_buffers_off():
+            result = _run(outputs, grad_list, wanted, retain_graph=True, accumulate_grad=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    by_id = dict(zip(map(id, wanted), result))
+    input_grads = []
+    for x in inputs:
+        grad = by_id.get(id(x))
+        input_grads.append(torch.zeros_like(x) if grad is None else grad)
+    return input_grads, WeightGrad(_weight_groups(groups, gave, captured, on_path, roots))
+
+
+def _graph(outputs, grad_list, inputs):
+    """1. The graph below the outputs: ``(roots, parents, input_nodes, param_nodes)``, the
+    output nodes with their gradients, every node's parents, and the leaf nodes."""
+    input_ids = {id(x) for x in inputs}
     roots: dict = {}  # node -> [(output_nr, grad)] for outputs that are not leaves
     for out, grad in zip(outputs, grad_list):
         if out.grad_fn is not None:
@@ -137,8 +169,11 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Optional[Sequence[tor
                     stack.append(child)
             else:
                 seen.append(node)
+    return roots, parents, input_nodes, param_nodes
 
-    # 2. nodes on a path from an output to an input: they run during I.
+
+def _on_path(input_nodes, parents) -> set:
+    """2. Nodes on a path from an output to an input: they run during I."""
     on_path = set(input_nodes)
     stack = list(input_nodes)
     while stack:
@@ -146,8 +181,12 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Optional[Sequence[tor
             if parent not in on_path:
                 on_path.add(parent)
                 stack.append(parent)
+    return on_path
 
-    # 3. per parameter, walk up to the boundary (on-path nodes) and the output roots it reaches.
+
+def _parameter_groups(param_nodes, parents, on_path, roots) -> list[dict]:
+    """3. Per parameter, walk up to the boundary (on-path nodes) and the output roots it
+    reaches; parameters sharing a boundary node form one group."""
     group_of: dict = {}  # boundary node or root -> group dict
     groups: list[dict] = []
     for param_node in param_nodes:
@@ -174,35 +213,13 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Optional[Sequence[tor
         for node in group["nodes"]:
             group_of[node] = group
         groups.append(group)
-    groups = [g for g in groups if not g.get("merged")]
+    return [g for g in groups if not g.get("merged")]
 
-    # 4. I: keep what reaches the boundary nodes on the path, and what they give the parameters.
-    captured: dict = {}
-    gave: dict = {}  # boundary node -> [(GradientEdge, grad)] on its parameter side
-    handles = []
-    for group in groups:
-        for node in group["nodes"]:
-            if node in on_path:
-                handles.append(node.register_prehook(
-                    lambda grad_outputs, node=node: captured.__setitem__(node, grad_outputs)))
-                handles.append(node.register_hook(
-                    lambda grad_inputs, grad_outputs, node=node:
-                    _keep_parameter_side(node, grad_inputs, on_path, gave)))
-    try:
-        wanted = [x for x in inputs if x.requires_grad]
-        with donated_buffers_off():
-            result = _run(outputs, grad_list, wanted, retain_graph=True, accumulate_grad=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    by_id = dict(zip(map(id, wanted), result))
-    input_grads = []
-    for x in inputs:
-        grad = by_id.get(id(x))
-        input_grads.append(torch.zeros_like(x) if grad is None else grad)
 
-    # 5. W's roots: boundary edges with the gradient they saw, plus the outputs they hang from;
-    # below the boundary when every boundary node of the group already gave its parameter side.
+def _weight_groups(groups, gave, captured, on_path, roots) -> list:
+    """5. W's roots: boundary edges with the gradient they saw, plus the outputs they hang
+    from; below the boundary when every boundary node of the group already gave its parameter
+    side."""
     weight_groups = []
     for group in groups:
         if all(node in gave for node in group["nodes"]):
@@ -229,7 +246,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Optional[Sequence[tor
         if edges:
             weight_groups.append((edges, edge_grads, group["params"],
                                   clamps if len(group["nodes"]) > 1 else None))
-    return input_grads, WeightGrad(weight_groups)
+    return weight_groups
 
 
 def _keep_parameter_side(node, grad_inputs, on_path, gave) -> None:

@@ -30,23 +30,20 @@ __all__ = ["build_pipeline"]
 
 
 def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, device="cpu", *,
-                   plugins=None, timeout=None, splitter=None, dp_group=None,
-                   expert_groups=None) -> Pipeline:
+                   meshes=None, plugins=None, timeout=None, splitter=None) -> Pipeline:
     """Split ``model`` over the ranks of ``pp_group`` and return this rank's :class:`Pipeline`.
 
-    :param pp_group: a ProcessGroup or a 1-D DeviceMesh; ``None`` = the default group (or a
-        single-process pipeline when torch.distributed is not initialised).
+    :param pp_group: a ProcessGroup or a 1-D DeviceMesh; ``None`` = ``meshes.pp``, else the
+        default group (or a single-process pipeline when torch.distributed is not initialised).
     :param device: where this rank's parts and tensors live (``"cuda:0"``, ``"cpu"``).
     :param plugins: a :class:`pp_core.plugin_manager.Plugins`; default: the installed plugins.
     :param timeout: seconds a single wait may take before the step fails.
     :param splitter: a splitter name or object (``BalancedSplitter(profile)``); None: automatic.
-    :param dp_group: the data-parallel ranks of this rank (ProcessGroup or DeviceMesh), over
-        which a token-normalised loss counts the step's valid tokens; None: no dp.
-    :param expert_groups: with expert parallelism, this rank's
-        :class:`~pp_core.parallel.dims.ExpertGroups` (``ParallelDims.build(...).experts``):
-        ``step`` then averages the experts' gradients over the ranks holding the same experts,
-        beside TP's partial-gradient reduction; apply the experts' plan with
-        :func:`pp_core.parallel.apply_expert_parallel` after building. None: no ep.
+    :param meshes: every mesh and group of the run (:meth:`ParallelDims.build
+        <pp_core.parallel.dims.ParallelDims.build>`): a token-normalised loss counts the step's
+        valid tokens over ``meshes.loss_group``, and ``step`` finishes the gradients of the
+        other parallelisms (:func:`pp_core.parallel.compose.after_step`). Apply them with
+        :func:`pp_core.parallel.compose.parallelize` after building. None: pipeline only.
     """
     if not isinstance(config, PipelineConfig):
         raise ConfigError(f"config must be a PipelineConfig, got {type(config).__name__}")
@@ -58,6 +55,8 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
     if getattr(model, "pp_checkpoint", None) is None:  # else each part loads its own weights
         check_materialised(model)
     plugins = plugins_or_default(plugins)
+    if pp_group is None and meshes is not None:
+        pp_group = meshes.pp
     group, rank, num_ranks = resolve_group(pp_group)
     if num_ranks > 1:  # ranks that disagree would train on wrong gradients, then hang
         check_ranks_agree(group, {**config_fields(config), **model_fields(model)}, device,
@@ -77,7 +76,7 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, pp_group=None, devi
         check_materialised(part, "a model part of this rank")
     pipe = Pipeline(parts, plan.stage_indices, plan.schedule, config, group, device,
                     program=plan.program, plugins=plugins, timeout=timeout, plan=plan,
-                    dp_group=dp_group, expert_groups=expert_groups)
+                    meshes=meshes)
     if num_ranks > 1 and plan.split.tied_parameters:  # every copy starts as the lowest stage's
         align_tied_copies(pipe.model_parts, plan.schedule.stage_ranks, rank, group)
     return pipe

@@ -9,8 +9,8 @@ detached 0-dim float32 tensor on ``device`` (a tensor, so that CUDA need not syn
 ``loss.backward()`` does (zero them between steps): the gradient of the sum of the microbatch
 losses, or of their mean when ``scale_grads_in_schedule=True``. With a token-normalised loss
 (``cross_entropy``; :mod:`pp_core.runtime.token_loss`) that mean is the loss of the whole step
-over its valid target tokens: the unsplit model's loss on the batch (with ``dp_group``, the mean
-over the dp ranks' returns is the global batch's loss).
+over its valid target tokens: the unsplit model's loss on the batch (with ``meshes`` at dp > 1,
+the mean over the dp ranks' returns is the global batch's loss).
 
 Failures: any exception during a step - on any rank - ends the step on every rank with a
 :class:`~pp_core.PipelineError` naming the rank, stage, action and cause (see
@@ -32,8 +32,7 @@ from torch import nn
 from pp_core.config import PipelineConfig
 from pp_core.errors import ConfigError, PipelineError, PPCoreError
 from pp_core.losses import counts_tokens, resolve_loss
-from pp_core.parallel.expert import sync_expert_gradients
-from pp_core.parallel.tensor_parallel import reduce_partial_gradients
+from pp_core.parallel.compose import after_step
 from pp_core.parallel.tied import grad_baseline, sync_tied_gradients_of
 from pp_core.plugin_manager import plugins_or_default
 from pp_core.runtime.frozen import check_frozen, mark_frozen
@@ -59,6 +58,20 @@ __all__ = ["Pipeline"]
 _pipeline_ids = itertools.count()
 
 
+def _check_parts(schedule: Schedule, rank: int, num_ranks: int, stage_indices, parts) -> None:
+    """The parts given are the stages the schedule places on this rank of this group."""
+    if schedule.num_ranks != num_ranks:
+        raise ConfigError(f"the schedule has {schedule.num_ranks} ranks but the process group "
+                          f"has {num_ranks}; build the schedule for num_ranks={num_ranks}")
+    expected = schedule.stages_of(rank)
+    if tuple(stage_indices) != expected:
+        raise ConfigError(f"rank {rank} holds stages {expected} in schedule "
+                          f"{schedule.name!r}, but stage_indices={tuple(stage_indices)}")
+    if len(parts) != len(expected):
+        raise ConfigError(f"rank {rank} holds {len(expected)} stages but got "
+                          f"{len(parts)} model parts")
+
+
 class Pipeline:
     """This rank's stages of a pipelined model, and the programs that train and evaluate it.
 
@@ -69,18 +82,10 @@ class Pipeline:
     def __init__(self, model_parts: Sequence[nn.Module], stage_indices: Sequence[int],
                  schedule: Schedule, config: PipelineConfig, pp_group=None, device="cpu", *,
                  program: Optional[Program] = None, plugins=None, timeout=None,
-                 initializers=None, plan=None, dp_group=None, expert_groups=None):
-        group, rank, num_ranks = resolve_group(pp_group)
-        if schedule.num_ranks != num_ranks:
-            raise ConfigError(f"the schedule has {schedule.num_ranks} ranks but the process group "
-                              f"has {num_ranks}; build the schedule for num_ranks={num_ranks}")
-        expected = schedule.stages_of(rank)
-        if tuple(stage_indices) != expected:
-            raise ConfigError(f"rank {rank} holds stages {expected} in schedule "
-                              f"{schedule.name!r}, but stage_indices={tuple(stage_indices)}")
-        if len(model_parts) != len(expected):
-            raise ConfigError(f"rank {rank} holds {len(expected)} stages but got "
-                              f"{len(model_parts)} model parts")
+                 initializers=None, plan=None, meshes=None):
+        group, rank, num_ranks = resolve_group(meshes.pp if pp_group is None and meshes else
+                                               pp_group)
+        _check_parts(schedule, rank, num_ranks, stage_indices, model_parts)
         plugins = plugins_or_default(plugins)
         self.config = config
         self._calls = CallAgreement(group, num_ranks, device)  # step vs eval_step, every call
@@ -115,10 +120,12 @@ class Pipeline:
             self.loss_fn = resolve_loss(config.loss_fn)
         self.counts_tokens = self.loss_fn is not None and counts_tokens(self.loss_fn)
         """Whether the loss is token-normalised over the step (:mod:`~.token_loss`)."""
-        self.dp_group, self.dp_size = resolve_dp_group(dp_group)
-        self.expert_groups = expert_groups
-        """This rank's :class:`~pp_core.parallel.dims.ExpertGroups` (``None``: no expert
-        parallelism): ``step`` averages the experts' gradients over them."""
+        self.meshes = meshes
+        """The run's :class:`~pp_core.parallel.dims.Meshes` (``None``: pipeline only): the loss
+        counts tokens over ``meshes.loss_group``; ``step`` ends with
+        :func:`~pp_core.parallel.compose.after_step` over them."""
+        self.dp_group, self.dp_size = resolve_dp_group(None if meshes is None else
+                                                       meshes.loss_group)
         if initializers is None:
             initializers = collect_pipeline_runtime_initializers(self.model_parts, plugins)
         self.initializers = list(initializers)
@@ -184,18 +191,12 @@ class Pipeline:
                                    "(a callable, 'cross_entropy', or 'module:attr'), or call "
                                    "eval_step() for a forward pass"), before_traffic=True)
         self._sync_parts(train=True)
-        self._has_dtensors = any(hasattr(p, "device_mesh") for part in self.model_parts
-                                 for p in part.parameters())
 
         def run():
             baseline = grad_baseline(self.model_parts)  # weights several stages hold
             losses, _ = self._run(self._train, inputs, target, need_target=True,
                                   stage_kwargs=stage_kwargs)
-            if self._has_dtensors:  # tensor parallel: partial sums of replicated params, once
-                reduce_partial_gradients(p for part in self.model_parts for p in part.parameters())
-            if self.expert_groups is not None:  # expert parallel: over their expert-dp ranks
-                params = {id(p): p for part in self.model_parts for p in part.parameters()}
-                sync_expert_gradients(params.values(), self.expert_groups)
+            after_step(self.model_parts, self.meshes)  # TP's partial sums, EP's experts
             if baseline:  # their gradients summed over the ranks holding them
                 sync_tied_gradients_of(self.model_parts, self.schedule.stage_ranks, self.rank,
                                        self.group, baseline)

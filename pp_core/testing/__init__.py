@@ -5,16 +5,12 @@ plugins a test names (``plugins_with``); :mod:`pp_core.testing.dist_pool` runs t
 N local gloo ranks (``DistPool``). Both are importable from here.
 """
 
+from pp_core.lazy import lazy_face
 from pp_core.testing.plugins import installed_entry_point, plugin_manager, plugins_with
 
 __all__ = ["plugin_manager", "plugins_with", "installed_entry_point", "DistPool", "Outcome",
            "RankError"]
 
-
-def __getattr__(name):
-    # Lazy: DistPool imports torch; plugin-manager tests (and `pp-core plugins`) need not.
-    if name in ("DistPool", "Outcome", "RankError"):
-        from pp_core.testing import dist_pool  # lazy: torch, see above
-
-        return getattr(dist_pool, name)
-    raise AttributeError(f"module 'pp_core.testing' has no attribute {name!r}")
+# Lazy: DistPool imports torch; plugin-manager tests (and `pp-core plugins`) need not.
+__getattr__, __dir__ = lazy_face(__name__, dict.fromkeys(("DistPool", "Outcome", "RankError"),
+                                                         ".dist_pool"))

@@ -120,23 +120,21 @@ def fsdp_case() -> dict:
     on the 2-D (dp_shard, tp) mesh; one step on a global batch of 8 against one process."""
     from pp_core import PipelineConfig, build_pipeline
     from pp_core.app.adapters import apply_adapters
-    from pp_core.parallel import apply_data_parallel, apply_tensor_parallel
+    from pp_core.parallel import parallelize
     from pp_core_builtins.transformers import causal_lm_loss
     from tests.cases import hf
-    from tests.cases.tp import pp_tp_mesh
+    from tests.cases.meshes import meshes
 
     torch.set_num_threads(1)
-    mesh = pp_tp_mesh((1, 2, 2), ("pp", "dp_shard", "tp"))
+    run_meshes = meshes(pp=1, dp_shard=2, tp=2, sequence_parallel=True)
     torch.manual_seed(3)
     reference = apply_adapters(hf.tiny_model("llama", 2), LORA, None, tp_size=2)
     config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=4, pp_microbatch_size=2,
                             loss_fn=causal_lm_loss)
-    pipe = build_pipeline(copy.deepcopy(reference), config, pp_group=mesh["pp"],
-                          dp_group=mesh["dp_shard"])
-    apply_tensor_parallel(pipe.model_parts, mesh["tp"], sequence_parallel=True)
-    apply_data_parallel(pipe, mesh["dp_shard"])
+    pipe = build_pipeline(copy.deepcopy(reference), config, meshes=run_meshes)
+    parallelize(pipe, run_meshes)  # tp, then FSDP2 over dp_shard
     inputs, labels = hf.batch(8)
-    start = 4 * mesh["dp_shard"].get_local_rank()
+    start = 4 * run_meshes.dp_rank
     mine = slice(start, start + 4)
     loss = pipe.step({k: v[mine] for k, v in inputs.items()}, target=labels[mine])
     expected, grads = hf.reference_step(reference, inputs, labels, 4)

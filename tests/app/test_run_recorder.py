@@ -38,8 +38,8 @@ def retained_items(recorder: RunRecorder) -> int:
 def test_retained_state_does_not_grow_with_steps():
     spec = parse_spec({"model": {"name": "gpt"}, "data": {"name": "text_bytes"},
                        "output": {"metrics": None, "trace": None, "schedule_image": None}})
-    ctx = types.SimpleNamespace(rank=0, world_size=1, pp_rank=0, dp_rank=0,
-                                device=torch.device("cpu"))
+    ctx = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"),
+                                meshes=types.SimpleNamespace(pp_rank=0, dp_rank=0, mesh=None))
     torch.manual_seed(0)
     config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=8, pp_microbatch_size=1,
                             loss_fn=lambda out, target: ((out - target) ** 2).mean())
@@ -84,8 +84,8 @@ def test_a_failed_step_and_the_slow_steps_reach_the_log(caplog, monkeypatch):
 
     spec = parse_spec({"model": {"name": "gpt"}, "data": {"name": "text_bytes"},
                        "output": {"metrics": None, "trace": None, "schedule_image": None}})
-    ctx = types.SimpleNamespace(rank=0, world_size=1, pp_rank=0, dp_rank=0,
-                                device=torch.device("cpu"))
+    ctx = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"),
+                                meshes=types.SimpleNamespace(pp_rank=0, dp_rank=0, mesh=None))
     recorder = RunRecorder(spec, ctx, pipe, num_params=20)
     for _ in range(3):
         recorder.steady_totals.add(0.1, 0.05, 0.01)

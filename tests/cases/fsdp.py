@@ -12,34 +12,14 @@ import torch.distributed as dist
 
 from pp_core import PipelineConfig, build_pipeline
 from pp_core.losses import resolve_loss
+from tests.cases.meshes import meshes
 from tests.cases.runtime import batch, gpt, mlp, mse, reference
 
-_MESH: dict = {}
 
-
-def mesh_2x2():
-    """The (pp, dp_shard) mesh of the 4 ranks, made once per process group."""
-    return _mesh((2, 2), ("pp", "dp_shard"))
-
-
-def _mesh(shape: tuple, names: tuple):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    key = (id(dist.group.WORLD), shape)
-    if key not in _MESH:
-        _MESH.clear()
-        _MESH[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    return _MESH[key]
-
-
-def pp_and_dp_mesh(hsdp: bool):
-    """``(pp mesh, dp mesh)``: pp2 x dp_shard2 on 4 ranks, or pp2 x dp_replicate2 x dp_shard2
-    on 8 ranks (HSDP: the dp mesh is 2-D), pp outermost as ``pp-core run`` lays them out."""
-    if not hsdp:
-        mesh = mesh_2x2()
-        return mesh["pp"], mesh["dp_shard"]
-    mesh = _mesh((2, 2, 2), ("pp", "dp_replicate", "dp_shard"))
-    return mesh["pp"], mesh["dp_replicate", "dp_shard"]
+def pp_dp_meshes(hsdp: bool = False):
+    """pp2 x dp_shard2 on 4 ranks, or pp2 x dp_replicate2 x dp_shard2 on 8 ranks (HSDP: the dp
+    mesh is 2-D), pp outermost as ``pp-core run`` lays them out."""
+    return meshes(pp=2, dp_replicate=2, dp_shard=2) if hsdp else meshes(pp=2, dp_shard=2)
 
 
 def dp_rank_and_size(dp_mesh) -> tuple[int, int]:
@@ -143,7 +123,10 @@ def dp_case(schedule: str, engine: str = "fsdp", kind: str = "mlp", pool: bool =
     activation checkpointing / compile applied before the data parallelism, as the YAML does;
     ``hsdp``: 8 ranks, pp2 x dp_replicate2 x dp_shard2.
     """
-    pp_mesh, dp_mesh = pp_and_dp_mesh(hsdp)
+    from pp_core.parallel import ParallelSettings, parallelize
+
+    run_meshes = pp_dp_meshes(hsdp)
+    dp_mesh = run_meshes.data_parallel_mesh()
     dp_rank, dp_size = dp_rank_and_size(dp_mesh)
     local = 2 * num_microbatches
     model, loss_name, data, ref_step = _model_and_data(kind)
@@ -153,14 +136,13 @@ def dp_case(schedule: str, engine: str = "fsdp", kind: str = "mlp", pool: bool =
                             pp_recv_buffer_pool=pool, pp_seq_len=None if not pool else
                             (12 if kind == "hf" else 8),
                             patch_stage_backward_maybe_with_nosync=True)
-    pipe = build_pipeline(model, config, pp_group=pp_mesh, dp_group=dp_mesh)
-    if ac != "none" or backend:
-        from pp_core.parallel import apply_activation_checkpointing, apply_compile
-
-        apply_activation_checkpointing(pipe.model_parts, ac)
-        if backend:
-            apply_compile(pipe.model_parts, backend=backend)
-    units = wrap_parts(pipe, engine, dp_mesh, reshard_after_forward)
+    pipe = build_pipeline(model, config, meshes=run_meshes)
+    helper = {"helper": "auto", "replicate": "replicate"}.get(engine, "none")
+    done = parallelize(pipe, run_meshes, ParallelSettings(
+        activation_checkpointing=ac, compile={"backend": backend} if backend else None,
+        data_parallel=helper, reshard_after_forward=reshard_after_forward))
+    units = done.data_parallel_units if helper != "none" else \
+        wrap_parts(pipe, engine, dp_mesh, reshard_after_forward)
     for step in range(steps):
         for part in pipe.model_parts:
             part.zero_grad(set_to_none=True)

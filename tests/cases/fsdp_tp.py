@@ -1,8 +1,7 @@
 """What the FSDP2 x TP test runs on every one of 8 ranks: pp2 x dp_shard2 x tp2 on the mesh
-``pp-core run`` builds (tp innermost). Each stage's parts are sharded over ``mesh["tp"]`` with
-:func:`pp_core.parallel.apply_tensor_parallel` (the demo GPT's built-in plan: the fused ``qkv`` a
-strided shard), then over ``mesh["dp_shard"]`` with :func:`pp_core.parallel.apply_data_parallel`
-(FSDP2: parameters become DTensors on the 2-D (dp_shard, tp) mesh); one step on a global batch
+``pp-core run`` builds (tp innermost). :func:`pp_core.parallel.parallelize` shards each stage's
+parts over ``mesh["tp"]`` (the demo GPT's built-in plan: the fused ``qkv`` a strided shard), then
+over ``mesh["dp_shard"]`` (FSDP2: parameters become DTensors on the 2-D (dp_shard, tp) mesh); one step on a global batch
 against the unsplit model on one process. Module-level functions, picklable results.
 
 The fused ``qkv`` weight is a strided shard on tp (``_StridedShard(0, sf=3)``: tp rank r holds
@@ -21,10 +20,8 @@ import torch.distributed as dist
 from pp_core import PipelineConfig, build_pipeline
 from pp_core.losses import resolve_loss
 from tests.cases.runtime import batch, gpt, reference
-from tests.cases.tp import pp_tp_mesh
 
 GLOBAL_BATCH = 8
-FSDP_TP = ((2, 2, 2), ("pp", "dp_shard", "tp"))  # the 8 ranks' mesh: pp2 x dp_shard2 x tp2
 
 
 def strided_whole(locals_: dict, chunks: int) -> torch.Tensor:
@@ -50,18 +47,20 @@ def fsdp_tp_case(schedule: str, microbatch_size: int = 2) -> dict:
     """One step of pp2 x dp_shard2 x tp2 with ``schedule``: this rank's loss and its worst
     relative gradient error against one process (``qkv`` assembled by hand, the rest
     ``full_tensor()``), the parameters it covers and the placements its gradients have."""
-    from pp_core.parallel import apply_data_parallel, apply_tensor_parallel
+    from pp_core.parallel import parallelize
+    from tests.cases.meshes import meshes
 
-    mesh = pp_tp_mesh(*FSDP_TP)
+    run_meshes = meshes(pp=2, dp_shard=2, tp=2)
+    mesh = run_meshes.mesh
     model = gpt(4)
     ref_model = copy.deepcopy(model)
     local = GLOBAL_BATCH // 2
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local,
                             pp_microbatch_size=microbatch_size, loss_fn="cross_entropy",
                             scale_grads_in_schedule=True)
-    pipe = build_pipeline(model, config, pp_group=mesh["pp"])
-    modules = apply_tensor_parallel(pipe.model_parts, mesh["tp"])
-    units = apply_data_parallel(pipe, mesh["dp_shard"])
+    pipe = build_pipeline(model, config, meshes=run_meshes)
+    done = parallelize(pipe, run_meshes)  # tp, then FSDP2 over dp_shard
+    modules, units = done.tensor_parallel, done.data_parallel_units
     inputs, target = batch("gpt", GLOBAL_BATCH, seed=1)
     dp_rank = mesh["dp_shard"].get_local_rank()
     mine = slice(dp_rank * local, (dp_rank + 1) * local)
@@ -103,17 +102,20 @@ def _fresh(layout: str):
     two copies), its SGD optimizers, and its mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pp_core.parallel import apply_data_parallel, apply_tensor_parallel
+    from pp_core.parallel import apply_tensor_parallel, parallelize
+    from tests.cases.meshes import meshes
 
-    mesh = pp_tp_mesh(*FSDP_TP) if layout == "fsdp_tp" else init_device_mesh(
-        "cpu", (2, 2, 2), mesh_dim_names=("copy", "pp", "tp"))
     config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=GLOBAL_BATCH // 2,
                             pp_microbatch_size=2, loss_fn="cross_entropy",
                             scale_grads_in_schedule=True)
+    if layout == "fsdp_tp":
+        run_meshes = meshes(pp=2, dp_shard=2, tp=2)
+        pipe = build_pipeline(gpt(4), config, meshes=run_meshes)
+        parallelize(pipe, run_meshes)
+        return pipe, _sgd(pipe.model_parts), run_meshes.mesh
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("copy", "pp", "tp"))
     pipe = build_pipeline(gpt(4), config, pp_group=mesh["pp"])
     apply_tensor_parallel(pipe.model_parts, mesh["tp"])
-    if layout == "fsdp_tp":
-        apply_data_parallel(pipe, mesh["dp_shard"])
     return pipe, _sgd(pipe.model_parts), mesh
 
 

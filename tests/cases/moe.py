@@ -14,18 +14,15 @@ import torch.distributed as dist
 import torch.nn.functional as functional
 
 from pp_core import PipelineConfig, build_pipeline
-from pp_core.parallel import apply_data_parallel
-from pp_core.parallel.expert import (aux_loss_modules, apply_expert_parallel,
-                                     expert_parallel_groups, expert_parameters, reset_workspaces,
-                                     scale_aux_losses)
+from pp_core.parallel import ParallelSettings, parallelize
+from pp_core.parallel.expert import aux_loss_modules, reset_workspaces, scale_aux_losses
 from pp_core.parallel.expert.dispatch import _WORKSPACES
 from pp_core.parallel.gradients import clip_grad_norm, finish_gradients
 from pp_core_builtins.models.moe_gpt import MoE, MoEGPT, pop_aux_losses
 from tests.cases.compare import full, grad_difference
-from tests.cases.fsdp import mesh_2x2
+from tests.cases.meshes import meshes
 
 VOCAB, SEQ, NUM_EXPERTS = 64, 8, 4
-_GROUPS: dict = {}
 
 
 def moe_model(num_layers: int = 4, **overrides) -> MoEGPT:
@@ -35,14 +32,6 @@ def moe_model(num_layers: int = 4, **overrides) -> MoEGPT:
                 aux_loss_coef=0.1, z_loss_coef=0.01)
     args.update(overrides)
     return MoEGPT(**args)
-
-
-def groups_for(ep: int):
-    """The ep groups of the (pp 2, dp 2) mesh, made once per process group and ep size."""
-    key = (id(dist.group.WORLD), ep)
-    if key not in _GROUPS:
-        _GROUPS[key] = expert_parallel_groups(mesh_2x2().mesh.reshape(2, 2, -1), ep)
-    return _GROUPS[key]
 
 
 def starve_experts(model, experts=(2, 3)) -> None:
@@ -117,10 +106,9 @@ def moe_case(schedule: str, pool: bool = False, ep: int = 2, engine: str = "repl
              ac: str = "none") -> dict:
     """One step per entry of ``seq_lens`` of pp2 x dp2 (ep ``ep``); the last step's loss,
     aux loss, gradient norm and clipped gradients vs one process; the workspace's record."""
-    mesh = mesh_2x2()
-    pp_mesh, dp_mesh = mesh["pp"], mesh["dp_shard"]
+    run_meshes = meshes(pp=2, dp_shard=2, ep=ep)
+    pp_mesh, dp_mesh = run_meshes.pp, run_meshes.data_parallel_mesh()
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
-    groups = groups_for(ep)
     local, micro = 4, 1
     model = moe_model()
     if starve:
@@ -130,16 +118,10 @@ def moe_case(schedule: str, pool: bool = False, ep: int = 2, engine: str = "repl
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local, pp_microbatch_size=micro,
                             loss_fn="cross_entropy", scale_grads_in_schedule=True,
                             pp_recv_buffer_pool=pool, pp_seq_len=SEQ if pool else None)
-    # expert_groups: the step averages the expert gradients over their ranks
-    pipe = build_pipeline(model, config, pp_group=pp_mesh, expert_groups=groups)
-    if ep > 1:
-        apply_expert_parallel(pipe.model_parts, groups.ep_group)
-    if ac != "none":  # the YAML's order: experts sharded, then AC, then the dp engine
-        from pp_core.parallel import apply_activation_checkpointing
-
-        apply_activation_checkpointing(pipe.model_parts, ac)
-    apply_data_parallel(pipe, dp_mesh, shard=engine == "fsdp",
-                        ignored_params=expert_parameters(pipe))
+    # meshes: the step averages the expert gradients over their ranks
+    pipe = build_pipeline(model, config, meshes=run_meshes)
+    parallelize(pipe, run_meshes, ParallelSettings(  # experts sharded, AC, then the dp engine
+        activation_checkpointing=ac, data_parallel="auto" if engine == "fsdp" else "replicate"))
     params = [p for part in pipe.model_parts for p in part.parameters()]
     num_mb = local // micro
     for step, seq in enumerate(seq_lens):
@@ -151,7 +133,8 @@ def moe_case(schedule: str, pool: bool = False, ep: int = 2, engine: str = "repl
         with AllToAllByAction(pipe) as all_to_alls:
             loss = pipe.step(inputs[mine], target=target[mine])
         finish_gradients(params, 1)
-        norm = clip_grad_norm(params, max_norm, pp_mesh.get_group(), ep_group=groups.ep_group)
+        norm = clip_grad_norm(params, max_norm, pp_mesh.get_group(),
+                              ep_group=run_meshes.ep_group)
         aux = torch.tensor([sum(a.item() for a in pop_aux_losses(pipe.model_parts))],
                            dtype=torch.float64)
         dist.all_reduce(aux)
@@ -162,7 +145,7 @@ def moe_case(schedule: str, pool: bool = False, ep: int = 2, engine: str = "repl
         dist.all_reduce(loss, group=dp_mesh.get_group())
         loss_err = abs(loss.item() / dp_size - ref_loss)
     grads = grad_difference(pipe.model_parts, ref_grads, expert_ranks=ep,
-                            expert_rank=dist.get_rank(groups.ep_group) if ep > 1 else 0)
+                            expert_rank=dist.get_rank(run_meshes.ep_group) if ep > 1 else 0)
     assert not grads.missing, f"no gradient for {grads.missing}"
     grad_err, names = grads.worst, grads.names
     expert_grad_zero = all(bool((full(p.grad) == 0).all()) for part in pipe.model_parts
@@ -184,10 +167,9 @@ def hf_moe_case(schedule: str, model_type: str = "qwen3_moe") -> dict:
     from pp_core_builtins.transformers import causal_lm_loss
     from tests.cases.hf import batch as hf_batch, reference_step, tiny_model
 
-    mesh = mesh_2x2()
-    pp_mesh, dp_mesh = mesh["pp"], mesh["dp_shard"]
+    run_meshes = meshes(pp=2, dp_shard=2, ep=2)
+    dp_mesh = run_meshes.data_parallel_mesh()
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
-    groups = groups_for(2)
     extra = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                decoder_sparse_step=1, norm_topk_prob=True),
              "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}[model_type]
@@ -196,11 +178,10 @@ def hf_moe_case(schedule: str, model_type: str = "qwen3_moe") -> dict:
     local = 4
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local, pp_microbatch_size=1,
                             loss_fn=causal_lm_loss, scale_grads_in_schedule=True)
-    # dp_group: the token-exact loss counts the valid tokens over the dp ranks (docs/data.md)
-    pipe = build_pipeline(model, config, pp_group=pp_mesh, dp_group=dp_mesh,
-                          expert_groups=groups)
-    sharded = apply_expert_parallel(pipe.model_parts, groups.ep_group)
-    apply_data_parallel(pipe, dp_mesh, shard=False, ignored_params=expert_parameters(pipe))
+    # meshes: the token-exact loss counts the valid tokens over the dp ranks (docs/data.md)
+    pipe = build_pipeline(model, config, meshes=run_meshes)
+    sharded = parallelize(pipe, run_meshes,
+                          ParallelSettings(data_parallel="replicate")).expert_parallel
     params = [p for part in pipe.model_parts for p in part.parameters()]
     inputs, target = hf_batch(dp_size * local, seed=1)
     mine = slice(dp_rank * local, (dp_rank + 1) * local)
@@ -213,7 +194,7 @@ def hf_moe_case(schedule: str, model_type: str = "qwen3_moe") -> dict:
         dist.all_reduce(loss, group=dp_mesh.get_group())
         loss_err = abs(loss.item() / dp_size - float(ref_loss))
     grads = grad_difference(pipe.model_parts, ref_grads, factor=1 / n, expert_ranks=2,
-                            expert_rank=dist.get_rank(groups.ep_group))
+                            expert_rank=dist.get_rank(run_meshes.ep_group))
     assert not grads.missing, f"no gradient for {grads.missing}"
     grad_err = grads.worst
     return {"loss_err": loss_err, "grad_err": grad_err, "sharded": sharded}

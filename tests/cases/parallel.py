@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pp_core import PipelineConfig, build_pipeline
-from pp_core.parallel import apply_activation_checkpointing, apply_compile
+from pp_core.parallel import ParallelSettings, parallelize
 from tests.cases.compare import RELATIVE, grad_difference, reference_grads
 
 WIDTH = 8
@@ -61,9 +61,8 @@ def matrix_case(schedule: str, ac: str, compiled: str | None, pool: bool,
                             pp_microbatch_size=2, loss_fn=mse, pp_recv_buffer_pool=pool)
     pipe = build_pipeline(model, config)
     keys = [list(part.state_dict()) for part in pipe.model_parts]
-    apply_activation_checkpointing(pipe.model_parts, ac)
-    if compiled:
-        apply_compile(pipe.model_parts, backend=compiled)
+    parallelize(pipe, None, ParallelSettings(
+        activation_checkpointing=ac, compile={"backend": compiled} if compiled else None))
     assert keys == [list(part.state_dict()) for part in pipe.model_parts], "FQNs changed"
     g = torch.Generator().manual_seed(1)
     inputs = torch.randn(2 * num_microbatches, WIDTH, generator=g)
@@ -96,9 +95,8 @@ def hf_case(schedule: str, ac: str, backend: str | None) -> dict:
                             loss_fn=causal_lm_loss)
     pipe = build_pipeline(model, config)
     keys = [list(part.state_dict()) for part in pipe.model_parts]
-    apply_activation_checkpointing(pipe.model_parts, ac)
-    if backend:
-        apply_compile(pipe.model_parts, backend=backend)
+    parallelize(pipe, None, ParallelSettings(
+        activation_checkpointing=ac, compile={"backend": backend} if backend else None))
     assert keys == [list(part.state_dict()) for part in pipe.model_parts], "FQNs changed"
     inputs, labels = batch(8)
     loss = pipe.step(inputs, target=labels)

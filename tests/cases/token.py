@@ -139,21 +139,21 @@ def hf_token_case(schedule: str, model_type: str = "llama") -> dict:
 
 def dp_token_case(schedule: str, engine: str = "helper") -> dict:
     """pp2 x dp2 on 4 ranks: each dp rank's half of the global batch has a very different number
-    of valid targets; with ``dp_group`` the mean over dp ranks of ``step``'s losses and the
+    of valid targets; with ``meshes`` the mean over dp ranks of ``step``'s losses and the
     reduced gradients are the unsplit model's on the global batch."""
     import torch.distributed as dist
 
-    from tests.cases.fsdp import dp_rank_and_size, mesh_2x2, wrap_parts
+    from tests.cases.fsdp import dp_rank_and_size, pp_dp_meshes, wrap_parts
 
-    mesh = mesh_2x2()
-    pp_mesh, dp_mesh = mesh["pp"], mesh["dp_shard"]
+    run_meshes = pp_dp_meshes()
+    dp_mesh = run_meshes.data_parallel_mesh()
     dp_rank, dp_size = dp_rank_and_size(dp_mesh)
     num_microbatches, local = 4, 8
     model = gpt(4)
     ref_model = copy.deepcopy(model)
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local, pp_microbatch_size=2,
                             loss_fn="cross_entropy", scale_grads_in_schedule=True)
-    pipe = build_pipeline(model, config, pp_group=pp_mesh, dp_group=dp_mesh)
+    pipe = build_pipeline(model, config, meshes=run_meshes)
     wrap_parts(pipe, engine, dp_mesh, reshard_after_forward=False)
     # rank 0's half: microbatches of 1 and 8 valid targets per row; rank 1's: 4 and 2
     halves = [masked_batch(local, num_microbatches, seed=1, shift=0),

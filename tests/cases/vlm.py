@@ -134,21 +134,6 @@ def reference_step(model, inputs: dict, labels):
     return loss.detach(), grads
 
 
-_MESH: dict = {}
-
-
-def _mesh(names: tuple):
-    """The 2 x 2 mesh of the 4 ranks named ``names`` (pp outermost), made once per group."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    key = (id(dist.group.WORLD), names)
-    if key not in _MESH:
-        _MESH.clear()
-        _MESH[key] = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
-    return _MESH[key]
-
-
 def pipeline_case(family: str, schedule: str, layout: str = "pp", images=(1, 0, 2, 3, 0, 1, 0, 2),
                   microbatch: int = 1, fqns=None, order=None, freeze=None) -> dict:
     """One pipelined step on 4 ranks vs the unsplit model on the whole batch, on every rank.
@@ -166,10 +151,11 @@ def pipeline_case(family: str, schedule: str, layout: str = "pp", images=(1, 0, 
 
     from pp_core import PipelineConfig, build_pipeline
     from pp_core.app.factories import dp_slice
+    from pp_core.parallel import parallelize
     from pp_core.runtime.microbatch import kwargs_chunk_dims
+    from tests.cases.meshes import meshes
 
-    names = {"pp": ("pp", "dp_shard"), "dp": ("pp", "dp_shard"), "tp": ("pp", "tp")}[layout]
-    mesh = _mesh(names)
+    run_meshes = meshes(pp=2, tp=2) if layout == "tp" else meshes(pp=2, dp_shard=2)
     reference = tiny_vlm(family)
     for name, param in reference.named_parameters():
         if freeze and name.startswith(tuple(freeze)):
@@ -183,24 +169,19 @@ def pipeline_case(family: str, schedule: str, layout: str = "pp", images=(1, 0, 
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=local,
                             pp_microbatch_size=microbatch, loss_fn=causal_lm_loss,
                             module_fqns_per_model_part=fqns)
-    pipe = build_pipeline(model, config, pp_group=mesh["pp"],
-                          dp_group=mesh["dp_shard"] if layout == "dp" else None)
-    if layout == "dp":
-        from pp_core.parallel import apply_data_parallel
-
-        apply_data_parallel(pipe, mesh["dp_shard"])
-    if layout == "tp":
-        from pp_core.parallel import apply_tensor_parallel
-
-        apply_tensor_parallel(pipe.model_parts, mesh["tp"])
-    rank = mesh["dp_shard"].get_local_rank() if layout == "dp" else 0
+    if layout == "pp":  # side by side: the dp ranks are two pipelines, nothing shared
+        pipe = build_pipeline(model, config, pp_group=run_meshes.pp)
+    else:
+        pipe = build_pipeline(model, config, meshes=run_meshes)
+        parallelize(pipe, run_meshes)
+    rank = run_meshes.dp_rank if layout == "dp" else 0
     mine = dp_slice(inputs, rank, dp, len(images), kwargs_chunk_dims(pipe.model_parts[0], inputs))
     loss = pipe.step(mine, target=dp_slice(labels, rank, dp, len(images)))
     expected, grads = reference_step(reference, inputs, labels)
     loss_err = None
     if loss is not None:
         if layout == "dp":
-            dist.all_reduce(loss, group=mesh["dp_shard"].get_group())
+            dist.all_reduce(loss, group=run_meshes.data_parallel_mesh().get_group())
         loss_err = abs(loss.item() / dp - expected.item())
     scale = config.num_microbatches
     worst, compared = 0.0, []

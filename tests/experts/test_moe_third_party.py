@@ -158,9 +158,9 @@ def _third_party_case(site: str) -> dict:
 
     from pp_core import PipelineConfig, build_pipeline
     from pp_core.losses import pop_aux_losses
-    from pp_core.parallel import apply_data_parallel, apply_expert_parallel
+    from pp_core.parallel import ParallelSettings, parallelize
     from pp_core.parallel.dims import ParallelDims
-    from pp_core.parallel.expert import aux_loss_modules, expert_parameters, scale_aux_losses
+    from pp_core.parallel.expert import aux_loss_modules, scale_aux_losses
     from pp_core.plugin_manager import load_plugins
 
     if site not in sys.path:
@@ -174,11 +174,9 @@ def _third_party_case(site: str) -> dict:
     config = PipelineConfig(pp_schedule="1f1b", pp_batch_size=LOCAL, pp_microbatch_size=1,
                             loss_fn="cross_entropy", scale_grads_in_schedule=True,
                             module_fqns_per_model_part=PARTS)
-    pipe = build_pipeline(model, config, pp_group=meshes.pp, plugins=plugins,
-                          expert_groups=meshes.experts)
-    sharded = apply_expert_parallel(pipe.model_parts, meshes.ep_group, plugins=plugins)
-    apply_data_parallel(pipe, meshes.data_parallel_mesh(), shard=False,
-                        ignored_params=expert_parameters(pipe))
+    pipe = build_pipeline(model, config, meshes=meshes, plugins=plugins)
+    sharded = parallelize(pipe, meshes, ParallelSettings(data_parallel="replicate",
+                                                         plugins=plugins)).expert_parallel
     params = [p for part in pipe.model_parts for p in part.parameters()]
     optimizer = torch.optim.SGD(params, lr=0.5)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)

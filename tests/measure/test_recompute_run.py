@@ -52,15 +52,16 @@ def ran(spec):
     from pp_core.app import rank as train_module
 
     seen, parts_of = {}, []
-    original = train_module.apply_parallelisms
+    original = train_module.parallelize
 
-    def recording(parts, checkpointing, compile_options, stages=None, num_stages=None):
-        original(parts, checkpointing, compile_options, stages, num_stages)
-        parts_of.extend(parts)
-        for part, stage in zip(parts, stages):
+    def recording(pipe, meshes, settings):
+        done = original(pipe, meshes, settings)
+        parts_of.extend(pipe.model_parts)
+        for part, stage in zip(pipe.model_parts, pipe.stage_indices):
             seen[stage] = {(checkpoint_mode(b) or ("none",))[0] for _, b in find_blocks(part)}
+        return done
 
-    train_module.apply_parallelisms = recording
+    train_module.parallelize = recording
     summary = train_module.train(spec) or {}
     named = {n: p for part in parts_of for n, p in part.named_parameters()}
     return {"blocks": seen, "losses": summary.get("losses"),

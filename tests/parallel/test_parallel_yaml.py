@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from pp_core import ConfigError
-from pp_core.parallel import apply_activation_checkpointing, apply_compile, find_blocks
+from pp_core.parallel import (ParallelSettings, apply_activation_checkpointing, find_blocks,
+                              parallelize)
 from pp_core.app.spec import SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,8 +94,9 @@ def test_compile_helper_keeps_names_and_gradients():
     eager, compiled = Layered(), Layered()
     compiled.load_state_dict(eager.state_dict())
     keys = list(compiled.state_dict())
-    apply_activation_checkpointing([compiled], "selective")
-    assert apply_compile([compiled], backend="aot_eager") == [f"layers.{i}" for i in range(4)]
+    done = parallelize([compiled], None, ParallelSettings(activation_checkpointing="selective",
+                                                          compile={"backend": "aot_eager"}))
+    assert done.compiled == done.checkpointed == [f"layers.{i}" for i in range(4)]
     assert list(compiled.state_dict()) == keys
     x = torch.randn(3, 4)
     eager(x).sum().backward()

@@ -19,16 +19,11 @@ RecvBufferPool``.
 from __future__ import annotations
 
 from pp_core import hookimpl
+from pp_core.lazy import lazy_face
 
 __all__ = ["RecvBufferPool", "pp_make_recv_buffer_allocator"]
 
-
-def __getattr__(name):
-    if name == "RecvBufferPool":
-        from pp_core_builtins.buffer_pool.pool import RecvBufferPool  # lazy: torch
-
-        return RecvBufferPool
-    raise AttributeError(f"module 'pp_core_builtins.buffer_pool' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_face(__name__, {"RecvBufferPool": ".pool"})  # lazy: torch
 
 
 @hookimpl

@@ -15,10 +15,10 @@ called, and ``from pp_core_builtins.models import GPT`` loads ``pp_core_builtins
 on first use.
 """
 
-import importlib
 
 from pp_core import hookimpl
 from pp_core.callables import LazyCallable
+from pp_core.lazy import lazy_face
 
 __all__ = ["GPT", "synthetic", "text_bytes", "tokenized_text"]
 
@@ -26,11 +26,7 @@ _HOMES = {"GPT": "pp_core_builtins.models.gpt", "synthetic": "pp_core_builtins.m
           "text_bytes": "pp_core_builtins.models.datasets",
           "tokenized_text": "pp_core_builtins.models.tokenized"}
 
-
-def __getattr__(name):
-    if name in _HOMES:
-        return getattr(importlib.import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'pp_core_builtins.models' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_face(__name__, _HOMES)
 
 
 @hookimpl

@@ -20,6 +20,7 @@ import sys
 
 from pp_core import PluginError, hookimpl
 from pp_core.callables import LazyCallable
+from pp_core.lazy import lazy_face
 from pp_core.errors import install_extra
 
 __all__ = [
@@ -44,11 +45,7 @@ _HOMES = {"HFDecoderSplitter": "splitter", "DecoderAdapter": "forward", "Decoder
           "find_layout": "layout", "load_part": "loading", "checkpoint_index": "loading",
           "sync_tied_gradients": "tied", "sync_tied_gradients_of": "tied"}
 
-
-def __getattr__(name):
-    if name in _HOMES:
-        return getattr(importlib.import_module(f"pp_core_builtins.transformers.{_HOMES[name]}"), name)
-    raise AttributeError(f"module 'pp_core_builtins.transformers' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_face(__name__, {name: f".{home}" for name, home in _HOMES.items()})
 
 
 def _missing() -> list[str]:

@@ -30,10 +30,11 @@ from pp_core.app.check.identity import resolved_paths
 from pp_core.checkpoint.directory import check_dir, resume_checkpoint
 from pp_core.checkpoint.record import RecordError, read_section
 from pp_core.errors import PPCoreError, shorten
+from pp_core.parallel.dims import ParallelDims
 
 __all__ = ["run_identity", "check_resume_identity"]
 
-DEGREES = ("pp_size", "dp_replicate", "dp_shard", "tp_size", "ep_size")
+DEGREES = tuple(ParallelDims.KEYS.values())
 """Every degree of the layout, as ``distributed`` names them; the identity records each."""
 
 

@@ -130,18 +130,16 @@ def _world(args, spec) -> int | None:
     return args.world if args.world is not None else written
 
 
-DEGREE_OVERRIDES = ("pp_size", "dp_replicate", "dp_shard", "tp_size", "ep_size")
-
-
 def _plan_world(args, spec, world: int, cap) -> int:
     """``--world N``: rank the layouts (:mod:`pp_core.app.plan.plan_world`)."""
     from pp_core.app.plan.plan_world import format_world, plan_world  # lazy: torch, the planner
     from pp_core.app.spec import parse_override  # lazy: as plan_command's imports
+    from pp_core.parallel.dims import ParallelDims  # lazy: as plan_command's imports
 
     fixed = {}
     for text in args.overrides:
         path, value = parse_override(text)
-        if path[:1] == ["distributed"] and path[-1] in DEGREE_OVERRIDES:
+        if path[:1] == ["distributed"] and path[-1] in ParallelDims.KEYS.values():
             fixed[path[-1]] = value
     found = plan_world(spec, world, memory_cap=cap, measure_link=not args.no_link,
                        fixed=fixed, say=_progress)

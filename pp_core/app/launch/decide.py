@@ -29,7 +29,7 @@ from pp_core.errors import ConfigError
 from pp_core.planning.plan import plan_pipeline
 
 __all__ = ["decide", "is_balanced", "as_auto", "plan_spec", "resolved_spec", "balanced_spec",
-           "written_spec", "degrees_of", "PLANNED_KEYS"]
+           "written_spec", "PLANNED_KEYS"]
 
 PLANNED_KEYS = ("pp_schedule", "pp_schedule_csv", "pp_microbatch_size", "layers_per_stage",
                 "round_virtual_stages_to_pp_multiple", "module_fqns_per_model_part",
@@ -104,7 +104,7 @@ def plan_spec(spec: Spec, layout: MachineShare | None = None, memory_cap=None, p
     pp_size, tp = dims.pp, dims.tp
     ac = spec.train.activation_checkpointing
     planning = {"activation_checkpointing": ac["mode"], "every": ac["every"],
-                "degrees": degrees_of(spec), "microbatch_sizes": microbatch_sizes}
+                "degrees": spec.dims.to_keys(), "microbatch_sizes": microbatch_sizes}
     if link is None and measure_link and pp_size > 1:
         if say is not None:
             say("auto: measuring the link between two local ranks")
@@ -125,13 +125,6 @@ def plan_spec(spec: Spec, layout: MachineShare | None = None, memory_cap=None, p
         return plan_auto(model, spec.pipeline, inputs, target, pp_size,
                          device=device, memory_cap=memory_cap, plugins=plugins, link=link,
                          processors=layout.processors, **planning)  # None off the CPU
-
-
-def degrees_of(spec: Spec) -> dict[str, int]:
-    """The layout's degrees by their YAML names (``distributed.*``), as every plan carries them."""
-    d = spec.dims
-    return {"pp_size": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
-            "tp_size": d.tp, "ep_size": d.ep}
 
 
 def as_auto(spec: Spec) -> Spec:

@@ -37,8 +37,7 @@ from pp_core.errors import ConfigError, PipelineError
 from pp_core.measure.collectives import measure_collectives
 from pp_core.measure.layout_costs import (expert_layers, layout_profile, unit_experts,
                                           with_gradient_sync)
-from pp_core.measure.layouts import (DroppedLayout, ModelShape, degrees, enumerate_layouts,
-                                    summary)
+from pp_core.measure.layouts import DroppedLayout, ModelShape, enumerate_layouts, summary
 from pp_core.measure.link import measure_local_link
 from pp_core.measure.plan_auto import AutoPlan, concrete_config, default_microbatch_sizes
 from pp_core.parallel.dims import ParallelDims
@@ -112,7 +111,7 @@ class WorldPlan:
             "timed_layouts": [t.to_dict() for _, t in sorted(self.timed.items())],
             "link": None if self.link is None else self.link.to_dict(),
             "collectives": None if self.collectives is None else self.collectives.to_dict(),
-            "layouts": [{**degrees(lp.dims), "predicted_step_s": lp.best.predicted_step_s,
+            "layouts": [{**lp.dims.to_keys(), "predicted_step_s": lp.best.predicted_step_s,
                          "slower_than_chosen": lp.best.predicted_step_s / best - 1,
                          "plans_kept": len(lp.plan.ranking.kept)} for lp in self.layouts],
             "ranking": {"world_size": self.world, "memory_cap": self.memory_cap,
@@ -143,9 +142,8 @@ def layout_spec(spec: Spec, dims: ParallelDims) -> Spec:
     """``spec`` at the degrees ``dims``, with the same global batch (``pp_batch_size`` is a
     replica's share of it)."""
     batch = spec.global_batch_size // dims.dp
-    placed = spec.with_("distributed", pp_size=dims.pp, dp_replicate=dims.dp_replicate,
-                        dp_shard=dims.dp_shard, dp_size=dims.dp, tp_size=dims.tp,
-                        ep_size=dims.ep, world_size=None, layout="fixed")
+    placed = spec.with_("distributed", **dims.to_keys(), dp_size=dims.dp, world_size=None,
+                        layout="fixed")
     return placed.with_("pipeline", pp_batch_size=batch, pp_microbatch_size=1)
 
 
@@ -253,7 +251,7 @@ def plan_layout(spec: Spec, dims: ParallelDims, world: int, profiles, memory_cap
                           recv_buffer_pool=True if config.pp_recv_buffer_pool else None,
                           pool_slack=config.pp_recv_buffer_pool_slack,
                           activation_checkpointing=ac["mode"], every=ac["every"],
-                          degrees=degrees(dims))
+                          degrees=dims.to_keys())
     with_gradient_sync(ranking, dims, collectives)
     try:
         chosen = ranking.chosen

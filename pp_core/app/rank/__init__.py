@@ -5,9 +5,9 @@ One rank's life: join the process group, lay the ranks out as one device mesh
 (:meth:`pp_core.parallel.dims.ParallelDims.build`),
 build the whole model with the run's seed (so every rank starts from the same weights, whatever
 the layout), cut out this rank's stages with :func:`pp_core.build_pipeline` over the mesh's pp
-group, shard them over the tp dimension (:func:`pp_core.parallel.apply_tensor_parallel`), hand the parts to torch's data parallelism (FSDP2 / HSDP / ``replicate``, through
-:func:`pp_core.parallel.apply_data_parallel`; ``Pipeline.step`` reduces their gradients once per
-step), then for each step: take this dp rank's slice of the global batch, run the pipeline step,
+group, apply the other parallelisms to them in their one order (:func:`pp_core.parallel.parallelize`:
+TP, EP, activation checkpointing, compile, then torch's data parallelism; ``Pipeline.step``
+finishes their gradients once per step), then for each step: take this dp rank's slice of the global batch, run the pipeline step,
 clip, step the optimizers, and report. Checkpoints, evaluation, metrics, the trace and the summary hang off the
 loop; the first rank draws the progress line.
 
@@ -40,12 +40,9 @@ from pp_core.app.rank.run_outputs import RunRecorder
 from pp_core.app.restarts import Attempts, join_group, resume_setting
 from pp_core.app.spec import Spec
 from pp_core.app.spec.sections import TrainSpec
-from pp_core.errors import ConfigError, PipelineError
+from pp_core.errors import PipelineError
 from pp_core.losses import pop_aux_losses
-from pp_core.parallel.activation import apply_stage_checkpointing
-from pp_core.parallel import (apply_activation_checkpointing, apply_compile, apply_data_parallel,
-                              apply_tensor_parallel)
-from pp_core.parallel.expert import apply_expert_parallel, expert_parameters
+from pp_core.parallel.compose import ParallelSettings, parallelize
 from pp_core.parallel.gradients import clip_grad_norm, finish_gradients, tied_copies
 from pp_core.runtime.microbatch import kwargs_chunk_dims, num_tokens
 
@@ -67,38 +64,27 @@ def lr_factor(step: int, train: TrainSpec) -> float:
 
 
 class RankContext:
-    """Process group, meshes and device of this rank: ``dims`` (the spec's
-    :class:`~pp_core.parallel.dims.ParallelDims`) and what its ``build`` made (``meshes``), read
-    as ``pp_rank``, ``dp_rank``, ``pp_group``, ``tp_mesh``, ``expert_groups``, ..."""
+    """Process group, meshes and device of this rank: ``rank``, ``world_size``, ``device``,
+    ``dims`` (the spec's :class:`~pp_core.parallel.dims.ParallelDims`) and what its ``build``
+    made (``meshes``: read ``ctx.meshes.pp_rank``, ``ctx.meshes.dp``, ...)."""
 
     def __init__(self, spec: Spec):
-        layout = MachineShare.of(spec)
+        share = MachineShare.of(spec)
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if layout.device == "cuda":
+        if share.device == "cuda":
             torch.cuda.set_device(local_rank)
             self.device = torch.device("cuda", local_rank)
         else:
             self.device = torch.device("cpu")
-            torch.set_num_threads(layout.threads_per_rank)  # cores shared out
+            torch.set_num_threads(share.threads_per_rank)  # cores shared out
         if not dist.is_initialized():
-            join_group(layout.backend, timedelta(seconds=spec.distributed.timeout_s))
+            join_group(share.backend, timedelta(seconds=spec.distributed.timeout_s))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims = dims = spec.dims
         mismatch = dims.world_size_problem(self.world_size)
         if mismatch:
             raise PipelineError(mismatch)
-        self.meshes = meshes = dims.build(layout.device)  # every mesh and group, in one place
-        self.mesh, self.pp_mesh, self.dp_mesh, self.tp_mesh = (meshes.mesh, meshes.pp,
-                                                               meshes.dp, meshes.tp)
-        self.pp_group, self.pp_rank, self.dp_rank = (self.pp_mesh.get_group(), meshes.pp_rank,
-                                                     meshes.dp_rank)
-        self.pp_size, self.dp_size, self.tp_size = dims.pp, dims.dp, dims.tp
-        self.expert_groups, self.ep_group = meshes.experts, meshes.ep_group
-
-    def data_parallel_mesh(self):
-        """The sub-mesh torch's dp engines run on (:meth:`Meshes.data_parallel_mesh
-        <pp_core.parallel.dims.Meshes.data_parallel_mesh>`)."""
-        return self.meshes.data_parallel_mesh()
+        self.meshes = dims.build(share.device)  # every mesh and group, in one place
 
 
 def _build(spec: Spec, ctx: RankContext):
@@ -114,25 +100,11 @@ def _build(spec: Spec, ctx: RankContext):
     splitter = spec.model.splitter  # `balanced` was resolved into module lists at launch
     if spec.pipeline.module_fqns_per_model_part is not None:
         splitter = None
-    # dp_group: a token-normalised loss counts the step's valid tokens over the dp ranks
-    pipe = build_pipeline(model, spec.pipeline, pp_group=ctx.pp_mesh, device=ctx.device,
-                          timeout=timeout, splitter=splitter,
-                          dp_group=ctx.dp_mesh if ctx.dp_size > 1 else None,
-                          expert_groups=ctx.expert_groups)  # step averages expert gradients
+    pipe = build_pipeline(model, spec.pipeline, device=ctx.device, meshes=ctx.meshes,
+                          timeout=timeout, splitter=splitter)
     del model
-    # tensor parallel right after the split, before AC, compile and FSDP2 (torchtitan's order)
-    apply_tensor_parallel(pipe.model_parts, ctx.tp_mesh,
-                          sequence_parallel=spec.dims.sequence_parallel)
-    if ctx.expert_groups is not None:  # experts sharded before AC, compile and dp wrap them
-        apply_expert_parallel(pipe.model_parts, ctx.ep_group)
-    apply_parallelisms(pipe.model_parts, checkpointing, spec.train.compile, pipe.stage_indices,
-                       pipe.num_stages)
-    dp_units = 0
-    if ctx.dp_size > 1:  # last, after AC and compile, as torchtitan does
-        dp_units = apply_data_parallel(pipe.model_parts, ctx.data_parallel_mesh(),
-                                       shard=ctx.dims.dp_shard > 1,
-                                       mixed_precision=spec.distributed.mixed_precision,
-                                       ignored_params=expert_parameters(pipe.model_parts))
+    dp_units = parallelize(pipe, ctx.meshes, parallel_settings(spec, checkpointing)) \
+        .data_parallel_units
     options = dict(spec.train.optimizer)
     cls = getattr(torch.optim, options.pop("name"))
     owned = _distinct_parameters(pipe.model_parts)  # a weight two local parts share: stepped once
@@ -172,28 +144,15 @@ def activation_checkpointing_of(spec: Spec, model) -> dict:
     return setting
 
 
-def apply_parallelisms(parts, checkpointing: dict, compile_options: dict, stages=None,
-                       num_stages: int | None = None) -> None:
-    """AC, then compile, on this rank's parts (:mod:`pp_core.parallel`; dp comes after).
-    A list of modes (one per stage, as the planner writes it) checkpoints each part by its own
-    stage's mode; ``stages`` are the parts' stage indices."""
-    mode = checkpointing["mode"]
-    if isinstance(mode, list):
-        if num_stages is not None and len(mode) != num_stages:
-            raise ConfigError(
-                f"train.activation_checkpointing.mode lists {len(mode)} modes, one per stage, "
-                f"but the pipeline has {num_stages} stages; list {num_stages} modes, or give "
-                f"one mode for every stage")
-        apply_stage_checkpointing(parts, stages, mode, checkpointing["every"])
-    elif mode == "auto":
-        raise ConfigError("train.activation_checkpointing.mode: auto is chosen by the planner "
-                          "(pipeline.pp_schedule: auto, run with 'pp-core run'); set "
-                          "pp_schedule: auto, or a mode (none, full, selective)")
-    else:
-        apply_activation_checkpointing(parts, mode, checkpointing["every"])
-    options = dict(compile_options)
-    if options.pop("enabled"):
-        apply_compile(parts, **options)
+def parallel_settings(spec: Spec, checkpointing: dict) -> ParallelSettings:
+    """The YAML's ``train.activation_checkpointing`` (as :func:`activation_checkpointing_of`
+    read it), ``train.compile`` and ``distributed.mixed_precision`` for
+    :func:`~pp_core.parallel.compose.parallelize`."""
+    options = dict(spec.train.compile)
+    return ParallelSettings(activation_checkpointing=checkpointing["mode"],
+                            checkpoint_every=checkpointing["every"],
+                            compile=options if options.pop("enabled") else None,
+                            mixed_precision=spec.distributed.mixed_precision)
 
 
 def _set_lr(optimizers, base_lrs, factor: float) -> float:
@@ -239,8 +198,8 @@ def _evaluate(spec: Spec, pipe, ctx: RankContext, global_batch: int) -> float | 
         if index >= spec.train.eval_steps:
             break
         with torch.no_grad():
-            loss = pipe.eval_step(dp_slice(inputs, ctx.dp_rank, ctx.dp_size, global_batch),
-                                  target=dp_slice(target, ctx.dp_rank, ctx.dp_size, global_batch))
+            loss = pipe.eval_step(_local(inputs, ctx, global_batch),
+                                  target=_local(target, ctx, global_batch))
         losses.append(_mean_over_dp(None if loss is None else float(loss), ctx))
     return sum(losses) / len(losses) if losses and losses[0] is not None else None
 
@@ -280,16 +239,16 @@ def train(spec: Spec) -> dict[str, Any]:
             raise PipelineError(f"dataset {spec.data.name!r} ran out after {step - 1} steps; "
                                 f"train.steps={steps} needs more batches") from None
         lr = _set_lr(optimizers, base_lrs, lr_factor(step, train_cfg))
-        local_inputs = dp_slice(inputs, ctx.dp_rank, ctx.dp_size, global_batch,
-                                kwargs_chunk_dims(pipe.model_parts[0], inputs))
-        local_target = dp_slice(target, ctx.dp_rank, ctx.dp_size, global_batch)
+        local_inputs = _local(inputs, ctx, global_batch,
+                              kwargs_chunk_dims(pipe.model_parts[0], inputs))
+        local_target = _local(target, ctx, global_batch)
         for param in params:
             param.grad = None
         t0 = time.perf_counter()
         loss = recorder.timed_step(pipe, local_inputs, local_target)
         finish_gradients(params, 1 if config.scale_grads_in_schedule else config.num_microbatches)
-        grad_norm = clip_grad_norm(params, train_cfg.grad_clip, ctx.pp_group, counted_once,
-                                   ep_group=ctx.ep_group)
+        grad_norm = clip_grad_norm(params, train_cfg.grad_clip, ctx.meshes.pp.get_group(),
+                                   counted_once, ep_group=ctx.meshes.ep_group)
         global_loss = _mean_over_dp(None if loss is None else float(loss), ctx)
         # the same loss and norm on every rank, so every rank decides alike (pp_core.app.rank.health)
         if apply_update(step, global_loss, grad_norm, train_cfg.on_nonfinite, say):
@@ -325,7 +284,12 @@ def _aux_loss(pipe, ctx: RankContext, config) -> float:
     total = torch.tensor([float(sum(float(v) for v in values))], dtype=torch.float64,
                          device=ctx.device)
     dist.all_reduce(total)
-    return float(total) / (ctx.dp_size * config.num_microbatches)
+    return float(total) / (ctx.dims.dp * config.num_microbatches)
+
+
+def _local(batch, ctx: RankContext, global_batch: int, dims=None):
+    """This dp rank's share of a global batch (:func:`~pp_core.app.factories.dp_slice`)."""
+    return dp_slice(batch, ctx.meshes.dp_rank, ctx.dims.dp, global_batch, dims)
 
 
 def _batches(data, start_step: int):

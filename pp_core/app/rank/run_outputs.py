@@ -205,7 +205,8 @@ class RunRecorder:
             bubble = max(0.0, 1.0 - steady.busy / steady.seconds)
             comm = steady.comm / steady.seconds
         return {
-            "rank": self.rank, "pp_rank": self.ctx.pp_rank, "dp_rank": self.ctx.dp_rank,
+            "rank": self.rank, "pp_rank": self.ctx.meshes.pp_rank,
+            "dp_rank": self.ctx.meshes.dp_rank,
             "stages": list(self.pipe.stage_indices), "bubble_measured": bubble,
             "comm_share": comm,
             "peak_memory": memory, "memory_kind": kind, "dp_units": dp_units,
@@ -259,8 +260,8 @@ class RunRecorder:
         summary = {
             "source": spec.source, "model": model, "data": spec.data.name,
             "num_params": self.num_params, "schedule": schedule.name if schedule else
-            spec.pipeline.pp_schedule, "pp_size": self.ctx.pp_size, "dp_size": self.ctx.dp_size,
-            "tp_size": spec.dims.tp, "mesh": describe_mesh(self.ctx.mesh),
+            spec.pipeline.pp_schedule, "pp_size": spec.dims.pp, "dp_size": spec.dims.dp,
+            "tp_size": spec.dims.tp, "mesh": describe_mesh(self.ctx.meshes.mesh),
             "num_stages": schedule.num_stages if schedule else None,
             "num_microbatches": spec.pipeline.num_microbatches,
             "first_step": start_step + 1, "last_step": self.steps[-1] if self.steps else start_step,

@@ -17,8 +17,8 @@ as torchtitan and NeMo AutoModel keep EP's dispatch in the library:
   expert weights and marks them; :mod:`.dispatch` routes tokens to them and back
   (:func:`dispatch_to_experts`, the all-to-all, the workspace and its runtime initializer);
   :mod:`.aux_loss` injects an auxiliary loss's gradient at the running step's scale;
-* the gradients: ``Pipeline.step`` (built with ``expert_groups=``) calls
-  :func:`sync_expert_gradients` beside TP's partial-gradient reduction - an expert's gradient
+* the gradients: ``Pipeline.step`` (built with ``meshes=``) calls
+  :func:`sync_expert_gradients` (through :func:`pp_core.parallel.compose.after_step`) beside TP's partial-gradient reduction - an expert's gradient
   holds the contributions of every token of its ep group (they came through the all-to-all), so
   it is summed over the expert-dp group and divided by ``dp_size``, the average over dp ranks the
   dense parameters get from their dp engine. The global gradient norm counts each expert once:
@@ -163,7 +163,7 @@ def sync_expert_gradients(params, groups: ExpertGroups) -> None:
     """Average expert gradients as the dp engine averages dense ones: sum over the expert-dp
     group, divide by ``dp_size``. Experts that got no token get zeros first (every rank calls
     the same collectives, so none waits for another). ``Pipeline.step`` calls it when built
-    with ``expert_groups=``."""
+    with ``meshes=`` at ep > 1."""
     experts = [p for p in params if is_expert_parameter(p) and p.requires_grad]
     if not experts:
         return
