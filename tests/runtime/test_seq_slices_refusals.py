@@ -1,0 +1,47 @@
+"""What ``pp_seq_chunks`` refuses, in one process, before any traffic: one line naming the key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pp_core import ConfigError, PipelineConfig, build_pipeline
+from pp_core_builtins.models.gpt import GPT
+from pp_core_builtins.models.moe_gpt import MoEGPT
+
+
+def _config(**overrides):
+    return PipelineConfig(**{"pp_schedule": "gpipe", "pp_batch_size": 2, "loss_fn": "cross_entropy",
+                             "pp_microbatch_size": 1, "pp_seq_chunks": 2, **overrides})
+
+
+def test_a_model_whose_attention_takes_no_slices_is_refused_by_name():
+    with pytest.raises(ConfigError) as caught:
+        build_pipeline(nn.Sequential(nn.Linear(4, 4)), _config())
+    assert str(caught.value) == (
+        "pipeline.pp_seq_chunks > 1: model 'Sequential' cannot take sequence slices (its "
+        "attention does not read the earlier slices' keys and values: no pp_seq_slices = True); "
+        "set pp_seq_chunks: 1, or use gpt, moe_gpt or a supported Hugging Face decoder")
+    with pytest.raises(ConfigError, match="model 'MoEGPT' cannot take sequence slices"):
+        build_pipeline(MoEGPT(vocab_size=16, dim=8, num_layers=1, num_heads=2), _config())
+    build_pipeline(MoEGPT(vocab_size=16, dim=8, num_layers=1, num_heads=2, aux_loss_coef=0.0),
+                   _config())  # the router's losses off: exact over slices
+
+
+def test_a_loss_not_normalised_over_tokens_is_refused():
+    with pytest.raises(ConfigError, match=r"pp_seq_chunks > 1 needs a loss normalised over the "
+                                          r"step's valid tokens"):
+        build_pipeline(GPT(vocab_size=16, dim=8, num_layers=1, num_heads=2),
+                       _config(loss_fn=lambda out, target: out.float().mean()))
+
+
+def test_a_sequence_the_slices_do_not_divide_is_refused():
+    pipe = build_pipeline(GPT(vocab_size=16, dim=8, num_layers=1, num_heads=2),
+                          _config(pp_seq_chunks=4))
+    ids = torch.randint(0, 16, (2, 6))
+    with pytest.raises(ConfigError) as caught:
+        pipe.step(ids, target=ids)
+    assert str(caught.value) == (
+        "pipeline.pp_seq_chunks=4 cannot cut inputs of 6 tokens per sequence into equal slices; "
+        "use a divisor of 6 (e.g. 3)")
