@@ -48,6 +48,7 @@ from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
 from pp_core.runtime.microbatch import (kwargs_chunk_dims, merge_microbatches,
                                         split_microbatches, to_device)
 from pp_core.runtime.observers import ActionTrace
+from pp_core.runtime.saved_bytes import SavedBytes
 from pp_core.runtime.seq_slices import check_sliceable, cut_sequence, join_sequence
 from pp_core.runtime.stage import Stage
 from pp_core.runtime.token_loss import resolve_dp_group, step_token_count
@@ -147,6 +148,9 @@ class Pipeline:
                                observers=self._observers,
                                send_acks=self.program.send_acks(rank))
         self._eval: Optional[Executor] = None
+        self.saved_bytes = SavedBytes()
+        """``saved_bytes.peak``: the most bytes autograd held saved at once on this rank during
+        the last training step (:mod:`~.saved_bytes`)."""
         self._plugins = plugins
         self.tracing = False
         """Record every action's start and end (see :mod:`pp_core.runtime.tracing`)."""
@@ -194,8 +198,10 @@ class Pipeline:
 
         def run():
             baseline = grad_baseline(self.model_parts)  # weights several stages hold
-            losses, _ = self._run(self._train, inputs, target, need_target=True,
-                                  stage_kwargs=stage_kwargs)
+            params = [p for part in self.model_parts for p in part.parameters()]
+            with self.saved_bytes.measuring(params):
+                losses, _ = self._run(self._train, inputs, target, need_target=True,
+                                      stage_kwargs=stage_kwargs)
             if self._has_dtensors:  # tensor parallel: partial sums of replicated params, once
                 reduce_partial_gradients(p for part in self.model_parts for p in part.parameters())
             if self.expert_groups is not None:  # expert parallel: over their expert-dp ranks
