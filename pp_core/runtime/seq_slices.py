@@ -29,7 +29,11 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SeqSlice", "current_seq_slice", "running", "backward_roots", "store_leaf_grads"]
+from pp_core.errors import ConfigError
+from pp_core.runtime.microbatch import _rebuild, iter_tensors
+
+__all__ = ["SeqSlice", "current_seq_slice", "running", "backward_roots", "cut_sequence",
+           "join_sequence", "check_sliceable"]
 
 _current: list = []  # the slice whose forward runs (a stack: a stage never nests, tests might)
 
@@ -110,12 +114,6 @@ def backward_roots(outputs: list, grads, kept: list) -> tuple[list, Optional[lis
     return list(outputs) + [t for t, _ in extra], list(grads) + [g for _, g in extra]
 
 
-def store_leaf_grads(read: list, grads: list) -> None:
-    """Add the gradients a backward computed for the leaves it read to what they hold."""
-    for leaf, grad in zip(read, grads):
-        leaf.grad = grad if leaf.grad is None else leaf.grad + grad
-
-
 def cut_sequence(value, count: int, what: str) -> list:
     """``value`` (one microbatch's inputs, targets or keyword inputs) cut into ``count`` equal
     slices along dim 1, the sequence: every tensor of 2+ dims whose dim 1 is the sequence length
@@ -123,8 +121,6 @@ def cut_sequence(value, count: int, what: str) -> list:
 
     :raises ConfigError: a sequence shorter than ``count`` or not divisible by it.
     """
-    from pp_core.errors import ConfigError  # noqa: PLC0415 - kept beside its only use
-    from pp_core.runtime.microbatch import _rebuild, iter_tensors  # noqa: PLC0415
 
     length = next((t.shape[1] for t in iter_tensors(value) if t.dim() >= 2), None)
     if length is None:
@@ -154,7 +150,6 @@ def cut_sequence(value, count: int, what: str) -> list:
 
 def join_sequence(outputs: list, count: int) -> list:
     """Per-slice outputs (units in order) back to per-microbatch ones, along dim 1."""
-    from pp_core.runtime.microbatch import _rebuild  # noqa: PLC0415 - beside its only use
 
     def join(items):
         head = items[0]
@@ -173,7 +168,6 @@ def check_sliceable(model_parts, loss_fn, counts_tokens: bool) -> None:
     """Refuse slices a model or loss cannot take, by name, before any traffic: the model must
     say ``pp_seq_slices = True`` (its attention reads :func:`current_seq_slice`), and the loss
     must be token-normalised over the step (a per-slice mean would weigh slices, not tokens)."""
-    from pp_core.errors import ConfigError  # noqa: PLC0415 - kept beside its only use
 
     for part in model_parts:
         inner = getattr(part, "module", part)  # a DDP wrapper keeps the model as .module
