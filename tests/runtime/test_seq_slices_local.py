@@ -1,4 +1,5 @@
-"""What ``pp_seq_chunks`` refuses, in one process, before any traffic: one line naming the key."""
+"""``pp_seq_chunks`` in one process: what it refuses before any traffic (one line naming the
+key), and evaluation with slices (loss and outputs equal K = 1)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,21 @@ def test_a_sequence_the_slices_do_not_divide_is_refused():
     assert str(caught.value) == (
         "pipeline.pp_seq_chunks=4 cannot cut inputs of 6 tokens per sequence into equal slices; "
         "use a divisor of 6 (e.g. 3)")
+
+
+def test_eval_with_slices_equals_the_unsliced_eval():
+    import copy
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, dim=32, num_layers=2, num_heads=2, max_seq_len=32)
+    ids = torch.randint(0, 64, (4, 16))
+    inputs = {"input_ids": ids,
+              "position_ids": torch.cat([torch.arange(5), torch.arange(11)]).repeat(4, 1)}
+    found = {}
+    for k in (1, 4):
+        pipe = build_pipeline(copy.deepcopy(model), _config(pp_schedule="1f1b", pp_batch_size=4,
+                                                            pp_microbatch_size=2, pp_seq_chunks=k))
+        found[k] = pipe.eval_step(inputs, target=ids), pipe.eval_step(inputs)
+    assert abs(float(found[1][0] - found[4][0])) <= 1e-5
+    assert found[4][1].shape == (4, 16, 64)
+    assert torch.allclose(found[1][1], found[4][1], atol=1e-5)
