@@ -182,3 +182,12 @@ def check_sliceable(model_parts, loss_fn, counts_tokens: bool) -> None:
             f"pipeline.pp_seq_chunks > 1 needs a loss normalised over the step's valid tokens "
             f"(e.g. 'cross_entropy'); {getattr(loss_fn, '__name__', loss_fn)!r} is not, so "
             f"slices would change the result; set pp_seq_chunks: 1", field="pp_seq_chunks")
+
+
+def shift_labels(labels):
+    """Next-token targets of labels that are the input ids (an HF loss shifts them itself, which
+    inside a slice would drop the slice's last target): ``labels[:, 1:]`` and ``-100`` last."""
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+        raise ConfigError("pipeline.pp_seq_chunks > 1 with a loss that shifts its labels needs "
+                          "the labels as one [batch, seq] tensor", field="pp_seq_chunks")
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)

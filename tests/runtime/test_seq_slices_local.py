@@ -64,3 +64,30 @@ def test_eval_with_slices_equals_the_unsliced_eval():
     assert abs(float(found[1][0] - found[4][0])) <= 1e-5
     assert found[4][1].shape == (4, 16, 64)
     assert torch.allclose(found[1][1], found[4][1], atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_hf_decoders_with_slices_equal_the_unsliced_step(model_type):
+    """Through the HF plugin's patched attention (sdpa): packed position ids, the HF loss's
+    label shift done once over the whole row."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from pp_core_builtins.transformers import causal_lm_loss, hf_causal_lm
+    from tests.cases.hf import batch, tiny_config
+
+    model = hf_causal_lm(tiny_config(model_type, 2), seed=0, attn_implementation="sdpa")
+    inputs, labels = batch(4, padding=False)
+    seq = labels.shape[1]
+    inputs = {"input_ids": inputs["input_ids"],
+              "position_ids": torch.cat([torch.arange(3), torch.arange(seq - 3)]).repeat(4, 1)}
+    found = {}
+    for k in (1, 2):
+        pipe = build_pipeline(copy.deepcopy(model), _config(
+            pp_schedule="1f1b", pp_batch_size=4, pp_microbatch_size=2, pp_seq_chunks=k,
+            loss_fn=causal_lm_loss))
+        loss = pipe.step(inputs, target=labels)
+        found[k] = loss, {n: p.grad for part in pipe.model_parts
+                          for n, p in part.named_parameters()}
+    assert abs(float(found[1][0] - found[2][0])) <= 1e-5
+    assert max(float((found[1][1][n] - found[2][1][n]).abs().max()) for n in found[1][1]) <= 1e-5
