@@ -17,6 +17,14 @@ import torch
 __all__ = ["SavedBytes"]
 
 
+def _pointer(tensor):
+    """The data pointer of ``tensor``'s storage, or ``None`` where it has none to give."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 class _Held:
     """A saved tensor's handle; dropping it (the graph freed it) gives its bytes back."""
 
@@ -42,11 +50,10 @@ class SavedBytes:
     def _pack(self, tensor):
         if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
             return _Held(tensor, None, self)
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a tensor subclass without one
+        key = _pointer(tensor)
+        if key is None:  # a tensor subclass without one (DTensor, FSDP's), or freed storage
             return _Held(tensor, None, self)
-        key = storage.data_ptr()
+        storage = tensor.untyped_storage()
         if key in self._skip or key == 0:
             return _Held(tensor, None, self)
         entry = self._refs.get(key)
@@ -72,7 +79,6 @@ class SavedBytes:
         """Measure one step; ``parameters``: the model's, whose storages are not counted."""
         self.peak = self._live = 0
         self._refs.clear()
-        self._skip = {p.untyped_storage().data_ptr() for p in parameters
-                      if not p.is_meta and hasattr(p, "untyped_storage")}
+        self._skip = {_pointer(p) for p in parameters if not p.is_meta} - {None}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor):
             yield self
