@@ -41,7 +41,18 @@ __all__ = [
     "ScheduleFileNotFoundError",
     "ConfigError",
     "PipelineError",
+    "current_seq_slice",
 ]
+
+
+def current_seq_slice():
+    """The sequence slice whose forward runs now (``pipeline.pp_seq_chunks > 1``), else ``None``:
+    a model's attention takes the earlier slices' keys and values from it
+    (:class:`pp_core.runtime.seq_slices.SeqSlice`). A model that does so says
+    ``pp_seq_slices = True`` on its class; others are refused with slices."""
+    from pp_core.runtime.seq_slices import current_seq_slice as current  # lazy: imports torch
+
+    return current()
 
 
 def build_pipeline(model, config, pp_group=None, device="cpu", **options):

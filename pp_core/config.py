@@ -82,7 +82,8 @@ class PipelineConfig:
     still runs. ``module_fqns_per_model_part`` overrides the layer split (``layers_per_stage``
     is then ignored, with a warning) and may name a shared module in several parts. ``pp_recv_buffer_pool`` reuses receive buffers, keeping
     ``pp_recv_buffer_pool_slack`` spare buffer sets. An int field is >= 1 unless its
-    ``metadata["minimum"]`` says otherwise.
+    ``metadata["minimum"]`` says otherwise. ``pp_seq_chunks`` cuts every microbatch into that
+    many causal slices along the sequence, each a unit of the schedule (docs/long_sequences.md).
     """
 
     pp_schedule: str | None = "1f1b"
@@ -101,6 +102,23 @@ class PipelineConfig:
     pp_seq_len: int | None = None
     pp_recv_buffer_pool: bool = False
     pp_recv_buffer_pool_slack: int = field(default=2, metadata={"minimum": 0})
+    pp_seq_chunks: int = 1
+
+    def _check_seq_chunks(self) -> None:
+        """``pp_seq_chunks``: an int >= 1 (checked with every int field), no CSV, and a
+        divisor of ``pp_seq_len`` when that is given."""
+        chunks = self.pp_seq_chunks
+        if chunks > 1 and self.pp_schedule_csv is not None:
+            raise ConfigError(f"pp_seq_chunks={chunks} cannot run the CSV schedule "
+                              f"{self.pp_schedule_csv!r}: a CSV orders whole microbatches; set "
+                              f"pp_seq_chunks: 1 or name a schedule in pp_schedule",
+                              field="pp_seq_chunks")
+        seq = self.pp_seq_len
+        if chunks > 1 and seq is not None and (chunks > seq or seq % chunks):
+            raise ConfigError(f"pp_seq_chunks={chunks} must divide pp_seq_len={seq} into equal "
+                              f"slices; use a divisor of {seq} such as "
+                              f"{max(d for d in range(1, min(chunks, seq) + 1) if seq % d == 0)}",
+                              field="pp_seq_chunks")
 
     def __post_init__(self) -> None:
         if self.pp_schedule is None:
@@ -131,6 +149,7 @@ class PipelineConfig:
                 f"pp_microbatch_size that divides {self.pp_batch_size}", field="pp_batch_size")
         with about("module_fqns_per_model_part"):
             self._check_fqns()
+        self._check_seq_chunks()
         with about("dtype"):
             dtype = resolve_dtype(self.dtype)
             if dtype is not None and (not dtype.is_floating_point or dtype.itemsize < 2):

@@ -124,7 +124,8 @@ def plan_pipeline(model, config, num_ranks: int, *, rank: Optional[int] = None,
         with about(schedule_field(config)):
             schedule = build_schedule(config.pp_schedule, num_ranks=num_ranks,
                                       num_microbatches=config.num_microbatches,
-                                      stages_per_rank=per_rank, plugins=plugins)
+                                      stages_per_rank=per_rank, plugins=plugins,
+                                      seq_chunks=config.pp_seq_chunks)
     if split is not None and split.num_stages != schedule.num_stages:
         raise ConfigError(f"the split has {split.num_stages} stages but schedule "
                           f"{schedule.name!r} runs {schedule.num_stages}; make them agree",

@@ -23,6 +23,7 @@ every action runs in a ``torch.profiler`` record while a profiler records
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -31,9 +32,10 @@ from pp_core._torch_compat import profiler_enabled
 from pp_core.errors import PipelineError
 from pp_core.parallel.expert.aux_loss import aux_loss_modules, scale_aux_losses
 from pp_core.runtime import transfers
-from pp_core.runtime.backward import backward_full, backward_input, backward_weight
+from pp_core.runtime.backward import WeightGrad, backward_full, backward_input, backward_weight
 from pp_core.runtime.mailbox import Incoming, Mailbox
 from pp_core.runtime.p2p import P2P
+from pp_core.runtime.seq_slices import SeqSlice, backward_roots, running
 from pp_core.runtime.dp_sync import DataParallelDriver
 from pp_core.runtime.microbatch import num_tokens
 from pp_core.runtime.observers import run_action, waiting
@@ -81,6 +83,7 @@ class Executor:
         # shared with the pipeline, which adds and removes observers (pp_core.runtime.observers)
         self.observers: list = observers if observers is not None else []
         self.num_microbatches = program.num_microbatches
+        self.seq_chunks = getattr(program, "seq_chunks", 1)  # units are slices when > 1
         actions = program.actions
         self.context = TransferContext(
             rank=self.rank, stages=stages, mailbox=self.mailbox,
@@ -216,9 +219,15 @@ class Executor:
                 initializer.prepare(num_tokens=count, device=self.device)
         mb_kwargs = state.mb_kwargs
         train = train and stage.runs_backward  # a frozen prefix keeps no autograd graph
-        with torch.set_grad_enabled(train), self.data_parallel.forward(stage_index, train):
+        piece = self._slice(state, stage_index, mb)
+        with torch.set_grad_enabled(train), self.data_parallel.forward(stage_index, train), \
+                running(piece) if piece is not None else _NO_SLICE:
             call_args = args if stage.is_first else as_dtensors(stage, args, placements)
             output = stage(call_args, mb_kwargs[mb] if mb_kwargs is not None else None)
+            if piece is not None and piece.kept:
+                state.slice_kept[key] = piece.kept
+            if piece is not None and piece.read and train:
+                state.slice_read[key] = piece.read
             if stage.is_last:
                 self._finish(state, mb, key, output)
             else:  # DTensors travel as local shards, their placements alongside
@@ -236,6 +245,18 @@ class Executor:
             state.inputs[key] = needs
         elif train:
             state.inputs[key] = []
+
+    def _slice(self, state: StepState, stage_index: int, unit: int) -> Optional[SeqSlice]:
+        """The :class:`SeqSlice` of this unit's forward (``None`` without slices); the prefix
+        caches of its microbatch go after its last slice (:mod:`pp_core.runtime.seq_slices`)."""
+        K = self.seq_chunks
+        if K == 1:
+            return None
+        microbatch, index = divmod(unit, K)
+        where = (stage_index, microbatch)
+        store = state.slice_store.pop(where) if index == K - 1 else \
+            state.slice_store.setdefault(where, {})
+        return SeqSlice(index, K, store)
 
     def _finish(self, state: StepState, mb: int, key: int, output) -> None:
         target = None if state.mb_targets is None else state.mb_targets[mb]
@@ -279,11 +300,27 @@ class Executor:
         grads = self._grads_for(state, stage, key)
         outputs = state.outputs.pop(key)
         inputs = state.inputs.pop(key)
+        read = ()
+        if self.seq_chunks > 1:  # slices: K/V gradients of later slices in, of earlier ones out
+            outputs, grads = backward_roots(outputs, grads, state.slice_kept.pop(key, ()))
+            read = state.slice_read.pop(key, ())
+            held = [leaf.grad for leaf in read]
+            for leaf in read:
+                leaf.grad = None
+            inputs = list(inputs) + list(read)
         with self.data_parallel.backward(stage_index, state.position, outputs):
             if kind is B:
                 input_grads = backward_full(outputs, grads, inputs)
+            elif read or self.seq_chunks > 1:  # slices: I runs the whole backward, W nothing
+                # (the I/W cut across the earlier slices' key/value leaves is not split yet)
+                input_grads, state.weight[key] = backward_full(outputs, grads, inputs), \
+                    WeightGrad()
             else:
                 input_grads, state.weight[key] = backward_input(outputs, grads, inputs)
+        if read:
+            input_grads, made = input_grads[:-len(read)], input_grads[-len(read):]
+            for leaf, before, grad in zip(read, held, made):
+                leaf.grad = grad if before is None else before + grad
         if stage.input_grads:
             state.grads_back[key] = input_grads
 
@@ -291,6 +328,9 @@ class Executor:
         key = action.stage * self.num_microbatches + action.microbatch
         with self.data_parallel.backward(action.stage, state.position):
             backward_weight(state.weight.pop(key))
+
+
+_NO_SLICE = contextlib.nullcontext()
 
 
 def _on_context(handler):

@@ -47,6 +47,9 @@ from pp_core.runtime.initializers import collect_pipeline_runtime_initializers
 from pp_core.runtime.microbatch import (kwargs_chunk_dims, merge_microbatches,
                                         split_microbatches, to_device)
 from pp_core.runtime.observers import ActionTrace
+from pp_core.runtime.saved_bytes import SavedBytes
+from pp_core.runtime.seq_slices import (check_sliceable, cut_sequence, join_sequence,
+                                        shift_labels)
 from pp_core.runtime.stage import Stage
 from pp_core.runtime.token_loss import resolve_dp_group, step_token_count
 from pp_core.schedule.ir import Schedule
@@ -109,7 +112,9 @@ class Pipeline:
         # part keeps the model's class (microbatch.kwargs_chunk_dims)
         self._chunk_dims_of = self.model_parts[0]
         self.num_stages = schedule.num_stages
-        self.num_microbatches = schedule.num_microbatches
+        self.num_microbatches = schedule.num_sequences
+        self.seq_chunks = schedule.seq_chunks
+        """Sequence slices per microbatch: the schedule's units (:mod:`~.seq_slices`)."""
         if self.num_microbatches != config.num_microbatches:
             raise ConfigError(
                 f"the schedule runs {self.num_microbatches} microbatches but pp_batch_size="
@@ -120,6 +125,12 @@ class Pipeline:
             self.loss_fn = resolve_loss(config.loss_fn)
         self.counts_tokens = self.loss_fn is not None and counts_tokens(self.loss_fn)
         """Whether the loss is token-normalised over the step (:mod:`~.token_loss`)."""
+        self._shift_targets = False
+        if self.seq_chunks > 1:
+            check_sliceable(model_parts, self.loss_fn, self.counts_tokens)
+            if getattr(self.loss_fn, "shifts_labels", False):  # shifting inside a slice would
+                # lose each slice's last target: shift the whole row once, then plain CE
+                self.loss_fn, self._shift_targets = resolve_loss("cross_entropy"), True
         self.meshes = meshes
         """The run's :class:`~pp_core.parallel.dims.Meshes` (``None``: pipeline only): the loss
         counts tokens over ``meshes.loss_group``; ``step`` ends with
@@ -149,6 +160,9 @@ class Pipeline:
                                observers=self._observers,
                                send_acks=self.program.send_acks(rank))
         self._eval: Optional[Executor] = None
+        self.saved_bytes = SavedBytes()
+        """``saved_bytes.peak``: the most bytes autograd held saved at once on this rank during
+        the last training step (:mod:`~.saved_bytes`)."""
         self._plugins = plugins
         self.tracing = False
         """Record every action's start and end (see :mod:`pp_core.runtime.tracing`)."""
@@ -194,13 +208,15 @@ class Pipeline:
 
         def run():
             baseline = grad_baseline(self.model_parts)  # weights several stages hold
-            losses, _ = self._run(self._train, inputs, target, need_target=True,
-                                  stage_kwargs=stage_kwargs)
+            params = [p for part in self.model_parts for p in part.parameters()]
+            with self.saved_bytes.measuring(params):
+                losses, _ = self._run(self._train, inputs, target, need_target=True,
+                                      stage_kwargs=stage_kwargs)
             after_step(self.model_parts, self.meshes)  # TP's partial sums, EP's experts
             if baseline:  # their gradients summed over the ranks holding them
                 sync_tied_gradients_of(self.model_parts, self.schedule.stage_ranks, self.rank,
                                        self.group, baseline)
-            return torch.stack(losses).float().mean() if self.has_last else None
+            return self._mean_loss(losses) if self.has_last else None
 
         # plugins' pp_pipeline_step wrappers run around it
         try:
@@ -231,7 +247,11 @@ class Pipeline:
                                         stage_kwargs=stage_kwargs)
             if not self.has_last:
                 return None
-            return torch.stack(losses).float().mean() if losses else merge_microbatches(outputs)
+            if losses:
+                return self._mean_loss(losses)
+            if self.seq_chunks > 1:
+                outputs = join_sequence(outputs, self.seq_chunks)
+            return merge_microbatches(outputs)
 
         try:
             return self._plugins.run_step(self, False, run)
@@ -240,6 +260,12 @@ class Pipeline:
             raise
 
     # ------------------------------------------------------------------ internals
+    def _mean_loss(self, losses: list) -> torch.Tensor:
+        """The mean microbatch loss; with slices a microbatch's loss is its slices' sum."""
+        if self.seq_chunks == 1:
+            return torch.stack(losses).float().mean()
+        return torch.stack(losses).float().sum() / self.num_microbatches
+
     def _sync_parts(self, train: bool) -> None:
         """Stages run what ``model_parts`` holds now (a part may have been replaced by its DDP
         wrapper); a training step drives the parts' torch DP engines (:mod:`~.dp_sync`)."""
@@ -261,7 +287,12 @@ class Pipeline:
     def _split(self, value, what: str) -> list:
         cfg = self.config
         dims = {} if what == "target" else kwargs_chunk_dims(self._chunk_dims_of, value)
+        if what == "target" and self._shift_targets:
+            value = shift_labels(value)
         parts = split_microbatches(value, self.num_microbatches, cfg.pp_batch_size, what, dims)
+        if self.seq_chunks > 1:  # each microbatch's slices, in unit order
+            parts = [piece for part in parts for piece in cut_sequence(part, self.seq_chunks,
+                                                                        what)]
         return [to_device(part, self.device, self.dtype if what != "target" else None)
                 for part in parts]
 

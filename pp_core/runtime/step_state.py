@@ -18,7 +18,8 @@ from typing import Any, Optional
 __all__ = ["StepState"]
 
 # the dicts a finished step must have emptied (what is left is work the program did not do)
-_WORK = ("inputs", "outputs", "to_send", "messages", "grads_back", "weight")
+_WORK = ("inputs", "outputs", "to_send", "messages", "grads_back", "weight", "slice_kept",
+         "slice_read")
 
 
 @dataclass(eq=False)
@@ -40,6 +41,9 @@ class StepState:
     messages: dict = field(default_factory=dict)    # RECV_F keys (>= 0), RECV_B keys (< 0)
     grads_back: dict = field(default_factory=dict)  # key -> input grads for SEND_B / local
     weight: dict = field(default_factory=dict)      # key -> what I kept for its W
+    slice_store: dict = field(default_factory=dict)  # (stage, mb) -> prefix caches (seq_slices)
+    slice_kept: dict = field(default_factory=dict)  # key -> (tensor, leaf) made for later slices
+    slice_read: dict = field(default_factory=dict)  # key -> earlier slices' leaves it read
     losses: list = field(default_factory=list)      # by microbatch (the last stage's)
     results: list = field(default_factory=list)     # by microbatch: outputs without a loss
     probed: set = field(default_factory=set)        # pp_seq_len: boundaries this step sent on
@@ -70,7 +74,7 @@ class StepState:
 
     def clear(self) -> None:
         """Drop every tensor and pending entry of the step (a failed step ends here)."""
-        for name in _WORK + ("layouts",):
+        for name in _WORK + ("layouts", "slice_store"):
             getattr(self, name).clear()
         self.finish()
         self.pending_release = []

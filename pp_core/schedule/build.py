@@ -16,6 +16,7 @@ from pp_core.plugin_manager import plugins_or_default
 from pp_core.schedule.csv_io import read_csv
 from pp_core.schedule.ir import Schedule, ScheduleDef, stage_to_rank
 from pp_core.schedule.limits import size_problem
+from pp_core.schedule.slices import cut_into_slices
 from pp_core.schedule.validate import validate_schedule
 
 __all__ = ["build_schedule", "schedule_from_def", "resolve_schedule_def", "gc_paused"]
@@ -29,6 +30,7 @@ def build_schedule(
     stages_per_rank: int | None = None,
     csv_path: str | os.PathLike | None = None,
     plugins=None,
+    seq_chunks: int = 1,
 ) -> Schedule:
     """The validated schedule ``name`` (or the one in ``csv_path``) for these sizes.
 
@@ -42,28 +44,40 @@ def build_schedule(
     :param csv_path: a torch-format CSV (compute-only or compute_comms); the placement is taken
         from the rows, and ``num_ranks`` / ``num_microbatches`` / ``stages_per_rank`` must match.
     :param plugins: a :class:`pp_core.plugin_manager.Plugins`; defaults to the installed plugins.
+    :param seq_chunks: sequence slices per microbatch (:mod:`pp_core.schedule.slices`); the
+        schedule then has ``num_microbatches * seq_chunks`` units. A CSV takes only 1.
     :raises ScheduleError: unknown name, impossible sizes, or an invalid schedule.
     """
     _check_int("num_ranks", num_ranks, 1)
     _check_int("num_microbatches", num_microbatches, 1)
+    _check_int("seq_chunks", seq_chunks, 1)
     if stages_per_rank is not None:
         _check_int("stages_per_rank", stages_per_rank, 1)
     too_large = size_problem(num_ranks, stages_per_rank, num_microbatches)
     if too_large is not None:
         raise ScheduleError(too_large)
     if csv_path is not None:
+        if seq_chunks != 1:
+            raise ScheduleError(
+                f"seq_chunks={seq_chunks} cannot run a schedule CSV ({os.fspath(csv_path)!r}): "
+                f"a CSV orders whole microbatches; set seq_chunks=1 or name a schedule")
         return _from_csv(csv_path, num_ranks, num_microbatches, stages_per_rank)
     if name is None:
         raise ScheduleError("build_schedule needs a schedule name (e.g. '1f1b') or csv_path")
     canonical, sdef = resolve_schedule_def(name, plugins)
     return schedule_from_def(canonical, sdef, num_ranks=num_ranks,
-                             num_microbatches=num_microbatches, stages_per_rank=stages_per_rank)
+                             num_microbatches=num_microbatches, stages_per_rank=stages_per_rank,
+                             seq_chunks=seq_chunks)
 
 
 def schedule_from_def(canonical: str, sdef: ScheduleDef, *, num_ranks: int,
-                      num_microbatches: int, stages_per_rank: int | None = None) -> Schedule:
+                      num_microbatches: int, stages_per_rank: int | None = None,
+                      seq_chunks: int = 1) -> Schedule:
     """The validated schedule of an already resolved :class:`ScheduleDef` (the planner walks a
-    registry's definitions and needs no name lookup per candidate)."""
+    registry's definitions and needs no name lookup per candidate). With ``seq_chunks`` K > 1
+    the generator orders ``num_microbatches * K`` units, which
+    :func:`~pp_core.schedule.slices.cut_into_slices` makes run as slices."""
+    num_microbatches *= seq_chunks
     v = sdef.stages_per_rank if stages_per_rank is None else stages_per_rank
     if v != sdef.stages_per_rank and not sdef.variable_stages_per_rank:
         raise ScheduleError(
@@ -92,11 +106,16 @@ def schedule_from_def(canonical: str, sdef: ScheduleDef, *, num_ranks: int,
             f"schedule {canonical!r}: its generator returned {got} rank lists for "
             f"num_ranks={num_ranks}; a generator must return one list of actions per rank "
             f"(this is a bug in the plugin that registered {canonical!r})")
+    if seq_chunks > 1:
+        with gc_paused():
+            actions = cut_into_slices(actions, stage_ranks, num_microbatches, seq_chunks,
+                                      canonical)
     schedule = Schedule(
         actions=[list(row) for row in actions],
         stage_ranks=stage_ranks,
         num_microbatches=num_microbatches,
         name=canonical,
+        seq_chunks=seq_chunks,
     )
     with gc_paused():
         validate_schedule(schedule)

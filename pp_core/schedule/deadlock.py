@@ -39,8 +39,13 @@ def _raise_deadlock(schedule: Schedule, encoded: list[list[int]], ptr: list[int]
     raise ScheduleError(
         f"schedule {schedule.name!r} deadlocks at rank {r} step {_raw_step(schedule, r, ptr[r])} "
         f"({head}): no rank can make progress\n  {text}.\nReorder the actions so every F(s,k) "
-        f"comes after F(s-1,k) and every I/B(s,k) after I/B(s+1,k) can have finished.\n"
+        f"comes after F(s-1,k) and every I/B(s,k) after I/B(s+1,k) can have finished"
+        f"{_SLICES if schedule.seq_chunks > 1 else ''}.\n"
         f"{format_grid(schedule, marks)}")
+
+
+_SLICES = ("; with sequence slices also every F of a slice after the previous slice's F on its "
+           "stage, and every I/B of a slice after the next slice's I/B there")
 
 
 def _raw_step(schedule: Schedule, r: int, index: int) -> int:
@@ -92,13 +97,16 @@ class _WaitChain:
         input gradient: the stage's ``I`` if its row has one, else its ``B``)."""
         stage, kind, mb = action
         makers = []
-        for s, made in self.dependencies.inputs(stage, KIND_CODE[kind]):
+        K = self.dependencies.seq_chunks
+        place = stage * K + mb % K
+        for p, made in self.dependencies.inputs(place, KIND_CODE[kind]):
+            s, unit = p // K, mb - mb % K + p % K
             row = self.encoded[self.schedule.stage_ranks[s]]
             if made == FORWARD:
-                maker = Action(s, F, mb)
+                maker = Action(s, F, unit)
             else:
-                split = _index_of(row, encode(Action(s, I, mb), self.M)) >= 0
-                maker = Action(s, I if split else B, mb)
+                split = _index_of(row, encode(Action(s, I, unit), self.M)) >= 0
+                maker = Action(s, I if split else B, unit)
             if not 0 <= _index_of(row, encode(maker, self.M)) < self.ptr[
                     self.schedule.stage_ranks[s]]:
                 return maker

@@ -209,6 +209,23 @@ class Schedule:
     """Which stage's output feeds which, as ``(from stage, to stage)`` pairs; ``None``: the
     chain ``0 -> 1 -> ... -> num_stages - 1``. Read only through
     :func:`pp_core.schedule.replay.stage_graph`, so a pipeline that is not a chain is data."""
+    seq_chunks: int = 1
+    """Sequence slices per microbatch (``pipeline.pp_seq_chunks``). With ``K > 1`` an action's
+    ``microbatch`` numbers a *unit*, slice ``u % K`` of microbatch ``u // K``, and
+    ``num_microbatches`` counts units (``K`` times the microbatches); slice ``j``'s forward on a
+    stage follows slice ``j - 1``'s there and its backward precedes it
+    (:mod:`pp_core.schedule.replay`)."""
+
+    @property
+    def num_sequences(self) -> int:
+        """The microbatches of the step (``num_microbatches`` counts slices when cut)."""
+        return self.num_microbatches // self.seq_chunks
+
+    def unit_label(self, unit: int) -> str:
+        """How a unit is written for people: ``"5"``, or ``"2.1"`` (microbatch 2, slice 1)."""
+        if self.seq_chunks == 1:
+            return str(unit)
+        return f"{unit // self.seq_chunks}.{unit % self.seq_chunks}"
 
     @property
     def num_ranks(self) -> int:

@@ -103,7 +103,7 @@ def lower(schedule: Schedule, backward_from: int = 0) -> Program:
             if flat[i] < 0:  # no backward for this (stage, mb): a forward-only program
                 flat[i] = flat[i - 1]
     return Program(out, life, dependencies.stage_ranks, schedule.num_microbatches, schedule.name,
-                   schedule.edges)
+                   schedule.edges, schedule.seq_chunks)
 
 
 _NOT_AN_ACTION = -2  # a row's entry lowering refuses, once the walk reaches it

@@ -52,6 +52,9 @@ class RankProgram:
     stage_ranks: tuple[int, ...]
     num_microbatches: int
     name: str = "custom"
+    seq_chunks: int = 1
+    """Sequence slices per microbatch: ``num_microbatches`` counts units, slice ``u % K`` of
+    microbatch ``u // K`` (:class:`~pp_core.schedule.ir.Schedule`)."""
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -69,13 +72,14 @@ class Program:
     """
 
     def __init__(self, codes, lifetimes, stage_ranks, num_microbatches: int, name: str = "custom",
-                 edges=None):
+                 edges=None, seq_chunks: int = 1):
         self._codes = codes  # per rank: the codes of its actions (pp_core.schedule.replay)
         self._lifetimes = lifetimes  # per rank: flat [code, posted, consumed, released, ...]
         self.stage_ranks = tuple(stage_ranks)
         self.num_microbatches = num_microbatches
         self.name = name
         self.edges = edges  # the schedule's stage graph (None: the chain)
+        self.seq_chunks = seq_chunks  # sequence slices per microbatch (units = mb x slices)
         self._decoded: dict[int, RankProgram] = {}
 
     @property
@@ -100,7 +104,7 @@ class Program:
                 RecvLifetime(decode(flat[i]), flat[i + 1], flat[i + 2], flat[i + 3])
                 for i in range(0, len(flat), 4))
             found = RankProgram(rank, actions, lifetimes, self.stage_ranks,
-                                self.num_microbatches, self.name)
+                                self.num_microbatches, self.name, self.seq_chunks)
             self._decoded[rank] = found
         return found
 

@@ -45,6 +45,14 @@ def _quantum(result: SimResult) -> tuple[float, bool]:
     return shortest / 2, False
 
 
+def _labeller(schedule):
+    """How an action is written: ``"2F0"``, or ``"2F0.1"`` (microbatch 0, slice 1) when the
+    schedule cuts microbatches into slices."""
+    if schedule.seq_chunks == 1:
+        return str
+    return lambda a: f"{a.stage}{a.kind.value}{schedule.unit_label(a.microbatch)}"
+
+
 def render_text(result: SimResult) -> str:
     """The reference-style timeline, one line per rank (slots of ``quantum`` time units)."""
     q, _exact = _quantum(result)
@@ -56,7 +64,8 @@ def render_text(result: SimResult) -> str:
             f"{s.num_microbatches} would be {len(slots)} rows of up to {max(slots):,} slots "
             f"({sum(slots):,} in all; pp-core draws at most {MAX_TEXT_SLOTS:,}); use 'pp-core "
             f"schedule simulate' for the figures, or its --trace FILE for a zoomable timeline")
-    labels = [str(a) for row in result.timeline for a, _, _ in row]
+    label = _labeller(result.schedule)
+    labels = [label(a) for row in result.timeline for a, _, _ in row]
     width = max(3, max(map(len, labels), default=3)) + 1
     num_ranks = len(result.timeline)
     head = len(f"rank{num_ranks - 1}:") + 1
@@ -68,7 +77,7 @@ def render_text(result: SimResult) -> str:
             if last <= first:
                 continue  # zero-length action: nothing to draw
             cells.extend(["."] * (first - len(cells)))
-            cells.append(str(action))
+            cells.append(label(action))
             cells.extend(["~"] * (last - first - 1))
         text = "".join(c.ljust(width) for c in cells)
         lines.append((f"rank{rank}:".ljust(head) + text).rstrip())
@@ -88,8 +97,10 @@ def caption(result: SimResult) -> str:
         unit += f" latency={result.comm_latency:g}"
     if result.processors is not None:
         unit += f" on {result.processors:g} shared processors"
-    peaks = " ".join(map(str, result.peak_activations))
-    return (f"{s.name}: pp={s.num_ranks}{stages}, microbatches={s.num_microbatches} [{unit}] — "
+    peaks = " ".join(map(str, d["peak_activations"]))
+    slices = f", seq_chunks={s.seq_chunks} (units are microbatch.slice)" if s.seq_chunks > 1 \
+        else ""
+    return (f"{s.name}: pp={s.num_ranks}{stages}, microbatches={s.num_sequences}{slices} [{unit}] — "
             f"makespan {d['makespan']}, bubble {d['bubble']} (ratio {result.bubble_ratio:.3f}), "
             f"span bubble {d['span_bubble']}, peak activations per rank {peaks}")
 
@@ -98,6 +109,7 @@ def render_svg(result: SimResult, max_width: int = 1600) -> str:
     """An SVG picture: one row per rank, actions to scale, idle time hatched, figures below."""
     makespan = result.makespan or 1.0
     label_w, row_h, gap, top = 70, 26, 6, 30
+    label = _labeller(result.schedule)
     scale = max(0.5, min(40.0, (max_width - label_w - 20) / makespan))
     plot_w = makespan * scale
     num_ranks = len(result.timeline)
@@ -128,8 +140,8 @@ def render_svg(result: SimResult, max_width: int = 1600) -> str:
             out.append(
                 f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" '
                 f'fill="{COLOURS[kind]}" stroke="white" stroke-width="0.5">'
-                f"<title>{action} ({short_name(kind)}) {t0:g}–{t1:g}</title></rect>")
-            text = str(action)
+                f"<title>{label(action)} ({short_name(kind)}) {t0:g}–{t1:g}</title></rect>")
+            text = label(action)
             if w >= len(text) * font * 0.62 and font >= 5:
                 out.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h / 2 + font / 3:.1f}" '
                            f'font-size="{font:.1f}" text-anchor="middle">{text}</text>')

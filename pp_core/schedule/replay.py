@@ -20,17 +20,17 @@ backward (``B``, or ``I`` when split) reads the input gradients of the stages af
 stage that ends the model, its own forward (the loss); a ``W`` reads its own ``I``. Whom to wake,
 where a message goes and when an input arrives are all derived from it.
 
-[Note: another kind of edge] Sequence slices (issue 47: each microbatch cut into K causal
-slices) are one more rule here. A unit's place becomes (stage, slice), numbered
-``place = stage * K + slice`` where a stage is numbered today (``key = place * M + microbatch``,
-the tables of :class:`Dependencies` per place, a place's rank that of ``place // K``), and
-:meth:`Dependencies.inputs` gains the slice edge: an ``F`` of slice ``j > 0`` also reads
-``(place - 1, FORWARD)``, a ``B``/``I`` of slice ``j < K - 1`` also reads
-``(place + 1, GRADIENT)`` (the backward runs the slices in reverse). The walk, its wake-ups, the
-deadlock message and the timed replays follow from the rule unchanged. A stage graph that is not
-a chain (an image encoder feeding a decoder) is ``Schedule.edges``; what it still needs elsewhere
-is a SEND that names its peer, for a stage whose output goes to two other ranks (the IR's
-``SEND_F`` names only its own stage, as torch's does, so lowering refuses that).
+**Sequence slices** (issue 47, ``Schedule.seq_chunks = K``: each microbatch cut into K causal
+slices, unit ``u`` being slice ``u % K`` of microbatch ``u // K``): the rule's tables are per
+*place*, ``place = stage * K + slice``, and the rule gains the slice edge: an ``F`` of slice
+``j > 0`` also reads the forward of slice ``j - 1`` on the same stage (the keys and values it
+attends to), a ``B``/``I`` of slice ``j < K - 1`` also reads the input gradient of slice
+``j + 1`` on the same stage (the gradient of its keys and values: the backward runs the slices
+in reverse). The walk, its wake-ups, the deadlock message and the timed replays follow from the
+rule unchanged. A stage graph that is not a chain (an image encoder feeding a decoder) is
+``Schedule.edges``; what it still needs elsewhere is a SEND that names its peer, for a stage
+whose output goes to two other ranks (the IR's ``SEND_F`` names only its own stage, as torch's
+does, so lowering refuses that).
 
 **The ready loop** (:meth:`Walk.run`). Every rank runs its next action once all its inputs are
 made, and making something wakes the ranks that wait for it; each action has a count of inputs
@@ -156,10 +156,13 @@ def _refuse_cycles(name: str, before: list[list[int]], after: list[list[int]]) -
 class Dependencies:
     """The dependency rule of one schedule, and the tables its clients read it from.
 
-    ``arrivals[kind][stage]``: the inputs of an action made on another rank, as offsets from
+    The tables are per *place*: ``place = stage * K + slice`` with ``K = schedule.seq_chunks``
+    and ``slice = key % K`` (a unit's microbatch index ``u`` numbers slice ``u % K`` of
+    microbatch ``u // K``; :meth:`place`), so with ``K = 1`` a place is a stage.
+    ``arrivals[kind][place]``: the inputs of an action made on another rank, as offsets from
     ``2 * key`` into an array with one entry per unit and thing made (``2 * key + FORWARD``,
     ``2 * key + GRADIENT``); the timed replays wait for them to arrive (an input made on the
-    action's own rank ended before that rank got to it). ``wakes[kind][stage]``: who reads what
+    action's own rank ended before that rank got to it). ``wakes[kind][place]``: who reads what
     an action makes, as ``(code offset, rank)`` pairs (the walk's inverse of the rule).
     """
 
@@ -167,39 +170,63 @@ class Dependencies:
         self.graph = stage_graph(len(schedule.stage_ranks), schedule.edges, schedule.name)
         self.stage_ranks = tuple(schedule.stage_ranks)
         self.num_microbatches = M = schedule.num_microbatches
-        stages = range(len(self.stage_ranks))
+        self.seq_chunks = K = getattr(schedule, "seq_chunks", 1) or 1
+        places = range(len(self.stage_ranks) * K)
         ranks = self.stage_ranks
-        inputs = [[self.inputs(stage, kind) for stage in stages] for kind in range(4)]
-        self.arrivals = [[tuple(2 * (s - stage) * M + made for s, made in found
-                                if ranks[s] != ranks[stage])
-                          for stage, found in enumerate(by_stage)] for by_stage in inputs]
-        self._counts = [[len(inputs[kind][stage]) for kind in range(4)] + [0] * 4
-                        for stage in stages]
-        wakes: list[list[list]] = [[[] for _ in stages] for _ in range(8)]
-        for kind, by_stage in enumerate(inputs):  # invert: who reads what each action makes
-            for stage, found in enumerate(by_stage):
-                for s, made in found:
+
+        def delta(place: int, other: int) -> int:  # key of ``other``'s unit minus ``place``'s
+            return (other // K - place // K) * M + other % K - place % K
+
+        inputs = [[self.inputs(place, kind) for place in places] for kind in range(4)]
+        self.arrivals = [[tuple(2 * delta(place, p) + made for p, made in found
+                                if ranks[p // K] != ranks[place // K])
+                          for place, found in enumerate(by_place)] for by_place in inputs]
+        self._counts = [[len(inputs[kind][place]) for kind in range(4)] + [0] * 4
+                        for place in places]
+        wakes: list[list[list]] = [[[] for _ in places] for _ in range(8)]
+        for kind, by_place in enumerate(inputs):  # invert: who reads what each action makes
+            for place, found in enumerate(by_place):
+                for p, made in found:
                     for maker in range(3):
                         if MAKES[maker] == made:
-                            wakes[maker][s].append(((stage - s) * M * 8 + kind - maker,
-                                                    ranks[stage]))
-        self.wakes = [[tuple(w) for w in by_stage] for by_stage in wakes]
+                            wakes[maker][p].append((delta(p, place) * 8 + kind - maker,
+                                                    ranks[place // K]))
+        self.wakes = [[tuple(w) for w in by_place] for by_place in wakes]
 
-    def inputs(self, stage: int, kind: int) -> tuple[tuple[int, int], ...]:
-        """What the action of kind code ``kind`` on ``stage`` reads, as ``(stage, FORWARD or
-        GRADIENT)`` of the same microbatch: the dependency rule (module docstring)."""
+    def place(self, key: int) -> int:
+        """The place (the tables' index) of unit ``key``: its stage when ``seq_chunks`` is 1."""
+        K = self.seq_chunks
+        return key // self.num_microbatches if K == 1 else \
+            key // self.num_microbatches * K + key % K
+
+    def inputs(self, place: int, kind: int) -> tuple[tuple[int, int], ...]:
+        """What the action of kind code ``kind`` at ``place`` reads, as ``(place, FORWARD or
+        GRADIENT)`` of the same microbatch: the dependency rule (module docstring). With
+        ``seq_chunks`` 1 a place is a stage."""
+        K = self.seq_chunks
+        stage, piece = divmod(place, K)
         if kind == F_CODE:
-            return tuple((s, FORWARD) for s in self.graph.before[stage])
+            found = tuple((s * K + piece, FORWARD) for s in self.graph.before[stage])
+            return found + ((place - 1, FORWARD),) if piece > 0 else found
         if kind == W_CODE:
-            return ((stage, GRADIENT),)
+            return ((place, GRADIENT),)
         after = self.graph.after[stage]
-        return tuple((s, GRADIENT) for s in after) if after else ((stage, FORWARD),)
+        found = tuple((s * K + piece, GRADIENT) for s in after) if after else \
+            ((place, FORWARD),)
+        return found + ((place + 1, GRADIENT),) if piece < K - 1 else found
 
     def missing(self) -> list[int]:
         """Per code, how many of the action's inputs are not made yet, before anything ran."""
         out: list[int] = []
-        for counts in self._counts:
-            out += counts * self.num_microbatches
+        K = self.seq_chunks
+        if K == 1:
+            for counts in self._counts:
+                out += counts * self.num_microbatches
+            return out
+        for stage in range(len(self.stage_ranks)):
+            by_slice = self._counts[stage * K:(stage + 1) * K]
+            out += [c for _ in range(self.num_microbatches // K) for counts in by_slice
+                    for c in counts]
         return out
 
 
@@ -217,7 +244,7 @@ class Walk:
 
     ``dependencies`` is the rule as tables: a :class:`Dependencies`, or anything with its
     ``num_microbatches``, ``missing()`` (per code, the inputs not yet made) and ``wakes``
-    (``[kind][key // num_microbatches]``: ``(code offset, rank)`` of each action that reads
+    (``[kind][place]``, :meth:`Dependencies.place`: ``(code offset, rank)`` of each action that reads
     what this one makes) - torch's runtime, in :mod:`pp_core.schedule.torch_comms_check`, is
     one more such rule over the cells of a CSV file.
     """
@@ -248,6 +275,7 @@ class Walk:
         """
         rows, missing, wakes = self.rows, self._missing, self.dependencies.wakes
         ptr, blocked, M = self.ptr, self._blocked, self.dependencies.num_microbatches
+        K = getattr(self.dependencies, "seq_chunks", 1)
         if one_per_turn:
             pop, push = heapq.heappop, heapq.heappush
         else:  # any order gives the same answer: a stack is the cheapest
@@ -273,7 +301,8 @@ class Walk:
                         stage = key // M
                         if visit is not None and visit(r, c, key, stage, kind):
                             break
-                        for offset, t in wakes[kind][stage]:
+                        for offset, t in wakes[kind][stage if K == 1 else
+                                                      stage * K + key % K]:
                             missing[c + offset] -= 1
                             if blocked[t]:
                                 blocked[t] = False

@@ -57,7 +57,7 @@ def replay_shared(schedule: Schedule, encoded: list[list[int]], cost, latency: f
             finished[r] = False
             return False
         ready = free_at[r]
-        for offset in arrivals[kind][stage]:
+        for offset in arrivals[kind][dependencies.place(key)]:
             ready = max(ready, made[2 * key + offset] + latency)
         if ready > now + _EPS:
             due[r] = ready

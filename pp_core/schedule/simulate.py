@@ -13,7 +13,9 @@ Figures:
 * **span bubble**: ``max over ranks of (last end - first start - busy)`` (the ZB papers' figure;
   it ignores the staggered start that only overlaps a previous iteration).
 * **peak in-flight activations** per rank: max number of ``(stage, microbatch)`` pairs whose F
-  has started and whose B (or W, when the backward is split) has not finished; in bytes too when
+  has started and whose B (or W, when the backward is split) has not finished (with sequence
+  slices, ``Schedule.seq_chunks = K``, a slice counts ``1/K`` and costs ``1/K`` of each action's
+  cost: the figures stay in microbatches and are comparable across K); in bytes too when
   ``activation_bytes`` (per stage) is given, plus, with ``input_grad_held_bytes``, what a split
   backward's I adds until its W (the gradients W restarts from).
 """
@@ -143,7 +145,8 @@ class SimResult:
             "pp": s.num_ranks,
             "num_stages": s.num_stages,
             "stages_per_rank": [len(s.stages_of(r)) for r in range(s.num_ranks)],
-            "microbatches": s.num_microbatches,
+            "microbatches": s.num_sequences,
+            "seq_chunks": s.seq_chunks,
             "costs": self.costs.to_dict(),
             "comm_latency": _num(self.comm_latency),
             "processors": None if self.processors is None else _num(self.processors),
@@ -153,7 +156,7 @@ class SimResult:
             "span_bubble": _num(self.span_bubble),
             "busy": [_num(b) for b in self.busy],
             "idle": [_num(i) for i in self.idle],
-            "peak_activations": list(self.peak_activations),
+            "peak_activations": [_num(p) for p in self.peak_activations],
         }
         if self.peak_activation_bytes is not None:
             out["peak_activation_bytes"] = [_num(b) for b in self.peak_activation_bytes]
@@ -201,6 +204,11 @@ def simulate(
     stage_bytes = bytes_per_stage(activation_bytes if held is None or activation_bytes is not None
                                else 0.0, schedule.num_stages)
     cost = costs.table(schedule.num_stages)
+    K = schedule.seq_chunks
+    if K > 1:  # the costs are a whole microbatch's: a slice takes its share
+        cost = [tuple(c / K for c in row) for row in cost]
+        stage_bytes = None if stage_bytes is None else [b / K for b in stage_bytes]
+        held = None if held is None else [b / K for b in held]
     ends = None
     with gc_paused():
         encoded = encode_validated(schedule, check_deadlock=False)
@@ -236,7 +244,7 @@ def simulate(
             last.append(0.0)
         else:  # shared processors stretch actions: their ends are the replay's own
             last.append(ends[r][-1] if ends is not None else st[-1] + cost[stages[-1]][kinds[-1]])
-        peaks.append(peak)
+        peaks.append(peak if K == 1 else peak / K)  # in microbatches, slices counted as 1/K
         if stage_bytes is not None:
             peak_bytes.append(rank_peak_bytes(row, M, stage_bytes, held))
     return SimResult(
@@ -259,10 +267,12 @@ def _replay(schedule: Schedule, encoded: list[list[int]], cost,
     clock = [0.0] * len(encoded)
     starts: list[list[float]] = [[] for _ in encoded]
 
+    place = dependencies.place
+
     def visit(r: int, _code: int, key: int, stage: int, kind: int) -> None:
         t = clock[r]
         at = 2 * key
-        for offset in arrivals[kind][stage]:
+        for offset in arrivals[kind][place(key)]:
             ready = ends[at + offset] + latency
             if ready > t:
                 t = ready

@@ -59,7 +59,7 @@ def encode_validated(schedule: Schedule, check_deadlock: bool = True) -> list[li
         walk_or_raise(schedule, encoded)
     schedule.__dict__["_validated"] = Validated(
         tuple(map(tuple, schedule.actions)), tuple(schedule.stage_ranks), num_microbatches,
-        schedule.edges, encoded, check_deadlock, idle)
+        schedule.edges, encoded, check_deadlock, idle, schedule.seq_chunks)
     return encoded
 
 
@@ -75,6 +75,7 @@ class Validated(NamedTuple):
     codes: list[list[int]]
     deadlock_free: bool  # the walk ran to its end (check_deadlock)
     idle: bool  # some row has idle steps, which the codes leave out
+    seq_chunks: int = 1
 
 
 def validated(schedule: Schedule, deadlock_free: bool = False) -> Validated | None:
@@ -85,7 +86,8 @@ def validated(schedule: Schedule, deadlock_free: bool = False) -> Validated | No
         return None
     actions = schedule.actions
     same = known.num_microbatches == schedule.num_microbatches and \
-        known.edges == schedule.edges and known.stage_ranks == tuple(schedule.stage_ranks) and \
+        known.edges == schedule.edges and known.seq_chunks == schedule.seq_chunks and \
+        known.stage_ranks == tuple(schedule.stage_ranks) and \
         isinstance(actions, (list, tuple)) and len(actions) == len(known.rows) and \
         all(isinstance(row, (list, tuple)) and tuple(row) == was
             for row, was in zip(actions, known.rows))
@@ -122,6 +124,12 @@ def _check_shape(schedule: Schedule) -> tuple[int, int, int]:
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ScheduleError(f"schedule {schedule.name!r}: num_microbatches must be an int >= 1, "
                             f"got {num_microbatches!r}")
+    chunks = schedule.seq_chunks
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or \
+            num_microbatches % chunks:
+        raise ScheduleError(f"schedule {schedule.name!r}: seq_chunks={chunks!r} must be an int "
+                            f">= 1 that divides num_microbatches={num_microbatches} (the units: "
+                            f"microbatches times slices)")
     return num_ranks, num_stages, num_microbatches
 
 

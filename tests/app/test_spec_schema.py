@@ -85,6 +85,8 @@ SNAPSHOT = {
         ("pp_recv_buffer_pool", "flag", False, "PipelineConfig.pp_recv_buffer_pool"),
         ("pp_recv_buffer_pool_slack", "integer(maximum=None, minimum=0, word='an int >= 0')", 2,
          "PipelineConfig.pp_recv_buffer_pool_slack"),
+        ("pp_seq_chunks", "integer(maximum=None, minimum=1, word='a positive int')", 1,
+         "PipelineConfig.pp_seq_chunks"),
     ],
     "distributed": [
         ("pp_size", "integer(maximum=None, minimum=1, word='a positive int')", 2,

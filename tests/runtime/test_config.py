@@ -18,6 +18,7 @@ DESIGN_DEFAULTS = {
     "patch_stage_backward_maybe_with_nosync": False, "dtype": None,
     "scale_grads_in_schedule": False, "loss_fn": None, "pp_seq_len": None,
     "pp_recv_buffer_pool": False, "pp_recv_buffer_pool_slack": 2,
+    "pp_seq_chunks": 1,  # DESIGN "Long sequences"
 }
 
 
@@ -34,6 +35,14 @@ def test_fields_and_defaults_are_exactly_the_design():
      r"pp_batch_size=10 is not divisible by pp_microbatch_size=4; use pp_batch_size=8 or 12"),
     ({"pp_recv_buffer_pool_slack": True}, r"pp_recv_buffer_pool_slack=True must be an int >= 0 \(a bool"),
     ({"pp_recv_buffer_pool_slack": -1}, r"pp_recv_buffer_pool_slack=-1 must be an int >= 0"),
+    ({"pp_seq_chunks": 0}, r"pp_seq_chunks=0 must be a positive int"),
+    ({"pp_seq_chunks": 2.0}, r"pp_seq_chunks=2.0 must be a positive int"),
+    ({"pp_seq_chunks": 2, "pp_schedule_csv": "s.csv"},
+     r"pp_seq_chunks=2 cannot run the CSV schedule 's.csv': a CSV orders whole microbatches"),
+    ({"pp_seq_chunks": 3, "pp_seq_len": 64},
+     r"pp_seq_chunks=3 must divide pp_seq_len=64 into equal slices; use a divisor of 64 such "
+     r"as 2"),
+    ({"pp_seq_chunks": 128, "pp_seq_len": 64}, r"pp_seq_chunks=128 must divide pp_seq_len=64"),
     ({"pp_recv_buffer_pool_slack": 1.5}, r"pp_recv_buffer_pool_slack=1.5"),
     ({"round_virtual_stages_to_pp_multiple": "nearest"},
      r"round_virtual_stages_to_pp_multiple='nearest' must be None, 'up' or 'down'"),

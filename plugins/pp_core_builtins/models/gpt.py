@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as functional
 from torch import nn
 
+from pp_core import current_seq_slice
 from pp_core_builtins.models.arg_types import check_arg_types
 
 __all__ = ["GPT", "Block", "uneven_gpt", "document_mask"]
@@ -76,6 +77,11 @@ class Block(nn.Module):
         batch, seq, width = qkv.shape
         q, k, v = qkv.split(width // 3, dim=-1)
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        piece = current_seq_slice()
+        if piece is not None:  # a sequence slice: attend over the earlier slices' keys too
+            k, v = piece.keys_values(self, k, v, dim=2)
+            if mask is None:
+                mask = piece.causal_mask(seq, k.shape[2], k.device)
         if mask is None:
             attended = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -84,7 +90,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A small decoder-only language model: ``forward(tokens [B, S]) -> logits [B, S, vocab]``."""
+    """A small decoder-only language model: ``forward(tokens [B, S]) -> logits [B, S, vocab]``.
+
+    Sequence slices (``pipeline.pp_seq_chunks``): under a current
+    :func:`pp_core.current_seq_slice` a forward takes one slice; positions continue from the
+    slice's offset, attention reads the earlier slices' keys and values, and a packed row's
+    document mask is built from the whole prefix's position ids."""
+
+    pp_seq_slices = True
 
     def __init__(self, vocab_size: int = 256, dim: int = 64, num_layers: int = 4,
                  num_heads: int = 4, max_seq_len: int = 256, mlp_ratio: int = 4,
@@ -120,17 +133,21 @@ class GPT(nn.Module):
         """``input_ids`` on the first stage, the hidden states on later ones; ``position_ids``
         (packed rows) as described in the module docstring."""
         x = input_ids
+        piece = current_seq_slice()
         if self.tok_embeddings is not None:
             if x.shape[1] > self.max_seq_len:
                 raise ValueError(f"sequence length {x.shape[1]} exceeds max_seq_len="
                                  f"{self.max_seq_len}; raise model.args.max_seq_len")
             # [B, S] always (packed rows bring their own): one layout for the tp plan's shard
-            positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1) \
-                if position_ids is None else position_ids
+            start = 0 if piece is None else piece.offset(x.shape[1])
+            positions = torch.arange(start, start + x.shape[1], device=x.device).expand(
+                x.shape[0], -1) if position_ids is None else position_ids
             x = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
                 x = x + self.pos_embeddings(positions)
-        mask = None if position_ids is None else document_mask(position_ids)
+        mask = None if position_ids is None else document_mask(position_ids) if piece is None \
+            else document_mask(piece.prefix(self, "position_ids", position_ids))[
+                ..., -position_ids.shape[-1]:, :]
         layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
         for layer in layers:
             x = layer(x) if mask is None else layer(x, mask)

@@ -176,6 +176,8 @@ class MoEGPT(GPT):
             raise ValueError(f"moe_gpt: moe_hidden={moe_hidden} must be at least 1 (the experts' "
                              f"hidden width), or left out for mlp_ratio * dim")
         nn.Module.__init__(self)
+        # the router's losses are means over a forward's tokens: exact over slices only when off
+        self.pp_seq_slices = aux_loss_coef == 0 and z_loss_coef == 0
         hidden = moe_hidden or mlp_ratio * dim
         self.max_seq_len = max_seq_len
         self.tok_embeddings = nn.Embedding(vocab_size, dim)

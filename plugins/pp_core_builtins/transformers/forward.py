@@ -28,8 +28,10 @@ import types
 import torch
 from torch import nn
 
-from pp_core import ConfigError
+from pp_core import ConfigError, current_seq_slice
 from pp_core.errors import DISTRIBUTION
+from pp_core_builtins.transformers.slices import (SliceCache, check_layer_kind, slice_mask,
+                                                  slice_positions)
 
 __all__ = ["DecoderAdapter", "GemmaAdapter", "MRopeAdapter", "BUILTIN_ADAPTERS",
            "patch_text_module", "patch_causal_lm", "text_stage_forward"]
@@ -233,7 +235,9 @@ def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
             attention_mask = attention_mask.to(torch.long)
         if position_ids is None:  # the whole sequence's, also when ``hidden`` is a shard
             length = (input_ids if embeds is None else embeds).shape[1]
-            position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)
+            position_ids = torch.arange(length, device=hidden.device).unsqueeze(0) \
+                if current_seq_slice() is None else \
+                slice_positions(current_seq_slice(), length, hidden.device)
         if embeds is not None and getattr(self, "pp_sequence_shards", None) is not None:
             hidden = _sequence_shard(embeds, self.pp_sequence_shards)
     else:
@@ -246,8 +250,18 @@ def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
     masks: dict[str, object] = {}
     whole = _whole_sequence(self, hidden, position_ids)
     position_embeddings = adapter.position_embeddings(self, whole, position_ids)
+    piece = current_seq_slice()
     for index, layer in _layers(self):
         kind = adapter.attention_type(self, layer, index)
+        if piece is not None:  # a sequence slice (pp_core_builtins.transformers.slices)
+            check_layer_kind(kind, self)
+            if kind not in masks:
+                masks[kind] = slice_mask(piece, self, position_ids, attention_mask)
+            out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
+                        position_embeddings=position_embeddings,
+                        cache=SliceCache(piece, layer))
+            hidden = out[0] if isinstance(out, tuple) else out
+            continue
         if kind not in masks:
             masks[kind] = adapter.attention_mask(self, kind, whole, attention_mask, position_ids)
         hidden = adapter.call_layer(layer, hidden, masks[kind], position_embeddings, position_ids)
@@ -304,3 +318,4 @@ def patch_causal_lm(root: nn.Module, text_name: str, head_name: str | None,
     forward = functools.partial(causal_lm_stage_forward, text_name=text_name, head_name=head_name,
                                 adapter=adapter)
     root.forward = types.MethodType(forward, root)
+    root.pp_seq_slices = True  # its text module takes slices (full attention under sdpa)

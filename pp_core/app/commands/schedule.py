@@ -147,6 +147,9 @@ def _add_common(sub) -> None:
     sub.add_argument("--microbatches", "-m", type=int, metavar="M", help="microbatches per step")
     sub.add_argument("--stages-per-rank", "-v", type=int, metavar="V",
                      help="stages per rank (default: the schedule's own)")
+    sub.add_argument("--seq-chunks", "-k", type=int, metavar="K",
+                     help="cut each microbatch into K sequence slices scheduled as units "
+                          "(pipeline.pp_seq_chunks; default 1); figures stay in microbatches")
     for kind, default in (("f", 1.0), ("b", 2.0), ("i", 1.0), ("w", 1.0)):
         sub.add_argument(f"--cost-{kind}", type=_amount(float, positive=True), default=default, metavar="X",
                          help=f"time of one {kind.upper()} action (default {default:g})")
@@ -188,6 +191,13 @@ def _schedule(args):
     if args.csv and args.name:
         raise ScheduleError(f"give a schedule NAME or --csv FILE, not both (got {args.name!r} "
                             f"and --csv {args.csv!r})")
+    chunks = 1 if args.seq_chunks is None else args.seq_chunks
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ScheduleError(f"--seq-chunks {chunks!r}: the slices per microbatch must be an int "
+                            f">= 1")
+    if args.csv and chunks > 1:
+        raise ScheduleError(f"--seq-chunks {chunks} cannot take --csv {args.csv!r}: a CSV orders "
+                            f"whole microbatches (torch's have no slices); name a schedule")
     if args.csv:
         schedule = read_csv(args.csv, format="auto")
         if args.pp is not None or args.microbatches is not None or args.stages_per_rank:
@@ -206,7 +216,7 @@ def _schedule(args):
         raise ScheduleError(f"schedule {args.name!r} needs {' and '.join(missing)} "
                             f"(e.g. --pp 4 --microbatches 8)")
     return build_schedule(args.name, num_ranks=args.pp, num_microbatches=args.microbatches,
-                          stages_per_rank=args.stages_per_rank)
+                          stages_per_rank=args.stages_per_rank, seq_chunks=chunks)
 
 
 def _from_pipeline_file(args) -> None:
@@ -235,6 +245,8 @@ def _from_pipeline_file(args) -> None:
                             f"'pp-core plan {source}' shows the choice")
     if args.pp is None:
         args.pp = dist.get("pp_size", 1)
+    if args.seq_chunks is None and isinstance(pipeline.get("pp_seq_chunks"), int):
+        args.seq_chunks = pipeline["pp_seq_chunks"]
     if args.microbatches is None:
         batch, micro = pipeline.get("pp_batch_size") or 1, pipeline.get("pp_microbatch_size") or 1
         args.microbatches = batch // micro if isinstance(batch, int) and isinstance(micro, int) \
@@ -335,6 +347,10 @@ def _recv_buffers(schedule, args) -> dict:
 def _export(args) -> int:
     named = None if args.torch_version is None else release_dialect(args.torch_version)
     schedule = _schedule(args)
+    if schedule.seq_chunks > 1:
+        raise ScheduleError(f"--seq-chunks {schedule.seq_chunks}: a CSV (torch's format) orders "
+                            f"whole microbatches and has no slices; export with --seq-chunks 1, "
+                            f"or look at the sliced order with 'pp-core schedule show'")
     trainable = _trainable(args.frozen, schedule.num_stages) if args.frozen else None
     schedule = without_frozen(schedule, trainable)  # the program a LoRA run executes
     dialect = None

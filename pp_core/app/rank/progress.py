@@ -161,6 +161,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary.get("valid_tokens_per_s") is not None:  # a dataset with integer targets
         lines.append(f"  valid tokens {summary['valid_tokens_per_s']:,.0f}/s (mean), padding "
                      f"{summary['padding_fraction']:.1%}, {summary['docs']:,.1f} documents/step")
+    if summary.get("peak_saved_bytes"):  # measured: what autograd held saved, per rank
+        lines.append("  peak saved for backward per rank: " + ", ".join(
+            f"{b / 2**20:,.2f} MiB" for b in summary["peak_saved_bytes"]))
     planned = summary.get("plan")
     if planned:
         measured = planned.get("measured_step_s")

@@ -178,6 +178,12 @@ class RunRecorder:
                              "lr": lr, "grad_norm": grad_norm,
                              "time": round(started + self.clock_offset, 3)})
 
+    def note_saved(self, peaks: list[int]) -> int:
+        """Keep each rank's most ``peak_saved_bytes`` over the run; the step's worst rank's."""
+        kept = getattr(self, "saved_peaks", None) or [0] * len(peaks)
+        self.saved_peaks = [max(a, b) for a, b in zip(kept, peaks)]
+        return max(peaks)
+
     def record_eval(self, step: int, loss: float | None) -> None:
         self.eval_loss = loss
         if loss is None:
@@ -272,6 +278,7 @@ class RunRecorder:
                                                               "slow_steps")}
                       for r in ranks],
             "holds": _holds(self.pipe),
+            "peak_saved_bytes": getattr(self, "saved_peaks", None),
             "outputs": {"metrics": out.metrics, "trace": out.trace,
                         "schedule image": out.schedule_image,
                         "checkpoints": spec.checkpoint.dir},

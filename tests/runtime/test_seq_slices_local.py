@@ -1,0 +1,93 @@
+"""``pp_seq_chunks`` in one process: what it refuses before any traffic (one line naming the
+key), and evaluation with slices (loss and outputs equal K = 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pp_core import ConfigError, PipelineConfig, build_pipeline
+from pp_core_builtins.models.gpt import GPT
+from pp_core_builtins.models.moe_gpt import MoEGPT
+
+
+def _config(**overrides):
+    return PipelineConfig(**{"pp_schedule": "gpipe", "pp_batch_size": 2, "loss_fn": "cross_entropy",
+                             "pp_microbatch_size": 1, "pp_seq_chunks": 2, **overrides})
+
+
+def test_a_model_whose_attention_takes_no_slices_is_refused_by_name():
+    with pytest.raises(ConfigError) as caught:
+        build_pipeline(nn.Sequential(nn.Linear(4, 4)), _config())
+    assert str(caught.value) == (
+        "pipeline.pp_seq_chunks > 1: model 'Sequential' cannot take sequence slices (its "
+        "attention does not read the earlier slices' keys and values: no pp_seq_slices = True); "
+        "set pp_seq_chunks: 1, or use gpt, moe_gpt or a supported Hugging Face decoder")
+    with pytest.raises(ConfigError, match="model 'MoEGPT' cannot take sequence slices"):
+        build_pipeline(MoEGPT(vocab_size=16, dim=8, num_layers=1, num_heads=2), _config())
+    build_pipeline(MoEGPT(vocab_size=16, dim=8, num_layers=1, num_heads=2, aux_loss_coef=0.0),
+                   _config())  # the router's losses off: exact over slices
+
+
+def test_a_loss_not_normalised_over_tokens_is_refused():
+    with pytest.raises(ConfigError, match=r"pp_seq_chunks > 1 needs a loss normalised over the "
+                                          r"step's valid tokens"):
+        build_pipeline(GPT(vocab_size=16, dim=8, num_layers=1, num_heads=2),
+                       _config(loss_fn=lambda out, target: out.float().mean()))
+
+
+def test_a_sequence_the_slices_do_not_divide_is_refused():
+    pipe = build_pipeline(GPT(vocab_size=16, dim=8, num_layers=1, num_heads=2),
+                          _config(pp_seq_chunks=4))
+    ids = torch.randint(0, 16, (2, 6))
+    with pytest.raises(ConfigError) as caught:
+        pipe.step(ids, target=ids)
+    assert str(caught.value) == (
+        "pipeline.pp_seq_chunks=4 cannot cut inputs of 6 tokens per sequence into equal slices; "
+        "use a divisor of 6 (e.g. 3)")
+
+
+def test_eval_with_slices_equals_the_unsliced_eval():
+    import copy
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, dim=32, num_layers=2, num_heads=2, max_seq_len=32)
+    ids = torch.randint(0, 64, (4, 16))
+    inputs = {"input_ids": ids,
+              "position_ids": torch.cat([torch.arange(5), torch.arange(11)]).repeat(4, 1)}
+    found = {}
+    for k in (1, 4):
+        pipe = build_pipeline(copy.deepcopy(model), _config(pp_schedule="1f1b", pp_batch_size=4,
+                                                            pp_microbatch_size=2, pp_seq_chunks=k))
+        found[k] = pipe.eval_step(inputs, target=ids), pipe.eval_step(inputs)
+    assert abs(float(found[1][0] - found[4][0])) <= 1e-5
+    assert found[4][1].shape == (4, 16, 64)
+    assert torch.allclose(found[1][1], found[4][1], atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_hf_decoders_with_slices_equal_the_unsliced_step(model_type):
+    """Through the HF plugin's patched attention (sdpa): packed position ids, the HF loss's
+    label shift done once over the whole row."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from pp_core_builtins.transformers import causal_lm_loss, hf_causal_lm
+    from tests.cases.hf import batch, tiny_config
+
+    model = hf_causal_lm(tiny_config(model_type, 2), seed=0, attn_implementation="sdpa")
+    inputs, labels = batch(4, padding=False)
+    seq = labels.shape[1]
+    inputs = {"input_ids": inputs["input_ids"],
+              "position_ids": torch.cat([torch.arange(3), torch.arange(seq - 3)]).repeat(4, 1)}
+    found = {}
+    for k in (1, 2):
+        pipe = build_pipeline(copy.deepcopy(model), _config(
+            pp_schedule="1f1b", pp_batch_size=4, pp_microbatch_size=2, pp_seq_chunks=k,
+            loss_fn=causal_lm_loss))
+        loss = pipe.step(inputs, target=labels)
+        found[k] = loss, {n: p.grad for part in pipe.model_parts
+                          for n, p in part.named_parameters()}
+    assert abs(float(found[1][0] - found[2][0])) <= 1e-5
+    assert max(float((found[1][1][n] - found[2][1][n]).abs().max()) for n in found[1][1]) <= 1e-5
