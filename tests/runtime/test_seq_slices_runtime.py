@@ -35,14 +35,16 @@ def slices_case(schedule: str, use_dp: bool, chunks=(2, 4)):
     from pp_core import PipelineConfig, build_pipeline
     from pp_core_builtins.models.gpt import GPT
 
+    from tests.cases.fsdp import pp_dp_meshes
+
     rank = dist.get_rank()
+    run_meshes = pp_dp_meshes() if use_dp else None  # pp outermost: dp rank = rank % 2
     pp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
-    dp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
     torch.manual_seed(0)
     model = GPT(vocab_size=64, dim=32, num_layers=4, num_heads=2, max_seq_len=32)
     inputs, target = _batch(8, 16)
     if use_dp:  # this dp rank's half of the global batch
-        share = slice(4 * (rank // 2), 4 * (rank // 2 + 1))
+        share = slice(4 * run_meshes.dp_rank, 4 * (run_meshes.dp_rank + 1))
         inputs, target = {k: v[share] for k, v in inputs.items()}, target[share]
     else:
         inputs, target = {k: v[:4] for k, v in inputs.items()}, target[:4]
@@ -50,8 +52,8 @@ def slices_case(schedule: str, use_dp: bool, chunks=(2, 4)):
     for k in (1, *chunks):
         config = PipelineConfig(pp_schedule=schedule, pp_batch_size=4, pp_microbatch_size=1,
                                 loss_fn="cross_entropy", pp_seq_chunks=k)
-        pipe = build_pipeline(copy.deepcopy(model), config, pp_group=pp,
-                              dp_group=dp if use_dp else None)
+        pipe = build_pipeline(copy.deepcopy(model), config, meshes=run_meshes) if use_dp \
+            else build_pipeline(copy.deepcopy(model), config, pp_group=pp)
         optimizer = torch.optim.SGD([p for part in pipe.model_parts for p in part.parameters()],
                                     lr=0.5)
         losses = []
