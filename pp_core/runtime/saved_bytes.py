@@ -26,12 +26,17 @@ def _pointer(tensor):
 
 
 class _Held:
-    """A saved tensor's handle; dropping it (the graph freed it) gives its bytes back."""
+    """A saved tensor's handle; dropping it (the graph freed it) gives its bytes back.
+
+    It keeps the tensor *detached*: a saved output's ``grad_fn`` is the node that saves it, so
+    holding the tensor itself would make a reference cycle (node -> handle -> tensor -> node)
+    that keeps the graph, and through its AccumulateGrad nodes the parameters, alive until the
+    cycle collector runs. Autograd restores the history itself when it unpacks."""
 
     __slots__ = ("tensor", "key", "meter")
 
     def __init__(self, tensor, key, meter):
-        self.tensor, self.key, self.meter = tensor, key, meter
+        self.tensor, self.key, self.meter = tensor.detach(), key, meter
 
     def __del__(self):
         if self.key is not None:
@@ -48,7 +53,7 @@ class SavedBytes:
         self._skip: set = set()  # the parameters' storages
 
     def _pack(self, tensor):
-        if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
+        if tensor.is_meta:
             return _Held(tensor, None, self)
         key = _pointer(tensor)
         if key is None:  # a tensor subclass without one (DTensor, FSDP's), or freed storage
