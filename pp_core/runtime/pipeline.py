@@ -48,8 +48,7 @@ from pp_core.runtime.microbatch import (kwargs_chunk_dims, merge_microbatches,
                                         split_microbatches, to_device)
 from pp_core.runtime.observers import ActionTrace
 from pp_core.runtime.saved_bytes import SavedBytes
-from pp_core.runtime.seq_slices import (check_sliceable, cut_sequence, join_sequence,
-                                        shift_labels)
+from pp_core.runtime.seq_slices import cut_units, join_sequence, shift_labels, sliced_loss
 from pp_core.runtime.stage import Stage
 from pp_core.runtime.token_loss import resolve_dp_group, step_token_count
 from pp_core.schedule.ir import Schedule
@@ -120,17 +119,11 @@ class Pipeline:
                 f"the schedule runs {self.num_microbatches} microbatches but pp_batch_size="
                 f"{config.pp_batch_size} / pp_microbatch_size={config.pp_microbatch_size} gives "
                 f"{config.num_microbatches}")
-        self.loss_fn = None
-        if config.loss_fn is not None:
-            self.loss_fn = resolve_loss(config.loss_fn)
+        self.loss_fn = None if config.loss_fn is None else resolve_loss(config.loss_fn)
         self.counts_tokens = self.loss_fn is not None and counts_tokens(self.loss_fn)
         """Whether the loss is token-normalised over the step (:mod:`~.token_loss`)."""
-        self._shift_targets = False
-        if self.seq_chunks > 1:
-            check_sliceable(model_parts, self.loss_fn, self.counts_tokens)
-            if getattr(self.loss_fn, "shifts_labels", False):  # shifting inside a slice would
-                # lose each slice's last target: shift the whole row once, then plain CE
-                self.loss_fn, self._shift_targets = resolve_loss("cross_entropy"), True
+        self.loss_fn, self._shift_targets = sliced_loss(model_parts, self.loss_fn,
+                                                        self.counts_tokens, self.seq_chunks)
         self.meshes = meshes
         """The run's :class:`~pp_core.parallel.dims.Meshes` (``None``: pipeline only): the loss
         counts tokens over ``meshes.loss_group``; ``step`` ends with
@@ -285,14 +278,12 @@ class Pipeline:
                                 f"create a new process group and pipeline to continue")
 
     def _split(self, value, what: str) -> list:
-        cfg = self.config
         dims = {} if what == "target" else kwargs_chunk_dims(self._chunk_dims_of, value)
         if what == "target" and self._shift_targets:
             value = shift_labels(value)
-        parts = split_microbatches(value, self.num_microbatches, cfg.pp_batch_size, what, dims)
-        if self.seq_chunks > 1:  # each microbatch's slices, in unit order
-            parts = [piece for part in parts for piece in cut_sequence(part, self.seq_chunks,
-                                                                        what)]
+        parts = cut_units(split_microbatches(value, self.num_microbatches,
+                                             self.config.pp_batch_size, what, dims),
+                          self.seq_chunks, what)
         return [to_device(part, self.device, self.dtype if what != "target" else None)
                 for part in parts]
 

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from pp_core.errors import ConfigError
+from pp_core.losses import resolve_loss
 from pp_core.runtime.microbatch import _rebuild, iter_tensors
 
 __all__ = ["SeqSlice", "current_seq_slice", "running", "backward_roots", "cut_sequence",
@@ -162,6 +163,26 @@ def join_sequence(outputs: list, count: int) -> list:
         return head
 
     return [join(outputs[i:i + count]) for i in range(0, len(outputs), count)]
+
+
+def cut_units(parts: list, count: int, what: str) -> list:
+    """Each microbatch's ``count`` slices, in the schedule's unit order (``count`` 1: as given)."""
+    if count == 1:
+        return parts
+    return [piece for part in parts for piece in cut_sequence(part, count, what)]
+
+
+def sliced_loss(model_parts, loss_fn, counts_tokens: bool, count: int):
+    """``(loss_fn, shift_targets)`` a step of ``count`` slices per microbatch runs, the model
+    and loss checked (:func:`check_sliceable`). A loss that shifts its labels would lose each
+    slice's last target: the whole row is shifted once instead (:func:`shift_labels`), then the
+    loss is plain ``cross_entropy``."""
+    if count == 1:
+        return loss_fn, False
+    check_sliceable(model_parts, loss_fn, counts_tokens)
+    if getattr(loss_fn, "shifts_labels", False):
+        return resolve_loss("cross_entropy"), True
+    return loss_fn, False
 
 
 def check_sliceable(model_parts, loss_fn, counts_tokens: bool) -> None:

@@ -12,6 +12,7 @@ import json
 import math
 import sys
 
+from pp_core.app.commands.schedule_file import fill_from_pipeline_file
 from pp_core.app.output_paths import pipeline_reads, refuse_collisions
 from pp_core.errors import PPCoreError, ScheduleError
 from pp_core.schedule.buffer_plan import recv_buffer_report
@@ -187,7 +188,7 @@ def _schedule(args):
             raise ScheduleError(too_large)
 
     if args.name and args.name.endswith((".yaml", ".yml")):
-        _from_pipeline_file(args)
+        fill_from_pipeline_file(args)
     if args.csv and args.name:
         raise ScheduleError(f"give a schedule NAME or --csv FILE, not both (got {args.name!r} "
                             f"and --csv {args.csv!r})")
@@ -217,44 +218,6 @@ def _schedule(args):
                             f"(e.g. --pp 4 --microbatches 8)")
     return build_schedule(args.name, num_ranks=args.pp, num_microbatches=args.microbatches,
                           stages_per_rank=args.stages_per_rank, seq_chunks=chunks)
-
-
-def _from_pipeline_file(args) -> None:
-    """NAME is a pipeline file: its schedule (or CSV), pp_size, microbatches (pp_batch_size /
-    pp_microbatch_size) and stages per rank (of its FQN lists) fill the flags not given. Read as
-    YAML alone: the schedule commands import no torch, and the model is not built."""
-    from pathlib import Path  # lazy: only for a pipeline file
-
-    from pp_core.app.spec.yaml import YamlProblem, read_yaml
-    from pp_core.config import is_auto
-
-    source = args.name
-    try:
-        data = read_yaml(Path(source).read_bytes()) or {}
-    except (OSError, YamlProblem) as exc:
-        raise ScheduleError(f"{source}: {getattr(exc, 'strerror', None) or exc}") from None
-    sections = data if isinstance(data, dict) else {}
-    pipeline, dist = (sections.get(k) if isinstance(sections.get(k), dict) else {}
-                      for k in ("pipeline", "distributed"))
-    csv, args.name = pipeline.get("pp_schedule_csv"), pipeline.get("pp_schedule") or "1f1b"
-    if csv:
-        beside = Path(source).parent / str(csv)  # as the run reads it: relative to the file
-        args.csv, args.name = (str(beside) if beside.is_file() else str(csv)), None
-    elif is_auto(args.name):
-        raise ScheduleError(f"{source}: pipeline.pp_schedule: auto is chosen when the run starts; "
-                            f"'pp-core plan {source}' shows the choice")
-    if args.pp is None:
-        args.pp = dist.get("pp_size", 1)
-    if args.seq_chunks is None and isinstance(pipeline.get("pp_seq_chunks"), int):
-        args.seq_chunks = pipeline["pp_seq_chunks"]
-    if args.microbatches is None:
-        batch, micro = pipeline.get("pp_batch_size") or 1, pipeline.get("pp_microbatch_size") or 1
-        args.microbatches = batch // micro if isinstance(batch, int) and isinstance(micro, int) \
-            and micro > 0 else batch
-    fqns = pipeline.get("module_fqns_per_model_part")
-    if args.stages_per_rank is None and isinstance(fqns, list) and isinstance(args.pp, int) \
-            and args.pp > 0 and len(fqns) > args.pp:
-        args.stages_per_rank = len(fqns) // args.pp
 
 
 def _simulated(args):

@@ -22,11 +22,8 @@ from pp_core.app.rank.output_files import MetricsFile, write_output
 from pp_core.app.rank.progress import format_summary
 from pp_core.app.rank.timing import ActionTimer, StepTotals, peak_memory
 from pp_core.devices import cpu_cores
+from pp_core.app.rank.simulated import run_picture, simulate_measured
 from pp_core.schedule.labels import KINDS, WAIT, category
-from pp_core.schedule.render import render_svg
-from pp_core.schedule.run_picture import (MeasuredRank, render_run_svg, steady_step,
-                                          step_costs)
-from pp_core.schedule.simulate import Costs, simulate
 from pp_core.schedule.trace import run_trace, write_json
 
 __all__ = ["RunRecorder"]
@@ -251,7 +248,7 @@ class RunRecorder:
     def _summarise(self, ranks: list[dict], start_step: int, wall_s: float) -> dict[str, Any]:
         spec, out = self.spec, self.spec.output
         schedule = self._schedule()
-        result, note = self._simulate(schedule, ranks)
+        result, note = simulate_measured(schedule, ranks)
         simulated = None if result is None else \
             [idle / (result.makespan or 1.0) for idle in result.idle]
         for figures in ranks:
@@ -261,7 +258,7 @@ class RunRecorder:
             write_output("output.trace", out.trace, lambda to: write_json(run_trace(ranks), to))
         if out.schedule_image and schedule is not None:
             write_output("output.schedule_image", out.schedule_image, lambda to: to.write_text(
-                self._picture(schedule, ranks, start_step)))
+                run_picture(schedule, ranks, start_step)))
         model = spec.model.name or spec.model.target
         summary = {
             "source": spec.source, "model": model, "data": spec.data.name,
@@ -301,46 +298,6 @@ class RunRecorder:
         planned for the pipeline (no second planning that could disagree with it)."""
         return getattr(self.pipe, "schedule", None)
 
-    def _simulate(self, schedule, ranks: list[dict]):
-        """The simulator's run of ``schedule`` with this run's mean action costs (seconds), and
-        the note saying which costs it used."""
-        if schedule is None:
-            return None, None
-
-        per_stage: dict[int, dict[str, float]] = {}
-        for figures in ranks:
-            for key, value in figures["kind_times"].items():
-                per_stage.setdefault(int(key[:-1]), {})[key[-1]] = value
-        per_stage = {s: kinds for s, kinds in per_stage.items() if s < schedule.num_stages}
-        if per_stage:
-            costs = Costs(per_stage=per_stage)
-            shown = ", ".join(f"stage {s}: " + " ".join(f"{k}={v * 1000:.1f}" for k, v in
-                                                        sorted(per_stage[s].items()))
-                              for s in sorted(per_stage))
-            note = f"simulated with this run's mean action times in ms ({shown})"
-        else:
-            costs = Costs()
-            note = "simulated with unit costs (F=1, B=2, I=1, W=1); per-action times not recorded"
-        return simulate(schedule, costs), note
-
-    @staticmethod
-    def _picture(schedule, ranks: list[dict], start_step: int) -> str:
-        """``output.schedule_image``: a steady step as measured on the first rank of each pipeline
-        rank, above the same step simulated (:mod:`pp_core.schedule.run_picture`); the schedule
-        simulated at unit costs when no action was timed."""
-        firsts: dict[int, dict] = {}
-        for figures in ranks:
-            firsts.setdefault(figures["pp_rank"], figures)
-        rows = [firsts[pp_rank] for pp_rank in sorted(firsts)]
-        step = steady_step([figures["events"] for figures in rows])
-        if step is None or not any(figures["kind_times"] for figures in rows):
-            return render_svg(simulate(schedule))
-        measured = [MeasuredRank(figures["rank"], [e[:4] for e in figures["events"]
-                                                   if e[4] == step]) for figures in rows]
-        costs = {s: kinds for s, kinds in step_costs(measured).items() if s < schedule.num_stages}
-        return render_run_svg(measured, simulate(schedule, Costs(per_stage=costs)),
-                              start_step + step)
-
 
 def machine_busy() -> bool:
     """Whether this machine has more runnable work than processors (its 1-minute load average
@@ -363,6 +320,7 @@ def _slow_warning(ranks: list[dict], start_step: int) -> None:
                    "swapping host or a recompilation (output.trace shows the last steps)",
                    sum(c[1] for c in counts), SLOW_FACTOR, ", ".join(str(c[0]) for c in counts),
                    start_step + step, rank, seconds, factor)
+
 
 def _holds(pipe) -> list | None:
     """Per stage, the module names it holds (the split every rank built), or ``None``."""
