@@ -6,7 +6,7 @@ rendezvous on loopback): pp 2 x dp 2 tiny GPT, a checkpoint every 4 steps. As st
 node B, one of its ranks SIGKILLs B's whole process group (its agent and both ranks: the node is
 gone). Node A's ranks fail, its agent re-forms the group alone, and its ranks go on at pp 2 x dp 1
 from step 4 with twice the microbatches (the global batch kept), to rc 0 and the per-step losses
-of the uninterrupted run at pp 2 x dp 2.
+of the uninterrupted run at pp 2 x dp 2 (tests/app/conftest.py, shared with test_restarts).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 
 from pp_core.app.spec import SpecError, parse_spec
 from pp_core_builtins.models import GPT
-from tests.cases.specs import ROOT, pp_core, tiny_gpt_spec, write_spec
+from tests.cases.specs import ROOT, tiny_gpt_spec, write_spec
 
 MICROBATCHES = 4  # forwards of one step on each rank at dp 2 (pp_batch_size 4 / microbatch 1)
 _CALLS = [0]
@@ -70,19 +70,10 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The losses of the run at its full size, pp 2 x dp 2 on one launch of 4 ranks."""
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    result = pp_core("run", _spec(tmp, "full"), env=_env(tmp), timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return _losses(tmp / "full.jsonl")
-
-
 @pytest.mark.cli
 @pytest.mark.ranks
 def test_a_lost_node_leaves_the_survivor_going_on_at_a_smaller_dp_with_the_same_losses(
-        tmp_path, uninterrupted):
+        tmp_path, uninterrupted_losses):
     port = _free_port()
     path = _spec(tmp_path, "elastic", nnodes="1:2", master_port=port, elastic_wait_s=3)
     command = [sys.executable, "-m", "pp_core", "run", path]
@@ -104,7 +95,7 @@ def test_a_lost_node_leaves_the_survivor_going_on_at_a_smaller_dp_with_the_same_
     assert node_a.returncode == 0, a_err[-3000:]
     losses = _losses(tmp_path / "elastic.jsonl")
     assert sorted(losses) == list(range(1, 9))
-    assert losses == pytest.approx(uninterrupted, abs=1e-5, rel=0)
+    assert losses == pytest.approx(uninterrupted_losses, abs=1e-5, rel=0)
     assert "the rendezvous gave 2 of 4 ranks: going on at pp 2 x dp 1 (dp_replicate 2 -> 1; " \
            "pp_batch_size 4 -> 8 per replica, the global batch of 8 kept)" in a_out
     assert "resumed at step 4; steps 5..6 are done again" in a_out

@@ -11,7 +11,9 @@ each one runs ``pp-core run`` as a single rank (detected by ``RANK``/``WORLD_SIZ
 A rank that raises or dies makes the agent stop the others; with ``distributed.max_restarts: N``
 the agent starts every rank again, up to N times (each restarted rank resumes from the latest
 complete checkpoint by itself: :mod:`pp_core.app.restarts`, which works the same under
-``torchrun --max-restarts``). A failure beyond that makes :func:`launch` raise
+``torchrun --max-restarts``). With ``distributed.nnodes: "MIN:MAX"`` the agent's c10d rendezvous
+re-forms the group with the nodes still there (``min_nodes``/``max_nodes``), and each rank fits
+the run to the world it was given (:mod:`pp_core.app.elastic`, in :func:`rank_main`). A failure beyond that makes :func:`launch` raise
 :class:`~pp_core.PipelineError` with that rank's error (and traceback, unless pp-core raised it)
 and the restarts used, instead of hanging. Before any process starts, the device
 (:mod:`pp_core.devices`), the rendezvous endpoint (:mod:`pp_core.app.rendezvous`) and
