@@ -31,12 +31,14 @@ _CALLS = [0]
 
 class NodeKiller(GPT):
     """``PP_TEST_KILL_NODE=STEPS``: the first rank of this launch to begin step ``STEPS + 1``
-    SIGKILLs its process group, which is the launch's (its agent and every rank)."""
+    SIGKILLs its agent's process group, which is the launch's (the agent and every rank; under
+    torchrun, whose ranks run in sessions of their own, the agent and then this rank)."""
 
     def forward(self, x):
         _CALLS[0] += 1
         steps = os.environ.get("PP_TEST_KILL_NODE")
         if steps and _CALLS[0] == int(steps) * MICROBATCHES + 1:
+            os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
             os.killpg(os.getpgrp(), signal.SIGKILL)
         return super().forward(x)
 
