@@ -30,7 +30,7 @@ __all__ = ["MachineShare", "local_ranks"]
 def local_ranks(distributed: "DistributedSpec", environ=None) -> int:
     """How many ranks run on this machine (:meth:`ParallelDims.local_ranks
     <pp_core.parallel.dims.ParallelDims.local_ranks>` of the section's degrees)."""
-    return distributed.dims.local_ranks(distributed.nnodes, distributed.nproc_per_node, environ)
+    return distributed.dims.local_ranks(distributed.max_nodes, distributed.nproc_per_node, environ)
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,17 @@ def prepare_endpoint(dist: DistributedSpec) -> Endpoint:
     """
     host, port, address_key, port_key = _named(dist)
     family, sockaddr = resolve(dist)
-    one_node = dist.nnodes == 1
+    one_node = dist.max_nodes == 1
+    if dist.node_rank and dist.rdzv_backend == "c10d" and not one_node and port:
+        # node_rank > 0 never hosts the c10d store, even where its port is free: it waits for
+        # the host (so nodes on one machine may start in any order)
+        endpoint = Endpoint(host, port, False, address_key, port_key)
+        _wait_for_listener(endpoint, dist.timeout_s)
+        if not _speaks_tcpstore(endpoint):
+            raise ConfigError(f"{port_key}: port {port} on {host} is in use by another "
+                              f"program, not the rendezvous of node_rank 0: choose another "
+                              f"{port_key.split('.', 1)[1]}")
+        return endpoint
     free, failure = _try_bind(family, sockaddr[0], port)
     if failure is None:
         return Endpoint(host, free, True, address_key, port_key)
@@ -138,7 +148,7 @@ def _wait_for_listener(endpoint: Endpoint, timeout_s: float) -> None:
                     f"distributed.timeout_s = {timeout_s:g} s: start pp-core run on the host "
                     f"{endpoint.host} (node 0) too, or check {endpoint.address_key}, "
                     f"{endpoint.port_key} and the firewall") from None
-            time.sleep(0.5)
+            time.sleep(0.1)
 
 
 def _speaks_tcpstore(endpoint: Endpoint, seconds: float = 5.0) -> bool:

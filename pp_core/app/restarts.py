@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 __all__ = ["HISTORY", "restart_count", "launch_clock", "launch_started", "restarts_used",
-           "resume_setting", "join_group", "Attempts"]
+           "resume_setting", "launch_checkpoint", "agreed_resume", "join_group", "Attempts"]
 
 HISTORY = ".pp_core_attempts.json"
 LAUNCH_ENV = "PP_CORE_LAUNCH_STARTED"
@@ -114,10 +114,19 @@ def restarts_used(max_restarts: int) -> str:
 def resume_setting(spec):
     """What this rank resumes from: ``checkpoint.resume`` on the first attempt; after a restart,
     the latest complete checkpoint this launch saved (a path), or ``checkpoint.resume`` when it
-    saved none yet."""
-    directory = spec.checkpoint.dir
-    if restart_count() == 0 or not directory:
+    saved none yet. An elastic run (``nnodes: "MIN:MAX"``) asks :func:`agreed_resume`."""
+    if spec.distributed.elastic:
+        return agreed_resume(spec)
+    if restart_count() == 0:
         return spec.checkpoint.resume
+    return launch_checkpoint(spec) or spec.checkpoint.resume
+
+
+def launch_checkpoint(spec) -> str | None:
+    """The latest complete checkpoint in ``checkpoint.dir`` that this launch saved, or None."""
+    directory = spec.checkpoint.dir
+    if not directory:
+        return None
     from pp_core.checkpoint.directory import latest_checkpoint  # lazy: DCP
 
     latest = latest_checkpoint(directory)
@@ -126,7 +135,22 @@ def resume_setting(spec):
         saved = (latest / ".metadata").stat().st_mtime
         if since is None or saved >= since:
             return str(latest)
-    return spec.checkpoint.resume
+    return None
+
+
+def agreed_resume(spec):
+    """One resume for every rank of an elastic run, whatever its node saw: the agent restarts a
+    group that grows when a node joins without counting a restart (``TORCHELASTIC_RESTART_COUNT``
+    stays), and the joining node's launch began after every checkpoint of the run. So each rank
+    offers the latest checkpoint its own launch saved, and all take the latest offered (they
+    share ``checkpoint.dir``); when none offers one, ``checkpoint.resume``, as on the first
+    attempt. One ``all_gather_object`` over the world, after the group is joined."""
+    import torch.distributed as dist  # lazy: torch, on the ranks only
+
+    offers: list = [None] * dist.get_world_size()
+    dist.all_gather_object(offers, launch_checkpoint(spec))
+    found = [offer for offer in offers if offer]
+    return max(found, key=lambda path: Path(path).name) if found else spec.checkpoint.resume
 
 
 class Attempts:

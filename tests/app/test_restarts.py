@@ -59,11 +59,10 @@ def _losses(lines) -> dict[int, float]:
     return {line["step"]: line["loss"] for line in lines if "loss" in line}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    result, lines = _run(tmp_path_factory.mktemp("reference"), "clean")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return _losses(lines)
+@pytest.fixture
+def reference(uninterrupted_losses):
+    """The uninterrupted run's losses (tests/app/conftest.py: one run shared with test_shrink)."""
+    return uninterrupted_losses
 
 
 @pytest.mark.cli

@@ -124,14 +124,16 @@ SNAPSHOT = {
         ("device", "one_of(options=('auto', 'cpu', 'cuda'))", "auto",
          "auto: cuda when every rank on the machine gets a GPU of its own, else cpu"),
         ("nnodes", "nnodes", 1,
-         "machines taking part; each runs the same command ('MIN:MAX', torchrun's elastic form, "
-         "is checked and refused: not supported yet)"),
+         "machines taking part; each runs the same command; 'MIN:MAX' (torchrun's elastic "
+         "form): the run goes on at a smaller dp when nodes are lost, and grows back "
+         "(docs/failures.md)"),
         ("nproc_per_node",
          "optional(inner=integer(maximum=None, minimum=1, word='a positive int'))",
          None,
          "ranks per machine; default pp_size * dp_replicate * dp_shard * tp_size / nnodes"),
         ("node_rank", "optional(inner=integer(maximum=None, minimum=0, word='an int >= 0'))", None,
-         "this machine's index (static rendezvous)"),
+         "this machine's index (static rendezvous); with c10d, a node_rank > 0 never hosts the "
+         "store"),
         ("master_addr", "address", "127.0.0.1",
          "address of the rendezvous host; loopback unless you name another"),
         ("master_port", "optional(inner=port)", None, "its port; default a free port (one node)"),
@@ -148,6 +150,9 @@ SNAPSHOT = {
          "times torch's elastic agent starts every rank again after a rank dies or hangs; each "
          "restart resumes from the latest complete checkpoint of checkpoint.dir "
          "(docs/failures.md)"),
+        ("elastic_wait_s", "integer(maximum=3600, minimum=1, word='an int in [1, 3600]')", 10,
+         "with nnodes 'MIN:MAX': seconds a rendezvous that has MIN nodes waits for more "
+         "(torch's last_call_timeout); a shrink waits this long for the lost node"),
     ],
     "train": [
         ("steps", "integer(maximum=None, minimum=1, word='a positive int')", 100,

@@ -277,7 +277,7 @@ def check_local_ranks(spec: Spec, problems: list[str]) -> None:
     where the launcher's world size decides)."""
     if started_by_torchrun():
         return
-    dims, nnodes = spec.dims, spec.distributed.nnodes
+    dims, nnodes = spec.dims, spec.distributed.max_nodes
     local = dims.world_size // nnodes
     bound = LOCAL_RANKS_PER_CPU * (os.cpu_count() or 1)
     if local > bound:

@@ -85,7 +85,7 @@ def check_memory(spec, model, problems: list[str]) -> None:
     if not total:
         return
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    local = max(1, spec.world_size // spec.distributed.nnodes)
+    local = max(1, spec.world_size // spec.distributed.max_nodes)
     if size * local > total:
         key = "model.target" if spec.model.target else "model.args"
         problems.append(f"{key}: the model's parameters take {size / 2**30:,.1f} GiB, and each of "

@@ -128,7 +128,7 @@ def _should_lock(spec) -> bool:
 
     if started_by_torchrun():
         return os.environ.get("RANK") == "0"
-    return spec.distributed.nnodes == 1 or spec.distributed.node_rank == 0
+    return spec.distributed.max_nodes == 1 or spec.distributed.node_rank == 0
 
 
 @contextlib.contextmanager

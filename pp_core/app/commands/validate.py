@@ -65,7 +65,7 @@ def validate_command(args) -> int:
         spec, found = load_checked(args)
     finally:
         os.environ.pop(VALIDATING_ENV, None)
-    if spec.distributed.nnodes == 1:  # then the rendezvous host is this machine
+    if spec.distributed.max_nodes == 1:  # then the rendezvous host is this machine
         try:
             resolve(spec.distributed)
         except ConfigError as exc:

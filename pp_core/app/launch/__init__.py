@@ -11,7 +11,9 @@ each one runs ``pp-core run`` as a single rank (detected by ``RANK``/``WORLD_SIZ
 A rank that raises or dies makes the agent stop the others; with ``distributed.max_restarts: N``
 the agent starts every rank again, up to N times (each restarted rank resumes from the latest
 complete checkpoint by itself: :mod:`pp_core.app.restarts`, which works the same under
-``torchrun --max-restarts``). A failure beyond that makes :func:`launch` raise
+``torchrun --max-restarts``). With ``distributed.nnodes: "MIN:MAX"`` the agent's c10d rendezvous
+re-forms the group with the nodes still there (``min_nodes``/``max_nodes``), and each rank fits
+the run to the world it was given (:mod:`pp_core.app.elastic`, in :func:`rank_main`). A failure beyond that makes :func:`launch` raise
 :class:`~pp_core.PipelineError` with that rank's error (and traceback, unless pp-core raised it)
 and the restarts used, instead of hanging. Before any process starts, the device
 (:mod:`pp_core.devices`), the rendezvous endpoint (:mod:`pp_core.app.rendezvous`) and
@@ -27,6 +29,7 @@ import socket
 import tempfile
 from typing import Any, Callable
 
+from pp_core.app.elastic import fit_world
 from pp_core.app.logs import configure_logging
 from pp_core.app.launch.decide import decide
 from pp_core.app.launch.warm import adopt, snapshot
@@ -42,6 +45,11 @@ __all__ = ["launch", "started_by_torchrun", "rank_main", "is_loopback"]
 
 SHUTDOWN_TIMEOUT_S = 5
 """Seconds a rank gets to exit after SIGTERM before SIGKILL (a stopped rank never exits)."""
+
+ELASTIC_KEEP_ALIVE = {"keep_alive_interval": 1, "keep_alive_max_attempt": 5}
+"""The c10d rendezvous of an elastic run (``nnodes: "MIN:MAX"``): a node whose agent sent no
+heartbeat for 5 s is dead (torch's default is 15 s), so the survivors of a lost node go on
+after that and ``distributed.elastic_wait_s`` (torch's ``last_call_timeout``)."""
 
 
 def is_loopback(address: str) -> bool:
@@ -59,7 +67,9 @@ def rank_main(spec_values: dict, entrypoint: Callable | None = None,
     interrupt_once()
     # the launcher reports a failed step once, as the run's error (not once per rank)
     logging.getLogger("pp_core.runtime.failures").setLevel(logging.CRITICAL)
-    spec = Spec.from_dict(spec_values, source)
+    spec, refitted = fit_world(Spec.from_dict(spec_values, source))  # nnodes: "MIN:MAX"
+    if refitted and os.environ.get("RANK", "0") == "0":
+        print(refitted, flush=True)
     if entrypoint is not None:
         return entrypoint(spec)
     from pp_core.app.rank import train  # lazy: torch, only the ranks need it
@@ -110,7 +120,7 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
         dims = spec.dims
         mismatch = dims.world_size_problem(int(os.environ["WORLD_SIZE"]),
                                            "torchrun started {} ranks")
-        if mismatch:
+        if mismatch and not spec.distributed.elastic:  # an elastic run fits itself: rank_main
             raise ConfigError(f"{mismatch}; pass --nnodes/--nproc-per-node that multiply to "
                               f"{dims.world_size}")
         return {int(os.environ.get("LOCAL_RANK", 0)): rank_main(spec.to_dict(), entrypoint,
@@ -120,7 +130,7 @@ def launch(spec: Spec, entrypoint: Callable | None = None,
         spec = decide(spec, layout, announce=announce, memory_cap=memory_cap)
         endpoint = prepare_endpoint(dist)
         if announce is not None:
-            node = f", node of {dist.nnodes}" if dist.nnodes > 1 else ""
+            node = f", node of {dist.nnodes}" if dist.max_nodes > 1 else ""
             announce(f"starting {layout.local_ranks} rank(s) on this machine "
                      f"({spec.dims.describe()}{node}) on {layout.device} ({layout.reason})")
         with _launch_temp_dir() as logs:
@@ -159,8 +169,10 @@ def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str, 
                                         "rank": dist.node_rank or 0}
     else:  # the c10d handler reads join_timeout (not timeout); is_host: we know, torch guesses
         rdzv_configs = {"join_timeout": dist.timeout_s, "is_host": endpoint.is_host}
+        if dist.elastic:
+            rdzv_configs.update(ELASTIC_KEEP_ALIVE, last_call_timeout=dist.elastic_wait_s)
     config = LaunchConfig(
-        min_nodes=dist.nnodes, max_nodes=dist.nnodes, nproc_per_node=nproc,
+        min_nodes=dist.min_nodes, max_nodes=dist.max_nodes, nproc_per_node=nproc,
         run_id=dist.rdzv_id, rdzv_backend=dist.rdzv_backend, rdzv_endpoint=str(endpoint),
         rdzv_configs=rdzv_configs, max_restarts=dist.max_restarts, monitor_interval=0.1,
         start_method="forkserver" if warm else "spawn",

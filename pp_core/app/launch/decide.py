@@ -181,7 +181,7 @@ def balanced_spec(spec: Spec, plugins=None, say: Say | None = None,
     if spec.pipeline.module_fqns_per_model_part is not None:
         raise ConfigError("model.splitter: balanced cuts the model itself, but pipeline."
                           "module_fqns_per_model_part names the stages too; remove one of them")
-    if spec.distributed.nnodes > 1:
+    if spec.distributed.max_nodes > 1:
         raise ConfigError("model.splitter: balanced profiles on the launching machine, and each "
                           "of several nodes would measure its own cut; profile once (pp_core."
                           "app.launch.measured.profile_spec) and put the cut into pipeline."

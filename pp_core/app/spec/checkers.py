@@ -129,6 +129,15 @@ def nnodes(value):
     return int(low) if int(low) == int(high) else f"{int(low)}:{int(high)}"
 
 
+def node_range(value) -> tuple[int, int]:
+    """``(MIN, MAX)`` of a checked ``distributed.nnodes``: ``(N, N)`` for an int, torchrun's
+    ``"MIN:MAX"`` read as written."""
+    if isinstance(value, str):
+        low, high = (int(part) for part in value.split(":"))
+        return low, high
+    return int(value), int(value)
+
+
 def export_hf(value):
     if value is None or value is False:
         return None

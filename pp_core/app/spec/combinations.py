@@ -11,7 +11,8 @@ from __future__ import annotations
 import inspect
 import os
 
-from pp_core.app.spec.checkers import describe_value
+from pp_core.app.elastic import refit, replica_formula, replica_ranks
+from pp_core.app.spec.checkers import describe_value, node_range
 from pp_core.config import PipelineConfig, is_auto
 from pp_core.errors import ConfigError, closest, did_you_mean
 from pp_core.parallel.dims import ParallelDims
@@ -48,22 +49,23 @@ def check_combinations(values: dict, problems: list[str],
                         f"{os.path.join(export['dir'], 'hf')!r}")
     problems.extend(_dtype_problems(model))
     _fold_dp_size(dist, problems)
-    problems.extend(_restart_problems(dist, ckpt))  # an elastic nnodes becomes its MAX here
+    problems.extend(_restart_problems(dist, ckpt, values["pipeline"]))
     dims = ParallelDims.of(dist)
-    problems.extend(dims.problems(dist["nnodes"], dist["nproc_per_node"]))
+    nodes = node_range(dist["nnodes"])[1]  # the degrees are the whole run's, at MAX nodes
+    problems.extend(dims.problems(nodes, dist["nproc_per_node"]))
     problems.extend(_layout_problems(dist, dims))
     if dims.ep > 1 and is_auto(values["pipeline"].get("pp_schedule")):
         problems.append(auto_expert_parallel_refusal(dims.ep))
-    if dist["nnodes"] > 1 and dist["master_port"] is None and dist["rdzv_endpoint"] is None:
+    if nodes > 1 and dist["master_port"] is None and dist["rdzv_endpoint"] is None:
         problems.append("distributed.master_port: expected a port every node can reach when "
                         "nnodes > 1 (or set distributed.rdzv_endpoint: host:port), found none")
-    if dist["node_rank"] is not None and dist["node_rank"] >= dist["nnodes"]:
+    if dist["node_rank"] is not None and dist["node_rank"] >= nodes:
         problems.append(f"distributed.node_rank: expected this machine's index 0.."
-                        f"{dist['nnodes'] - 1} (nnodes={dist['nnodes']}), found "
+                        f"{nodes - 1} (nnodes={nodes}), found "
                         f"{dist['node_rank']}; no rank would ever join from it")
-    if dist["rdzv_backend"] == "static" and dist["nnodes"] > 1 and dist["node_rank"] is None:
+    if dist["rdzv_backend"] == "static" and nodes > 1 and dist["node_rank"] is None:
         problems.append("distributed.node_rank: expected this machine's index (0.."
-                        f"{dist['nnodes'] - 1}) with rdzv_backend: static, found none")
+                        f"{nodes - 1}) with rdzv_backend: static, found none")
     if dist["backend"] == "nccl" and dist["device"] == "cpu":
         problems.append("distributed.backend: expected 'gloo' or 'auto' with device: cpu, "
                         "found 'nccl' (nccl needs CUDA tensors)")
@@ -107,11 +109,11 @@ def auto_expert_parallel_refusal(ep: int) -> str:
             f"plan at ep_size: 1 with 'pp-core plan' and run what it chose at ep_size: {ep}")
 
 
-def _restart_problems(dist: dict, ckpt: dict) -> list[str]:
+def _restart_problems(dist: dict, ckpt: dict, pipeline: dict) -> list[str]:
     """``max_restarts`` and an elastic ``nnodes: "MIN:MAX"`` need a checkpoint to go on from;
-    ``MIN`` nodes must hold one pipeline replica (pp x tp, x ep). Elastic membership itself is
-    refused for now: the ranks cannot yet re-form the pipeline at a smaller dp. Leaves
-    ``dist["nnodes"]`` an int (MAX) for the checks after it."""
+    an elastic run goes on only through a restart (``max_restarts`` > 0), and every node count
+    from ``MIN`` to ``MAX`` must hold whole pipeline replicas and share the global batch in
+    whole microbatches (:func:`pp_core.app.elastic.refit`: the rule the ranks follow)."""
     found = []
     if dist["max_restarts"] > 0 and not ckpt["dir"]:
         found.append(f"distributed.max_restarts: {dist['max_restarts']} restarts resume from the "
@@ -120,23 +122,35 @@ def _restart_problems(dist: dict, ckpt: dict) -> list[str]:
     if not isinstance(dist["nnodes"], str):
         return found
     text = dist["nnodes"]
-    low, high = (int(part) for part in text.split(":"))
-    dist["nnodes"] = high
-    replica = dist["pp_size"] * dist["tp_size"] * dist["ep_size"]
-    per_node = dist["nproc_per_node"] or max(1, replica * dist["dp_size"] // high)
+    low, high = node_range(text)
+    dims = ParallelDims.of(dist)
+    replica = replica_ranks(dims)
+    per_node = dist["nproc_per_node"] or max(1, dims.world_size // high)
     if low * per_node < replica:
         found.append(f"distributed.nnodes: {text!r} may leave {low} node(s) x {per_node} "
                      f"process(es) = {low * per_node} ranks, fewer than one pipeline replica "
-                     f"needs (pp_size x tp_size x ep_size = {replica}); raise MIN to "
+                     f"needs ({replica_formula(dims)} = {replica}); raise MIN to "
                      f"{-(-replica // per_node)}")
     elif not ckpt["dir"]:
         found.append(f"distributed.nnodes: {text!r} lets the run go on with fewer nodes from "
                      f"the latest checkpoint, found checkpoint.dir unset (nothing to go on "
                      f"from); add checkpoint.dir: <path>")
+    elif dist["max_restarts"] == 0:
+        found.append(f"distributed.nnodes: {text!r} goes on without a lost node by restarting "
+                     f"the others, found distributed.max_restarts: 0; set "
+                     f"distributed.max_restarts: N (the failures the run survives)")
     else:
-        found.append(f"distributed.nnodes: {text!r} (elastic membership) is not supported yet: "
-                     f"the ranks cannot re-form the pipeline at a smaller dp; give nnodes: "
-                     f"{high} and distributed.max_restarts: N to restart at the same size")
+        batch, size = pipeline.get("pp_batch_size", 1), pipeline.get("pp_microbatch_size", 1)
+        if not all(isinstance(v, int) and v > 0 for v in (batch, size)):
+            return found  # the pipeline section's own checks say so
+        for nodes in range(low, high):
+            try:
+                refit(dims, batch, size, nodes * per_node)
+            except ValueError as why:
+                found.append(f"distributed.nnodes: {text!r} may leave {nodes} node(s) x "
+                             f"{per_node} process(es) = {nodes * per_node} ranks, {why}; "
+                             f"choose a MIN:MAX whose every node count does, or other degrees")
+                break
     return found
 
 

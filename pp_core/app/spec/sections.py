@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from pp_core.app.spec.checkers import (activation_checkpointing, address, compile_options,
                                        endpoint, export_hf, flag, integer, lora, mapping,
-                                       mixed_precision, nnodes, number, one_of, optional,
+                                       mixed_precision, nnodes, node_range, number, one_of,
+                                       optional,
                                        param_dtype,
                                        patterns, port, positive_number, resume, text)
 from pp_core.config import PipelineConfig
@@ -119,12 +120,13 @@ class DistributedSpec:
     backend: str = key("auto", one_of("auto", "gloo", "nccl"), "auto: nccl on CUDA, else gloo")
     device: str = key("auto", one_of("auto", "cpu", "cuda"), "auto: cuda when every rank on the "
                       "machine gets a GPU of its own, else cpu")
-    nnodes: int = key(1, nnodes, "machines taking part; each runs the same command ('MIN:MAX', "
-                      "torchrun's elastic form, is checked and refused: not supported yet)")
+    nnodes: int | str = key(1, nnodes, "machines taking part; each runs the same command; "
+                            "'MIN:MAX' (torchrun's elastic form): the run goes on at a smaller "
+                            "dp when nodes are lost, and grows back (docs/failures.md)")
     nproc_per_node: int | None = key(None, optional(integer(1)), "ranks per machine; default "
                                      "pp_size * dp_replicate * dp_shard * tp_size / nnodes")
     node_rank: int | None = key(None, optional(integer(0)), "this machine's index (static "
-                                "rendezvous)")
+                                "rendezvous); with c10d, a node_rank > 0 never hosts the store")
     master_addr: str = key("127.0.0.1", address, "address of the rendezvous host; loopback "
                            "unless you name another")
     master_port: int | None = key(None, optional(port), "its port; default a free port (one "
@@ -138,6 +140,24 @@ class DistributedSpec:
     max_restarts: int = key(0, integer(0), "times torch's elastic agent starts every rank again "
                             "after a rank dies or hangs; each restart resumes from the latest "
                             "complete checkpoint of checkpoint.dir (docs/failures.md)")
+    elastic_wait_s: int = key(10, integer(1, 3600), "with nnodes 'MIN:MAX': seconds a "
+                              "rendezvous that has MIN nodes waits for more (torch's "
+                              "last_call_timeout); a shrink waits this long for the lost node")
+
+    @property
+    def min_nodes(self) -> int:
+        """The fewest machines the run goes on with (``MIN`` of ``nnodes: "MIN:MAX"``)."""
+        return node_range(self.nnodes)[0]
+
+    @property
+    def max_nodes(self) -> int:
+        """The machines of the whole run, the ones its degrees are written for (``MAX``)."""
+        return node_range(self.nnodes)[1]
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run may go on at fewer machines than its degrees are written for."""
+        return self.min_nodes < self.max_nodes
 
     @property
     def dims(self) -> ParallelDims:
