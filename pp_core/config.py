@@ -20,6 +20,12 @@ from pp_core.callables import resolve_callable
 from pp_core.errors import ConfigError, about, did_you_mean
 from pp_core.losses import get_loss
 
+DEGREE_KEYS: dict[str, str] = {"pp": "pp_size", "dp_replicate": "dp_replicate",
+                               "dp_shard": "dp_shard", "tp": "tp_size", "ep": "ep_size"}
+"""Each parallel degree -> its key under ``distributed:`` in a pipeline file: the one list of
+them (:attr:`pp_core.parallel.dims.ParallelDims.KEYS`; the planner, below ``parallel/``, fills
+a plan's degrees from it)."""
+
 if TYPE_CHECKING:
     import torch
 

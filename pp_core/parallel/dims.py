@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional
 
+from pp_core.config import DEGREE_KEYS
 from pp_core.errors import ConfigError
 
 __all__ = ["ParallelDims", "Meshes", "ExpertGroups", "MESH_DIMS", "build_expert_groups",
@@ -46,8 +47,7 @@ class ParallelDims:
     ep: int = 1
     sequence_parallel: bool = False
 
-    KEYS: ClassVar[dict[str, str]] = {"pp": "pp_size", "dp_replicate": "dp_replicate",
-                                      "dp_shard": "dp_shard", "tp": "tp_size", "ep": "ep_size"}
+    KEYS: ClassVar[dict[str, str]] = DEGREE_KEYS
     """Each degree -> its key under ``distributed:`` in a pipeline file (the one list of them:
     the layout every plan object and checkpoint record carries, the degrees ``--world`` searches
     and ``--set`` may fix)."""

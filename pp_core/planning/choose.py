@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
+from pp_core.config import DEGREE_KEYS
 from pp_core.errors import ConfigError, PPCoreError
 from pp_core.planning.balance import split_by_profile, stage_fqns
 from pp_core.planning.costs import ModelProfile
@@ -180,7 +181,7 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
         cap, :mod:`pp_core.planning.recompute`), one mode for every stage, or a list of one
         mode per stage; ``every`` as ``train.activation_checkpointing.every``.
     :param degrees: the layout's degrees by their YAML names (``pp_size``, ``dp_replicate``,
-        ``dp_shard``, ``tp_size``, ``ep_size``), carried by every plan; default pp only.
+        ``dp_shard``, ``tp_size``, ``ep_size``; a missing one is 1), carried by every plan.
     """
     started = time.perf_counter()
     if not isinstance(pp_size, int) or pp_size < 1:
@@ -191,8 +192,7 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
     setting = activation_checkpointing
     ac = Recompute(tuple(setting) if isinstance(setting, (list, tuple)) else setting, every,
                    memory_cap, recv_buffer_pool)
-    layout = {"pp_size": pp_size, "dp_replicate": 1, "dp_shard": 1, "tp_size": 1, "ep_size": 1,
-              **(degrees or {})}
+    layout = {**dict.fromkeys(DEGREE_KEYS.values(), 1), "pp_size": pp_size, **(degrees or {})}
     for option in candidates(profiles_by_microbatch_size, pp_size, pp_batch_size, defs,
                              max_stages_per_rank):
         profile = profiles_by_microbatch_size[option.microbatch_size]
