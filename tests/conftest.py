@@ -2,11 +2,12 @@
 
 A test module that runs cases on gloo ranks says how many with ``pytestmark =
 pytest.mark.ranks(N)`` (``timeout=`` as :class:`pp_core.testing.DistPool` takes it) and asks for
-the ``pool`` fixture: one pool of N spawned ranks per module, shared by its cases, because
-starting ranks (importing torch N times) costs more than most cases. Tests that start ranks any
-other way carry ``ranks`` too, and tests that run ``pp-core`` (or any Python) in a subprocess
-carry ``cli``; ``scripts/test.sh --fast`` runs everything else (``-m "not ranks and not cli"``)
-and fails a test that starts a process without saying so (:class:`_refusing_processes`).
+the ``pool`` fixture: one pool of N spawned ranks, shared by its cases and by the other modules
+of N ranks (``pools(N)`` gets one in a test of its own), because starting ranks (importing torch
+N times) costs more than most cases. Tests that start ranks any other way carry ``ranks`` too,
+and tests that run ``pp-core`` (or any Python) in a subprocess carry ``cli``; ``scripts/test.sh
+--fast`` runs everything else (``-m "not ranks and not cli"``) and fails a test that starts a
+process without saying so (:class:`_refusing_processes`).
 """
 
 import os
@@ -22,17 +23,58 @@ def pm():
     return plugin_manager()
 
 
-@pytest.fixture(scope="module")
-def pool(request):
-    """The module's ranks: ``DistPool(*args, **kwargs)`` of its ``ranks`` marker, started once."""
+_POOLS: dict = {}  # world size -> the live DistPool of that many ranks, least recently used first
+_POOLED_RANKS = 8  # live ranks kept between modules (idle ranks hold memory, not CPU)
+
+
+def shared_pool(*args, **kwargs):
+    """``DistPool(*args, **kwargs)``, shared: the live pool of as many ranks, set to these
+    timeouts, or a new one (kept while the ranks of the pools kept stay within
+    ``_POOLED_RANKS``). Starting N ranks - N processes importing torch - cost 3-6 s per module
+    on a 2-core machine, for ~40 modules. A case finds the ranks as the previous case left
+    them, whichever module ran it: DistPool renews the process group after a failure and
+    restarts dead or hung ranks, and a case seeds what it draws rather than rely on the ranks'
+    fresh state. Never closed by a test: pytest closes them at the end of the session."""
+    import inspect
+
     from pp_core.testing import DistPool  # lazy: torch, which a schedule-only run never needs
 
+    wanted = inspect.signature(DistPool).bind(*args, **kwargs)
+    wanted.apply_defaults()
+    settings = dict(wanted.arguments)
+    world = settings.pop("world_size")
+    ranks = _POOLS.pop(world, None)
+    if ranks is None:
+        while _POOLS and sum(_POOLS) + world > _POOLED_RANKS:
+            _POOLS.pop(next(iter(_POOLS))).close()  # the least recently used
+        ranks = DistPool(world, **settings)
+    for name, value in settings.items():  # the caller's timeouts
+        setattr(ranks, name, value)
+    _POOLS[world] = ranks  # the most recently used, last
+    return ranks
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """:func:`shared_pool`, for a module that needs pools of several sizes (``pools(2)``,
+    ``pools(4, timeout=180)``) or a pool in one test only."""
+    return shared_pool
+
+
+@pytest.fixture(scope="module")
+def pool(request):
+    """The module's ranks: ``DistPool(*args, **kwargs)`` of its ``ranks`` marker, shared with
+    the other modules of as many ranks (:func:`shared_pool`)."""
     marker = request.node.get_closest_marker("ranks")
     if marker is None or not marker.args:
         raise pytest.UsageError(f"{request.node.nodeid} uses the pool fixture without saying how "
                                 f"many ranks: add pytestmark = pytest.mark.ranks(N)")
-    with DistPool(*marker.args, **marker.kwargs) as ranks:
-        yield ranks
+    return shared_pool(*marker.args, **marker.kwargs)
+
+
+def pytest_sessionfinish(session):
+    while _POOLS:
+        _POOLS.popitem()[1].close()
 
 
 def pytest_collection_modifyitems(items):

@@ -23,12 +23,16 @@ HELPER_TIMEOUT_S = 120
 """The longest a measuring helper waits for its peers (a measurement takes seconds)."""
 
 
-def run_helpers(worker: Callable, args: tuple, nprocs: int, *, died: str, failed: str) -> None:
+def run_helpers(worker: Callable, args: tuple, nprocs: int, *, died: str, failed: str,
+                start_method: str = "spawn") -> None:
     """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes and wait for all of them.
 
     :param died: the error's text when a helper ended before it finished; ``{}`` in it is
         replaced by how it ended.
     :param failed: the error's text when a helper raised (its last line follows).
+    :param start_method: ``"forkserver"`` forks the helpers from a fork server the caller
+        started (torch imported there once); such a helper does not inherit this process's
+        ignored SIGINT, so ``worker`` ignores it first thing itself.
     """
     # started ignoring SIGINT (an ignored signal stays ignored across exec, and Python then
     # installs no KeyboardInterrupt handler): a Ctrl-C in the terminal reaches the helpers too,
@@ -39,7 +43,7 @@ def run_helpers(worker: Callable, args: tuple, nprocs: int, *, died: str, failed
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, daemon=True,
-                                     start_method="spawn")
+                                     start_method=start_method)
     finally:
         if main:
             signal.signal(signal.SIGINT, previous)

@@ -18,11 +18,11 @@ from pp_core.app.adapters import apply_adapters
 from pp_core.checkpoint import checkpoint_path, load_into_model, read_model_state_dict
 from pp_core.checkpoint.record import read_section
 from pp_core.app.factories import build_model
-from pp_core.app.launch import launch
 from pp_core.app.spec import SpecError, apply_overrides, parse_spec
 from pp_core.errors import ConfigError
 from pp_core_builtins.models import GPT
 from tests.cases.specs import tiny_gpt_spec
+from tests.cases.warm import warm_launch
 
 MODEL = {"vocab_size": 32, "dim": 16, "num_layers": 4, "num_heads": 2, "max_seq_len": 8}
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["qkv", "proj"]}
@@ -43,7 +43,7 @@ def tokens():
 def lora_run(tmp_path_factory):
     directory = tmp_path_factory.mktemp("lora")
     spec = spec_of(f"checkpoint.dir={directory / 'ckpt'}", "checkpoint.every=3")
-    losses = launch(spec)[0]["losses"]
+    losses = warm_launch(spec)[0]["losses"]
     return spec, checkpoint_path(directory / "ckpt", 3), losses
 
 
@@ -75,8 +75,8 @@ def test_a_lora_checkpoint_holds_adapter_optimizer_state_only_and_resumes(lora_r
     keys = SafeReader(str(step)).read_metadata().state_dict_metadata
     moments = [k for k in keys if k.startswith("optim.state.")]
     assert moments and all(".lora_" in k for k in moments), moments[:4]
-    resumed = launch(spec_of(f"checkpoint.dir={tmp_path}", f"checkpoint.resume={step}",
-                             "train.steps=4"))[0]["losses"]
+    resumed = warm_launch(spec_of(f"checkpoint.dir={tmp_path}", f"checkpoint.resume={step}",
+                                  "train.steps=4"))[0]["losses"]
     assert len(resumed) == 1 and resumed[0] < losses[0]
 
 

@@ -138,13 +138,39 @@ def example_plugin_installed():
 
 
 @pytest.mark.cli
-def test_a_pipeline_names_a_model_from_a_third_party_plugin(example_plugin_installed):
+@pytest.mark.ranks
+def test_plugins_in_a_real_run_a_third_party_model_and_metrics_hooks(example_plugin_installed,
+                                                                      tmp_path):
+    """One ``pp-core run`` for three entry-point plugins (was two runs: the model, then the
+    hooks on the tiny GPT). A pipeline names a model and a dataset from a pip-installed
+    third-party package; of two ``pp_report_metrics`` plugins, one gets the loss of every step
+    (the values of output.metrics, on the first rank only) and one that raises is logged once,
+    the run goes on."""
+    from tests.cases.plugin_packages import make_dist
+
+    site = tmp_path / "site"
+    site.mkdir()
+    make_dist(site, "pp-metrics-probe", {"pp_metrics_probe": PROBE, "pp_metrics_broken": BROKEN},
+              {"pp_metrics_probe": "pp_metrics_probe", "pp_metrics_broken": "pp_metrics_broken"})
+    received, metrics = tmp_path / "received.jsonl", tmp_path / "metrics.jsonl"
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     result = pp_core("run", "examples/plugin_model.yaml", "--set", "train.steps=4",
-                     "--set", "distributed.device=cpu",
-                     "--set", "output.progress=plain")
+                     "--set", "distributed.device=cpu", "--set", "output.progress=plain",
+                     "--set", "train.log_every=1", "--set", "train.eval_every=2",
+                     "--set", "train.eval_steps=1", "--set", f"output.metrics={metrics}",
+                     env={**os.environ, "PYTHONPATH": path, "PP_TEST_METRICS": str(received)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "example_mlp" in result.stdout and "on example_regression" in result.stdout
     assert "step 4/4" in result.stdout
+    got = [json.loads(line) for line in received.read_text().splitlines()]
+    written = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in got if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in got if "eval_loss" in r] == [2, 4]
+    assert {r["rank"] for r in got} == {"0"}
+    assert [{k: v for k, v in r.items() if k != "rank"} for r in got] == written
+    assert result.stderr.count("raised in pp_report_metrics") == 1, result.stderr[-3000:]
+    assert "plugin 'pp_metrics_broken' raised in pp_report_metrics at step 1: ConnectionError: " \
+           "dashboard unreachable" in result.stderr
 
 
 def _listening_addresses(port: int) -> set[str]:
@@ -199,33 +225,3 @@ from pp_core import hookimpl
 def pp_report_metrics(step, metrics):
     raise ConnectionError("dashboard unreachable")
 '''
-
-
-@pytest.mark.cli
-@pytest.mark.ranks
-def test_hook_pp_report_metrics_in_a_real_run_gets_every_step_a_failing_one_is_logged(tmp_path):
-    """Two entry-point plugins in a real run: one gets the loss of every step (the values of
-    output.metrics, on the first rank only); one that raises is logged once, the run goes on."""
-    from tests.cases.plugin_packages import make_dist
-
-    site = tmp_path / "site"
-    site.mkdir()
-    make_dist(site, "pp-metrics-probe", {"pp_metrics_probe": PROBE, "pp_metrics_broken": BROKEN},
-              {"pp_metrics_probe": "pp_metrics_probe", "pp_metrics_broken": "pp_metrics_broken"})
-    received, metrics = tmp_path / "received.jsonl", tmp_path / "metrics.jsonl"
-    spec = write_spec(tmp_path / "m.yaml", TINY,
-                      train={"steps": 4, "log_every": 1, "eval_every": 2, "eval_steps": 1},
-                      output={"progress": "plain", "metrics": str(metrics)})
-    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-    result = pp_core("run", str(spec), env={**os.environ, "PYTHONPATH": path,
-                                              "PP_TEST_METRICS": str(received)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    got = [json.loads(line) for line in received.read_text().splitlines()]
-    written = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in got if "loss" in r] == [1, 2, 3, 4]
-    assert [r["step"] for r in got if "eval_loss" in r] == [2, 4]
-    assert {r["rank"] for r in got} == {"0"}
-    assert [{k: v for k, v in r.items() if k != "rank"} for r in got] == written
-    assert result.stderr.count("raised in pp_report_metrics") == 1, result.stderr[-3000:]
-    assert "plugin 'pp_metrics_broken' raised in pp_report_metrics at step 1: ConnectionError: " \
-           "dashboard unreachable" in result.stderr

@@ -23,6 +23,19 @@ def run_losses(tmp: Path, values: dict) -> list[float]:
     return [row["loss"] for row in rows if "loss" in row]
 
 
+def run_losses_here(tmp: Path, values: dict) -> list[float]:
+    """:func:`run_losses` through ``pp_core.app.cli.main`` in this process: the same command,
+    its ranks forked from this process's fork server (started once for the session), without a
+    second interpreter importing torch and the model's library for the launcher and another for
+    its fork server. A module keeps one :func:`run_losses` that is the command end to end."""
+    from pp_core.app import cli
+
+    spec = write_spec(tmp / "pipe.yaml", values)
+    assert cli.main(["run", str(spec)]) == 0
+    rows = [json.loads(line) for line in Path(values["output"]["metrics"]).read_text().splitlines()]
+    return [row["loss"] for row in rows if "loss" in row]
+
+
 def safetensors_keys(directory: Path) -> set[str]:
     from safetensors import safe_open
 

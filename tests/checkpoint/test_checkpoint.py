@@ -18,10 +18,10 @@ from pp_core.app import cli
 from pp_core.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint,
                                 load_into_model, read_model_state_dict, save_checkpoint)
 from pp_core.errors import PipelineError
-from pp_core.app.launch import launch
 from pp_core.app.spec import apply_overrides, parse_spec
 from pp_core_builtins.models import GPT
 from tests.cases.specs import tiny_gpt_spec
+from tests.cases.warm import warm_launch
 
 MODEL = {"vocab_size": 32, "dim": 16, "num_layers": 4, "num_heads": 2, "max_seq_len": 8}
 BASE = tiny_gpt_spec(model={"args": MODEL}, distributed={"pp_size": 4, "device": "cpu"},
@@ -32,7 +32,7 @@ BASE = tiny_gpt_spec(model={"args": MODEL}, distributed={"pp_size": 4, "device":
 
 def run(*overrides: str) -> list[float]:
     spec = parse_spec(apply_overrides(BASE, overrides), "ckpt.yaml")
-    return launch(spec)[0]["losses"]
+    return warm_launch(spec)[0]["losses"]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import sys
 
 import pytest
 
-from pp_core.testing import DistPool
 
 PLUGIN = '''
 """A mixture-of-experts model and its expert-parallel plan, from outside pp-core."""
@@ -224,9 +223,8 @@ def _third_party_case(site: str) -> dict:
 
 
 @pytest.mark.cli
-def test_a_third_party_moe_model_trains_at_ep2_equal_to_one_process(site):
-    with DistPool(4) as pool:
-        results = pool.run(_third_party_case, str(site))
+def test_a_third_party_moe_model_trains_at_ep2_equal_to_one_process(site, pools):
+    results = pools(4).run(_third_party_case, str(site))
     for rank, result in enumerate(results):
         assert result["sharded"] == 2, result  # two MoE layers on each stage, by the plan
         assert max(result["grad_errs"]) < 1e-5, (rank, result)

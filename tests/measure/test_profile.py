@@ -17,7 +17,6 @@ from pp_core.measure.link import measure_p2p
 from pp_core.measure.profile import profile_model
 from pp_core.planning.units import model_units
 from pp_core.testing import plugins_with
-from pp_core.testing import DistPool
 from pp_core_builtins.models.gpt import GPT
 
 PLUGINS = plugins_with("pp_core_builtins.splitters.fqn", "pp_core_builtins.splitters.layers", "pp_core_builtins.splitters.sequential")
@@ -172,9 +171,8 @@ def p2p_on_every_rank():
 
 
 @pytest.mark.ranks
-def test_measure_p2p_gives_every_rank_the_same_link():
-    with DistPool(2) as pool:
-        first, second = pool.run(p2p_on_every_rank)
+def test_measure_p2p_gives_every_rank_the_same_link(pools):
+    first, second = pools(2).run(p2p_on_every_rank)
     assert first == second
     latency, bandwidth, send_busy, recv_busy, busy_rate, per_action = first
     assert 0 < latency < 1 and 0 < bandwidth < math.inf

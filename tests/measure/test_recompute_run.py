@@ -12,7 +12,6 @@ import torch
 import yaml
 
 from pp_core.app import cli
-from pp_core.app.launch import launch
 from pp_core.app.spec import apply_overrides, parse_spec
 from pp_core.losses import cross_entropy
 from pp_core.measure.profile import profile_model
@@ -20,6 +19,7 @@ from pp_core.parallel.activation import checkpoint_mode
 from pp_core.parallel.blocks import find_blocks
 from pp_core_builtins.models import GPT
 from tests.cases.specs import tiny_gpt_spec
+from tests.cases.warm import warm_launch
 
 MODEL = {"vocab_size": 32, "dim": 16, "num_layers": 4, "num_heads": 2, "max_seq_len": 32}
 BASE = tiny_gpt_spec(model={"args": MODEL}, data={"args": {"seq_len": 32}},
@@ -131,7 +131,7 @@ def test_a_cap_no_ac_free_plan_fits_is_met_by_recomputing_on_some_stages_and_run
     run_spec = resolved_spec(spec, AutoPlan(concrete_config(spec.pipeline, chosen), ranking))
     assert run_spec.train.activation_checkpointing["mode"] == modes
     assert run_spec.prediction["activation_checkpointing"] == modes
-    results = launch(run_spec, entrypoint=ran)
+    results = warm_launch(run_spec, entrypoint=ran)
     seen = {stage: got for r in results.values() for stage, got in r["blocks"].items()}
     for stage, mode in enumerate(modes):
         if stage in seen and seen[stage]:  # a stage of blocks: all by its own mode

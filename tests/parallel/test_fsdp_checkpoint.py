@@ -14,10 +14,10 @@ import torch
 
 from pp_core.app import cli
 from pp_core.checkpoint import checkpoint_path
-from pp_core.app.launch import launch
 from pp_core.app.spec import apply_overrides, parse_spec
 from tests.cases.dcp import check_resumed, merged, resume, resume_unsplit, train_and_save
 from tests.cases.specs import tiny_gpt_spec
+from tests.cases.warm import warm_launch
 
 SAVE_AT, STEPS = 3, 5
 ATOL = 1e-5
@@ -71,7 +71,7 @@ def test_yaml_resume_of_a_sharded_checkpoint_at_pp4(tmp_path):
     (global batch unchanged) it continues with the losses of the uninterrupted run."""
     def run(*overrides):
         spec = parse_spec(apply_overrides(YAML, overrides), "fsdp_ckpt.yaml")
-        return launch(spec)[0]["losses"]
+        return warm_launch(spec)[0]["losses"]
 
     first = run(f"checkpoint.dir={tmp_path / 'a'}")
     resumed = run("distributed.pp_size=4", "distributed.dp_shard=1", "pipeline.pp_batch_size=8",

@@ -96,12 +96,10 @@ def _mesh_case(pp, replicate, shard, tp, ep):
 
 
 @pytest.mark.ranks
-def test_build_lays_out_the_mesh_and_the_ep_groups_from_the_dp_ranks():
-    from pp_core.testing import DistPool
-
-    with DistPool(4) as pool:
-        found = sorted(pool.run(_mesh_case, 2, 1, 2, 1, 2), key=lambda r: r["rank"])
-        wide = sorted(pool.run(_mesh_case, 1, 2, 2, 1, 2), key=lambda r: r["rank"])
+def test_build_lays_out_the_mesh_and_the_ep_groups_from_the_dp_ranks(pools):
+    pool = pools(4)
+    found = sorted(pool.run(_mesh_case, 2, 1, 2, 1, 2), key=lambda r: r["rank"])
+    wide = sorted(pool.run(_mesh_case, 1, 2, 2, 1, 2), key=lambda r: r["rank"])
     assert [r["names"] for r in found] == [("pp", "dp_replicate", "dp_shard", "tp")] * 4
     assert [(r["pp"], r["dp"], r["tp"]) for r in found] == [(2, 2, 1)] * 4
     assert [(r["pp_rank"], r["dp_rank"]) for r in found] == [(0, 0), (0, 1), (1, 0), (1, 1)]

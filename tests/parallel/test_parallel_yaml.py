@@ -148,18 +148,17 @@ def test_the_example_runs_two_steps(tmp_path):
 
 
 @pytest.mark.ranks
-def test_hf_tied_llama_with_ac_and_compile_on_a_v_schedule():
+def test_hf_tied_llama_with_ac_and_compile_on_a_v_schedule(pools):
     pytest.importorskip("transformers")
-    from pp_core.testing import DistPool
     from tests.cases.parallel import hf_case
 
-    with DistPool(2, timeout=300) as pool:
-        for ac, backend in (("full", None), ("selective", "aot_eager")):
-            results = pool.run(hf_case, "v_schedule", ac, backend)
-            assert sum(r["loss_err"] is not None for r in results) == 1
-            for result in results:
-                assert result["worst"] <= 1e-5, (ac, backend, result)
-                assert result["loss_err"] is None or result["loss_err"] <= 1e-5
+    pool = pools(2, timeout=300)
+    for ac, backend in (("full", None), ("selective", "aot_eager")):
+        results = pool.run(hf_case, "v_schedule", ac, backend)
+        assert sum(r["loss_err"] is not None for r in results) == 1
+        for result in results:
+            assert result["worst"] <= 1e-5, (ac, backend, result)
+            assert result["loss_err"] is None or result["loss_err"] <= 1e-5
 
 
 def _split_backward_calls(wrap) -> int:

@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from pp_core.checkpoint import latest_checkpoint, read_model_state_dict
 from pp_core.parallel.gradients import finish_gradients
-from pp_core.app.launch import launch
 from pp_core.losses import cross_entropy
 from pp_core.app.spec import parse_spec
 from pp_core.app.spec.sections import TrainSpec
@@ -22,6 +21,7 @@ from pp_core.app.rank import lr_factor
 from pp_core.runtime.microbatch import num_tokens
 from pp_core_builtins.models import GPT
 from pp_core_builtins.models.datasets import SyntheticLM
+from tests.cases.warm import warm_launch
 
 MODEL = {"vocab_size": 32, "dim": 16, "num_layers": 4, "num_heads": 2, "max_seq_len": 8}
 DATA = {"seq_len": 8, "vocab_size": 32, "seed": 3}
@@ -91,7 +91,7 @@ def reference(steps: int):
 @pytest.fixture(scope="module")
 def pp2_dp2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pp2dp2")
-    results = launch(parse_spec(spec_values(tmp), "pp2dp2.yaml"), counting_train)
+    results = warm_launch(parse_spec(spec_values(tmp), "pp2dp2.yaml"), counting_train)
     return tmp, results
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pp_core.app.launch import launch
 from pp_core.app.spec import SpecError, parse_spec
 from pp_core.app.rank import train
+from tests.cases.warm import warm_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = {"vocab_size": 32, "dim": 16, "num_layers": 4, "num_heads": 2, "max_seq_len": 8}
@@ -40,8 +40,8 @@ def spec_values(schedule: str, dp_shard: int) -> dict:
 @pytest.mark.ranks
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_pp2_fsdp2_trains_like_pp2_alone_on_the_global_batch(schedule):
-    alone = launch(parse_spec(spec_values(schedule, 1), "pp2.yaml"), train)[0]
-    sharded = launch(parse_spec(spec_values(schedule, 2), "pp2fsdp2.yaml"), train)[0]
+    alone = warm_launch(parse_spec(spec_values(schedule, 1), "pp2.yaml"), train)[0]
+    sharded = warm_launch(parse_spec(spec_values(schedule, 2), "pp2fsdp2.yaml"), train)[0]
     assert sharded["dp_units"] == 3 and alone["dp_units"] == 0
     assert len(sharded["losses"]) == STEPS and sharded["losses"][-1] < sharded["losses"][0]
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(alone["losses"]),

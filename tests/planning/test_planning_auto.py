@@ -11,11 +11,10 @@ import torch
 from pp_core import PipelineConfig, build_pipeline
 from pp_core.app import cli
 from pp_core.errors import ConfigError
-from pp_core.app.launch import launch
 from pp_core.app.spec import apply_overrides, parse_spec
 from pp_core_builtins.models import GPT
-from pp_core.testing import DistPool
 from tests.cases.specs import tiny_gpt_spec
+from tests.cases.warm import warm_launch
 
 MODEL = {"vocab_size": 32, "dim": 16, "num_layers": 4, "num_heads": 2, "max_seq_len": 8}
 BASE = tiny_gpt_spec(model={"args": MODEL},
@@ -35,7 +34,7 @@ def ran(spec):
 @pytest.mark.ranks
 def test_yaml_auto_is_planned_once_and_every_rank_runs_the_same_concrete_plan(tmp_path):
     spec = parse_spec(apply_overrides(BASE, ()), "auto.yaml")
-    results = launch(spec, entrypoint=ran, memory_cap=2 ** 30)
+    results = warm_launch(spec, entrypoint=ran, memory_cap=2 ** 30)
     assert sorted(results) == [0, 1]
     first, second = results[0]["pipeline"], results[1]["pipeline"]
     assert first == second
@@ -74,9 +73,8 @@ def plan_on_ranks(restrict: bool):
 
 
 @pytest.mark.ranks
-def test_plan_auto_over_a_group_gives_every_rank_rank_0s_plan():
-    with DistPool(2) as pool:
-        results = pool.run(plan_on_ranks, True)
+def test_plan_auto_over_a_group_gives_every_rank_rank_0s_plan(pools):
+    results = pools(2).run(plan_on_ranks, True)
     assert results[0]["config"] == results[1]["config"]
     assert results[0]["chosen"] == results[1]["chosen"]
     assert results[0]["link"] == results[1]["link"] and results[0]["link"].latency_s > 0

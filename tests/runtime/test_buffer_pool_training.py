@@ -18,7 +18,6 @@ from torch.utils.checkpoint import checkpoint
 
 from pp_core_builtins.buffer_pool import RecvBufferPool
 from pp_core import hookimpl
-from pp_core.testing import DistPool
 from tests.schedule.test_buffer_pool_sizing import CUSTOM_CSV
 
 NUM_RANKS = 2
@@ -165,10 +164,8 @@ def _equal(a, b) -> bool:
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    pool = DistPool(NUM_RANKS)
-    yield pool
-    pool.close()
+def ranks(pools):
+    return pools(NUM_RANKS)
 
 
 def _differences(results):

@@ -17,7 +17,6 @@ import tempfile
 
 import pytest
 
-from pp_core.testing import DistPool
 from tests.cases.runtime import SCHEDULES, check, train_case
 from tests.cases.torch_runtime import torch_comms_dump, torch_runtime_case
 
@@ -30,24 +29,6 @@ TORCH_CLASSES = ["ScheduleGPipe"] + sorted(
     if isinstance(cls, type) and issubclass(cls, _schedules._PipelineScheduleRuntime)
     and cls is not _schedules._PipelineScheduleRuntime)
 SIZES = [(2, 4), (4, 8)]
-
-
-@pytest.fixture(scope="module")
-def pools():
-    """One pool at a time: the 2-rank cases run first, then the pool is swapped for 4 ranks."""
-    held: dict = {}
-
-    def get(num_ranks: int) -> DistPool:
-        if num_ranks not in held:
-            for pool in held.values():
-                pool.close()
-            held.clear()
-            held[num_ranks] = DistPool(num_ranks)
-        return held[num_ranks]
-
-    yield get
-    for pool in held.values():
-        pool.close()
 
 
 def exported(name: str, num_ranks: int, num_microbatches: int) -> str:

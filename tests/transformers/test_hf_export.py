@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 from pp_core.app import cli  # noqa: E402
 from pp_core.checkpoint import checkpoint_path, read_model_state_dict  # noqa: E402
 from pp_core.checkpoint.record import RECORD_FILE  # noqa: E402
-from tests.cases.hf_export import pretrained_logits, run_losses  # noqa: E402
+from tests.cases.hf_export import pretrained_logits, run_losses, run_losses_here  # noqa: E402
 from tests.cases.hf_export import safetensors_keys  # noqa: E402
 
 STEPS, LR = 4, 0.05
@@ -61,10 +61,10 @@ def _spec(tmp: Path, source: Path, distributed: dict, **extra) -> dict:
         **extra}
 
 
-def _trained(tmp_path_factory, name: str, tied: bool, distributed: dict) -> dict:
+def _trained(tmp_path_factory, name: str, tied: bool, distributed: dict, run=run_losses) -> dict:
     tmp = tmp_path_factory.mktemp(name)
     source = _source(tmp / "source", tied)
-    run_losses(tmp, _spec(tmp, source, distributed))
+    run(tmp, _spec(tmp, source, distributed))
     step = checkpoint_path(tmp / "ckpt", STEPS)
     assert cli.main(["export", str(step), "--format", "hf", "-o", str(tmp / "export")]) == 0
     return {"tmp": tmp, "source": source, "checkpoint": step, "export": tmp / "export",
@@ -78,7 +78,9 @@ def tp_tied(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fsdp_untied(tmp_path_factory):
-    return _trained(tmp_path_factory, "fsdp_untied", False, {"dp_shard": 2})
+    # through cli.main in this process (its ranks forked warm): the tied run and the run from
+    # the exported directory are the command end to end, each in its own interpreter
+    return _trained(tmp_path_factory, "fsdp_untied", False, {"dp_shard": 2}, run_losses_here)
 
 
 def _dtype(config: dict) -> str:
@@ -170,7 +172,7 @@ def test_an_exported_directory_resumes_as_the_dcp_checkpoint_does(tp_tied):
     from_export["data"]["args"]["start"] = STEPS
     from_export["checkpoint"] = {}
     from_export["output"]["metrics"] = str(tmp / "from_export.jsonl")
-    resumed, started = run_losses(tmp, from_dcp), run_losses(tmp, from_export)
+    resumed, started = run_losses_here(tmp, from_dcp), run_losses(tmp, from_export)
     assert len(started) == 2 and started == pytest.approx(resumed, rel=1e-6, abs=0)
     from pp_core_builtins.models.datasets import SyntheticLM
 

@@ -17,7 +17,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-from pp_core.testing import DistPool  # noqa: E402
 
 ATOL = 1e-5
 
@@ -90,15 +89,13 @@ def _load_per_rank(directory, schedule):
 
 
 @pytest.fixture(scope="module")
-def pool2():
-    with DistPool(2, timeout=180) as pool:
-        yield pool
+def pool2(pools):
+    return pools(2, timeout=180)
 
 
 @pytest.fixture(scope="module")
-def pool4():
-    with DistPool(4, timeout=180) as pool:
-        yield pool
+def pool4(pools):
+    return pools(4, timeout=180)
 
 
 CASES_2 = [

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from pp_core.app import cli  # noqa: E402
 from pp_core.checkpoint import checkpoint_path, read_model_state_dict  # noqa: E402
-from tests.cases.hf_export import run_losses  # noqa: E402
+from tests.cases.hf_export import run_losses, run_losses_here  # noqa: E402
 from tests.cases.vlm import (batch, save_processor, tiny_config, tiny_vlm,  # noqa: E402
                              write_images_dataset)
 
@@ -61,16 +61,19 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vlm")
     data = {"files": write_images_dataset(tmp / "data", IMAGES),
             "processor": save_processor("llava_next", tmp / "processor")}
-    one = run_losses(tmp, _spec(tmp, data, 1, "one"))
+    # the pp2 x dp2 run is the command end to end (its own interpreter); the reference and the
+    # LoRA run go through the same cli.main here, their ranks forked warm from this process
+    one = run_losses_here(tmp, _spec(tmp, data, 1, "one"))
     dp = run_losses(tmp, _spec(tmp, data, 2, "dp", "zero_bubble", distributed={"dp_shard": 2},
                                pipeline={"module_fqns_per_model_part": _units()},
                                checkpoint={"dir": str(tmp / "ckpt"),
                                            "export_hf": str(tmp / "run_export")}))
     lora = {"r": 4, "alpha": 8, "target_modules": r".*language_model.*\.(q_proj|v_proj)",
             "init_lora_weights": False}
-    tp = run_losses(tmp, _spec(tmp, data, 2, "tp", "v_schedule", distributed={"tp_size": 2},
-                               model={"lora": lora, "freeze": ["model.vision_tower"]},
-                               checkpoint={"dir": str(tmp / "lora_ckpt")}))
+    tp = run_losses_here(tmp, _spec(tmp, data, 2, "tp", "v_schedule",
+                                    distributed={"tp_size": 2},
+                                    model={"lora": lora, "freeze": ["model.vision_tower"]},
+                                    checkpoint={"dir": str(tmp / "lora_ckpt")}))
     return {"tmp": tmp, "one": one, "dp": dp, "tp": tp}
 
 

@@ -16,6 +16,8 @@ the same ranks (taken seconds apart, since a machine's speed drifts between minu
 (:meth:`pp_core.planning.costs.ModelProfile.scaled`) before the layouts are ranked: CPU time,
 so the simulator still shares the cores out itself. A tp profile is left as measured: its tp
 processes were already running together, and scaled it over-predicted (docs/benchmarks.md).
+The processes are forked from the fork server ``pp-core run`` forks its ranks from
+(:mod:`pp_core.app.launch.warm`), not spawned: torch imported once, not once per process.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import signal
 import statistics
 import tempfile
 import time
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from pp_core.app.factories import build_dataset, build_model
+from pp_core.app.launch import warm
 from pp_core.app.spec import Spec
 from pp_core.losses import resolve_loss
 from pp_core.measure.helpers import HELPER_TIMEOUT_S, run_helpers
@@ -69,7 +73,8 @@ def measure_pipeline_factor(spec: Spec, profiles: dict[int, ModelProfile], world
                               os.path.join(tmp, "store"), out), ranks,
                     died="a process running the model as a pipeline ended before it finished "
                          "({}); nothing was planned (skip it with 'pp-core plan --no-link')",
-                    failed="running the model as a pipeline to measure its CPU cost failed")
+                    failed="running the model as a pipeline to measure its CPU cost failed",
+                    start_method="forkserver" if warm.start() else "spawn")  # torch imported
         with open(out, "rb") as fh:
             measured, alone = pickle.load(fh)
     predicted = _predicted_cpu_s(alone, profile.action_overhead_s, ranks, batch // size)
@@ -88,6 +93,7 @@ def _worker(rank: int, values: dict, stages, microbatch_size: int, backend: str,
             store_path: str, out_path: str) -> None:
     """Rank 0 profiles the model alone while the others wait (the machine's speed drifts
     between minutes: both figures are taken within seconds), then all run the pipeline."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a spawned helper starts: plan ends us
     torch.set_num_threads(1)  # as a CPU rank of a small machine runs
     ranks = len(stages)
     dist.init_process_group(backend, store=dist.FileStore(store_path, ranks), rank=rank,

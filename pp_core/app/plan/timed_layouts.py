@@ -18,13 +18,17 @@ multiplies the predicted step of every plan at those degrees by that run's measu
 predicted step (:func:`calibrated`; clipped to :data:`BOUNDS`). The arithmetic still ranks the
 plans of a layout and the layouts of a pair; the run sets the pair's level. Each pair runs
 twice (:func:`time_layouts`); what each run measured is in the plan's JSON (``timed_layouts``)
-and table.
+and table. The processes of each run are forked from the fork server ``pp-core run`` forks its
+ranks from (:mod:`pp_core.app.launch.warm`: torch and the training loop imported once), not
+spawned: a run of 4 spawned processes spent seconds of every core importing torch, 4-6 runs
+per plan.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ from typing import Callable, Iterable
 
 import torch.distributed as dist
 
+from pp_core.app.launch import warm
 from pp_core.measure.helpers import HELPER_TIMEOUT_S, run_helpers
 from pp_core.parallel.dims import ParallelDims
 
@@ -116,7 +121,8 @@ def time_layout(values: dict, world: int, backend: str = "gloo") -> float:
         run_helpers(_worker, (values, world, backend, os.path.join(tmp, "store")), world,
                     died="a process running a layout to time it ended before it finished "
                          "({}); nothing was planned (skip it with 'pp-core plan --no-link')",
-                    failed="running a layout to time it failed")
+                    failed="running a layout to time it failed",
+                    start_method="forkserver" if warm.start() else "spawn")
         with open(metrics) as fh:
             rows = [json.loads(line) for line in fh if '"step_time_s"' in line]
     return statistics.median(r["step_time_s"] for r in rows if r["step"] > WARMUP)
@@ -125,6 +131,7 @@ def time_layout(values: dict, world: int, backend: str = "gloo") -> float:
 def _worker(rank: int, values: dict, world: int, backend: str, store_path: str) -> None:
     """One rank of :func:`time_layout`: the training loop of ``pp-core run``, on a process
     group over a file store (no port)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a spawned helper starts: plan ends us
     from pp_core.app.rank import train  # lazy: the training loop, in the helpers only
     from pp_core.app.spec import Spec  # lazy: as train
 
