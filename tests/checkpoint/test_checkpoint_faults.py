@@ -21,7 +21,7 @@ from pp_core.app import cli
 from pp_core.checkpoint import (checkpoint_path, latest_checkpoint, read_model_state_dict,
                                 save_checkpoint)
 from pp_core.errors import PipelineError
-from pp_core.app.launch import launch
+from tests.cases.warm import warm_launch as launch
 from pp_core.app.spec import apply_overrides, parse_spec
 from pp_core_builtins.models import GPT
 from tests.cases.specs import tiny_gpt_spec

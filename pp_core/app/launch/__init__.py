@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import tempfile
+import time
 from typing import Any, Callable
 
 from pp_core.app.elastic import fit_world
@@ -74,7 +75,20 @@ def rank_main(spec_values: dict, entrypoint: Callable | None = None,
         return entrypoint(spec)
     from pp_core.app.rank import train  # lazy: torch, only the ranks need it
 
-    return train(spec)
+    try:
+        return train(spec)
+    except RuntimeError as exc:
+        if any(words in str(exc) for words in LOST_PEER):
+            # a peer died first: let torch's agent see its death before this knock-on error,
+            # so the run names the cause (a forked rank's death reaches the agent through the
+            # fork server, a little after a peer's raise); the agent stops this rank meanwhile
+            time.sleep(LOST_PEER_GRACE_S)
+        raise
+
+
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
+"""gloo's words for a collective whose peer process is gone."""
+LOST_PEER_GRACE_S = 2.0
 
 
 @contextlib.contextmanager
