@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from pp_core.errors import ConfigError, PPCoreError
 from pp_core.planning.balance import split_by_profile, stage_fqns
@@ -34,7 +34,7 @@ from pp_core.schedule.build import schedule_from_def
 from pp_core.schedule.ir import ScheduleDef
 
 __all__ = ["Option", "Candidate", "Ranking", "candidates", "choose_plan", "predict",
-           "schedule_defs"]
+           "schedule_defs", "seq_chunk_choices", "SEQ_CHUNKS"]
 
 MAX_STAGES_PER_RANK = 4
 """Largest stage count per rank tried for schedules that take any (looped schedules): beyond it
@@ -52,6 +52,7 @@ class Option:
     stages_per_rank: int
     microbatch_size: int
     num_microbatches: int
+    seq_chunks: int = 1  # sequence slices per microbatch (pipeline.pp_seq_chunks)
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Candidate:
         o = self.option
         return {"schedule": o.schedule, "stages_per_rank": o.stages_per_rank,
                 "microbatch_size": o.microbatch_size, "num_microbatches": o.num_microbatches,
+                "seq_chunks": o.seq_chunks,
                 "predicted_step_s": self.predicted_step_s, "bubble_ratio": self.bubble_ratio,
                 "optimizer_step_s": self.optimizer_step_s,
                 "peak_bytes": self.peak_bytes, "recv_buffer_pool": self.pool,
@@ -133,6 +135,21 @@ class Ranking:
                 "dropped": [c.to_dict() for c in self.dropped]}
 
 
+SEQ_CHUNKS = (1, 2, 4, 8)
+"""The sequence slices per microbatch ``pp_seq_chunks: auto`` tries (those dividing the rows)."""
+
+
+def seq_chunk_choices(setting, seq_len: int | None, sliceable: bool) -> tuple[int, ...]:
+    """The ``pp_seq_chunks`` values to plan: the one written, or for ``"auto"`` each of
+    :data:`SEQ_CHUNKS` that divides ``seq_len`` when the model and loss can take slices
+    (``sliceable``: the model says ``pp_seq_slices``, the loss is token-normalised), else 1."""
+    if setting != "auto":
+        return (setting,)
+    if not sliceable or not seq_len:
+        return (1,)
+    return tuple(k for k in SEQ_CHUNKS if k <= seq_len and seq_len % k == 0)
+
+
 def schedule_defs(schedules=None) -> dict[str, Any]:
     """``{canonical name: ScheduleDef}`` from a plugin registry, a mapping, or the installed."""
     if schedules is None:
@@ -146,8 +163,10 @@ def schedule_defs(schedules=None) -> dict[str, Any]:
 
 
 def candidates(profiles: Mapping[int, ModelProfile], pp_size: int, pp_batch_size: int,
-               schedules=None, max_stages_per_rank: int = MAX_STAGES_PER_RANK) -> Iterator[Option]:
-    """Every (schedule, stages per rank, microbatch size) worth predicting, in a fixed order."""
+               schedules=None, max_stages_per_rank: int = MAX_STAGES_PER_RANK,
+               seq_chunks: Sequence[int] = (1,)) -> Iterator[Option]:
+    """Every (schedule, stages per rank, microbatch size, sequence slices) worth predicting, in
+    a fixed order."""
     defs = schedule_defs(schedules)
     sizes = sorted(size for size in profiles if pp_batch_size % size == 0)
     if not sizes:
@@ -159,7 +178,8 @@ def candidates(profiles: Mapping[int, ModelProfile], pp_size: int, pp_batch_size
             else (sdef.stages_per_rank,)
         for v in counts:
             for size in sizes:
-                yield Option(name, v, size, pp_batch_size // size)
+                for k in seq_chunks:
+                    yield Option(name, v, size, pp_batch_size // size, k)
 
 
 def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size: int,
@@ -167,7 +187,8 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
                 recv_buffer_pool: bool | None = None, pool_slack: int = 2,
                 max_stages_per_rank: int = MAX_STAGES_PER_RANK,
                 refine_top: int = REFINE_TOP, activation_checkpointing="none",
-                every: int = 1, degrees: Mapping[str, int] | None = None) -> Ranking:
+                every: int = 1, degrees: Mapping[str, int] | None = None,
+                seq_chunks: Sequence[int] = (1,)) -> Ranking:
     """Predict every candidate and rank those that fit ``memory_cap`` (bytes per rank).
 
     :param schedules: a plugin registry (``plugins.schedules``), a ``{name: ScheduleDef}``
@@ -181,6 +202,9 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
         mode per stage; ``every`` as ``train.activation_checkpointing.every``.
     :param degrees: the layout's degrees by their YAML names (``pp_size``, ``dp_replicate``,
         ``dp_shard``, ``tp_size``, ``ep_size``), carried by every plan; default pp only.
+    :param seq_chunks: the sequence slices per microbatch to try (``pipeline.pp_seq_chunks``;
+        :func:`seq_chunk_choices` for ``auto``): each is one more dimension of the enumeration,
+        predicted on the profile of one slice (:meth:`ModelProfile.sliced`).
     """
     started = time.perf_counter()
     if not isinstance(pp_size, int) or pp_size < 1:
@@ -194,7 +218,7 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
     layout = {"pp_size": pp_size, "dp_replicate": 1, "dp_shard": 1, "tp_size": 1, "ep_size": 1,
               **(degrees or {})}
     for option in candidates(profiles_by_microbatch_size, pp_size, pp_batch_size, defs,
-                             max_stages_per_rank):
+                             max_stages_per_rank, seq_chunks):
         profile = profiles_by_microbatch_size[option.microbatch_size]
         candidate = _predict(option, defs[option.schedule], profile, pp_size, splits,
                              pool_slack, ac)
@@ -221,7 +245,7 @@ def predict(option: Option, sdef, profile: ModelProfile, pp_size: int,
     of whole units."""
     splits = {}
     if fqns_per_stage is not None:
-        splits[(option.microbatch_size, len(fqns_per_stage))] = \
+        splits[(option.microbatch_size, len(fqns_per_stage), option.seq_chunks)] = \
             (fqns_per_stage, _units_of(profile, fqns_per_stage))
     return _predict(option, sdef, profile, pp_size, splits, slack, ac)
 
@@ -229,6 +253,7 @@ def predict(option: Option, sdef, profile: ModelProfile, pp_size: int,
 def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: dict,
              slack: int, ac: Recompute | None = None) -> Candidate:
     candidate = Candidate(option)
+    profile = profile.sliced(option.seq_chunks)  # with slices a unit of the schedule is a slice
     num_stages = pp_size * option.stages_per_rank
     if num_stages > len(profile.units):
         candidate.dropped = (f"needs {num_stages} stages, the model has {len(profile.units)} "
@@ -239,7 +264,7 @@ def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: 
     except PPCoreError as exc:
         candidate.dropped = f"the schedule refuses these sizes: {exc}"
         return candidate
-    key = (option.microbatch_size, num_stages)
+    key = (option.microbatch_size, num_stages, option.seq_chunks)
     if key not in splits:
         splits[key] = _split(profile, num_stages)
     fqns, units = splits[key]
@@ -265,7 +290,8 @@ def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: 
 def _schedule(option: Option, sdef, pp_size: int):
     return schedule_from_def(option.schedule, sdef, num_ranks=pp_size,
                              num_microbatches=option.num_microbatches,
-                             stages_per_rank=option.stages_per_rank)
+                             stages_per_rank=option.stages_per_rank,
+                             seq_chunks=option.seq_chunks)
 
 
 def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int,
@@ -276,7 +302,7 @@ def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int,
     refused = []
     for index, candidate in enumerate(kept[:top]):
         option = candidate.option
-        profile = profiles[option.microbatch_size]
+        profile = profiles[option.microbatch_size].sliced(option.seq_chunks)
         counts = [len(u) for u in _units_of(profile, candidate.fqns_per_stage)]
         schedule = _schedule(option, defs[option.schedule], pp_size)
         modes = candidate.activation_checkpointing
@@ -291,7 +317,8 @@ def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int,
             continue
         fqns = stage_fqns([unit.fqns for unit in profile.units], better,
                           _shared(profile, candidate.fqns_per_stage))
-        refined = predict(option, defs[option.schedule], profile, pp_size, fqns, slack, ac)
+        refined = predict(option, defs[option.schedule], profiles[option.microbatch_size],
+                          pp_size, fqns, slack, ac)
         _fit(refined, cap, pool)
         if refined.dropped is None:
             kept[index] = refined
@@ -338,5 +365,6 @@ def _fit(candidate: Candidate, cap: int | None, pool: bool | None) -> None:
 
 def _label(candidate: Candidate) -> str:
     o = candidate.option
-    return f"{o.schedule} v={o.stages_per_rank} mbs={o.microbatch_size}"
+    slices = f" K={o.seq_chunks}" if o.seq_chunks > 1 else ""
+    return f"{o.schedule} v={o.stages_per_rank} mbs={o.microbatch_size}{slices}"
 
