@@ -139,3 +139,28 @@ def test_split_backward_with_slices_leaves_the_weights_to_w(schedule):
         assert not any(watch.changed["I"]) and all(watch.changed["W"]), (k, watch.changed)
     assert abs(float(found[1][0] - found[4][0])) <= 1e-5
     assert max(float((found[1][1][n] - found[4][1][n]).abs().max()) for n in found[1][1]) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_with_slices_equals_the_unsliced_step(mode):
+    """A checkpointed block's recompute (during the backward) reads the same prefix of keys,
+    values and document mask as its slice's forward did (``seq_slices.replaying``)."""
+    import copy
+
+    from pp_core.parallel.activation import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, dim=32, num_layers=2, num_heads=2, max_seq_len=32)
+    ids = torch.randint(0, 64, (4, 16))
+    inputs = {"input_ids": ids,
+              "position_ids": torch.cat([torch.arange(5), torch.arange(11)]).repeat(4, 1)}
+    found = {}
+    for k in (1, 4):
+        pipe = build_pipeline(copy.deepcopy(model), _config(pp_schedule="zero_bubble",
+                                                            pp_batch_size=4, pp_seq_chunks=k))
+        assert apply_activation_checkpointing(pipe.model_parts, mode)
+        loss = pipe.step(inputs, target=ids)
+        found[k] = loss, {n: p.grad for part in pipe.model_parts
+                          for n, p in part.named_parameters()}
+    assert abs(float(found[1][0] - found[4][0])) <= 1e-5
+    assert max(float((found[1][1][n] - found[4][1][n]).abs().max()) for n in found[1][1]) <= 1e-5
