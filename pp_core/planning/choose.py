@@ -2,7 +2,9 @@
 
 The enumeration is every installed schedule (the plugin manager's registry, so a third-party
 schedule competes like a built-in) x the stages per rank it allows x every microbatch size that
-divides ``pp_batch_size`` and has a profile x the cost-balanced split for that stage count
+divides ``pp_batch_size`` and has a profile x the sequence slices per microbatch to try
+(``pp_seq_chunks``; one slice's profile, :meth:`~pp_core.planning.costs.ModelProfile.sliced`)
+x the cost-balanced split for that stage count
 (:func:`pp_core.planning.balance.split_by_profile`). For each point:
 
 * **step time** is the makespan of :func:`pp_core.schedule.simulate` with per-stage costs summed
@@ -13,19 +15,20 @@ divides ``pp_batch_size`` and has a profile x the cost-balanced split for that s
 
 A point that cannot be built (the schedule refuses the microbatch count, more stages than units)
 or whose peak exceeds the cap is kept in ``Ranking.dropped`` with the reason, so the table can say
-what the faster-looking plans would have needed. Pure: no torch, no process group.
+what the faster-looking plans would have needed (the plan objects:
+:mod:`pp_core.planning.candidate`). Pure: no torch, no process group.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 from pp_core.errors import ConfigError, PPCoreError
 from pp_core.planning.balance import split_by_profile, stage_fqns
+from pp_core.planning.candidate import Candidate, Option, Ranking, label as _label
 from pp_core.planning.costs import ModelProfile
-from pp_core.planning.memory import RankMemory, predict_memory
+from pp_core.planning.memory import predict_memory
 from pp_core.planning.recompute import Recompute, plan_stages, units_of_counts, with_modes
 from pp_core.planning.refine import optimizer_step_s, refine_counts, simulate_split
 from pp_core.planning.sizes import format_bytes
@@ -42,97 +45,6 @@ every extra hand-off costs more than the smaller bubble wins back on the models 
 
 REFINE_TOP = 4
 """Plans whose cuts the simulator refines: the ones that could end up first."""
-
-
-@dataclass(frozen=True)
-class Option:
-    """One point of the enumeration, before any prediction."""
-
-    schedule: str
-    stages_per_rank: int
-    microbatch_size: int
-    num_microbatches: int
-    seq_chunks: int = 1  # sequence slices per microbatch (pipeline.pp_seq_chunks)
-
-
-@dataclass
-class Candidate:
-    """An :class:`Option` with its split and predictions; ``dropped`` says why it cannot run."""
-
-    option: Option
-    fqns_per_stage: list[list[str]] | None = None
-    predicted_step_s: float | None = None
-    bubble_ratio: float | None = None
-    memory: list[RankMemory] = field(default_factory=list)
-    pool: bool = False
-    dropped: str | None = None
-    activation_checkpointing: list[str] | None = None   # the mode per stage
-    degrees: dict[str, int] = field(default_factory=dict)  # pp_size, dp_replicate, ... (YAML)
-    optimizer_step_s: float = 0.0   # of predicted_step_s, the slowest rank's optimizer step
-
-    @property
-    def peak_bytes(self) -> int | None:
-        return max(m.total(self.pool) for m in self.memory) if self.memory else None
-
-    def to_dict(self) -> dict[str, Any]:
-        o = self.option
-        return {"schedule": o.schedule, "stages_per_rank": o.stages_per_rank,
-                "microbatch_size": o.microbatch_size, "num_microbatches": o.num_microbatches,
-                "seq_chunks": o.seq_chunks,
-                "predicted_step_s": self.predicted_step_s, "bubble_ratio": self.bubble_ratio,
-                "optimizer_step_s": self.optimizer_step_s,
-                "peak_bytes": self.peak_bytes, "recv_buffer_pool": self.pool,
-                "memory_per_rank": [m.to_dict(self.pool) for m in self.memory],
-                "fqns_per_stage": self.fqns_per_stage, "dropped": self.dropped,
-                "activation_checkpointing": self.stage_modes(), **self.degrees}
-
-    def stage_modes(self) -> list[str] | None:
-        """The activation-checkpointing mode of each stage (``none`` when not planned)."""
-        if self.activation_checkpointing is not None:
-            return list(self.activation_checkpointing)
-        return None if self.fqns_per_stage is None else ["none"] * len(self.fqns_per_stage)
-
-
-@dataclass
-class Ranking:
-    """What :func:`choose_plan` decided: ``kept`` fastest first, ``dropped`` with reasons."""
-
-    kept: list[Candidate]
-    dropped: list[Candidate]
-    memory_cap: int | None
-    planning_s: float
-    pp_size: int
-    pp_batch_size: int
-
-    @property
-    def chosen(self) -> Candidate:
-        """The fastest plan that fits; a ConfigError saying what would fit when none does."""
-        if self.kept:
-            return self.kept[0]
-        sized = [c for c in self.dropped if c.peak_bytes is not None]
-        if sized and self.memory_cap is not None:
-            least = min(sized, key=lambda c: c.peak_bytes)
-            raise ConfigError(
-                f"no plan fits memory_cap={format_bytes(self.memory_cap)} per rank: the smallest "
-                f"predicted peak is {format_bytes(least.peak_bytes)} ({_label(least)}); raise "
-                f"the cap, use more pipeline ranks, or a smaller pp_batch_size")
-        reasons = "; ".join(f"{_label(c)}: {c.dropped}" for c in self.dropped[:3])
-        raise ConfigError(f"no schedule can run {self.pp_size} ranks with pp_batch_size="
-                          f"{self.pp_batch_size} ({reasons or 'no schedule installed'})")
-
-    def gave_up(self) -> list[Candidate]:
-        """The plans predicted faster than the chosen one that were dropped (usually: memory)."""
-        best = self.kept[0].predicted_step_s if self.kept else float("inf")
-        faster = [c for c in self.dropped
-                  if c.predicted_step_s is not None and c.predicted_step_s < best]
-        return sorted(faster, key=lambda c: c.predicted_step_s)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"pp_size": self.pp_size, "pp_batch_size": self.pp_batch_size,
-                "memory_cap": self.memory_cap, "planning_s": self.planning_s,
-                "chosen": self.kept[0].to_dict() if self.kept else None,
-                "kept": [c.to_dict() for c in self.kept],
-                "dropped": [c.to_dict() for c in self.dropped]}
 
 
 SEQ_CHUNKS = (1, 2, 4, 8)
@@ -361,10 +273,3 @@ def _fit(candidate: Candidate, cap: int | None, pool: bool | None) -> None:
             f" (with the receive-buffer pool {format_bytes(with_pool)})"
         candidate.dropped = (f"predicted peak {format_bytes(candidate.peak_bytes)} on rank "
                              f"{worst.rank}{pool_note} > memory cap {format_bytes(cap)}")
-
-
-def _label(candidate: Candidate) -> str:
-    o = candidate.option
-    slices = f" K={o.seq_chunks}" if o.seq_chunks > 1 else ""
-    return f"{o.schedule} v={o.stages_per_rank} mbs={o.microbatch_size}{slices}"
-
