@@ -89,7 +89,8 @@ class PipelineConfig:
     is then ignored, with a warning) and may name a shared module in several parts. ``pp_recv_buffer_pool`` reuses receive buffers, keeping
     ``pp_recv_buffer_pool_slack`` spare buffer sets. An int field is >= 1 unless its
     ``metadata["minimum"]`` says otherwise. ``pp_seq_chunks`` cuts every microbatch into that
-    many causal slices along the sequence, each a unit of the schedule (docs/long_sequences.md).
+    many causal slices along the sequence, each a unit of the schedule (docs/long_sequences.md);
+    ``"auto"``: the planner chooses it with the schedule (``pp_schedule="auto"``).
     """
 
     pp_schedule: str | None = "1f1b"
@@ -108,19 +109,23 @@ class PipelineConfig:
     pp_seq_len: int | None = None
     pp_recv_buffer_pool: bool = False
     pp_recv_buffer_pool_slack: int = field(default=2, metadata={"minimum": 0})
-    pp_seq_chunks: int = 1
+    pp_seq_chunks: int | Literal["auto"] = 1
 
     def _check_seq_chunks(self) -> None:
-        """``pp_seq_chunks``: an int >= 1 (checked with every int field), no CSV, and a
-        divisor of ``pp_seq_len`` when that is given."""
+        """``pp_seq_chunks``: an int >= 1 or ``"auto"`` (checked with every field), no CSV, and
+        a divisor of ``pp_seq_len`` when that is given. ``"auto"`` is the planner's to choose
+        (``pp_schedule: auto``, ``pp-core plan``): :func:`~pp_core.planning.plan.plan_pipeline`
+        refuses it left unchosen."""
         chunks = self.pp_seq_chunks
+        if chunks == "auto":
+            chunks = 2  # any K > 1: a CSV cannot take it
         if chunks > 1 and self.pp_schedule_csv is not None:
             raise ConfigError(f"pp_seq_chunks={chunks} cannot run the CSV schedule "
                               f"{self.pp_schedule_csv!r}: a CSV orders whole microbatches; set "
                               f"pp_seq_chunks: 1 or name a schedule in pp_schedule",
                               field="pp_seq_chunks")
         seq = self.pp_seq_len
-        if chunks > 1 and seq is not None and (chunks > seq or seq % chunks):
+        if self.pp_seq_chunks != "auto" and chunks > 1 and seq is not None and (chunks > seq or seq % chunks):
             raise ConfigError(f"pp_seq_chunks={chunks} must divide pp_seq_len={seq} into equal "
                               f"slices; use a divisor of {seq} such as "
                               f"{max(d for d in range(1, min(chunks, seq) + 1) if seq % d == 0)}",
@@ -275,6 +280,10 @@ class FieldSpec:
             want = "a positive int (>= 1)" if self.minimum == 1 else \
                 f"an int >= {self.minimum} (a bool is not accepted); use e.g. {self.default}"
             raise ConfigError(f"{self.name}={value!r} must be {want}", field=self.name)
+        if self.kind == "int_or_auto" and value != "auto" and \
+                (not _is_int(value) or value < self.minimum):
+            raise ConfigError(f"{self.name}={value!r} must be a positive int (>= 1) or 'auto'",
+                              field=self.name)
         if self.kind == "choice" and value not in self.choices:
             options = (["None"] if self.optional else []) + [repr(c) for c in self.choices]
             raise ConfigError(f"{self.name}={value!r} must be {', '.join(options[:-1])} or "
@@ -293,6 +302,8 @@ def field_specs() -> tuple[FieldSpec, ...]:
             rest = tuple(a for a in args if a is not type(None))
             hint = rest[0] if len(rest) == 1 else Union[rest]
         kind, choices = (hint, ()) if hint in (bool, int, str) else (None, ())
+        if hint == (int | Literal["auto"]):
+            kind, choices = "int_or_auto", ("auto",)
         if typing.get_origin(hint) is Literal:
             kind, choices = "choice", typing.get_args(hint)
         specs.append(FieldSpec(declared.name, kind, optional, declared.default, choices,

@@ -22,16 +22,17 @@ import torch.distributed as dist
 from pp_core.config import PipelineConfig
 from pp_core.devices import cpu_cores, shared_processors
 from pp_core.errors import ConfigError
-from pp_core.losses import resolve_loss
+from pp_core.losses import counts_tokens, resolve_loss
 from pp_core.measure.link import measure_p2p, measure_p2p_busy
 from pp_core.measure.optimizer_step import measure_optimizer_rate
 from pp_core.measure.overhead import measure_action_overhead
 from pp_core.measure.profile import profile_model
 from pp_core.measure.recompute import RECOMPUTE_MODES
-from pp_core.planning.choose import Candidate, Ranking, choose_plan
+from pp_core.planning.choose import Candidate, Ranking, choose_plan, seq_chunk_choices
 from pp_core.planning.costs import Link
 from pp_core.planning.sizes import parse_size
 from pp_core.plugin_manager import plugins_or_default
+from pp_core.runtime.microbatch import iter_tensors
 
 __all__ = ["AutoPlan", "plan_auto", "default_microbatch_sizes", "concrete_config"]
 
@@ -47,6 +48,8 @@ class AutoPlan:
     """The link the plan was made for (:class:`~pp_core.planning.costs.Link`); ``None``: none."""
     profiles: dict | None = None
     """``{microbatch size: ModelProfile}``: rank again (another cap) without profiling again."""
+    seq_chunks: tuple = (1,)
+    """The ``pp_seq_chunks`` values planned (:func:`~pp_core.planning.choose.seq_chunk_choices`)."""
 
     @property
     def processors(self) -> float | None:
@@ -84,7 +87,8 @@ def concrete_config(config: PipelineConfig, candidate: Candidate) -> PipelineCon
         config, pp_schedule=o.schedule, pp_schedule_csv=None, pp_microbatch_size=o.microbatch_size,
         layers_per_stage=None, round_virtual_stages_to_pp_multiple=None,
         module_fqns_per_model_part=[list(stage) for stage in candidate.fqns_per_stage],
-        pp_recv_buffer_pool=config.pp_recv_buffer_pool or candidate.pool)
+        pp_recv_buffer_pool=config.pp_recv_buffer_pool or candidate.pool,
+        pp_seq_chunks=o.seq_chunks)
 
 
 def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
@@ -134,6 +138,7 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
         link = Link(*measure_p2p(group), *measure_p2p_busy(group),
                     measure_action_overhead(group, device=device))
     ranking, profile_s, profiles = None, 0.0, None
+    chunks = slice_choices(config, model, inputs)
     if group is None or _group_rank(group) == 0:
         started = time.perf_counter()
         profiles = _profiles(model, config, inputs, target, pp_size, device, microbatch_sizes,
@@ -148,10 +153,25 @@ def plan_auto(model, config: PipelineConfig, inputs, target, pp_size: int, *,
                               recv_buffer_pool=True if config.pp_recv_buffer_pool else None,
                               pool_slack=config.pp_recv_buffer_pool_slack,
                               activation_checkpointing=activation_checkpointing, every=every,
-                              degrees=degrees)
+                              degrees=degrees, seq_chunks=chunks)
     if group is not None:
         ranking, profile_s, profiles = _broadcast((ranking, profile_s, profiles), group)
-    return AutoPlan(concrete_config(config, ranking.chosen), ranking, profile_s, link, profiles)
+    return AutoPlan(concrete_config(config, ranking.chosen), ranking, profile_s, link, profiles,
+                    chunks)
+
+
+def slice_choices(config: PipelineConfig, model, inputs) -> tuple[int, ...]:
+    """The ``pp_seq_chunks`` values to plan for ``model`` on rows like ``inputs``' (dim 1 of
+    their first tensor of 2+ dims, or ``pp_seq_len``): for ``auto``, K in 1, 2, 4, 8 dividing
+    the rows when the model says ``pp_seq_slices`` and the loss is token-normalised, else 1."""
+    if config.pp_seq_chunks != "auto":
+        return (config.pp_seq_chunks,)
+    length = config.pp_seq_len or next(
+        (t.shape[1] for t in iter_tensors(inputs) if t.dim() >= 2), None)
+    inner = getattr(model, "module", model)
+    sliceable = bool(getattr(inner, "pp_seq_slices", False)) and config.loss_fn is not None \
+        and counts_tokens(resolve_loss(config.loss_fn))
+    return seq_chunk_choices("auto", length, sliceable)
 
 
 def recompute_modes(setting) -> tuple[str, ...]:

@@ -62,6 +62,19 @@ def selective_contexts():
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
+_REPLAYS: list = []
+"""What a recompute must run inside besides the forward's RNG and autocast: callables run when
+a checkpointed call's forward runs, each returning a context-manager factory for its recompute,
+or ``None``. Sequence slices register one (:mod:`pp_core.runtime.seq_slices`): a checkpointed
+block of a slice recomputes over the prefix that slice's forward read."""
+
+
+def replay_in_recompute(capture) -> None:
+    """Register ``capture`` (see :data:`_REPLAYS`); once per callable."""
+    if capture not in _REPLAYS:
+        _REPLAYS.append(capture)
+
+
 class _Handle:
     """What autograd stores instead of a saved tensor; its death frees the recomputed tensor."""
 
@@ -90,6 +103,7 @@ class _Frame:
         if selective:
             self.forward_context, recompute = selective_contexts()
             self.recompute_context = lambda: recompute
+        self.replays = [r for r in (capture() for capture in _REPLAYS) if r is not None]
         self.count = 0
         self.alive: set[int] = set()
         self.values: dict[int, torch.Tensor] = {}
@@ -122,6 +136,8 @@ class _Frame:
                     stack.enter_context(torch.autocast(device, dtype=dtype))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(self.recompute_context())
+                for replay in self.replays:
+                    stack.enter_context(replay())
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(  # detached: a
                     # kept tensor must not hold the recompute's graph, whose hooks hold the list
                     lambda t: recomputed.append(t.detach()) or len(recomputed) - 1, _no_unpack))
@@ -134,6 +150,7 @@ class _Frame:
         self.values = {i: t for i, t in enumerate(recomputed) if i in self.alive}
         self.recomputed = True
         self.args = self.kwargs = None
+        self.replays = []
 
 
 def _no_unpack(index):  # pragma: no cover - the recompute's graph is dropped, never run

@@ -2,7 +2,9 @@
 
 The enumeration is every installed schedule (the plugin manager's registry, so a third-party
 schedule competes like a built-in) x the stages per rank it allows x every microbatch size that
-divides ``pp_batch_size`` and has a profile x the cost-balanced split for that stage count
+divides ``pp_batch_size`` and has a profile x the sequence slices per microbatch to try
+(``pp_seq_chunks``; one slice's profile, :meth:`~pp_core.planning.costs.ModelProfile.sliced`)
+x the cost-balanced split for that stage count
 (:func:`pp_core.planning.balance.split_by_profile`). For each point:
 
 * **step time** is the makespan of :func:`pp_core.schedule.simulate` with per-stage costs summed
@@ -13,20 +15,21 @@ divides ``pp_batch_size`` and has a profile x the cost-balanced split for that s
 
 A point that cannot be built (the schedule refuses the microbatch count, more stages than units)
 or whose peak exceeds the cap is kept in ``Ranking.dropped`` with the reason, so the table can say
-what the faster-looking plans would have needed. Pure: no torch, no process group.
+what the faster-looking plans would have needed (the plan objects:
+:mod:`pp_core.planning.candidate`). Pure: no torch, no process group.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from pp_core.config import DEGREE_KEYS
 from pp_core.errors import ConfigError, PPCoreError
 from pp_core.planning.balance import split_by_profile, stage_fqns
+from pp_core.planning.candidate import Candidate, Option, Ranking, label as _label
 from pp_core.planning.costs import ModelProfile
-from pp_core.planning.memory import RankMemory, predict_memory
+from pp_core.planning.memory import predict_memory
 from pp_core.planning.recompute import Recompute, plan_stages, units_of_counts, with_modes
 from pp_core.planning.refine import optimizer_step_s, refine_counts, simulate_split
 from pp_core.planning.sizes import format_bytes
@@ -35,7 +38,7 @@ from pp_core.schedule.build import schedule_from_def
 from pp_core.schedule.ir import ScheduleDef
 
 __all__ = ["Option", "Candidate", "Ranking", "candidates", "choose_plan", "predict",
-           "schedule_defs"]
+           "schedule_defs", "seq_chunk_choices", "SEQ_CHUNKS"]
 
 MAX_STAGES_PER_RANK = 4
 """Largest stage count per rank tried for schedules that take any (looped schedules): beyond it
@@ -45,93 +48,19 @@ REFINE_TOP = 4
 """Plans whose cuts the simulator refines: the ones that could end up first."""
 
 
-@dataclass(frozen=True)
-class Option:
-    """One point of the enumeration, before any prediction."""
-
-    schedule: str
-    stages_per_rank: int
-    microbatch_size: int
-    num_microbatches: int
+SEQ_CHUNKS = (1, 2, 4, 8)
+"""The sequence slices per microbatch ``pp_seq_chunks: auto`` tries (those dividing the rows)."""
 
 
-@dataclass
-class Candidate:
-    """An :class:`Option` with its split and predictions; ``dropped`` says why it cannot run."""
-
-    option: Option
-    fqns_per_stage: list[list[str]] | None = None
-    predicted_step_s: float | None = None
-    bubble_ratio: float | None = None
-    memory: list[RankMemory] = field(default_factory=list)
-    pool: bool = False
-    dropped: str | None = None
-    activation_checkpointing: list[str] | None = None   # the mode per stage
-    degrees: dict[str, int] = field(default_factory=dict)  # pp_size, dp_replicate, ... (YAML)
-    optimizer_step_s: float = 0.0   # of predicted_step_s, the slowest rank's optimizer step
-
-    @property
-    def peak_bytes(self) -> int | None:
-        return max(m.total(self.pool) for m in self.memory) if self.memory else None
-
-    def to_dict(self) -> dict[str, Any]:
-        o = self.option
-        return {"schedule": o.schedule, "stages_per_rank": o.stages_per_rank,
-                "microbatch_size": o.microbatch_size, "num_microbatches": o.num_microbatches,
-                "predicted_step_s": self.predicted_step_s, "bubble_ratio": self.bubble_ratio,
-                "optimizer_step_s": self.optimizer_step_s,
-                "peak_bytes": self.peak_bytes, "recv_buffer_pool": self.pool,
-                "memory_per_rank": [m.to_dict(self.pool) for m in self.memory],
-                "fqns_per_stage": self.fqns_per_stage, "dropped": self.dropped,
-                "activation_checkpointing": self.stage_modes(), **self.degrees}
-
-    def stage_modes(self) -> list[str] | None:
-        """The activation-checkpointing mode of each stage (``none`` when not planned)."""
-        if self.activation_checkpointing is not None:
-            return list(self.activation_checkpointing)
-        return None if self.fqns_per_stage is None else ["none"] * len(self.fqns_per_stage)
-
-
-@dataclass
-class Ranking:
-    """What :func:`choose_plan` decided: ``kept`` fastest first, ``dropped`` with reasons."""
-
-    kept: list[Candidate]
-    dropped: list[Candidate]
-    memory_cap: int | None
-    planning_s: float
-    pp_size: int
-    pp_batch_size: int
-
-    @property
-    def chosen(self) -> Candidate:
-        """The fastest plan that fits; a ConfigError saying what would fit when none does."""
-        if self.kept:
-            return self.kept[0]
-        sized = [c for c in self.dropped if c.peak_bytes is not None]
-        if sized and self.memory_cap is not None:
-            least = min(sized, key=lambda c: c.peak_bytes)
-            raise ConfigError(
-                f"no plan fits memory_cap={format_bytes(self.memory_cap)} per rank: the smallest "
-                f"predicted peak is {format_bytes(least.peak_bytes)} ({_label(least)}); raise "
-                f"the cap, use more pipeline ranks, or a smaller pp_batch_size")
-        reasons = "; ".join(f"{_label(c)}: {c.dropped}" for c in self.dropped[:3])
-        raise ConfigError(f"no schedule can run {self.pp_size} ranks with pp_batch_size="
-                          f"{self.pp_batch_size} ({reasons or 'no schedule installed'})")
-
-    def gave_up(self) -> list[Candidate]:
-        """The plans predicted faster than the chosen one that were dropped (usually: memory)."""
-        best = self.kept[0].predicted_step_s if self.kept else float("inf")
-        faster = [c for c in self.dropped
-                  if c.predicted_step_s is not None and c.predicted_step_s < best]
-        return sorted(faster, key=lambda c: c.predicted_step_s)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"pp_size": self.pp_size, "pp_batch_size": self.pp_batch_size,
-                "memory_cap": self.memory_cap, "planning_s": self.planning_s,
-                "chosen": self.kept[0].to_dict() if self.kept else None,
-                "kept": [c.to_dict() for c in self.kept],
-                "dropped": [c.to_dict() for c in self.dropped]}
+def seq_chunk_choices(setting, seq_len: int | None, sliceable: bool) -> tuple[int, ...]:
+    """The ``pp_seq_chunks`` values to plan: the one written, or for ``"auto"`` each of
+    :data:`SEQ_CHUNKS` that divides ``seq_len`` when the model and loss can take slices
+    (``sliceable``: the model says ``pp_seq_slices``, the loss is token-normalised), else 1."""
+    if setting != "auto":
+        return (setting,)
+    if not sliceable or not seq_len:
+        return (1,)
+    return tuple(k for k in SEQ_CHUNKS if k <= seq_len and seq_len % k == 0)
 
 
 def schedule_defs(schedules=None) -> dict[str, Any]:
@@ -147,8 +76,10 @@ def schedule_defs(schedules=None) -> dict[str, Any]:
 
 
 def candidates(profiles: Mapping[int, ModelProfile], pp_size: int, pp_batch_size: int,
-               schedules=None, max_stages_per_rank: int = MAX_STAGES_PER_RANK) -> Iterator[Option]:
-    """Every (schedule, stages per rank, microbatch size) worth predicting, in a fixed order."""
+               schedules=None, max_stages_per_rank: int = MAX_STAGES_PER_RANK,
+               seq_chunks: Sequence[int] = (1,)) -> Iterator[Option]:
+    """Every (schedule, stages per rank, microbatch size, sequence slices) worth predicting, in
+    a fixed order."""
     defs = schedule_defs(schedules)
     sizes = sorted(size for size in profiles if pp_batch_size % size == 0)
     if not sizes:
@@ -160,7 +91,8 @@ def candidates(profiles: Mapping[int, ModelProfile], pp_size: int, pp_batch_size
             else (sdef.stages_per_rank,)
         for v in counts:
             for size in sizes:
-                yield Option(name, v, size, pp_batch_size // size)
+                for k in seq_chunks:
+                    yield Option(name, v, size, pp_batch_size // size, k)
 
 
 def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size: int,
@@ -168,7 +100,8 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
                 recv_buffer_pool: bool | None = None, pool_slack: int = 2,
                 max_stages_per_rank: int = MAX_STAGES_PER_RANK,
                 refine_top: int = REFINE_TOP, activation_checkpointing="none",
-                every: int = 1, degrees: Mapping[str, int] | None = None) -> Ranking:
+                every: int = 1, degrees: Mapping[str, int] | None = None,
+                seq_chunks: Sequence[int] = (1,)) -> Ranking:
     """Predict every candidate and rank those that fit ``memory_cap`` (bytes per rank).
 
     :param schedules: a plugin registry (``plugins.schedules``), a ``{name: ScheduleDef}``
@@ -182,6 +115,9 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
         mode per stage; ``every`` as ``train.activation_checkpointing.every``.
     :param degrees: the layout's degrees by their YAML names (``pp_size``, ``dp_replicate``,
         ``dp_shard``, ``tp_size``, ``ep_size``; a missing one is 1), carried by every plan.
+    :param seq_chunks: the sequence slices per microbatch to try (``pipeline.pp_seq_chunks``;
+        :func:`seq_chunk_choices` for ``auto``): each is one more dimension of the enumeration,
+        predicted on the profile of one slice (:meth:`ModelProfile.sliced`).
     """
     started = time.perf_counter()
     if not isinstance(pp_size, int) or pp_size < 1:
@@ -194,7 +130,7 @@ def choose_plan(profiles_by_microbatch_size: Mapping[int, ModelProfile], pp_size
                    memory_cap, recv_buffer_pool)
     layout = {**dict.fromkeys(DEGREE_KEYS.values(), 1), "pp_size": pp_size, **(degrees or {})}
     for option in candidates(profiles_by_microbatch_size, pp_size, pp_batch_size, defs,
-                             max_stages_per_rank):
+                             max_stages_per_rank, seq_chunks):
         profile = profiles_by_microbatch_size[option.microbatch_size]
         candidate = _predict(option, defs[option.schedule], profile, pp_size, splits,
                              pool_slack, ac)
@@ -221,7 +157,7 @@ def predict(option: Option, sdef, profile: ModelProfile, pp_size: int,
     of whole units."""
     splits = {}
     if fqns_per_stage is not None:
-        splits[(option.microbatch_size, len(fqns_per_stage))] = \
+        splits[(option.microbatch_size, len(fqns_per_stage), option.seq_chunks)] = \
             (fqns_per_stage, _units_of(profile, fqns_per_stage))
     return _predict(option, sdef, profile, pp_size, splits, slack, ac)
 
@@ -229,6 +165,7 @@ def predict(option: Option, sdef, profile: ModelProfile, pp_size: int,
 def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: dict,
              slack: int, ac: Recompute | None = None) -> Candidate:
     candidate = Candidate(option)
+    profile = profile.sliced(option.seq_chunks)  # with slices a unit of the schedule is a slice
     num_stages = pp_size * option.stages_per_rank
     if num_stages > len(profile.units):
         candidate.dropped = (f"needs {num_stages} stages, the model has {len(profile.units)} "
@@ -239,7 +176,7 @@ def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: 
     except PPCoreError as exc:
         candidate.dropped = f"the schedule refuses these sizes: {exc}"
         return candidate
-    key = (option.microbatch_size, num_stages)
+    key = (option.microbatch_size, num_stages, option.seq_chunks)
     if key not in splits:
         splits[key] = _split(profile, num_stages)
     fqns, units = splits[key]
@@ -265,7 +202,8 @@ def _predict(option: Option, sdef, profile: ModelProfile, pp_size: int, splits: 
 def _schedule(option: Option, sdef, pp_size: int):
     return schedule_from_def(option.schedule, sdef, num_ranks=pp_size,
                              num_microbatches=option.num_microbatches,
-                             stages_per_rank=option.stages_per_rank)
+                             stages_per_rank=option.stages_per_rank,
+                             seq_chunks=option.seq_chunks)
 
 
 def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int,
@@ -276,7 +214,7 @@ def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int,
     refused = []
     for index, candidate in enumerate(kept[:top]):
         option = candidate.option
-        profile = profiles[option.microbatch_size]
+        profile = profiles[option.microbatch_size].sliced(option.seq_chunks)
         counts = [len(u) for u in _units_of(profile, candidate.fqns_per_stage)]
         schedule = _schedule(option, defs[option.schedule], pp_size)
         modes = candidate.activation_checkpointing
@@ -291,7 +229,8 @@ def _refine(kept: list, defs, profiles, pp_size: int, cap, pool, slack: int,
             continue
         fqns = stage_fqns([unit.fqns for unit in profile.units], better,
                           _shared(profile, candidate.fqns_per_stage))
-        refined = predict(option, defs[option.schedule], profile, pp_size, fqns, slack, ac)
+        refined = predict(option, defs[option.schedule], profiles[option.microbatch_size],
+                          pp_size, fqns, slack, ac)
         _fit(refined, cap, pool)
         if refined.dropped is None:
             kept[index] = refined
@@ -334,9 +273,3 @@ def _fit(candidate: Candidate, cap: int | None, pool: bool | None) -> None:
             f" (with the receive-buffer pool {format_bytes(with_pool)})"
         candidate.dropped = (f"predicted peak {format_bytes(candidate.peak_bytes)} on rank "
                              f"{worst.rank}{pool_note} > memory cap {format_bytes(cap)}")
-
-
-def _label(candidate: Candidate) -> str:
-    o = candidate.option
-    return f"{o.schedule} v={o.stages_per_rank} mbs={o.microbatch_size}"
-

@@ -113,6 +113,10 @@ def plan_pipeline(model, config, num_ranks: int, *, rank: Optional[int] = None,
     :raises PPCoreError: the first step that fails (see the module docstring); nothing is built.
     """
     plugins = plugins_or_default(plugins)
+    if config.pp_seq_chunks == "auto":
+        raise ConfigError("pipeline.pp_seq_chunks: auto is chosen by the planner; set pipeline."
+                          "pp_schedule: auto (or write the plan with 'pp-core plan FILE -o "
+                          "chosen.yaml'), or give pp_seq_chunks a number", field="pp_seq_chunks")
     shape = schedule_shape(config, num_ranks, plugins)
     split, per_rank = None, shape.stages_per_rank
     if model is not None:

@@ -71,7 +71,9 @@ def simulate_split(schedule, profile: ModelProfile, units: Sequence[Sequence[int
     the measured latency plus the largest boundary activation over the measured bandwidth on the
     dependency (simple, and pessimistic for uneven boundaries); ranks sharing fewer processors
     than there are of them (``profile.processors``) share them out; with ``with_memory`` the
-    saved activations in flight too, and what a split backward holds from ``I`` to ``W``."""
+    saved activations in flight too, and what a split backward holds from ``I`` to ``W``.
+    With sequence slices (``schedule.seq_chunks > 1``) ``profile`` is one slice's
+    (:meth:`ModelProfile.sliced`): its units' costs and bytes are a slice's."""
     sums = [stage_sums(profile, units, name)
             for name in ("forward_s", "backward_s", "input_grad_s", "weight_grad_s")]
     charges = handoff_charges(schedule, profile, units)
@@ -88,7 +90,7 @@ def simulate_split(schedule, profile: ModelProfile, units: Sequence[Sequence[int
     memory = {"activation_bytes": activations,
               "input_grad_held_bytes": held} if with_memory else {}
     return simulate(schedule, costs, comm_latency=profile.transfer_s(boundary),
-                    processors=profile.processors or None, **memory)
+                    processors=profile.processors or None, slice_costs=True, **memory)
 
 
 def optimizer_step_s(schedule, profile: ModelProfile, units) -> float:

@@ -24,18 +24,20 @@ def describe(candidate: Candidate) -> str:
     modes = candidate.stage_modes() or []
     ac = "" if all(m == "none" for m in modes) else \
         f", activation checkpointing per stage {' '.join(modes)}"
+    slices = f", {o.seq_chunks} sequence slices each" if o.seq_chunks > 1 else ""
     return (f"{o.schedule}, {o.stages_per_rank} {per}/rank, {o.num_microbatches} microbatches "
-            f"of {o.microbatch_size}{pool}{ac}")
+            f"of {o.microbatch_size}{slices}{pool}{ac}")
 
 
-def _row(index, candidate: Candidate) -> str:
+def _row(index, candidate: Candidate, slices: bool = False) -> str:
     o = candidate.option
     step = "-" if candidate.predicted_step_s is None else f"{candidate.predicted_step_s * 1e3:.1f}"
     bubble = "-" if candidate.bubble_ratio is None else f"{100 * candidate.bubble_ratio:.0f}%"
     per_rank = " ".join(format_bytes(m.total(candidate.pool)).replace(" ", "")
                         for m in candidate.memory)
     return (f"{index:>3}  {o.schedule:<18} {o.stages_per_rank:>2} {o.microbatch_size:>4} "
-            f"{o.num_microbatches:>4} {step:>10} {bubble:>6}  {ac_letters(candidate):<8} "
+            f"{o.num_microbatches:>4} " + (f"{o.seq_chunks:>2} " if slices else "") +
+            f"{step:>10} {bubble:>6}  {ac_letters(candidate):<8} "
             f"{per_rank}")
 
 
@@ -43,11 +45,12 @@ def format_ranking(ranking: Ranking, top: int = 8) -> str:
     """The top ``top`` plans that fit, the chosen one, and the faster plans that were dropped."""
     cap = "no memory cap" if ranking.memory_cap is None else \
         f"memory cap {format_bytes(ranking.memory_cap)} per rank"
+    slices = any(c.option.seq_chunks > 1 for c in ranking.kept + ranking.dropped)
     lines = [f"{len(ranking.kept)} plans fit ({cap}), {len(ranking.dropped)} dropped; planned "
              f"in {ranking.planning_s:.2f} s",
-             "  #  schedule            v  mbs    M  step (ms) bubble  AC       "
-             "predicted peak per rank"]
-    lines += [_row(i + 1, c) for i, c in enumerate(ranking.kept[:top])]
+             "  #  schedule            v  mbs    M " + (" K " if slices else "") +
+             " step (ms) bubble  AC       predicted peak per rank"]
+    lines += [_row(i + 1, c, slices) for i, c in enumerate(ranking.kept[:top])]
     if len(ranking.kept) > top:
         lines.append(f"     ... {len(ranking.kept) - top} more")
     if ranking.kept:
@@ -66,4 +69,6 @@ def format_ranking(ranking: Ranking, top: int = 8) -> str:
             sorted({f"{c.option.schedule}: {c.dropped.split(';')[0]}" for c in refused})[:4]))
     if any(set(c.stage_modes() or ()) - {"none"} for c in ranking.kept[:top]):
         lines.append("AC: activation checkpointing per stage (f full, s selective, - none)")
+    if slices:
+        lines.append("K: sequence slices per microbatch (pipeline.pp_seq_chunks)")
     return "\n".join(lines)

@@ -15,7 +15,12 @@ Parameters are grouped by the boundary nodes they hang from, and each group gets
 ``autograd.backward`` call: one call for several groups would make autograd recompute the input
 path between their boundary nodes (torch's ``stage_backward_weight`` groups the same way). When
 no stage input needs a gradient (the first stage) ``I`` has nothing to do and ``W`` runs the whole
-backward. Non-tensor and non-differentiable inputs are skipped.
+backward. Non-tensor and non-differentiable inputs are skipped. A group can hang from several
+nodes of the input path, one below another (on a first stage with sequence slices the embedding
+feeds both the residual stream and the first attention, which reads earlier slices' keys and
+values, inputs of ``I``): its ``W`` runs the input path between them again, each boundary node
+clamped to the gradient ``I`` kept there, through nodes other groups restart at, so such a ``W``
+keeps the graph until its last group has run.
 
 Fused boundary nodes. Some nodes compute every gradient whenever they run, whatever autograd
 asked for: the backward of a ``torch.compile``d region (``CompiledFunctionBackward``, one node
@@ -287,13 +292,17 @@ def backward_weight(state: WeightGrad) -> None:
         if outputs:
             _run(outputs, _grads_or_ones(outputs, grads))
         return
+    # a group with clamps runs the input path between its boundary nodes again, through nodes
+    # other groups restart at: the graph is kept until the last group has run (it goes with
+    # ``state.groups`` right after, so the peak is unchanged)
+    retain = any(clamps for *_, clamps in state.groups)
     for edges, grads, params, clamps in state.groups:
         handles = []
         if clamps:  # a boundary node below another one must see exactly its kept gradient
             for node, kept in clamps:
                 handles.append(node.register_prehook(lambda grad_outputs, kept=kept: kept))
         try:
-            _run(edges, grads, params)
+            _run(edges, grads, params, retain_graph=retain)
         finally:
             for handle in handles:
                 handle.remove()

@@ -32,7 +32,7 @@ from pp_core._torch_compat import profiler_enabled
 from pp_core.errors import PipelineError
 from pp_core.parallel.expert.aux_loss import aux_loss_modules, scale_aux_losses
 from pp_core.runtime import transfers
-from pp_core.runtime.backward import WeightGrad, backward_full, backward_input, backward_weight
+from pp_core.runtime.backward import backward_full, backward_input, backward_weight
 from pp_core.runtime.mailbox import Incoming, Mailbox
 from pp_core.runtime.p2p import P2P
 from pp_core.runtime.seq_slices import SeqSlice, backward_roots, running
@@ -311,11 +311,7 @@ class Executor:
         with self.data_parallel.backward(stage_index, state.position, outputs):
             if kind is B:
                 input_grads = backward_full(outputs, grads, inputs)
-            elif read or self.seq_chunks > 1:  # slices: I runs the whole backward, W nothing
-                # (the I/W cut across the earlier slices' key/value leaves is not split yet)
-                input_grads, state.weight[key] = backward_full(outputs, grads, inputs), \
-                    WeightGrad()
-            else:
+            else:  # with slices the earlier slices' key/value leaves are inputs of I
                 input_grads, state.weight[key] = backward_input(outputs, grads, inputs)
         if read:
             input_grads, made = input_grads[:-len(read)], input_grads[-len(read):]

@@ -25,15 +25,18 @@ made and the leaves it read), so a failed step clears it with the rest.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
 
 from pp_core.errors import ConfigError
 from pp_core.losses import resolve_loss
+from pp_core.parallel.activation import replay_in_recompute
 from pp_core.runtime.microbatch import _rebuild, iter_tensors
 
-__all__ = ["SeqSlice", "current_seq_slice", "running", "backward_roots", "cut_sequence",
+__all__ = ["SeqSlice", "current_seq_slice", "running", "replaying", "backward_roots",
+           "cut_sequence",
            "join_sequence", "check_sliceable"]
 
 _current: list = []  # the slice whose forward runs (a stack: a stage never nests, tests might)
@@ -54,6 +57,9 @@ class SeqSlice:
         self._store = store  # owner -> cached prefix pieces, shared by the microbatch's slices
         self.kept: list = []  # (tensor, leaf): what this slice made for later slices
         self.read: list = []  # leaves of earlier slices this slice attends to
+        self.replaying = False  # an activation-checkpointing recompute of this forward runs
+        self._seen: dict = {}  # (name, owner) -> the earlier pieces the forward read (a
+        # recompute reads them again: the store has moved on, or gone)
 
     @property
     def last(self) -> bool:
@@ -65,8 +71,14 @@ class SeqSlice:
 
     def keys_values(self, owner, *tensors: torch.Tensor, dim: int = -2) -> tuple:
         """``tensors`` (this slice's keys and values of one attention ``owner``) concatenated
-        after the same tensors of the earlier slices along ``dim`` (the sequence)."""
-        earlier = self._store.setdefault(("kv", id(owner)), [])
+        after the same tensors of the earlier slices along ``dim`` (the sequence). In a
+        recompute (:func:`replaying`) the same earlier pieces, and nothing kept or read again."""
+        key = ("kv", id(owner))
+        if self.replaying:
+            pieces = self._seen.get(key, [])
+            return tuple(torch.cat([p[i] for p in pieces] + [t], dim=dim) if pieces else t
+                         for i, t in enumerate(tensors))
+        earlier = self._store.setdefault(key, [])
         for leaves in earlier:
             self.read += [leaf for leaf in leaves if leaf.requires_grad]
         if not self.last:
@@ -76,14 +88,20 @@ class SeqSlice:
             earlier.append(leaves)
         else:
             pieces = earlier
+        self._seen[key] = list(pieces)
         return tuple(torch.cat([p[i] for p in pieces] + [t], dim=dim) if pieces else t
                      for i, t in enumerate(tensors))
 
     def prefix(self, owner, name: str, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """``tensor`` (no gradient: position ids, document ids) after the earlier slices' along
         ``dim``; kept as a copy, so a receive buffer that held it may be reused."""
-        earlier = self._store.setdefault((name, id(owner)), [])
+        key = (name, id(owner))
+        earlier = self._seen.get(key, []) if self.replaying else \
+            self._store.setdefault(key, [])
         full = torch.cat(earlier + [tensor], dim=dim) if earlier else tensor
+        if self.replaying:
+            return full
+        self._seen[key] = list(earlier)
         if not self.last:
             earlier.append(tensor.detach().clone())
         return full
@@ -102,6 +120,33 @@ def running(piece: SeqSlice):
         yield piece
     finally:
         _current.pop()
+
+
+@contextlib.contextmanager
+def replaying(piece: Optional[SeqSlice]):
+    """Make ``piece`` current again while an activation-checkpointing recompute of its forward
+    runs (during a backward, outside the forward's :func:`running`): its attention reads the
+    same prefix (``None``: no slices, nothing to do)."""
+    if piece is None:
+        yield
+        return
+    piece.replaying = True
+    _current.append(piece)
+    try:
+        yield
+    finally:
+        _current.pop()
+        piece.replaying = False
+
+
+def _replay_current():
+    """For activation checkpointing: the recompute of a checkpointed block whose forward runs
+    now re-enters this slice (:func:`replaying`); ``None`` outside slices."""
+    piece = current_seq_slice()
+    return None if piece is None else functools.partial(replaying, piece)
+
+
+replay_in_recompute(_replay_current)
 
 
 def backward_roots(outputs: list, grads, kept: list) -> tuple[list, Optional[list]]:

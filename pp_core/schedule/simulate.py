@@ -178,6 +178,8 @@ def simulate(
     activation_bytes: float | Sequence[float] | None = None,
     processors: float | None = None,
     input_grad_held_bytes: float | Sequence[float] | None = None,
+    *,
+    slice_costs: bool = False,
 ) -> SimResult:
     """Validate ``schedule`` and replay it with ``costs``; see the module docstring.
 
@@ -192,6 +194,9 @@ def simulate(
         frees, on top of ``activation_bytes`` (which is 0 when not given); ``B`` is unaffected.
         They count from the state after the ``I`` on (the peak is taken after every ``F`` and
         before every other action), not while it runs: there they are among its temporaries.
+    :param slice_costs: with sequence slices, ``costs`` and the bytes are already one slice's
+        (a planner's per-slice profile, :meth:`~pp_core.planning.costs.ModelProfile.sliced`),
+        not a whole microbatch's to be shared out.
     """
     costs = Costs() if costs is None else costs
     if isinstance(comm_latency, bool) or not isinstance(comm_latency, (int, float)) \
@@ -205,7 +210,7 @@ def simulate(
                                else 0.0, schedule.num_stages)
     cost = costs.table(schedule.num_stages)
     K = schedule.seq_chunks
-    if K > 1:  # the costs are a whole microbatch's: a slice takes its share
+    if K > 1 and not slice_costs:  # the costs are a whole microbatch's: a slice takes its share
         cost = [tuple(c / K for c in row) for row in cost]
         stage_bytes = None if stage_bytes is None else [b / K for b in stage_bytes]
         held = None if held is None else [b / K for b in held]

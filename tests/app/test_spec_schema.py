@@ -85,7 +85,8 @@ SNAPSHOT = {
         ("pp_recv_buffer_pool", "flag", False, "PipelineConfig.pp_recv_buffer_pool"),
         ("pp_recv_buffer_pool_slack", "integer(maximum=None, minimum=0, word='an int >= 0')", 2,
          "PipelineConfig.pp_recv_buffer_pool_slack"),
-        ("pp_seq_chunks", "integer(maximum=None, minimum=1, word='a positive int')", 1,
+        ("pp_seq_chunks", "integer_or(as_int=integer(maximum=None, minimum=1, word='a positive "
+         "int'), word='auto')", 1,
          "PipelineConfig.pp_seq_chunks"),
     ],
     "distributed": [

@@ -91,3 +91,76 @@ def test_hf_decoders_with_slices_equal_the_unsliced_step(model_type):
                           for n, p in part.named_parameters()}
     assert abs(float(found[1][0] - found[2][0])) <= 1e-5
     assert max(float((found[1][1][n] - found[2][1][n]).abs().max()) for n in found[1][1]) <= 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "v_schedule"])
+def test_split_backward_with_slices_leaves_the_weights_to_w(schedule):
+    """Under slices ``I`` gives only input gradients (the stage's and the earlier slices' keys
+    and values) and ``W`` the weight gradients, per slice, as without slices; the sum equals
+    K = 1 (one process: ``v_schedule`` puts both of its stages on this rank)."""
+    import copy
+
+    from pp_core.runtime.observers import ActionObserver
+
+    class Watch(ActionObserver):
+        def __init__(self, pipe):
+            self.params = {i: list(s.module.parameters()) for i, s in pipe.stages.items()}
+            self.changed = {"I": [], "W": []}
+
+        def _grads(self, stage):
+            return [None if p.grad is None else p.grad.clone() for p in self.params[stage]]
+
+        def on_action_start(self, action):
+            self.before = self._grads(action.stage)
+
+        def on_action_end(self, action):
+            kind = action.kind.value
+            if kind in self.changed:
+                after = self._grads(action.stage)
+                self.changed[kind].append(any(
+                    (a is None) != (b is None) or (a is not None and not torch.equal(a, b))
+                    for a, b in zip(self.before, after)))
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, dim=32, num_layers=4, num_heads=2, max_seq_len=32)
+    ids = torch.randint(0, 64, (4, 16))
+    inputs = {"input_ids": ids,
+              "position_ids": torch.cat([torch.arange(5), torch.arange(11)]).repeat(4, 1)}
+    found = {}
+    for k in (1, 4):
+        pipe = build_pipeline(copy.deepcopy(model), _config(pp_schedule=schedule, pp_batch_size=4,
+                                                            pp_seq_chunks=k))
+        watch = Watch(pipe)
+        pipe.add_action_observer(watch)
+        loss = pipe.step(inputs, target=ids)
+        found[k] = loss, {n: p.grad for part in pipe.model_parts
+                          for n, p in part.named_parameters()}
+        assert len(watch.changed["W"]) == len(watch.changed["I"]) == 4 * k * pipe.num_stages
+        assert not any(watch.changed["I"]) and all(watch.changed["W"]), (k, watch.changed)
+    assert abs(float(found[1][0] - found[4][0])) <= 1e-5
+    assert max(float((found[1][1][n] - found[4][1][n]).abs().max()) for n in found[1][1]) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_with_slices_equals_the_unsliced_step(mode):
+    """A checkpointed block's recompute (during the backward) reads the same prefix of keys,
+    values and document mask as its slice's forward did (``seq_slices.replaying``)."""
+    import copy
+
+    from pp_core.parallel.activation import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, dim=32, num_layers=2, num_heads=2, max_seq_len=32)
+    ids = torch.randint(0, 64, (4, 16))
+    inputs = {"input_ids": ids,
+              "position_ids": torch.cat([torch.arange(5), torch.arange(11)]).repeat(4, 1)}
+    found = {}
+    for k in (1, 4):
+        pipe = build_pipeline(copy.deepcopy(model), _config(pp_schedule="zero_bubble",
+                                                            pp_batch_size=4, pp_seq_chunks=k))
+        assert apply_activation_checkpointing(pipe.model_parts, mode)
+        loss = pipe.step(inputs, target=ids)
+        found[k] = loss, {n: p.grad for part in pipe.model_parts
+                          for n, p in part.named_parameters()}
+    assert abs(float(found[1][0] - found[4][0])) <= 1e-5
+    assert max(float((found[1][1][n] - found[4][1][n]).abs().max()) for n in found[1][1]) <= 1e-5

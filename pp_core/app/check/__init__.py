@@ -210,6 +210,9 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
         problems.append("train.activation_checkpointing.mode: auto is chosen per stage by the "
                         "planner, with pipeline.pp_schedule: auto; set pp_schedule: auto, or a "
                         "mode (none, full, selective)")
+    if config.pp_seq_chunks == "auto" and not auto:
+        problems.append("pipeline.pp_seq_chunks: auto is chosen by the planner, with pipeline."
+                        "pp_schedule: auto; set pp_schedule: auto, or a number of slices")
     try:  # a wrong schedule name or CSV is reported before the model is built
         if not auto:
             schedule_shape(config, num_ranks, plugins)

@@ -33,7 +33,7 @@ __all__ = ["decide", "is_balanced", "as_auto", "plan_spec", "resolved_spec", "ba
 
 PLANNED_KEYS = ("pp_schedule", "pp_schedule_csv", "pp_microbatch_size", "layers_per_stage",
                 "round_virtual_stages_to_pp_multiple", "module_fqns_per_model_part",
-                "pp_recv_buffer_pool")
+                "pp_recv_buffer_pool", "pp_seq_chunks")
 """The ``pipeline`` keys a plan fixes."""
 
 Say = Callable[[str], None]
@@ -146,6 +146,7 @@ def resolved_spec(spec: Spec, plan) -> Spec:
     predicted = {"schedule": best.option.schedule,
                  "stages_per_rank": best.option.stages_per_rank,
                  "microbatch_size": best.option.microbatch_size,
+                 "seq_chunks": best.option.seq_chunks,
                  "predicted_step_s": best.predicted_step_s,
                  "predicted_peak_bytes": [m.total(best.pool) for m in best.memory],
                  "activation_checkpointing": best.stage_modes()}

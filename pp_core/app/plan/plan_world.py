@@ -167,6 +167,7 @@ def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = 
     collectives = measure_collectives(largest, base.backend, base.device) if measure_link \
         else None
     profiles = {}  # tp degree -> {microbatch size: ModelProfile}
+    chunks = (1,)  # the pp_seq_chunks values planned (the profiling says)
     for tp in sorted({d.tp for d in admitted}):
         layouts = [d for d in admitted if d.tp == tp]
         sizes = sorted({size for d in layouts for size in default_microbatch_sizes(
@@ -176,8 +177,9 @@ def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = 
             say(f"plan: profiling at tp {tp}, microbatch sizes {sizes}")
         # measured with the threads a rank of this world gets (one on a small machine)
         rank = MachineShare.of(layout_spec(spec, layouts[0]))
-        profiles[tp] = plan_spec(layout_spec(spec, first), rank, measure_link=False, link=link,
-                                 microbatch_sizes=sizes).profiles
+        measured = plan_spec(layout_spec(spec, first), rank, measure_link=False, link=link,
+                             microbatch_sizes=sizes)
+        profiles[tp], chunks = measured.profiles, measured.seq_chunks
     factor = 1.0
     if measure_link and base.device == "cpu" and 1 in profiles:
         if say is not None:
@@ -197,7 +199,7 @@ def plan_world(spec: Spec, world: int, *, memory_cap=None, measure_link: bool = 
         if say is not None:
             say(f"plan: planning layout {number}/{len(admitted)}: {dims.describe()}")
         outcome = plan_layout(spec, dims, world, profiles[dims.tp], memory_cap, link,
-                               collectives, experts)
+                               collectives, experts, chunks)
         (planned if isinstance(outcome, LayoutPlan) else dropped).append(outcome)
     planning_s = time.perf_counter() - started
     timed = {}
@@ -233,9 +235,10 @@ def _timed(planned: list[LayoutPlan], world: int, backend: str, say) -> dict:
 
 
 def plan_layout(spec: Spec, dims: ParallelDims, world: int, profiles, memory_cap, link,
-                 collectives, experts):
+                 collectives, experts, seq_chunks=(1,)):
     """The per-layout search on the layout's profile: a LayoutPlan, or a DroppedLayout
-    saying why nothing of it runs (memory, or no schedule at its sizes)."""
+    saying why nothing of it runs (memory, or no schedule at its sizes). ``seq_chunks``: the
+    ``pp_seq_chunks`` values to plan (the profiling's)."""
 
     placed = layout_spec(spec, dims)
     config = placed.pipeline
@@ -251,7 +254,7 @@ def plan_layout(spec: Spec, dims: ParallelDims, world: int, profiles, memory_cap
                           recv_buffer_pool=True if config.pp_recv_buffer_pool else None,
                           pool_slack=config.pp_recv_buffer_pool_slack,
                           activation_checkpointing=ac["mode"], every=ac["every"],
-                          degrees=dims.to_keys())
+                          degrees=dims.to_keys(), seq_chunks=seq_chunks)
     with_gradient_sync(ranking, dims, collectives)
     try:
         chosen = ranking.chosen

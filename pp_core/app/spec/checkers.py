@@ -69,6 +69,20 @@ def positive_number(value):
     return found
 
 
+def integer_or(minimum: int, word: str) -> Callable:
+    """An int >= ``minimum``, or the string ``word`` (``pp_seq_chunks: auto``)."""
+    as_int = integer(minimum)
+
+    def check(value):
+        if isinstance(value, str) and value.lower() == word:
+            return word
+        try:
+            return as_int(value)
+        except Mismatch:
+            raise Mismatch(f"a positive int or {word!r}") from None
+    return check
+
+
 def text(value):
     if not isinstance(value, str) or not value:
         raise Mismatch("a non-empty string")

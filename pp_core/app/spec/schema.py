@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable
 
-from pp_core.app.spec.checkers import anything, flag, integer, one_of, optional, text
+from pp_core.app.spec.checkers import (anything, flag, integer, integer_or, one_of, optional,
+                                       text)
 from pp_core.app.spec.sections import KEY, SECTIONS, file_name
 from pp_core.config import PipelineConfig, field_specs
 
@@ -56,6 +57,8 @@ def _pipeline_keys() -> list[Key]:
             check = integer(declared.minimum)
         elif declared.kind is str:
             check = text  # pp_schedule and pp_schedule_csv both None: PipelineConfig names it
+        elif declared.kind == "int_or_auto":
+            check = integer_or(declared.minimum, "auto")
         elif declared.kind == "choice":
             check = one_of(*declared.choices)
         else:
