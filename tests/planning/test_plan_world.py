@@ -235,7 +235,8 @@ def test_world_4_ranks_tp_layouts_and_the_chosen_one_runs(tmp_path, capsys):
     chosen = data["chosen"]
     assert {k: written["distributed"].get(k, 1) for k in DEGREES} == \
         {k: chosen[k] for k in DEGREES}  # a degree of 1, the default, is left out
-    assert written["pipeline"]["pp_schedule"] == chosen["schedule"]
+    # the default schedule (1f1b), when chosen, is left out as well
+    assert written["pipeline"].get("pp_schedule", "1f1b") == chosen["schedule"]
     metrics = tmp_path / "metrics.jsonl"
     assert cli.main(["run", out, "--set", f"output.metrics={metrics}"]) == 0
     capsys.readouterr()
