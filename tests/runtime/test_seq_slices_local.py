@@ -37,6 +37,16 @@ def test_a_loss_not_normalised_over_tokens_is_refused():
                        _config(loss_fn=lambda out, target: out.float().mean()))
 
 
+def _packed_gpt(num_layers: int):
+    """The demo GPT (seeded) and 4 packed rows of 16 tokens: documents of 5 and 11 tokens, so a
+    document ends inside a slice of 4; ``(model, ids, inputs)``."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, dim=32, num_layers=num_layers, num_heads=2, max_seq_len=32)
+    ids = torch.randint(0, 64, (4, 16))
+    positions = torch.cat([torch.arange(5), torch.arange(11)]).repeat(4, 1)
+    return model, ids, {"input_ids": ids, "position_ids": positions}
+
+
 def test_a_sequence_the_slices_do_not_divide_is_refused():
     pipe = build_pipeline(GPT(vocab_size=16, dim=8, num_layers=1, num_heads=2),
                           _config(pp_seq_chunks=4))
@@ -51,11 +61,7 @@ def test_a_sequence_the_slices_do_not_divide_is_refused():
 def test_eval_with_slices_equals_the_unsliced_eval():
     import copy
 
-    torch.manual_seed(0)
-    model = GPT(vocab_size=64, dim=32, num_layers=2, num_heads=2, max_seq_len=32)
-    ids = torch.randint(0, 64, (4, 16))
-    inputs = {"input_ids": ids,
-              "position_ids": torch.cat([torch.arange(5), torch.arange(11)]).repeat(4, 1)}
+    model, ids, inputs = _packed_gpt(num_layers=2)
     found = {}
     for k in (1, 4):
         pipe = build_pipeline(copy.deepcopy(model), _config(pp_schedule="1f1b", pp_batch_size=4,
@@ -121,11 +127,7 @@ def test_split_backward_with_slices_leaves_the_weights_to_w(schedule):
                     (a is None) != (b is None) or (a is not None and not torch.equal(a, b))
                     for a, b in zip(self.before, after)))
 
-    torch.manual_seed(0)
-    model = GPT(vocab_size=64, dim=32, num_layers=4, num_heads=2, max_seq_len=32)
-    ids = torch.randint(0, 64, (4, 16))
-    inputs = {"input_ids": ids,
-              "position_ids": torch.cat([torch.arange(5), torch.arange(11)]).repeat(4, 1)}
+    model, ids, inputs = _packed_gpt(num_layers=4)
     found = {}
     for k in (1, 4):
         pipe = build_pipeline(copy.deepcopy(model), _config(pp_schedule=schedule, pp_batch_size=4,
@@ -149,11 +151,7 @@ def test_activation_checkpointing_with_slices_equals_the_unsliced_step(mode):
 
     from pp_core.parallel.activation import apply_activation_checkpointing
 
-    torch.manual_seed(0)
-    model = GPT(vocab_size=64, dim=32, num_layers=2, num_heads=2, max_seq_len=32)
-    ids = torch.randint(0, 64, (4, 16))
-    inputs = {"input_ids": ids,
-              "position_ids": torch.cat([torch.arange(5), torch.arange(11)]).repeat(4, 1)}
+    model, ids, inputs = _packed_gpt(num_layers=2)
     found = {}
     for k in (1, 4):
         pipe = build_pipeline(copy.deepcopy(model), _config(pp_schedule="zero_bubble",
