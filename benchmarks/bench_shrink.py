@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,11 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the tests package: a free port for the rendezvous
+
+from tests.cases.specs import free_port  # noqa: E402
+
 _CALLS = [0]
 
 try:  # the model plugin, only where the run imports this module as the model's home
@@ -48,12 +52,6 @@ except ImportError:  # pragma: no cover
     NodeKiller = None
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run(wait_s: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench-shrink-"))
     spec = {
@@ -64,7 +62,7 @@ def run(wait_s: int) -> dict:
         "pipeline": {"pp_schedule": "1f1b", "pp_batch_size": 4, "pp_microbatch_size": 1,
                      "loss_fn": "cross_entropy"},
         "distributed": {"pp_size": 2, "dp_size": 2, "device": "cpu", "nnodes": "1:2",
-                        "master_port": _free_port(), "max_restarts": 1, "timeout_s": 60,
+                        "master_port": free_port(), "max_restarts": 1, "timeout_s": 60,
                         "elastic_wait_s": wait_s},
         "train": {"steps": 8, "log_every": 1},
         "checkpoint": {"dir": str(tmp / "ckpt"), "every": 4},

@@ -13,40 +13,28 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the tests package: the tiny GPT's pipeline file
+
+from tests.cases.specs import free_port, tiny_gpt_spec, write_spec  # noqa: E402
+
 STEPS, EVERY = 400, 10
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _spec(tmp: Path, name: str, **distributed) -> Path:
-    spec = {
-        "model": {"name": "gpt", "args": {"vocab_size": 32, "dim": 16, "num_layers": 4,
-                                          "num_heads": 2, "max_seq_len": 8}},
-        "data": {"name": "synthetic", "args": {"seq_len": 8, "vocab_size": 32}},
-        "pipeline": {"pp_schedule": "1f1b", "pp_batch_size": 4, "pp_microbatch_size": 1,
-                     "loss_fn": "cross_entropy"},
-        "distributed": {"pp_size": 2, "dp_size": 2, "device": "cpu", **distributed},
-        "train": {"steps": STEPS, "log_every": 1},
-        "checkpoint": {"dir": str(tmp / name), "every": EVERY},
-        "output": {"metrics": str(tmp / f"{name}.jsonl"), "progress": "plain", "summary": False},
-    }
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+    spec = tiny_gpt_spec(
+        distributed={"dp_size": 2, "device": "cpu", **distributed},
+        train={"steps": STEPS, "log_every": 1},
+        checkpoint={"dir": str(tmp / name), "every": EVERY},
+        output={"metrics": str(tmp / f"{name}.jsonl"), "progress": "plain"})
+    return write_spec(tmp / f"{name}.yaml", spec)
 
 
 def _losses(path: Path) -> dict[int, float]:
@@ -64,7 +52,7 @@ def main() -> int:
     if reference.returncode:
         print(reference.stderr[-3000:])
         return 1
-    path = _spec(tmp, "grow", nnodes="1:2", master_port=_free_port(), max_restarts=1,
+    path = _spec(tmp, "grow", nnodes="1:2", master_port=free_port(), max_restarts=1,
                  timeout_s=60, elastic_wait_s=2)
     first = subprocess.Popen([*run, str(path)], cwd=ROOT, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pp_core_builtins.models import GPT
-from tests.cases.specs import TINY, pp_core, write_spec
+from tests.cases.specs import TINY, free_port, pp_core, write_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.cli
@@ -81,13 +80,6 @@ def test_a_failing_rank_ends_the_run_with_its_error(tmp_path, mode, expected):
     # torch's launcher leaves a torchelastic_* log dir per run and an error file per failed rank
     left = [p.name for p in temp.iterdir() if p.name.startswith(("torchelastic_", "pytorch-"))]
     assert left == []
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.cli

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import pytest
 
 from pp_core.app.spec import SpecError, parse_spec
 from pp_core_builtins.models import GPT
-from tests.cases.specs import ROOT, tiny_gpt_spec, write_spec
+from tests.cases.specs import ROOT, free_port, tiny_gpt_spec, write_spec
 
 MICROBATCHES = 4  # forwards of one step on each rank at dp 2 (pp_batch_size 4 / microbatch 1)
 _CALLS = [0]
@@ -66,17 +65,11 @@ def _losses(path) -> dict[int, float]:
     return {line["step"]: line["loss"] for line in lines if "loss" in line}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.cli
 @pytest.mark.ranks
 def test_a_lost_node_leaves_the_survivor_going_on_at_a_smaller_dp_with_the_same_losses(
         tmp_path, uninterrupted_losses):
-    port = _free_port()
+    port = free_port()
     path = _spec(tmp_path, "elastic", nnodes="1:2", master_port=port, elastic_wait_s=3)
     command = [sys.executable, "-m", "pp_core", "run", path]
     started = time.monotonic()

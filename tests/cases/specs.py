@@ -7,6 +7,7 @@ is here. ``TINY`` is the spec ``pp-core run`` tests start from (plain progress l
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,13 @@ TINY = tiny_gpt_spec(distributed={"dp_size": 1, "device": "cpu"},  # the same on
 def pp_core(*args, env=None, timeout=240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pp_core", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (the OS picks it): a run's master_port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def write_spec(path: Path, values: dict, **sections) -> Path:
