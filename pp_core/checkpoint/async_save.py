@@ -7,7 +7,7 @@ are computed on the way to the disk, off the training path), over a gloo group o
 its collectives never interleave with training's). A second thread of ours then waits for the
 write, gathers every rank's digests over that group, and on rank 0 writes the record and the
 checksums and publishes the checkpoint exactly as a synchronous save does
-(:func:`pp_core.checkpoint.save._finish_save`): ``latest`` moves only once every rank's files
+(:func:`pp_core.checkpoint.save.publish_everywhere`): ``latest`` moves only once every rank's files
 and the checksums are on disk, so a crash during a background write leaves the previous
 checkpoint as the one to resume from.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import torch.distributed as dist
@@ -28,11 +27,9 @@ import torch.distributed as dist
 from pp_core.checkpoint.checksums import hashing_writer
 from pp_core.checkpoint.directory import checkpoint_path
 from pp_core.checkpoint.record import record_files
-from pp_core.checkpoint.save import _finish_save
+from pp_core.checkpoint.save import publish_everywhere, staging_path
 from pp_core.checkpoint.state import single_process_quiet, state_dicts
-from pp_core.errors import PipelineError
 from pp_core.parallel.dims import background_group
-from pp_core.write_failures import disk_error
 
 __all__ = ["AsyncSaver"]
 
@@ -53,15 +50,11 @@ class AsyncSaver:
         import torch.distributed.checkpoint as dcp  # lazy: DCP, only when a checkpoint is written
 
         waited, finished = self.wait()
-        distributed = dist.is_available() and dist.is_initialized()
-        if distributed and self.group is None:
+        if self.group is None and dist.is_available() and dist.is_initialized():
             self.group = background_group()
         began = time.perf_counter()
         path, files = checkpoint_path(directory, step), record_files(record)
-        token = [uuid.uuid4().hex[:12]]
-        if distributed:
-            dist.broadcast_object_list(token, group=self.group, group_src=0)
-        staging = path.with_name(f"{path.name}.tmp-{token[0]}")
+        staging, token = staging_path(path, self.group)
         writer = hashing_writer(staging)
         with single_process_quiet():
             future = dcp.async_save(state_dicts(parts, optimizers, step)[0],
@@ -69,13 +62,13 @@ class AsyncSaver:
                                     process_group=self.group)
         blocked = time.perf_counter() - began
         self.thread = threading.Thread(
-            target=self._finish, args=(future, writer, staging, path, token[0], files, step,
-                                       distributed), name="pp-core checkpoint", daemon=True)
+            target=self._finish, args=(future, writer, staging, path, token, files, step),
+            name="pp-core checkpoint", daemon=True)
         self.thread.start()
         return waited, blocked, finished
 
-    def _finish(self, future, writer, staging: Path, path: Path, token: str, files, step: int,
-                distributed: bool) -> None:
+    def _finish(self, future, writer, staging: Path, path: Path, token: str, files,
+                step: int) -> None:
         """In the background: wait for DCP's write, then publish as a synchronous save does."""
         began, failed, error = time.perf_counter(), None, None
         try:
@@ -83,21 +76,7 @@ class AsyncSaver:
                 future.result()
             except BaseException as exc:  # noqa: BLE001 - reported by wait()
                 failed = exc
-            mine = (writer.digests, None if failed is None else
-                    getattr(disk_error(failed), "errno", 0))
-            ranks = [mine]
-            if distributed:
-                ranks = [None] * dist.get_world_size(self.group)
-                dist.all_gather_object(ranks, mine, group=self.group)
-            message = [None]
-            if not distributed or dist.get_rank(self.group) == 0:
-                message[0] = _finish_save(staging, path, token, ranks, files)
-            if distributed:
-                dist.broadcast_object_list(message, group=self.group, group_src=0)
-            if failed is not None and not mine[1]:
-                error = failed
-            elif message[0] is not None:
-                error = PipelineError(message[0])
+            error = publish_everywhere(writer, failed, staging, path, token, files, self.group)
         except BaseException as exc:  # noqa: BLE001 - reported by wait()
             error = exc
         self.outcome = (step, path, error, time.perf_counter() - began)

@@ -36,11 +36,7 @@ def save_checkpoint(directory, step: int, parts, optimizers, process_group=None,
     import torch.distributed.checkpoint as dcp  # lazy: DCP, only when a checkpoint is written
 
     path, files = checkpoint_path(directory, step), record_files(record)  # checked on every rank
-    distributed = dist.is_available() and dist.is_initialized()
-    token = [uuid.uuid4().hex[:12]]
-    if distributed:  # one staging directory for all ranks, named by rank 0
-        dist.broadcast_object_list(token, group=process_group, group_src=0)
-    staging = path.with_name(f"{path.name}.tmp-{token[0]}")
+    staging, token = staging_path(path, process_group)
     writer, failed = hashing_writer(staging), None
     try:
         with single_process_quiet():
@@ -48,6 +44,33 @@ def save_checkpoint(directory, step: int, parts, optimizers, process_group=None,
                      storage_writer=writer, process_group=process_group)
     except BaseException as exc:  # noqa: BLE001 - CheckpointException is one; re-raised below
         failed = exc
+    error = publish_everywhere(writer, failed, staging, path, token, files, process_group)
+    if error is not None:
+        raise error
+    return path
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def staging_path(path: Path, process_group=None) -> tuple[Path, str]:
+    """``(staging directory, token)`` of a save of ``path`` (collective): one staging directory
+    for all ranks, named by rank 0."""
+    token = [uuid.uuid4().hex[:12]]
+    if _distributed():
+        dist.broadcast_object_list(token, group=process_group, group_src=0)
+    return path.with_name(f"{path.name}.tmp-{token[0]}"), token[0]
+
+
+def publish_everywhere(writer, failed, staging: Path, path: Path, token: str, files,
+                       process_group=None) -> BaseException | None:
+    """After this rank's DCP write (``failed``: its exception, or None), collectively: rank 0
+    learns every rank's digests and disk errors, writes the record and the checksums and
+    publishes (:func:`_finish_save`), and every rank learns the outcome before anyone reads or
+    saves again. Returns what this rank raises: its own fault when it is not the disk's (with its
+    traceback), else the one line of a failed save, else None."""
+    distributed = _distributed()
     mine = (writer.digests, None if failed is None else getattr(disk_error(failed), "errno", 0))
     ranks = [mine]
     if distributed:  # every rank's shards are on disk (or some rank failed): rank 0 learns both
@@ -55,14 +78,12 @@ def save_checkpoint(directory, step: int, parts, optimizers, process_group=None,
         dist.all_gather_object(ranks, mine, group=process_group)
     error = [None]
     if not distributed or dist.get_rank(process_group) == 0:
-        error[0] = _finish_save(staging, path, token[0], ranks, files)
+        error[0] = _finish_save(staging, path, token, ranks, files)
     if distributed:  # nobody reads or saves again before it is in place
         dist.broadcast_object_list(error, group=process_group, group_src=0)
     if failed is not None and not mine[1]:
-        raise failed  # not the disk: a fault of its own, with its traceback
-    if error[0] is not None:
-        raise PipelineError(error[0]) from None
-    return path
+        return failed
+    return None if error[0] is None else PipelineError(error[0])
 
 
 def _finish_save(staging: Path, path: Path, token: str, ranks, files) -> str | None:
