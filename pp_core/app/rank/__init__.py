@@ -35,7 +35,6 @@ from pp_core.app.factories import build_dataset, build_model, dp_slice
 from pp_core.app.rank.health import apply_update
 from pp_core.app.machine import MachineShare
 from pp_core.app.rank.progress import Progress, phase
-from pp_core.app.rank.saved import gather_saved_peaks
 from pp_core.app.rank.saving import Checkpoints
 from pp_core.app.rank.run_outputs import RunRecorder
 from pp_core.app.restarts import Attempts, join_group, resume_setting
@@ -258,8 +257,7 @@ def train(spec: Spec) -> dict[str, Any]:
                     optimizer.step()
         step_time = time.perf_counter() - t0
         tokens = num_tokens(inputs)
-        extra = {"aux_loss": _aux_loss(pipe, ctx, config)} if aux_losses else {}
-        extra["peak_saved_bytes"] = recorder.note_saved(gather_saved_peaks(pipe, ctx.device))
+        extra = {"aux_loss": _aux_loss(pipe, ctx, config)} if aux_losses else None
         recorder.record_step(step, global_loss, step_time, tokens, grad_norm, lr, t0,
                              data=batch_figures(inputs, target), extra=extra)
         recorder.note_restart(attempts.step_done(step, step_time))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from pp_core.app.rank.output_files import MetricsFile, write_output
 from pp_core.app.rank.progress import format_summary
+from pp_core.app.rank.saved import gather_saved_peaks
 from pp_core.app.rank.timing import ActionTimer, StepTotals, peak_memory
 from pp_core.devices import cpu_cores
 from pp_core.app.rank.simulated import run_picture, simulate_measured
@@ -63,6 +64,7 @@ class RunRecorder:
         self.clock_offset = time.time() - time.perf_counter()
         self.slow_steps: list[tuple[int, float, float]] = []  # (step, seconds, x the mean)
         self.tokens_per_step = 0
+        self.saved_max = 0  # this rank's most peak_saved_bytes over the run (runtime/saved_bytes)
         self.timer = ActionTimer(ctx.device)
         self.plugins = pipe.plugins
         self.metrics = None  # opened by open_metrics once the first step is known
@@ -168,18 +170,17 @@ class RunRecorder:
                        if step_time > 0 else 0.0, "padding_fraction": data["padding_fraction"],
                        "docs": data["docs"]}
             self.data_figures.append(figures)
+        saved = int(getattr(getattr(self.pipe, "saved_bytes", None), "peak", 0))
+        self.saved_max = max(self.saved_max, saved)
         log_every = self.spec.train.log_every
         if step % log_every == 0 or step == self.spec.train.steps or len(self.steps) == 1:
+            # every rank logs the same steps: the worst rank's peak, gathered only for them
+            worst = max(gather_saved_peaks(saved, self.ctx.device))
             self._log(step, {"loss": loss, "tokens_per_s": round(self.tokens_per_s[-1], 2),
-                             **figures, **(extra or {}), "step_time_s": round(step_time, 6),
-                             "lr": lr, "grad_norm": grad_norm,
+                             **figures, **(extra or {}), "peak_saved_bytes": worst,
+                             "step_time_s": round(step_time, 6), "lr": lr,
+                             "grad_norm": grad_norm,
                              "time": round(started + self.clock_offset, 3)})
-
-    def note_saved(self, peaks: list[int]) -> int:
-        """Keep each rank's most ``peak_saved_bytes`` over the run; the step's worst rank's."""
-        kept = getattr(self, "saved_peaks", None) or [0] * len(peaks)
-        self.saved_peaks = [max(a, b) for a, b in zip(kept, peaks)]
-        return max(peaks)
 
     def record_eval(self, step: int, loss: float | None) -> None:
         self.eval_loss = loss
@@ -211,7 +212,7 @@ class RunRecorder:
             "rank": self.rank, "pp_rank": self.ctx.meshes.pp_rank,
             "dp_rank": self.ctx.meshes.dp_rank,
             "stages": list(self.pipe.stage_indices), "bubble_measured": bubble,
-            "comm_share": comm,
+            "comm_share": comm, "peak_saved_bytes": self.saved_max,
             "peak_memory": memory, "memory_kind": kind, "dp_units": dp_units,
             "pipeline_step_s": steady.seconds / steady.steps if steady and steady.steps else None,
             "kind_times": {k: seconds / count for k, (seconds, count) in self.kind_times.items()
@@ -275,7 +276,7 @@ class RunRecorder:
                                                               "slow_steps")}
                       for r in ranks],
             "holds": _holds(self.pipe),
-            "peak_saved_bytes": getattr(self, "saved_peaks", None),
+            "peak_saved_bytes": [r["peak_saved_bytes"] for r in ranks] if self.steps else None,
             "outputs": {"metrics": out.metrics, "trace": out.trace,
                         "schedule image": out.schedule_image,
                         "checkpoints": spec.checkpoint.dir},

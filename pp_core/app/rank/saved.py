@@ -1,8 +1,8 @@
 """``peak_saved_bytes`` of every rank, for the metrics record and the summary (issue 47).
 
-Each rank measures its own (:class:`pp_core.runtime.saved_bytes.SavedBytes`); one all-gather of
-an int64 per step gives every rank the list, so the metrics line (written by the first rank)
-carries the worst rank's and the summary each rank's most over the run.
+Each rank measures its own (:class:`pp_core.runtime.saved_bytes.SavedBytes`) and keeps its most
+over the run, which the summary gathers with the rank's other figures; on a logged step one
+all-gather of an int64 gives the first rank, which writes the metrics line, the worst rank's.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import torch.distributed as dist
 __all__ = ["gather_saved_peaks"]
 
 
-def gather_saved_peaks(pipe, device) -> list[int]:
-    """The last step's ``peak_saved_bytes`` of every rank, in rank order (a collective)."""
-    mine = int(getattr(getattr(pipe, "saved_bytes", None), "peak", 0))
+def gather_saved_peaks(mine: int, device) -> list[int]:
+    """Every rank's ``mine`` (a step's ``peak_saved_bytes``), in rank order (a collective)."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return [mine]
     backend = dist.get_backend()
