@@ -15,9 +15,10 @@ complete checkpoint by itself: :mod:`pp_core.app.restarts`, which works the same
 re-forms the group with the nodes still there (``min_nodes``/``max_nodes``), and each rank fits
 the run to the world it was given (:mod:`pp_core.app.elastic`, in :func:`rank_main`). A failure
 beyond that makes :func:`launch` raise :class:`~pp_core.PipelineError` with that rank's error
-(and traceback, unless pp-core raised it) and the restarts used, instead of hanging. Before any process starts, the device
-(:mod:`pp_core.devices`), the rendezvous endpoint (:mod:`pp_core.app.rendezvous`) and
-``$PP_CORE_TIMEOUT`` are checked; torch's launcher files go to a temp dir removed afterwards.
+(and traceback, unless pp-core raised it) and the restarts used, instead of hanging. Before
+any process starts, the device (:mod:`pp_core.devices`), the rendezvous endpoint
+(:mod:`pp_core.app.rendezvous`) and ``$PP_CORE_TIMEOUT`` are checked; torch's launcher files go
+to a temp dir removed afterwards.
 """
 
 from __future__ import annotations
