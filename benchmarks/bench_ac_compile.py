@@ -34,7 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import proc_status, reset_peak  # noqa: E402
+from _common import options, proc_status, reset_peak, write_json  # noqa: E402
 
 MODEL = dict(vocab_size=256, dim=192, num_layers=4, num_heads=6, max_seq_len=64)
 BATCH, MICROBATCH, SEQ = 16, 2, 64
@@ -135,11 +135,7 @@ def held(mode: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--schedule", default="v_schedule")
-    parser.add_argument("--json", default=None)
+    parser = options(__doc__, steps=6, warmup=2, schedule="v_schedule", json=None)
     parser.add_argument("--held", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.held:
@@ -180,9 +176,7 @@ def main() -> None:
         rows.append({"held": mode, **figures})
         print(f"| {mode} | {figures['after_forwards']} MiB | {figures['after_I']} MiB | "
               f"{figures['after_W']} MiB |")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=2)
+    write_json(args.json, rows, indent=2)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import write_json
 
 MODEL = {"vocab_size": 16384, "dim": 128, "num_layers": 8, "num_heads": 4, "narrow": 1,
          "wide": 8}
@@ -203,9 +204,7 @@ def main(argv=None):
               "unit_ms": [round((u.forward_s + u.backward_s) * 1e3, 3) for u in profile.units],
               "load_before": load_before, "load_after": uptime(), "rows": rows}
     print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=1)
+    write_json(args.json, report)
     print(f"\nprofile: {profile_s:.2f} s; F+B per unit (ms): {report['unit_ms']}")
     print("step time (wall, median) and the busiest rank's cpu time per step, layers -> "
           "balanced; slowest stage's F+B per microbatch by the profile")

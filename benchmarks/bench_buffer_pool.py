@@ -31,7 +31,6 @@ stages hold after a step).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -39,7 +38,7 @@ import sys
 import tempfile
 import time
 
-from _common import proc_status, reset_peak
+from _common import options, proc_status, reset_peak, write_json
 from pp_core import hookimpl
 
 MIB = 1024 * 1024
@@ -366,12 +365,7 @@ def markdown(program_rows, step_rows, args) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=16)
-    parser.add_argument("--slack", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=1024)
+    parser = options(__doc__, pp=4, microbatches=16, slack=2, seq=256, hidden=1024)
     parser.add_argument("--skip-run", action="store_true", help="program figures only")
     parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
@@ -402,9 +396,7 @@ def main(argv=None) -> int:
     print(json.dumps(figures))
     text = markdown(program_rows, step_rows, args)
     print(text)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(figures, out, indent=1)
+    write_json(args.json, figures)
     if args.markdown:
         with open(args.markdown, "w") as out:
             out.write(text)

@@ -18,7 +18,6 @@ of the report: on a busy machine the wall figures grow with it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -27,6 +26,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from _common import write_json
 
 PP_CORE = str(Path(sysconfig.get_path("scripts")) / "pp-core")
 COMMANDS = {
@@ -71,10 +71,7 @@ def main(argv=None) -> int:
     report = {"pp_core": PP_CORE, "cpus": os.cpu_count(),
               "load_average_before": [round(x, 2) for x in load_before],
               "load_average_after": [round(x, 2) for x in os.getloadavg()], "rows": rows}
-    text = json.dumps(report, indent=1)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    print(text)
+    print(write_json(args.json, report))
     print()
     columns = ["command", "wall_median_s", "wall_min_s", "wall_max_s", "cpu_median_s",
                "imports_torch"]

@@ -11,7 +11,6 @@ Prints JSON (one line per layout) and a markdown table; writes benchmarks/result
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pp_core.testing.dist_pool import DistPool  # noqa: E402
+from _common import options, write_json  # noqa: E402
 
 
 def _local_bytes(tensor) -> int:
@@ -84,12 +84,7 @@ def measure(layout: str, steps: int, dim: int, layers: int, microbatches: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=4)
-    args = parser.parse_args()
+    args = options(__doc__, steps=6, dim=256, layers=8, microbatches=4).parse_args()
     rows = []
     for world, layouts in ((2, ["pp2"]), (4, ["pp2_fsdp2", "pp2_replicate2", "pp2_ddp2"])):
         with DistPool(world, timeout=600) as pool:
@@ -102,8 +97,7 @@ def main() -> None:
                 print(json.dumps(row))
                 rows.append(row)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_fsdp.json")
-    with open(out, "w") as handle:
-        json.dump(rows, handle, indent=1)
+    write_json(out, rows)
     print("\n| layout | ranks | params + grads + AdamW per rank (max) | step time (median) |")
     print("|---|---|---|---|")
     for row in rows:

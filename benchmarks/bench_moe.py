@@ -17,7 +17,6 @@ says otherwise, each rank one thread. Per ep degree and rank:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -27,6 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import options, write_json  # noqa: E402
 
 MODEL = dict(vocab_size=256, dim=128, num_layers=4, num_heads=4, max_seq_len=64,
              num_experts=8, top_k=2, moe_hidden=256, shared_expert=True)
@@ -86,12 +86,7 @@ def rank_run(ep: int, schedule: str, steps: int, warmup: int) -> dict:
 def main() -> None:
     from pp_core.testing import DistPool
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = options(__doc__, steps=6, warmup=2, schedule="1f1b", json=None).parse_args()
     rows = []
     with DistPool(4, timeout=900) as pool:
         for ep in (1, 2):
@@ -103,9 +98,7 @@ def main() -> None:
     for row in rows:
         print(f"{row['ep']:>3} {row['rank']:>5} {row['expert_bytes'] / 2**20:>11.2f} "
               f"{row['step_time_s'] * 1e3:>9.1f} {row['all_to_all_share']:>10.1%}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as sink:
-            json.dump(rows, sink, indent=1)
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

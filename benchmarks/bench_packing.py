@@ -19,7 +19,6 @@ the second (hash, open) on a larger corpus.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import options, write_json  # noqa: E402
 
 BATCH, MICROBATCH = 16, 2
 
@@ -98,14 +98,8 @@ def cache_startup(directory: str, num_docs: int, seq_len: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--docs", type=int, default=2000)
-    parser.add_argument("--cache-docs", type=int, default=40000)
-    parser.add_argument("--json")
-    args = parser.parse_args(argv)
+    args = options(__doc__, seq_len=256, steps=6, warmup=2, docs=2000, cache_docs=40000,
+                   json=None).parse_args(argv)
     from bench_packing import pipeline_case as case  # importable by name in the ranks
 
     from pp_core.testing import DistPool
@@ -136,9 +130,7 @@ def main(argv=None) -> dict:
     c = results["cache"]
     print(f"token cache ({c['corpus_mb']:.1f} MB corpus): first start {c['first_s']:.2f} s, "
           f"second {c['second_s']:.2f} s")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=1)
+    write_json(args.json, results)
     return results
 
 

@@ -31,30 +31,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
 import time
 
 import torch
+from _common import random_batch, seeded_gpt, write_json
 
 MODEL = {"vocab_size": 4096, "dim": 128, "num_layers": 6, "num_heads": 4, "max_seq_len": 64}
 BATCH, SEQ = 16, 64
 
 
 def make_model():
-    from pp_core_builtins.models.gpt import GPT
-
-    torch.manual_seed(0)
-    return GPT(**MODEL)
+    return seeded_gpt(MODEL)
 
 
 def make_batch():
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=generator)
-    y = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=generator)
-    return x, y
+    return random_batch(MODEL["vocab_size"], BATCH, SEQ)
 
 
 def run_case(config_values: dict, steps: int, warmup: int = 2) -> dict:
@@ -377,9 +371,7 @@ def main(argv=None) -> int:
 
         report = bench_layouts(args.world)
         print(layouts_table(report))
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump(report, fh, indent=1)
+        write_json(args.json, report)
         return 0
     from pp_core.measure.link import measure_local_link
 
@@ -393,9 +385,7 @@ def main(argv=None) -> int:
         report["pp"].append(bench_pp(pp, args.steps, link, args.rounds))
     report["load_after"] = os.getloadavg()
     print(table(report))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=1)
+    write_json(args.json, report)
     return 0
 
 

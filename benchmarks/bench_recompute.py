@@ -27,13 +27,13 @@ outweigh its parameters (long sequence, narrow model):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 import torch
+from _common import random_batch, seeded_gpt, write_json
 
 MODEL = {"vocab_size": 64, "dim": 64, "num_layers": 8, "num_heads": 4, "max_seq_len": 256}
 BATCH, SEQ = 8, 256
@@ -41,17 +41,11 @@ FRACTIONS = tuple(round(0.99 - 0.02 * i, 2) for i in range(25))  # 0.99 ... 0.51
 
 
 def make_model():
-    from pp_core_builtins.models.gpt import GPT
-
-    torch.manual_seed(0)
-    return GPT(**MODEL)
+    return seeded_gpt(MODEL)
 
 
 def make_batch():
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=generator)
-    y = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=generator)
-    return x, y
+    return random_batch(MODEL["vocab_size"], BATCH, SEQ)
 
 
 def run_case(values: dict, modes: list[str], steps: int, warmup: int = 1) -> dict:
@@ -236,9 +230,7 @@ def main(argv=None) -> int:
         report["pp"].append(entry)
         report["load_after"] = os.getloadavg()
         print(table({"pp": [entry]}), flush=True)  # each as it ends: a later one may fail
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump(report, fh, indent=1)
+        write_json(args.json, report)
     return 0
 
 

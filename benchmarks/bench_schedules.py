@@ -35,7 +35,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from pp_core.errors import PPCoreError
 from pp_core.plugin_manager import default_plugins
@@ -43,6 +42,7 @@ from pp_core.schedule.build import build_schedule, resolve_schedule_def
 from pp_core.schedule.csv_io import parse_csv
 from pp_core.schedule.simulate import simulate
 from pp_core.schedule.validate import validate_schedule
+from _common import write_json
 
 # pp-core name -> torch class (None: torch has no such schedule)
 TORCH_CLASS = {
@@ -335,10 +335,7 @@ def main(argv=None) -> int:
                      "simulate_s", "figures_s", "work_s", "json_extra_s"]
     if args.scale_only:
         report = {"scale": scale()}
-        text = json.dumps(report, indent=1)
-        if args.json:
-            Path(args.json).write_text(text + "\n")
-        print(text)
+        print(write_json(args.json, report))
         print()
         print(_table(report["scale"], scale_columns))
         return 0
@@ -365,10 +362,7 @@ def main(argv=None) -> int:
                 row["speedup"] = round(row["total_s"] / mine, 1)
             elif mine and "note" in row:
                 row["speedup"] = f"> {args.torch_timeout / mine:.0f}"
-    text = json.dumps(report, indent=1)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    print(text)
+    print(write_json(args.json, report))
     print()
     print(_table(report["bubble"], ["schedule", "pp", "microbatches", "stages_per_rank",
                                     "bubble_ratio", "formula_ratio", "matches_formula",

@@ -22,13 +22,13 @@ action unconditionally would cost, which is why the executor checks for a profil
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
 from torch import nn
+from _common import options, write_json
 
 MODES = ("plain", "observer", "timer", "profiler")
 
@@ -152,18 +152,11 @@ def run(steps: int, width: int, microbatches: int, modes) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--microbatches", type=int, default=32)
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--json", default=None, help="also write the JSON here")
-    args = parser.parse_args(argv)
+    args = options(__doc__, steps=60, width=64, microbatches=32, modes=",".join(MODES),
+                   json=None).parse_args(argv)
     report = run(args.steps, args.width, args.microbatches, list(args.modes.split(",")))
     print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+    write_json(args.json, report, indent=2)
     print(f"\n{report['actions_per_step']} actions per step, median of {args.steps} steps (CPU time)")
     print(f"{'mode':<10} {'CPU ms':>9} {'min ms':>8} {'x plain':>8} {'us/action':>10}")
     for mode, row in report["modes"].items():

@@ -23,6 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import write_json  # noqa: E402
 
 OPEN = """
 import json, sys, time
@@ -97,9 +98,7 @@ def main() -> None:
     print(f"| whole open without the check | {result['open_before_s']:.2f} |")
     print(f"check / corpus hash: {result['digest_over_key']:.2f}x; open now / before: "
           f"{result['open_ratio']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=1)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ benchmarks/results/bench_tp.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "plugins"))
 
 from pp_core.testing.dist_pool import DistPool  # noqa: E402
+from _common import options, write_json  # noqa: E402
 
 LAYOUTS = {"pp2": (2, False), "pp2_tp2": (4, False), "pp2_tp2_sp": (4, True)}
 
@@ -125,12 +125,7 @@ def measure(layout: str, steps: int, dim: int, layers: int, microbatches: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=4)
-    args = parser.parse_args()
+    args = options(__doc__, steps=5, dim=128, layers=4, microbatches=4).parse_args()
     rows = []
     for world in (2, 4):
         with DistPool(world, timeout=600) as pool:
@@ -145,8 +140,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_tp.json")
-    with open(out, "w") as handle:
-        json.dump(rows, handle, indent=1)
+    write_json(out, rows)
     base = rows[0]
     print("\n| layout | ranks | params + grads + AdamW per rank (max) | ratio | peak saved "
           "activations per rank (max) | ratio | step time (median) | ratio |")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import statistics
@@ -36,6 +35,7 @@ import sys
 import time
 
 import torch
+from _common import write_json
 
 SAMPLES, MICROBATCH, TEXT, IMAGE_TOKENS = 16, 2, 64, 64
 IMAGE_TOKEN = 1000
@@ -220,9 +220,7 @@ def main(argv=None) -> int:
     report = bench(args.steps, args.rounds)
     report["load_before"], report["load_after"] = load, os.getloadavg()
     print(table(report))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(report, handle, indent=1)
+    write_json(args.json, report)
     return 0
 
 

@@ -17,7 +17,6 @@ than ``--limit-mib`` (default 1).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -26,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from _common import options, write_json
 
 MIB = 1024 * 1024
 YAML = """\
@@ -122,20 +122,10 @@ def soak(ranks: int, steps: int, microbatches: int, schedule: str, warmup: int) 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--microbatches", type=int, default=64)
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--limit-mib", type=float, default=1.0)
-    parser.add_argument("--json", help="also write the JSON report here")
-    args = parser.parse_args(argv)
+    args = options(__doc__, ranks=4, steps=1000, microbatches=64, schedule="1f1b", warmup=100,
+                   limit_mib=1.0, json=None).parse_args(argv)
     report = soak(args.ranks, args.steps, args.microbatches, args.schedule, args.warmup)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    print(write_json(args.json, report, indent=2))
     print(f"\n{report['ranks']} ranks, {report['schedule']}, {report['microbatches']} microbatches,"
           f" RSS from step {report['start_step']} to step {report['end_step']} "
           f"({report['wall_s']} s)\n")

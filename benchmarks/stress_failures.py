@@ -15,14 +15,13 @@ JSON, then a table; exits 1 on any hang or failure.
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import json
 import multiprocessing as mp
 import sys
 import time
 import traceback
 from pathlib import Path
+from _common import options, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,19 +101,11 @@ def stress(rounds: int, workers: int, burners: int, timeout: float, only) -> dic
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--burners", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=60.0)
+    parser = options(__doc__, rounds=200, workers=3, burners=2, timeout=60.0, json=None)
     parser.add_argument("--only", nargs="*", help="test names (default: every test of the file)")
-    parser.add_argument("--json", help="also write the JSON report here")
     args = parser.parse_args(argv)
     report = stress(args.rounds, args.workers, args.burners, args.timeout, args.only)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    print(write_json(args.json, report, indent=2))
     print(f"\n{report['rounds']} rounds on {report['workers']} workers + {report['burners']} "
           f"CPU burners, {report['wall_s']} s: {report['cases']} cases, {report['passed']} "
           f"passed, {report['failed']} failed, hangs={report['hangs']}\n")
