@@ -1,5 +1,6 @@
 """The schedule half of pp-core: pure Python, no process group, no tensors."""
 
+from pp_core.schedule import ir
 from pp_core.schedule.ir import (
     B,
     COMM_KINDS,
@@ -25,25 +26,9 @@ from pp_core.schedule.build import build_schedule
 from pp_core.schedule.simulate import Costs, SimResult, simulate
 from pp_core.schedule.csv_io import read_csv, write_csv
 
+# the IR's public names are the package's, plus the operations on schedules
 __all__ = [
-    "Action",
-    "ActionKind",
-    "F",
-    "B",
-    "I",
-    "W",
-    "SEND_F",
-    "RECV_F",
-    "SEND_B",
-    "RECV_B",
-    "COMPUTE_KINDS",
-    "COMM_KINDS",
-    "parse_action",
-    "format_actions",
-    "Placement",
-    "ScheduleDef",
-    "Schedule",
-    "stage_to_rank",
+    *ir.__all__,
     "validate_schedule",
     "build_schedule",
     "Costs",

@@ -67,12 +67,17 @@ PP_CORE_UNAVAILABLE = (f"{' and '.join(_MISSING)} {'is' if len(_MISSING) == 1 el
 """Why this plugin cannot work here (``pp-core plugins`` shows it), or ``None``."""
 
 
+def _require_transformers(factory: str) -> None:
+    """Refuse ``factory`` by name when transformers is missing, saying how to install it."""
+    if _missing():
+        raise PluginError(f"model {factory!r} needs Hugging Face transformers: "
+                          f"{PP_CORE_UNAVAILABLE or INSTALL}")
+
+
 def hf_causal_lm(config, **kwargs):
     """The ``hf_causal_lm`` model factory (see
     :func:`pp_core_builtins.transformers.models.hf_causal_lm`)."""
-    if _missing():
-        raise PluginError(f"model 'hf_causal_lm' needs Hugging Face transformers: "
-                          f"{PP_CORE_UNAVAILABLE or INSTALL}")
+    _require_transformers("hf_causal_lm")
     from pp_core_builtins.transformers.models import hf_causal_lm as build  # lazy: torch
 
     return build(config, **kwargs)
@@ -81,9 +86,7 @@ def hf_causal_lm(config, **kwargs):
 def hf_image_text_to_text(config, **kwargs):
     """The ``hf_image_text_to_text`` model factory (see
     :func:`pp_core_builtins.transformers.models.hf_image_text_to_text`)."""
-    if _missing():
-        raise PluginError(f"model 'hf_image_text_to_text' needs Hugging Face transformers: "
-                          f"{PP_CORE_UNAVAILABLE or INSTALL}")
+    _require_transformers("hf_image_text_to_text")
     from pp_core_builtins.transformers.models import hf_image_text_to_text as build  # lazy: torch
 
     return build(config, **kwargs)

@@ -181,7 +181,7 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
         return
     from pp_core.runtime.microbatch import num_tokens  # lazy: torch, only with a model in hand
 
-    meta = [_to_meta(v) for v in micro]
+    meta = [to_meta(v) for v in micro]
     initializers = initializers_to_prepare(model, plugins_or_default(plugins), problems)
     if initializers is None:
         return
@@ -217,15 +217,16 @@ def _check_batch(spec: Spec, model, batch, problems: list[str], notes: list[str]
                             f"loss ({_why(exc)}); make data.args and model.args agree")
 
 
-def _to_meta(value):
+def to_meta(value):
+    """``value`` with every tensor in it (through dicts, tuples, lists) moved to the meta device."""
     import torch  # lazy: torch, only with a model in hand
 
     if isinstance(value, torch.Tensor):
         return value.to("meta")
     if isinstance(value, dict):
-        return {k: _to_meta(v) for k, v in value.items()}
+        return {k: to_meta(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return tuple(_to_meta(v) for v in value)
+        return tuple(to_meta(v) for v in value)
     return value
 
 

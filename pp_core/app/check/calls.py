@@ -96,24 +96,14 @@ def module_call_counts(model, split, config, microbatch):
 
 def _first_microbatch(spec, model, batch):
     """The inputs of the first microbatch of dp rank 0, on the meta device (``None``: none)."""
-    import torch  # lazy: torch, only with a batch in hand
-
+    from pp_core.app.check.build import to_meta  # lazy: torch, only with a batch in hand
     from pp_core.app.factories import dp_slice
     from pp_core.runtime.microbatch import kwargs_chunk_dims
 
-    def meta(value):
-        if isinstance(value, torch.Tensor):
-            return value.to("meta")
-        if isinstance(value, dict):
-            return {k: meta(v) for k, v in value.items()}
-        if isinstance(value, (tuple, list)):
-            return tuple(meta(v) for v in value)
-        return value
-
     try:
         pieces = spec.global_batch_size // spec.pipeline.pp_microbatch_size
-        return meta(dp_slice(batch[0], 0, pieces, spec.global_batch_size,
-                             kwargs_chunk_dims(model, batch[0])))
+        return to_meta(dp_slice(batch[0], 0, pieces, spec.global_batch_size,
+                                kwargs_chunk_dims(model, batch[0])))
     except Exception:  # noqa: BLE001 - the batch check reports a batch that does not split
         return None
 
