@@ -30,8 +30,8 @@ from pp_core.planning.balance import split_by_profile, stage_fqns
 from pp_core.planning.candidate import Candidate, Option, Ranking, label as _label
 from pp_core.planning.costs import ModelProfile
 from pp_core.planning.memory import predict_memory
-from pp_core.planning.recompute import Recompute, plan_stages, units_of_counts, with_modes
-from pp_core.planning.refine import optimizer_step_s, refine_counts, simulate_split
+from pp_core.planning.recompute import Recompute, plan_stages, with_modes
+from pp_core.planning.refine import optimizer_step_s, refine_counts, simulate_split, units_of_counts
 from pp_core.planning.sizes import format_bytes
 from pp_core.plugin_manager import default_plugins
 from pp_core.schedule.build import schedule_from_def

@@ -41,7 +41,7 @@ from pp_core.planning.memory import (
     stage_held_bytes,
     stage_transients,
 )
-from pp_core.planning.refine import simulate_split
+from pp_core.planning.refine import simulate_split, units_of_counts
 from pp_core.schedule.peak_bytes import peak_activation_bytes
 from pp_core.schedule.lower import lower
 from pp_core.schedule.validate import encode_validated
@@ -260,14 +260,6 @@ def balance_by_mode(profile: ModelProfile, num_stages: int, modes: Sequence[str]
         counts.append(end - start)
         end = start
     return counts[::-1]
-
-
-def units_of_counts(counts: Sequence[int]) -> list[list[int]]:
-    out, start = [], 0
-    for count in counts:
-        out.append(list(range(start, start + count)))
-        start += count
-    return out
 
 
 def _uniform(allowed, dearest: str) -> list[str]:

@@ -21,13 +21,14 @@ from pp_core.schedule.frozen import backward_from, frozen_table
 from pp_core.schedule.simulate import Costs, simulate
 
 __all__ = ["refine_counts", "makespan_of", "simulate_split", "handoff_charges",
-           "optimizer_step_s"]
+           "optimizer_step_s", "units_of_counts"]
 
 MAX_MOVES = 64
 """An upper bound on accepted moves (each one strictly shortens the step, so it ends anyway)."""
 
 
-def _units(counts: Sequence[int]) -> list[list[int]]:
+def units_of_counts(counts: Sequence[int]) -> list[list[int]]:
+    """The units of each stage when stage ``s`` takes the next ``counts[s]`` units in order."""
     out, start = [], 0
     for count in counts:
         out.append(list(range(start, start + count)))
@@ -118,7 +119,7 @@ def stage_trainable_units(profile: ModelProfile, units: Sequence[Sequence[int]])
 
 def makespan_of(schedule, profile: ModelProfile, counts: Sequence[int]) -> float:
     """The predicted step with ``counts[i]`` consecutive units on stage ``i``."""
-    return simulate_split(schedule, profile, _units(counts)).makespan
+    return simulate_split(schedule, profile, units_of_counts(counts)).makespan
 
 
 def refine_counts(schedule, profile: ModelProfile, counts: Sequence[int],
