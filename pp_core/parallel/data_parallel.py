@@ -21,6 +21,8 @@ Apply it after activation checkpointing and compile. Parameter names (FQNs) do n
 
 from __future__ import annotations
 
+import re
+import warnings
 from typing import Optional
 
 import torch
@@ -102,4 +104,19 @@ def apply_data_parallel(pipe_or_parts, mesh, shard: bool = True,
             units += any(True for _ in block.parameters())
             wrap(block, **options)
         wrap(part, **options)
+        _quiet_stage_view_warning(part)
     return units
+
+
+def _quiet_stage_view_warning(part) -> None:
+    """Silence FSDP2's "returned a view tensor" warning for a wrapped stage part, and only there.
+
+    torch (2.13 on) warns when a wrapped module returns a view, because an in-place op on it by
+    the caller would skip the pre-backward all-gather. A part's caller is pp-core's runtime, which
+    never writes into a stage's output (it sends it or hands it to the loss), and tensor
+    parallelism's ``to_local()`` outputs are views - so every rank would print a warning that
+    does not apply. Blocks keep the warning: the model's own code consumes their outputs.
+    """
+    name = re.escape(type(part).__name__)  # FSDP<Class> once wrapped
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \({name}\) returned a view",
+                            category=UserWarning)
