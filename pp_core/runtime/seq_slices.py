@@ -29,11 +29,13 @@ import functools
 from typing import Optional
 
 import torch
+import torch.nn.functional as functional
 
 from pp_core.errors import ConfigError
 from pp_core.losses import resolve_loss
 from pp_core.parallel.activation import replay_in_recompute
 from pp_core.runtime.microbatch import _rebuild, iter_tensors
+from pp_core.runtime.prefix_attention import causal_block_mask, prefix_attention
 
 __all__ = ["SeqSlice", "current_seq_slice", "running", "replaying", "backward_roots",
            "cut_sequence",
@@ -72,12 +74,39 @@ class SeqSlice:
     def keys_values(self, owner, *tensors: torch.Tensor, dim: int = -2) -> tuple:
         """``tensors`` (this slice's keys and values of one attention ``owner``) concatenated
         after the same tensors of the earlier slices along ``dim`` (the sequence). In a
-        recompute (:func:`replaying`) the same earlier pieces, and nothing kept or read again."""
+        recompute (:func:`replaying`) the same earlier pieces, and nothing kept or read again.
+        An attention that feeds them to autograd saves the concatenation (``O(K^2)`` bytes
+        over a microbatch): :meth:`attention` does not."""
+        pieces = self._earlier(owner, tensors)
+        return tuple(torch.cat([p[i] for p in pieces] + [t], dim=dim) if pieces else t
+                     for i, t in enumerate(tensors))
+
+    @torch.compiler.disable(reason="a sequence slice's bookkeeping (leaves for later slices) "
+                            "and prefix attention run eagerly inside a compiled block")
+    def attention(self, owner, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: Optional[torch.Tensor] = None, scale: Optional[float] = None):
+        """Causal attention of this slice's queries ``q`` over the prefix's keys and values
+        (``[batch, heads, seq, head_dim]``; ``k``, ``v`` this slice's, of attention ``owner``;
+        fewer key/value heads than query heads is grouped-query attention), or under
+        ``mask`` (bool, the query block against the prefix). Autograd saves the per-slice
+        pieces only, never their concatenation (:mod:`pp_core.runtime.prefix_attention`)."""
+        pieces = self._earlier(owner, (k, v))
+        if not pieces:
+            if k.shape[1] != q.shape[1]:
+                return functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                    enable_gqa=True)
+            return functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                           is_causal=mask is None, scale=scale)
+        return prefix_attention(q, [p[0] for p in pieces] + [k], [p[1] for p in pieces] + [v],
+                                mask, scale)
+
+    def _earlier(self, owner, tensors: tuple) -> list:
+        """The earlier slices' pieces (tuples like ``tensors``) of attention ``owner``; this
+        slice's join them (as leaves) for the later slices, unless it is the last."""
         key = ("kv", id(owner))
         if self.replaying:
-            pieces = self._seen.get(key, [])
-            return tuple(torch.cat([p[i] for p in pieces] + [t], dim=dim) if pieces else t
-                         for i, t in enumerate(tensors))
+            return self._seen.get(key, [])
         earlier = self._store.setdefault(key, [])
         for leaves in earlier:
             self.read += [leaf for leaf in leaves if leaf.requires_grad]
@@ -89,8 +118,7 @@ class SeqSlice:
         else:
             pieces = earlier
         self._seen[key] = list(pieces)
-        return tuple(torch.cat([p[i] for p in pieces] + [t], dim=dim) if pieces else t
-                     for i, t in enumerate(tensors))
+        return pieces
 
     def prefix(self, owner, name: str, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """``tensor`` (no gradient: position ids, document ids) after the earlier slices' along
@@ -108,8 +136,7 @@ class SeqSlice:
 
     def causal_mask(self, queries: int, keys: int, device) -> torch.Tensor:
         """``[queries, keys]`` bool: query ``i`` (at ``keys - queries + i``) sees keys up to it."""
-        rows = torch.arange(queries, device=device)[:, None] + (keys - queries)
-        return torch.arange(keys, device=device)[None, :] <= rows
+        return causal_block_mask(queries, keys, device)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,68 @@
+"""The attention of a sequence slice over its prefix (:mod:`pp_core.runtime.prefix_attention`):
+the values and gradients of the plain concatenate-then-SDPA path, while autograd holds only the
+per-slice pieces it was given (``peak_saved_bytes`` counts no new storage for the prefix)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as functional
+
+from pp_core.runtime.prefix_attention import causal_block_mask, prefix_attention
+from pp_core.runtime.saved_bytes import SavedBytes
+
+
+def _pieces(kv_heads: int, count: int = 3, length: int = 4, seed: int = 0):
+    """``q`` (4 heads, the last slice's queries) and ``count`` key and value pieces, each a view
+    of one slice's projection (as a model's are), all requiring gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    slices = [torch.randn(2, length, 4 + 2 * kv_heads, 8, generator=gen).transpose(1, 2)
+              .requires_grad_() for _ in range(count)]
+    keys = [s[:, 4:4 + kv_heads] for s in slices]
+    values = [s[:, 4 + kv_heads:] for s in slices]
+    return slices, slices[-1][:, :4], keys, values
+
+
+@pytest.mark.parametrize("kv_heads, masked", [(4, False), (2, False), (4, True)],
+                         ids=["causal", "grouped-query", "document-mask"])
+def test_prefix_attention_equals_the_concatenated_attention(kv_heads, masked):
+    found = []
+    for fused in (False, True):
+        slices, q, keys, values = _pieces(kv_heads)
+        mask = None
+        if masked:  # a document ends after 5 of the 12 prefix tokens
+            document = (torch.arange(12) >= 5).long()
+            mask = (document[-4:, None] == document[None, :]) & causal_block_mask(4, 12, "cpu")
+        if fused:
+            out = prefix_attention(q, keys, values, mask)
+        else:
+            k, v = torch.cat(keys, 2), torch.cat(values, 2)
+            if kv_heads != 4:
+                k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+            out = functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=causal_block_mask(4, 12, "cpu") if mask is None else mask)
+        out.backward(torch.ones_like(out))
+        found.append((out.detach(), [s.grad for s in slices]))
+    torch.testing.assert_close(found[1][0], found[0][0], atol=1e-6, rtol=1e-6)
+    for got, want in zip(found[1][1], found[0][1]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_prefix_attention_saves_the_pieces_not_their_concatenation():
+    """The pieces' storages (the slices' projections, which the earlier slices hold anyway) are
+    all it holds; the plain path holds new storages: the concatenated keys and values (and its
+    output and log-sum-exp)."""
+    held = {}
+    for fused in (False, True):
+        slices, q, keys, values = _pieces(4, count=4, length=16)
+        meter = SavedBytes()
+        with meter.measuring([]):
+            out = prefix_attention(q, keys, values) if fused else \
+                functional.scaled_dot_product_attention(
+                    q, torch.cat(keys, 2), torch.cat(values, 2),
+                    attn_mask=causal_block_mask(16, 64, "cpu"))
+            held[fused] = meter.peak
+            del out
+    assert held[True] == sum(s.untyped_storage().nbytes() for s in slices)
+    concatenation = 2 * 4 * 64 * 8 * 4  # [batch, heads, 4 slices x 16, head_dim] fp32
+    assert held[False] >= 2 * concatenation + slices[-1].untyped_storage().nbytes()
