@@ -91,6 +91,19 @@ class SeqSlice:
         ``mask`` (bool, the query block against the prefix). Autograd saves the per-slice
         pieces only, never their concatenation (:mod:`pp_core.runtime.prefix_attention`)."""
         pieces = self._earlier(owner, (k, v))
+        return self.attend(pieces + [(k, v)], q, mask, scale)
+
+    def pieces(self, owner, *tensors: torch.Tensor) -> list:
+        """The prefix's pieces of attention ``owner``: one tuple like ``tensors`` per slice so
+        far (earlier slices' as leaves, then ``tensors``), for :meth:`attend` - what an
+        attention that cannot call :meth:`attention` itself (an HF layer) uses."""
+        return self._earlier(owner, tensors) + [tensors]
+
+    @staticmethod
+    def attend(pieces: list, q: torch.Tensor, mask: Optional[torch.Tensor] = None,
+               scale: Optional[float] = None) -> torch.Tensor:
+        """:meth:`attention` over ``pieces`` (:meth:`pieces`), already registered."""
+        *pieces, (k, v) = pieces
         if not pieces:
             if k.shape[1] != q.shape[1]:
                 return functional.scaled_dot_product_attention(

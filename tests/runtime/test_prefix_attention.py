@@ -66,3 +66,31 @@ def test_prefix_attention_saves_the_pieces_not_their_concatenation():
     assert held[True] == sum(s.untyped_storage().nbytes() for s in slices)
     concatenation = 2 * 4 * 64 * 8 * 4  # [batch, heads, 4 slices x 16, head_dim] fp32
     assert held[False] >= 2 * concatenation + slices[-1].untyped_storage().nbytes()
+
+
+def test_hf_layers_route_their_sdpa_to_the_prefix_attention(monkeypatch):
+    """A tiny HF Llama with grouped-query attention (4 heads, 2 key/value heads), K = 4: every
+    later slice's SDPA call of every layer is answered by the prefix attention (the layer's
+    ``SliceCache`` as a torch function mode), and the loss is K = 1's."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from pp_core import PipelineConfig, build_pipeline
+    from pp_core.runtime import prefix_attention as module
+    from pp_core_builtins.transformers import causal_lm_loss, hf_causal_lm
+    from tests.cases.hf import batch, tiny_config
+
+    calls = []
+    apply = module.PrefixAttention.apply
+    monkeypatch.setattr(module.PrefixAttention, "apply",
+                        lambda *args: calls.append(len(args)) or apply(*args))
+    model = hf_causal_lm(tiny_config("llama", 2), seed=0, attn_implementation="sdpa")
+    inputs, labels = batch(4, padding=False)  # rows of 12 tokens: 4 slices of 3
+    losses = {}
+    for k in (1, 4):
+        pipe = build_pipeline(copy.deepcopy(model), PipelineConfig(
+            pp_schedule="gpipe", pp_batch_size=4, pp_microbatch_size=2, pp_seq_chunks=k,
+            loss_fn=causal_lm_loss))
+        losses[k] = float(pipe.step(inputs, target=labels))
+    assert len(calls) == 2 * 3 * 2  # microbatches x later slices x layers
+    assert abs(losses[4] - losses[1]) <= 1e-5

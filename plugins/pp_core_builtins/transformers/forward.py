@@ -257,9 +257,9 @@ def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
             check_layer_kind(kind, self)
             if kind not in masks:
                 masks[kind] = slice_mask(piece, self, position_ids, attention_mask)
-            out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
-                        position_embeddings=position_embeddings,
-                        cache=SliceCache(piece, layer))
+            with SliceCache(piece, layer) as cache:  # routes the layer's SDPA (slices.py)
+                out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
+                            position_embeddings=position_embeddings, cache=cache)
             hidden = out[0] if isinstance(out, tuple) else out
             continue
         if kind not in masks:
