@@ -8,8 +8,8 @@ and the simulator's makespan, bubble ratio and peak activations per rank (microb
 ``pp-core schedule simulate 1f1b --pp 4 -m 8 --seq-chunks K``), so the measured memory ratio
 K / K=1 can be set against the predicted one, and the planner's predicted activation peak per
 rank in bytes (the model profiled once at one row, then ``pp_core.planning.choose.predict`` of
-1F1B with K: a slice costed as ``1/K`` of a microbatch, ``ModelProfile.sliced``) against the
-measured one. The last rows train K = 1 with activation checkpointing of every block
+1F1B with K on the runs' split, two blocks per stage: a slice costed as ``1/K`` of a microbatch,
+``ModelProfile.sliced``) against the measured one. The last rows train K = 1 with activation checkpointing of every block
 (``torch.utils.checkpoint``), the other way to the same memory.
 
     python benchmarks/bench_seq_slices.py [--seq 256] [--dim 64] [--steps 4] [--json FILE]
@@ -74,8 +74,10 @@ def planned(seq: int, dim: int) -> dict:
     ids = torch.randint(0, 256, (1, seq))
     profile = profile_model(model, ids, ids, resolve_loss("cross_entropy"), [1], repeats=1)[1]
     defs = schedule_defs()
+    split = [[f"layers.{i}" for i in (2 * s, 2 * s + 1)] for s in range(4)]  # as the runs'
+    split[0][:0], split[-1][2:] = ["tok_embeddings", "pos_embeddings"], ["norm", "output"]
     return {k: [m.activations for m in predict(Option("1f1b", 1, 1, 8, k), defs["1f1b"],
-                                               profile, 4).memory] for k in CHUNKS}
+                                               profile, 4, split).memory] for k in CHUNKS}
 
 
 def main() -> None:

@@ -7,8 +7,10 @@ pieces every earlier slice keeps anyway (its own attention saved them, and later
 them as leaves). :class:`PrefixAttention` saves the query and those pieces instead (the same
 storages: nothing new is held) and, in the backward, concatenates them again and recomputes the
 attention forward before its backward - one attention forward per slice and layer traded for the
-``O(K^2)`` copy. The values are those of the plain path bit for bit (the recompute is the same
-computation), so K changes memory and time, never the gradients.
+``O(K^2)`` copy. On CPU even that is spared: the function calls SDPA's flash kernel and its
+backward directly (the ops SDPA itself dispatches to), saving the output and log-sum-exp as SDPA
+does, and the backward only concatenates the pieces again. Either way the values are those of
+the plain path (the same computation), so K changes memory and time, never the gradients.
 
 A boolean ``mask`` given (a packed row's document mask, one per slice shared by its layers) is
 saved as is; without one the causal mask of the query block against the prefix is built in the
@@ -35,34 +37,90 @@ def causal_block_mask(queries: int, keys: int, device) -> torch.Tensor:
 
 
 def _attend(q, keys: Sequence, values: Sequence, mask, scale):
-    k, v = torch.cat(list(keys), dim=2), torch.cat(list(values), dim=2)
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: every key/value head serves a group
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    k, v = _whole(q, keys), _whole(q, values)
     if mask is None:
         mask = causal_block_mask(q.shape[2], k.shape[2], q.device)
     return functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+def _whole(q, pieces: Sequence) -> torch.Tensor:
+    """The pieces concatenated along the sequence, repeated to ``q``'s heads (grouped-query
+    attention: every key/value head serves a group of query heads)."""
+    whole = torch.cat(list(pieces), dim=2)
+    if whole.shape[1] != q.shape[1]:
+        whole = whole.repeat_interleave(q.shape[1] // whole.shape[1], dim=1)
+    return whole
+
+
+def _grouped(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gradient of :func:`_whole`'s repeat: summed over each key/value head's group."""
+    if grad.shape[1] == heads:
+        return grad
+    return grad.unflatten(1, (heads, grad.shape[1] // heads)).sum(2)
+
+
+_CPU_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
+                        None)
+
+
+def _additive(q, keys: int, mask) -> torch.Tensor:
+    """The boolean mask (or the causal block) as the additive float mask SDPA's CPU kernel
+    takes: ``0`` where attended, ``-inf`` where not (what SDPA makes of a boolean mask)."""
+    if mask is None:
+        mask = causal_block_mask(q.shape[2], keys, q.device)
+    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        mask.logical_not(), float("-inf"))
+
+
+def _on_cpu_kernel(q) -> bool:
+    """Whether SDPA's CPU flash kernel can run this attention directly (forward and backward
+    without a recompute): a CPU float tensor and the kernel's ops present."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16,
+                                                   torch.float16) and \
+        _CPU_FORWARD is not None and _CPU_BACKWARD is not None
+
+
 class PrefixAttention(torch.autograd.Function):
     """``softmax(q K^T) V`` over ``K = cat(keys)``, ``V = cat(values)``; saves ``q``, the pieces
-    and a given mask, and recomputes the rest in the backward (module docstring)."""
+    and a given mask (module docstring). On CPU it calls SDPA's flash kernel and its backward
+    itself, saving the output and log-sum-exp as SDPA would, so nothing is recomputed but the
+    concatenation; elsewhere the backward recomputes the attention forward."""
 
     @staticmethod
     def forward(ctx, q, mask, scale, count, *pieces):
         keys, values = pieces[:count], pieces[count:]
         ctx.count, ctx.scale, ctx.has_mask = count, scale, mask is not None
-        ctx.save_for_backward(q, *pieces, *([mask] if mask is not None else []))
-        return _attend(q, keys, values, mask, scale)
+        ctx.kernel = _on_cpu_kernel(q)
+        extra = [mask] if mask is not None else []
+        if not ctx.kernel:
+            ctx.save_for_backward(q, *pieces, *extra)
+            return _attend(q, keys, values, mask, scale)
+        k, v = _whole(q, keys), _whole(q, values)
+        out, lse = _CPU_FORWARD(q, k, v, 0.0, False, attn_mask=_additive(q, k.shape[2], mask),
+                                scale=scale)
+        ctx.save_for_backward(q, *pieces, *extra, out, lse)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        mask = saved[-1] if ctx.has_mask else None
-        tensors = saved[:-1] if ctx.has_mask else saved
+        saved = list(ctx.saved_tensors)
+        out, lse = (saved.pop(-2), saved.pop(-1)) if ctx.kernel else (None, None)
+        mask = saved.pop() if ctx.has_mask else None
+        q, pieces = saved[0], saved[1:]
+        if ctx.kernel:
+            keys, values = pieces[:ctx.count], pieces[ctx.count:]
+            k, v = _whole(q, keys), _whole(q, values)
+            grad_q, grad_k, grad_v = _CPU_BACKWARD(
+                grad_out.contiguous(), q, k, v, out, lse, 0.0, False,
+                attn_mask=_additive(q, k.shape[2], mask), scale=ctx.scale)
+            lengths = [p.shape[2] for p in keys]
+            split = [*_grouped(grad_k, keys[0].shape[1]).split(lengths, dim=2),
+                     *_grouped(grad_v, values[0].shape[1]).split(lengths, dim=2)]
+            return (grad_q, None, None, None, *split)
         needs = (ctx.needs_input_grad[0],) + tuple(ctx.needs_input_grad[4:])
         with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs)]
+            inputs = [t.detach().requires_grad_(need) for t, need in zip([q, *pieces], needs)]
             q, pieces = inputs[0], inputs[1:]
             out = _attend(q, pieces[:ctx.count], pieces[ctx.count:], mask, ctx.scale)
             wanted = [t for t in inputs if t.requires_grad]
