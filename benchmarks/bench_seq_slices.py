@@ -9,8 +9,8 @@ and the simulator's makespan, bubble ratio and peak activations per rank (microb
 K / K=1 can be set against the predicted one, and the planner's predicted activation peak per
 rank in bytes (the model profiled once at one row, then ``pp_core.planning.choose.predict`` of
 1F1B with K on the runs' split, two blocks per stage: a slice costed as ``1/K`` of a microbatch,
-``ModelProfile.sliced``) against the measured one. The last rows train K = 1 with activation checkpointing of every block
-(``torch.utils.checkpoint``), the other way to the same memory.
+``ModelProfile.sliced``) against the measured one. The last rows train K = 1 with activation
+checkpointing of every block (``torch.utils.checkpoint``), the other way to the same memory.
 
     python benchmarks/bench_seq_slices.py [--seq 256] [--dim 64] [--steps 4] [--json FILE]
 """

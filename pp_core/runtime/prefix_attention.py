@@ -27,6 +27,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as functional
 
+from pp_core._torch_compat import CPU_FLASH_ATTENTION
+
 __all__ = ["prefix_attention", "causal_block_mask"]
 
 
@@ -59,9 +61,7 @@ def _grouped(grad: torch.Tensor, heads: int) -> torch.Tensor:
     return grad.unflatten(1, (heads, grad.shape[1] // heads)).sum(2)
 
 
-_CPU_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
-                        None)
+_CPU_FORWARD, _CPU_BACKWARD = CPU_FLASH_ATTENTION or (None, None)
 
 
 def _additive(q, keys: int, mask) -> torch.Tensor:

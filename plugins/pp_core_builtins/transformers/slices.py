@@ -4,9 +4,10 @@ HF attention calls ``cache.update(keys, values, layer_idx, ...)`` and attends to
 returns; during a slice's forward each layer gets a :class:`SliceCache` whose ``update`` returns
 the prefix's keys and values from :func:`pp_core.current_seq_slice` (the earlier slices' as
 leaves, then this slice's), and which, entered as a torch function mode around the layer, answers
-the layer's SDPA call with the prefix attention that saves the per-slice pieces only. The mask is the query block of the slice against the prefix, causal
-within a document (position ids restart where one starts, the rule of transformers' packed
-masks) and with the 2-D padding mask of the prefix; positions continue from the slice's offset.
+the layer's SDPA call with the prefix attention that saves the per-slice pieces only. The mask
+is the query block of the slice against the prefix, causal within a document (position ids
+restart where one starts, the rule of transformers' packed masks) and with the 2-D padding mask
+of the prefix; positions continue from the slice's offset.
 Only full-attention layers under ``sdpa`` take slices (a boolean mask); others are refused.
 """
 
