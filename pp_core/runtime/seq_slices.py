@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as functional
+from torch.overrides import TorchFunctionMode
 
 from pp_core.errors import ConfigError
 from pp_core.losses import resolve_loss
@@ -60,6 +61,7 @@ class SeqSlice:
         self.kept: list = []  # (tensor, leaf): what this slice made for later slices
         self.read: list = []  # leaves of earlier slices this slice attends to
         self.replaying = False  # an activation-checkpointing recompute of this forward runs
+        self.pending = None  # pieces() for the next routed SDPA call (routing())
         self._seen: dict = {}  # (name, owner) -> the earlier pieces the forward read (a
         # recompute reads them again: the store has moved on, or gone)
 
@@ -94,10 +96,19 @@ class SeqSlice:
         return self.attend(pieces + [(k, v)], q, mask, scale)
 
     def pieces(self, owner, *tensors: torch.Tensor) -> list:
-        """The prefix's pieces of attention ``owner``: one tuple like ``tensors`` per slice so
-        far (earlier slices' as leaves, then ``tensors``), for :meth:`attend` - what an
-        attention that cannot call :meth:`attention` itself (an HF layer) uses."""
-        return self._earlier(owner, tensors) + [tensors]
+        """The prefix's pieces of attention ``owner``: one tuple like ``tensors`` (keys, values)
+        per slice so far (earlier slices' as leaves, then ``tensors``). For an attention that
+        cannot call :meth:`attention` itself (an HF layer): under :meth:`routing` its next
+        ``scaled_dot_product_attention`` call is answered by :meth:`attend` over them."""
+        self.pending = self._earlier(owner, tensors) + [tensors]
+        return self.pending
+
+    def routing(self) -> "_Routing":
+        """A torch function mode: while it is active, the first ``scaled_dot_product_attention``
+        call after :meth:`pieces` runs as :meth:`attend` over those pieces (its keys and values
+        arguments, their concatenation, are dropped unused). :func:`replaying` enters it too,
+        so a checkpointed layer's recompute saves what its forward saved."""
+        return _Routing(self)
 
     @staticmethod
     def attend(pieces: list, q: torch.Tensor, mask: Optional[torch.Tensor] = None,
@@ -152,6 +163,26 @@ class SeqSlice:
         return causal_block_mask(queries, keys, device)
 
 
+class _Routing(TorchFunctionMode):
+    """:meth:`SeqSlice.routing`. A call it cannot answer exactly (dropout on, a float mask, no
+    pieces pending) runs as made."""
+
+    def __init__(self, piece: SeqSlice):
+        super().__init__()
+        self.piece = piece
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        pieces = self.piece.pending
+        if func is functional.scaled_dot_product_attention and pieces is not None:
+            dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            if len(pieces) > 1 and not dropout and (mask is None or mask.dtype == torch.bool):
+                self.piece.pending = None
+                return SeqSlice.attend(pieces, args[0], mask, kwargs.get("scale"))
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def running(piece: SeqSlice):
     """Make ``piece`` current while its stage's forward runs."""
@@ -173,7 +204,8 @@ def replaying(piece: Optional[SeqSlice]):
     piece.replaying = True
     _current.append(piece)
     try:
-        yield
+        with piece.routing():
+            yield
     finally:
         _current.pop()
         piece.replaying = False

@@ -141,3 +141,26 @@ def test_slices_with_compiled_blocks_equal_the_unsliced_step():
 
     for k, (loss_diff, grad_diff) in _one_process(model, inputs, ids, compile_blocks).items():
         assert loss_diff <= 1e-5 and grad_diff <= 1e-5, (k, loss_diff, grad_diff)
+
+
+def test_slices_with_checkpointed_hf_layers_equal_the_unsliced_step():
+    """A tiny HF Llama (grouped-query attention) with every decoder layer checkpointed, full and
+    selective: the recompute re-enters the slice and its SDPA routing (``SeqSlice.routing``), so
+    it saves what the forward saved (the prefix attention's pieces), and K = 2 equals K = 1."""
+    pytest.importorskip("transformers")
+    from pp_core.parallel.activation import apply_activation_checkpointing
+    from pp_core_builtins.transformers import causal_lm_loss, hf_causal_lm
+    from tests.cases.hf import batch, tiny_config
+
+    model = hf_causal_lm(tiny_config("llama", 2), seed=0, attn_implementation="sdpa")
+    inputs, labels = batch(4, padding=False)
+    for mode in ("full", "selective"):
+        runs = {}
+        for k in (1, 2):
+            pipe = build_pipeline(copy.deepcopy(model), PipelineConfig(
+                pp_schedule="gpipe", pp_batch_size=4, pp_microbatch_size=2, pp_seq_chunks=k,
+                loss_fn=causal_lm_loss))
+            assert apply_activation_checkpointing(pipe.model_parts, mode)
+            runs[k] = _train(pipe, inputs, labels, steps=1)
+        for k, (loss_diff, grad_diff) in _differences(runs).items():
+            assert loss_diff <= 1e-5 and grad_diff <= 1e-5, (mode, k, loss_diff, grad_diff)

@@ -3,8 +3,8 @@
 HF attention calls ``cache.update(keys, values, layer_idx, ...)`` and attends to what it
 returns; during a slice's forward each layer gets a :class:`SliceCache` whose ``update`` returns
 the prefix's keys and values from :func:`pp_core.current_seq_slice` (the earlier slices' as
-leaves, then this slice's), and which, entered as a torch function mode around the layer, answers
-the layer's SDPA call with the prefix attention that saves the per-slice pieces only. The mask
+leaves, then this slice's); under the slice's ``routing`` mode the layer's SDPA call is answered
+by the prefix attention that saves the per-slice pieces only. The mask
 is the query block of the slice against the prefix, causal within a document (position ids
 restart where one starts, the rule of transformers' packed masks) and with the 2-D padding mask
 of the prefix; positions continue from the slice's offset.
@@ -14,49 +14,29 @@ Only full-attention layers under ``sdpa`` take slices (a boolean mask); others a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as functional
-from torch.overrides import TorchFunctionMode
 
 from pp_core import ConfigError
 
 __all__ = ["SliceCache", "slice_mask", "slice_positions", "check_layer_kind"]
 
 
-class SliceCache(TorchFunctionMode):
-    """A duck-typed transformers ``Cache`` for one layer of one slice's forward, and the torch
-    function mode that routes that layer's ``scaled_dot_product_attention`` to the prefix
-    attention (enter it around the layer's call).
-
-    ``update`` hands HF the concatenated prefix (its shape logic and ``repeat_kv`` read it) and
-    keeps the per-slice pieces; the layer's SDPA call is then answered by
-    ``SeqSlice.attend`` over those pieces, which saves them, not the concatenation or its
-    repeat (:mod:`pp_core.runtime.prefix_attention`). The concatenation HF made is dropped
-    unused. A call this mode cannot answer exactly (dropout on, or no pieces pending) runs as HF
-    made it."""
+class SliceCache:
+    """A duck-typed transformers ``Cache`` for one layer of one slice's forward: ``update``
+    hands HF the concatenated prefix (its shape logic and ``repeat_kv`` read it) and leaves the
+    per-slice pieces pending on the slice (``SeqSlice.pieces``); the layer's SDPA call, under
+    ``SeqSlice.routing``, is then answered over those pieces, saving them and not the
+    concatenation or its repeat (:mod:`pp_core.runtime.prefix_attention`)."""
 
     def __init__(self, piece, layer):
-        super().__init__()
         self.piece, self.layer = piece, layer
-        self.pending = None  # the pieces of the last update, until the layer's SDPA call
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
-        self.pending = self.piece.pieces(self.layer, key_states, value_states)
-        return tuple(torch.cat([p[i] for p in self.pending], dim=2) if len(self.pending) > 1
-                     else self.pending[0][i] for i in range(2))
+        pieces = self.piece.pieces(self.layer, key_states, value_states)
+        return tuple(torch.cat([p[i] for p in pieces], dim=2) if len(pieces) > 1
+                     else pieces[0][i] for i in range(2))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is functional.scaled_dot_product_attention and self.pending is not None \
-                and len(self.pending) > 1:
-            dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-            if not dropout and (mask is None or mask.dtype == torch.bool):
-                pieces, self.pending = self.pending, None
-                return self.piece.attend(pieces, args[0], mask, kwargs.get("scale"))
-        return func(*args, **kwargs)
 
 
 def slice_positions(piece, length: int, device) -> torch.Tensor:
