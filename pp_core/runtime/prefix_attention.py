@@ -15,9 +15,9 @@ the plain path (the same computation), so K changes memory and time, never the g
 A boolean ``mask`` given (a packed row's document mask, one per slice shared by its layers) is
 saved as is; without one the causal mask of the query block against the prefix is built in the
 forward and again in the backward, never saved. Grouped-query attention (fewer key/value heads
-than query heads) repeats the keys and values inside, so the repeat is not saved either. Under
-``torch.compile`` it runs eagerly (``SeqSlice.attention`` is ``torch.compiler.disable``d: dynamo
-cannot trace a backward that calls ``torch.autograd.grad``); the rest of the block is compiled.
+than query heads) repeats the keys and values inside, so the repeat is not saved either. Inside
+blocks compiled by ``apply_compile`` it runs eagerly (``SeqSlice.attention`` is registered with
+``pp_core.parallel.compile.run_eagerly_when_compiled``); the rest of the block is compiled.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from pp_core.errors import ConfigError
 from pp_core.losses import resolve_loss
 from pp_core.parallel.activation import replay_in_recompute
+from pp_core.parallel.compile import run_eagerly_when_compiled
 from pp_core.runtime.microbatch import _rebuild, iter_tensors
 from pp_core.runtime.prefix_attention import causal_block_mask, prefix_attention
 
@@ -83,15 +84,15 @@ class SeqSlice:
         return tuple(torch.cat([p[i] for p in pieces] + [t], dim=dim) if pieces else t
                      for i, t in enumerate(tensors))
 
-    @torch.compiler.disable(reason="a sequence slice's bookkeeping (leaves for later slices) "
-                            "and prefix attention run eagerly inside a compiled block")
     def attention(self, owner, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: Optional[torch.Tensor] = None, scale: Optional[float] = None):
         """Causal attention of this slice's queries ``q`` over the prefix's keys and values
         (``[batch, heads, seq, head_dim]``; ``k``, ``v`` this slice's, of attention ``owner``;
         fewer key/value heads than query heads is grouped-query attention), or under
         ``mask`` (bool, the query block against the prefix). Autograd saves the per-slice
-        pieces only, never their concatenation (:mod:`pp_core.runtime.prefix_attention`)."""
+        pieces only, never their concatenation (:mod:`pp_core.runtime.prefix_attention`).
+        Inside blocks compiled by ``apply_compile`` it runs eagerly (its bookkeeping and the
+        prefix attention's backward are not traceable)."""
         pieces = self._earlier(owner, (k, v))
         return self.attend(pieces + [(k, v)], q, mask, scale)
 
@@ -219,6 +220,7 @@ def _replay_current():
 
 
 replay_in_recompute(_replay_current)
+run_eagerly_when_compiled(SeqSlice, "attention")
 
 
 def backward_roots(outputs: list, grads, kept: list) -> tuple[list, Optional[list]]:
