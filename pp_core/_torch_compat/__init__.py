@@ -37,7 +37,8 @@ __all__ = ["engine_run_backward", "ACCUMULATE_GRAD", "process_group_store", "set
            "donated_buffers_on", "donated_buffers_off", "disable_donated_buffers",
            "allow_forward_side_effects_under_checkpoint",
            "fsdp_reduce_and_reshard", "fsdp_reset", "ddp_arm_reducer", "fsdp_replicate",
-           "profiler_enabled", "TorchDispatchMode", "flatten_mesh", "linear_style_functions"]
+           "profiler_enabled", "TorchDispatchMode", "flatten_mesh", "linear_style_functions",
+           "CPU_FLASH_ATTENTION"]
 
 # -------------------------------------------------------------------------- autograd (backward.py)
 
@@ -59,6 +60,17 @@ DYNAMO_MODULE = "torch._dynamo"
 start, which a warm fork server imports ahead (``pp_core.app.launch.warm``). Checked on 2.13."""
 
 ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
+
+# SDPA's CPU flash kernel and its backward, the ops ``scaled_dot_product_attention`` dispatches to
+# on CPU (it passes a boolean mask as an additive float one). runtime/prefix_attention.py calls
+# them itself, so a sequence slice's attention saves the per-slice keys and values and not their
+# concatenation without recomputing the attention in the backward. Checked on 2.13. Missing:
+# None, and that module recomputes the attention forward in the backward instead.
+CPU_FLASH_ATTENTION = (getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+                       getattr(torch.ops.aten,
+                               "_scaled_dot_product_flash_attention_for_cpu_backward", None))
+if None in CPU_FLASH_ATTENTION:  # pragma: no cover - a torch without them
+    CPU_FLASH_ATTENTION = None
 
 # ---------------------------------------------------------------------------------- c10d (comm.py)
 

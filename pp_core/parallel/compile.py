@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Iterable
 
+import torch.compiler
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -30,7 +31,26 @@ from pp_core.parallel.compile_options import compile_problem
 from pp_core.parallel.activation import checkpoint_mode, selective_contexts
 from pp_core.parallel.blocks import find_blocks
 
-__all__ = ["apply_compile"]
+__all__ = ["apply_compile", "run_eagerly_when_compiled"]
+
+_EAGER: list = []  # (class, method name): run eagerly inside compiled blocks (apply_compile)
+
+
+def run_eagerly_when_compiled(owner: type, name: str) -> None:
+    """Have :func:`apply_compile` wrap ``owner.name`` (a method) with ``torch.compiler.disable``
+    before it compiles anything, so a compiled block runs it eagerly (a graph break). Registering
+    costs nothing: the wrapping imports dynamo (seconds), which only a compiling process pays."""
+    _EAGER.append((owner, name))
+
+
+def _disable_registered() -> None:
+    for owner, name in _EAGER:
+        method = owner.__dict__[name]
+        if not getattr(method, "pp_core_eager", False):
+            eager = torch.compiler.disable(method, reason=f"{owner.__name__}.{name} runs eagerly "
+                                                          f"(pp_core.parallel.compile)")
+            eager.pp_core_eager = True
+            setattr(owner, name, eager)
 
 
 def _compile_checkpointed(block: nn.Module, mode: str, original) -> None:
@@ -53,6 +73,7 @@ def apply_compile(parts: Iterable[nn.Module], **options) -> list[str]:
     if problem is not None:
         raise ConfigError(f"apply_compile: {problem}")
     disable_donated_buffers()
+    _disable_registered()
     done = []
     for part in parts:
         for fqn, block in find_blocks(part):

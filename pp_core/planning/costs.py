@@ -200,9 +200,11 @@ class ModelProfile:
         :mod:`pp_core.schedule.slices`): every unit's times and activation bytes (saved, handed
         on, held from ``I`` to ``W``, temporaries, and their recomputing variants) ``1/count``
         of the microbatch's; parameters, the link and the executor's time per action as they
-        are (a slice is one more action, one more hand-off). The attention of a slice saves the
-        keys and values of the prefix it reads too, which this leaves out: measured, ``K = 4``
-        held 0.61x ``K = 1`` where ``1/K`` of the units predicts 0.44x (docs/benchmarks.md)."""
+        are (a slice is one more action, one more hand-off). The keys and values of the prefix a
+        slice's attention reads cost nothing more: it saves the per-slice pieces its earlier
+        slices hold anyway (:mod:`pp_core.runtime.prefix_attention`), so ``1/K`` is the real
+        share - measured at pp 4, the worst rank's planned peak within 3% of
+        ``peak_saved_bytes`` for K = 1..8 (docs/benchmarks.md)."""
         if count == 1:
             return self
 

@@ -39,7 +39,7 @@ class _Held:
         self.tensor, self.key, self.meter = tensor.detach(), key, meter
 
     def __del__(self):
-        if self.key is not None:
+        if getattr(self, "key", None) is not None:  # None too if __init__ never finished
             self.meter._release(self.key)
 
 

@@ -29,11 +29,15 @@ import functools
 from typing import Optional
 
 import torch
+import torch.nn.functional as functional
+from torch.overrides import TorchFunctionMode
 
 from pp_core.errors import ConfigError
 from pp_core.losses import resolve_loss
 from pp_core.parallel.activation import replay_in_recompute
+from pp_core.parallel.compile import run_eagerly_when_compiled
 from pp_core.runtime.microbatch import _rebuild, iter_tensors
+from pp_core.runtime.prefix_attention import causal_block_mask, prefix_attention
 
 __all__ = ["SeqSlice", "current_seq_slice", "running", "replaying", "backward_roots",
            "cut_sequence",
@@ -58,6 +62,7 @@ class SeqSlice:
         self.kept: list = []  # (tensor, leaf): what this slice made for later slices
         self.read: list = []  # leaves of earlier slices this slice attends to
         self.replaying = False  # an activation-checkpointing recompute of this forward runs
+        self.pending = None  # pieces() for the next routed SDPA call (routing())
         self._seen: dict = {}  # (name, owner) -> the earlier pieces the forward read (a
         # recompute reads them again: the store has moved on, or gone)
 
@@ -72,12 +77,61 @@ class SeqSlice:
     def keys_values(self, owner, *tensors: torch.Tensor, dim: int = -2) -> tuple:
         """``tensors`` (this slice's keys and values of one attention ``owner``) concatenated
         after the same tensors of the earlier slices along ``dim`` (the sequence). In a
-        recompute (:func:`replaying`) the same earlier pieces, and nothing kept or read again."""
+        recompute (:func:`replaying`) the same earlier pieces, and nothing kept or read again.
+        An attention that feeds them to autograd saves the concatenation (``O(K^2)`` bytes
+        over a microbatch): :meth:`attention` does not."""
+        pieces = self._earlier(owner, tensors)
+        return tuple(torch.cat([p[i] for p in pieces] + [t], dim=dim) if pieces else t
+                     for i, t in enumerate(tensors))
+
+    def attention(self, owner, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: Optional[torch.Tensor] = None, scale: Optional[float] = None):
+        """Causal attention of this slice's queries ``q`` over the prefix's keys and values
+        (``[batch, heads, seq, head_dim]``; ``k``, ``v`` this slice's, of attention ``owner``;
+        fewer key/value heads than query heads is grouped-query attention), or under
+        ``mask`` (bool, the query block against the prefix). Autograd saves the per-slice
+        pieces only, never their concatenation (:mod:`pp_core.runtime.prefix_attention`).
+        Inside blocks compiled by ``apply_compile`` it runs eagerly (its bookkeeping and the
+        prefix attention's backward are not traceable)."""
+        pieces = self._earlier(owner, (k, v))
+        return self.attend(pieces + [(k, v)], q, mask, scale)
+
+    def pieces(self, owner, *tensors: torch.Tensor) -> list:
+        """The prefix's pieces of attention ``owner``: one tuple like ``tensors`` (keys, values)
+        per slice so far (earlier slices' as leaves, then ``tensors``). For an attention that
+        cannot call :meth:`attention` itself (an HF layer): under :meth:`routing` its next
+        ``scaled_dot_product_attention`` call is answered by :meth:`attend` over them."""
+        self.pending = self._earlier(owner, tensors) + [tensors]
+        return self.pending
+
+    def routing(self) -> "_Routing":
+        """A torch function mode: while it is active, the first ``scaled_dot_product_attention``
+        call after :meth:`pieces` runs as :meth:`attend` over those pieces (its keys and values
+        arguments, their concatenation, are dropped unused). :func:`replaying` enters it too,
+        so a checkpointed layer's recompute saves what its forward saved."""
+        return _Routing(self)
+
+    @staticmethod
+    def attend(pieces: list, q: torch.Tensor, mask: Optional[torch.Tensor] = None,
+               scale: Optional[float] = None) -> torch.Tensor:
+        """:meth:`attention` over ``pieces`` (:meth:`pieces`), already registered."""
+        *pieces, (k, v) = pieces
+        if not pieces:
+            if k.shape[1] != q.shape[1]:
+                return functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                    enable_gqa=True)
+            return functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                           is_causal=mask is None, scale=scale)
+        return prefix_attention(q, [p[0] for p in pieces] + [k], [p[1] for p in pieces] + [v],
+                                mask, scale)
+
+    def _earlier(self, owner, tensors: tuple) -> list:
+        """The earlier slices' pieces (tuples like ``tensors``) of attention ``owner``; this
+        slice's join them (as leaves) for the later slices, unless it is the last."""
         key = ("kv", id(owner))
         if self.replaying:
-            pieces = self._seen.get(key, [])
-            return tuple(torch.cat([p[i] for p in pieces] + [t], dim=dim) if pieces else t
-                         for i, t in enumerate(tensors))
+            return self._seen.get(key, [])
         earlier = self._store.setdefault(key, [])
         for leaves in earlier:
             self.read += [leaf for leaf in leaves if leaf.requires_grad]
@@ -89,8 +143,7 @@ class SeqSlice:
         else:
             pieces = earlier
         self._seen[key] = list(pieces)
-        return tuple(torch.cat([p[i] for p in pieces] + [t], dim=dim) if pieces else t
-                     for i, t in enumerate(tensors))
+        return pieces
 
     def prefix(self, owner, name: str, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """``tensor`` (no gradient: position ids, document ids) after the earlier slices' along
@@ -108,8 +161,27 @@ class SeqSlice:
 
     def causal_mask(self, queries: int, keys: int, device) -> torch.Tensor:
         """``[queries, keys]`` bool: query ``i`` (at ``keys - queries + i``) sees keys up to it."""
-        rows = torch.arange(queries, device=device)[:, None] + (keys - queries)
-        return torch.arange(keys, device=device)[None, :] <= rows
+        return causal_block_mask(queries, keys, device)
+
+
+class _Routing(TorchFunctionMode):
+    """:meth:`SeqSlice.routing`. A call it cannot answer exactly (dropout on, a float mask, no
+    pieces pending) runs as made."""
+
+    def __init__(self, piece: SeqSlice):
+        super().__init__()
+        self.piece = piece
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        pieces = self.piece.pending
+        if func is functional.scaled_dot_product_attention and pieces is not None:
+            dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            if len(pieces) > 1 and not dropout and (mask is None or mask.dtype == torch.bool):
+                self.piece.pending = None
+                return SeqSlice.attend(pieces, args[0], mask, kwargs.get("scale"))
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -133,7 +205,8 @@ def replaying(piece: Optional[SeqSlice]):
     piece.replaying = True
     _current.append(piece)
     try:
-        yield
+        with piece.routing():
+            yield
     finally:
         _current.pop()
         piece.replaying = False
@@ -147,6 +220,7 @@ def _replay_current():
 
 
 replay_in_recompute(_replay_current)
+run_eagerly_when_compiled(SeqSlice, "attention")
 
 
 def backward_roots(outputs: list, grads, kept: list) -> tuple[list, Optional[list]]:

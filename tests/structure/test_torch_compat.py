@@ -69,3 +69,21 @@ def test_the_data_parallel_shims_resolve_on_this_torch():
     replicate = compat.fsdp_replicate()
     assert callable(replicate)
     assert issubclass(sys.modules[replicate.__module__].ReplicateModule, FSDPModule)
+
+
+def test_the_cpu_flash_attention_ops_resolve_and_match_sdpa():
+    """What runtime/prefix_attention.py calls on CPU: SDPA's own kernel (same values), and its
+    backward gives SDPA's gradients."""
+    import torch.nn.functional as functional
+
+    assert compat.CPU_FLASH_ATTENTION is not None
+    forward, backward = compat.CPU_FLASH_ATTENTION
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen, requires_grad=True) for _ in range(3))
+    want = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want.backward(torch.ones_like(want))
+    out, lse = forward(q.detach(), k.detach(), v.detach(), 0.0, True)
+    torch.testing.assert_close(out, want.detach())
+    grads = backward(torch.ones_like(out), q.detach(), k.detach(), v.detach(), out, lse, 0.0, True)
+    for got, leaf in zip(grads, (q, k, v)):
+        torch.testing.assert_close(got, leaf.grad)

@@ -29,14 +29,18 @@ from pp_core_builtins.models.arg_types import check_arg_types
 __all__ = ["GPT", "Block", "uneven_gpt", "document_mask"]
 
 
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+def document_mask(position_ids: torch.Tensor, queries: Optional[int] = None) -> torch.Tensor:
     """``[batch, 1, seq, seq]`` bool: query ``i`` may attend key ``j`` iff ``j <= i`` and both
-    lie in the same document (documents split where ``position_ids`` does not step by 1)."""
+    lie in the same document (documents split where ``position_ids`` does not step by 1).
+    ``queries``: the rows of the last ``queries`` tokens only (a sequence slice's block against
+    its prefix), ``[batch, 1, queries, seq]``."""
     first = position_ids[:, :1] - 1
     document = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
     seq = position_ids.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
-    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+    queries = seq if queries is None else queries
+    rows = torch.arange(seq - queries, seq, device=position_ids.device)[:, None]
+    causal = torch.arange(seq, device=position_ids.device)[None, :] <= rows
+    return ((document[:, -queries:, None] == document[:, None, :]) & causal)[:, None]
 
 
 class Block(nn.Module):
@@ -79,10 +83,8 @@ class Block(nn.Module):
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         piece = current_seq_slice()
         if piece is not None:  # a sequence slice: attend over the earlier slices' keys too
-            k, v = piece.keys_values(self, k, v, dim=2)
-            if mask is None:
-                mask = piece.causal_mask(seq, k.shape[2], k.device)
-        if mask is None:
+            attended = piece.attention(self, q, k, v, mask)
+        elif mask is None:
             attended = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             attended = functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -146,8 +148,8 @@ class GPT(nn.Module):
             if self.pos_embeddings is not None:
                 x = x + self.pos_embeddings(positions)
         mask = None if position_ids is None else document_mask(position_ids) if piece is None \
-            else document_mask(piece.prefix(self, "position_ids", position_ids))[
-                ..., -position_ids.shape[-1]:, :]
+            else document_mask(piece.prefix(self, "position_ids", position_ids),
+                               queries=position_ids.shape[-1])
         layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
         for layer in layers:
             x = layer(x) if mask is None else layer(x, mask)

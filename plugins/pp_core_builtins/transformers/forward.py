@@ -257,9 +257,10 @@ def text_stage_forward(self, *args, adapter: DecoderAdapter, **kwargs):
             check_layer_kind(kind, self)
             if kind not in masks:
                 masks[kind] = slice_mask(piece, self, position_ids, attention_mask)
-            out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
-                        position_embeddings=position_embeddings,
-                        cache=SliceCache(piece, layer))
+            with piece.routing():  # the layer's SDPA over the cache's pieces (slices.py)
+                out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
+                            position_embeddings=position_embeddings,
+                            cache=SliceCache(piece, layer))
             hidden = out[0] if isinstance(out, tuple) else out
             continue
         if kind not in masks:

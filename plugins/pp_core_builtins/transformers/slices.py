@@ -3,9 +3,11 @@
 HF attention calls ``cache.update(keys, values, layer_idx, ...)`` and attends to what it
 returns; during a slice's forward each layer gets a :class:`SliceCache` whose ``update`` returns
 the prefix's keys and values from :func:`pp_core.current_seq_slice` (the earlier slices' as
-leaves, then this slice's). The mask is the query block of the slice against the prefix, causal
-within a document (position ids restart where one starts, the rule of transformers' packed
-masks) and with the 2-D padding mask of the prefix; positions continue from the slice's offset.
+leaves, then this slice's); under the slice's ``routing`` mode the layer's SDPA call is answered
+by the prefix attention that saves the per-slice pieces only. The mask
+is the query block of the slice against the prefix, causal within a document (position ids
+restart where one starts, the rule of transformers' packed masks) and with the 2-D padding mask
+of the prefix; positions continue from the slice's offset.
 Only full-attention layers under ``sdpa`` take slices (a boolean mask); others are refused.
 """
 
@@ -19,13 +21,19 @@ __all__ = ["SliceCache", "slice_mask", "slice_positions", "check_layer_kind"]
 
 
 class SliceCache:
-    """A duck-typed transformers ``Cache`` for one layer of one slice's forward."""
+    """A duck-typed transformers ``Cache`` for one layer of one slice's forward: ``update``
+    hands HF the concatenated prefix (its shape logic and ``repeat_kv`` read it) and leaves the
+    per-slice pieces pending on the slice (``SeqSlice.pieces``); the layer's SDPA call, under
+    ``SeqSlice.routing``, is then answered over those pieces, saving them and not the
+    concatenation or its repeat (:mod:`pp_core.runtime.prefix_attention`)."""
 
     def __init__(self, piece, layer):
         self.piece, self.layer = piece, layer
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
-        return self.piece.keys_values(self.layer, key_states, value_states, dim=2)
+        pieces = self.piece.pieces(self.layer, key_states, value_states)
+        return tuple(torch.cat([p[i] for p in pieces], dim=2) if len(pieces) > 1
+                     else pieces[0][i] for i in range(2))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
