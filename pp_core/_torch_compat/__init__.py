@@ -51,14 +51,14 @@ try:  # The engine entry point under torch.autograd.backward/grad, without their
 except ImportError:  # pragma: no cover - a torch without it
     engine_run_backward = None
 
-# The autograd node type of a leaf tensor (its ``.variable`` is the leaf). backward.py tells leaf
-# nodes apart by type, since ``getattr(node, "variable")`` raises, slowly, on every other node.
-# Checked on 2.13, 2.14, 2.15.0. Missing: None, and backward.py falls back to that getattr.
 DYNAMO_MODULE = "torch._dynamo"
 """The module torch imports on a process's first optimizer (``Optimizer.__init__`` calls a
 ``torch._disable_dynamo`` function) and first elementwise op on meta tensors: seconds of a rank's
 start, which a warm fork server imports ahead (``pp_core.app.launch.warm``). Checked on 2.13."""
 
+# The autograd node type of a leaf tensor (its ``.variable`` is the leaf). backward.py tells leaf
+# nodes apart by type, since ``getattr(node, "variable")`` raises, slowly, on every other node.
+# Checked on 2.13, 2.14, 2.15.0. Missing: None, and backward.py falls back to that getattr.
 ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
 
 # SDPA's CPU flash kernel and its backward, the ops ``scaled_dot_product_attention`` dispatches to

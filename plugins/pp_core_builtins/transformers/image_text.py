@@ -34,7 +34,6 @@ from typing import Optional
 import torch
 
 from pp_core import ConfigError
-from pp_core_builtins.models.datasets import BatchStream
 
 __all__ = ["ImageText", "image_text"]
 
@@ -93,9 +92,8 @@ def _load_processor(processor):
     return loaded
 
 
-class ImageText(BatchStream):
-    """The samples of ``files`` as whole-step batches (see the module docstring); a
-    :class:`BatchStream` whose batch ``i`` is cut from the ``(seed, epoch)`` sample order."""
+class ImageText:
+    """The samples of ``files`` as whole-step batches (see the module docstring)."""
 
     def __init__(self, files, processor, seq_len: int = 256, batch_size: int = 8,
                  seed: int = 0, shuffle: bool = True, text_field: str = "text",
@@ -104,8 +102,8 @@ class ImageText(BatchStream):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"image_text: data.args.{name}={value!r} must be a positive "
                                   f"int")
-        super().__init__(batch_size, seed, num_batches)
-        self.seq_len, self.shuffle = seq_len, bool(shuffle)
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.shuffle, self.num_batches, self.position = bool(shuffle), num_batches, 0
         self.processor = _load_processor(processor)
         tokenizer = self.processor.tokenizer
         self.placeholder = self.processor.image_token
@@ -183,6 +181,16 @@ class ImageText(BatchStream):
                 self.seed * 1_000_003 + epoch)) if self.shuffle else torch.arange(count)
             self._epoch = (epoch, order)
         return self._epoch[1]
+
+    def skip(self, count: int) -> None:
+        """Start the next iteration ``count`` batches further on (used when resuming)."""
+        self.position += count
+
+    def __iter__(self):
+        index = self.position
+        while self.num_batches is None or index < self.num_batches:
+            yield self.batch(index)
+            index += 1
 
 
 def _check_image(path: Path, where: str) -> None:
