@@ -170,8 +170,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         modes = planned.get("activation_checkpointing") or []
         ac = "" if all(m == "none" for m in modes) else \
             f", activation checkpointing per stage {' '.join(modes)}"
-        lines.append(f"  auto plan: {planned['schedule']}, {planned['stages_per_rank']} stage(s)/"
-                     f"rank, microbatches of {planned['microbatch_size']}{ac}; pipeline step "
+        layout = f"{planned['layout']}, " if planned.get("layout") else ""  # layout: auto
+        lines.append(f"  auto plan: {layout}{planned['schedule']}, "
+                     f"{planned['stages_per_rank']} stage(s)/rank, microbatches of {planned['microbatch_size']}{ac}; pipeline step "
                      f"predicted {planned['predicted_step_s'] * 1000:,.1f} ms, measured "
                      + ("-" if measured is None else f"{measured * 1000:,.1f} ms (mean of the "
                         f"steps after the first, slowest rank)"))
