@@ -1,9 +1,10 @@
 """Saving without stopping: ``checkpoint.async: true`` through DCP's own ``async_save``.
 
-:meth:`AsyncSaver.save` stages this rank's state to host memory (DCP's stager: the
-``FileSystemWriter`` copies every tensor) and returns; DCP's thread writes the files through the
-same hashing writer as a synchronous save (:mod:`pp_core.checkpoint.checksums`: the checksums
-are computed on the way to the disk, off the training path), over a gloo group of its own (so
+:meth:`AsyncSaver.save` stages this rank's state to host memory (DCP's ``DefaultStager``,
+kept across saves, so that every save after the first copies into the host buffers of the last
+instead of allocating new ones: :func:`_stager`) and returns; DCP's thread writes the files
+through the same hashing writer as a synchronous save (:mod:`pp_core.checkpoint.checksums`: the
+checksums are computed on the way to the disk, off the training path), over a gloo group of its own (so
 its collectives never interleave with training's). A second thread of ours then waits for the
 write, gathers every rank's digests over that group, and on rank 0 writes the record and the
 checksums and publishes the checkpoint exactly as a synchronous save does
@@ -41,6 +42,7 @@ class AsyncSaver:
         self.group = None  # the gloo group DCP's thread and ours talk over, made at first save
         self.thread: threading.Thread | None = None
         self.outcome: tuple | None = None  # (step, path, error, seconds writing)
+        self.stager = None  # DCP's DefaultStager, kept: its host copies are reused (_stager)
 
     def save(self, directory, step: int, parts, optimizers,
              record: dict[str, dict] | None = None) -> tuple[float, float, tuple | None]:
@@ -56,10 +58,12 @@ class AsyncSaver:
         path, files = checkpoint_path(directory, step), record_files(record)
         staging, token = staging_path(path, self.group)
         writer = hashing_writer(staging)
+        if self.stager is None:
+            self.stager = _stager()
         with single_process_quiet():
             future = dcp.async_save(state_dicts(parts, optimizers, step)[0],
                                     checkpoint_id=str(staging), storage_writer=writer,
-                                    process_group=self.group)
+                                    process_group=self.group, async_stager=self.stager)
         blocked = time.perf_counter() - began
         self.thread = threading.Thread(
             target=self._finish, args=(future, writer, staging, path, token, files, step),
@@ -97,6 +101,12 @@ class AsyncSaver:
         self.thread.join()
         return time.perf_counter() - began, self._collect()
 
+    def close(self) -> None:
+        """The run's end, after :meth:`wait`: the stager's host copies are let go."""
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
     def _collect(self) -> tuple:
         self.thread = None
         step, path, error, seconds = self.outcome
@@ -104,3 +114,17 @@ class AsyncSaver:
         if error is not None:
             raise error
         return step, path, seconds
+
+
+def _stager():
+    """DCP's own stager, kept across saves: it keeps the host copy of each tensor storage it
+    staged (keyed by the storage, which parameters and optimizer state keep across steps) and
+    copies into it the next time, so a save after the first allocates nothing. Safe because at
+    most one save is in flight (:meth:`AsyncSaver.save` waits for the last first). Pinned (and
+    copied without blocking) where there is a GPU to copy from."""
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    gpu = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=gpu))

@@ -88,6 +88,7 @@ class Checkpoints:
         """The run's end: the save in flight is complete before anything else happens."""
         if self.saver is not None:
             waited, finished = self.saver.wait()
+            self.saver.close()
             if finished is not None:
                 self._saved(*finished)
             self.waited += waited
