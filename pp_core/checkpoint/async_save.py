@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from pp_core.checkpoint.checksums import hashing_writer
@@ -122,8 +123,8 @@ def _stager():
     copies into it the next time, so a save after the first allocates nothing. Safe because at
     most one save is in flight (:meth:`AsyncSaver.save` waits for the last first). Pinned (and
     copied without blocking) where there is a GPU to copy from."""
-    import torch
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.staging import (  # lazy: DCP, as in save()
+        DefaultStager, StagingOptions)
 
     gpu = torch.cuda.is_available()
     return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
