@@ -29,7 +29,7 @@ import torch.distributed as dist
 from pp_core.checkpoint.checksums import hashing_writer
 from pp_core.checkpoint.directory import checkpoint_path
 from pp_core.checkpoint.record import record_files
-from pp_core.checkpoint.save import publish_everywhere, staging_path
+from pp_core.checkpoint.save import agreed_token, publish_everywhere, staging_path
 from pp_core.checkpoint.state import single_process_quiet, state_dicts
 from pp_core.parallel.dims import background_group
 
@@ -40,7 +40,13 @@ class AsyncSaver:
     """This rank's background saves, one at a time (every rank makes one and saves alike)."""
 
     def __init__(self):
-        self.group = None  # the gloo group DCP's thread and ours talk over, made at first save
+        """Collective, once, before the first step: the gloo group DCP's thread and ours talk
+        over, and the name of this attempt's saves, so that a save sends nothing before its
+        staging (a staging directory is ``step_N.tmp-<name><N>``: no attempt reuses another's,
+        torn, one)."""
+        distributed = dist.is_available() and dist.is_initialized()
+        self.group = background_group() if distributed else None
+        self.name = agreed_token(self.group)[:8]
         self.thread: threading.Thread | None = None
         self.outcome: tuple | None = None  # (step, path, error, seconds writing)
         self.stager = None  # DCP's DefaultStager, kept: its host copies are reused (_stager)
@@ -53,11 +59,9 @@ class AsyncSaver:
         import torch.distributed.checkpoint as dcp  # lazy: DCP, only when a checkpoint is written
 
         waited, finished = self.wait()
-        if self.group is None and dist.is_available() and dist.is_initialized():
-            self.group = background_group()
         began = time.perf_counter()
         path, files = checkpoint_path(directory, step), record_files(record)
-        staging, token = staging_path(path, self.group)
+        staging, token = staging_path(path, token=f"{self.name}{step:x}")
         writer = hashing_writer(staging)
         if self.stager is None:
             self.stager = _stager()

@@ -202,7 +202,9 @@ def format_summary(summary: dict[str, Any]) -> str:
                      f"{saves['blocked_mean_s'] * 1000:,.0f} ms (mean; longest "
                      f"{saves['blocked_max_s'] * 1000:,.0f} ms"
                      + (f", {saves['waited_s']:.2f} s of it waiting for the previous save)"
-                        if saves["waited_s"] >= 0.01 else ")"))
+                        if saves["waited_s"] >= 0.01 else ")")
+                     + (f"; the run's end waited {saves['end_waited_s']:.2f} s for the last"
+                        if saves.get("end_waited_s", 0) >= 0.01 else ""))
     lines.extend(_restart_lines(summary.get("restarts")))
     outputs = summary.get("outputs") or {}
     if outputs:
