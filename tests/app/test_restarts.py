@@ -98,14 +98,18 @@ def reference(uninterrupted_losses):
 
 @pytest.mark.cli
 @pytest.mark.ranks
-@pytest.mark.parametrize("saves", ["sync", "async"])
+@pytest.mark.parametrize("saves", ["sync", "async", "stopped"])
 def test_a_killed_rank_restarts_the_run_which_ends_with_the_uninterrupted_losses(
         tmp_path, reference, saves):
     """With ``checkpoint.async``, rank 1 is killed as its background writer is half-way through
     the checkpoint of step 8: the previous one (step 4, its checksums verified as it loads) is
-    the one resumed, and steps 5..8 are done again."""
-    overrides = ["checkpoint.async=true"] if saves == "async" else []
-    kill, failed = ("1:6:SIGKILL:once", 6) if saves == "sync" else ("1:8:SIGKILL:save", 8)
+    the one resumed, and steps 5..8 are done again. ``stopped``: rank 1 is SIGSTOPped as step 7
+    begins; its peers' waits end after ``distributed.timeout_s`` (4 s), the agent SIGKILLs it 5 s
+    after SIGTERM, and the group restarts (~10 s more than a kill)."""
+    overrides = {"sync": [], "async": ["checkpoint.async=true"],
+                 "stopped": ["distributed.timeout_s=4"]}[saves]
+    kill, failed = ("1:8:SIGKILL:save", 8) if saves == "async" else \
+        (f"1:6:{'SIGSTOP' if saves == 'stopped' else 'SIGKILL'}:once", 6)
     result, lines = _run(tmp_path, "killed", kill, *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = _losses(lines)
