@@ -220,3 +220,21 @@ def test_layout_auto_on_an_elastic_run_is_checked_by_its_world_size():
     assert str(found.value) == (
         "distributed.layout: auto: the rendezvous gave 3 rank(s), a world no layout was planned "
         "for at launch (planned: none); start every node with the same nproc_per_node")
+
+
+def test_layout_auto_waits_for_the_node_that_plans_at_most_timeout_s(tmp_path):
+    """A launch that finds another node planning (its lock in checkpoint.dir) waits for its
+    table, and after distributed.timeout_s names the lock to remove (a node that died planning)."""
+    from pp_core.app.elastic_layouts import LOCK, layouts_for
+    from pp_core.errors import ConfigError
+
+    spec = parse_spec(tiny_gpt_spec(distributed={**_ELASTIC, "layout": "auto", "world_size": 4,
+                                                 "max_restarts": 1, "timeout_s": 1},
+                                    checkpoint={"dir": str(tmp_path)}))
+    (tmp_path / LOCK).touch()
+    with pytest.raises(ConfigError) as found:
+        layouts_for(spec)
+    assert str(found.value) == (
+        f"distributed.layout: auto: another node has been planning the layouts for more than "
+        f"distributed.timeout_s = 1 s ({tmp_path / LOCK} is there); remove {tmp_path / LOCK} if "
+        f"no node is planning")
