@@ -1,7 +1,8 @@
 """Runs that outlive their ranks (docs/failures.md): ``distributed.max_restarts`` restarts every
 rank after one is killed by a real SIGKILL, each resumes from the latest complete checkpoint, and
 the run ends rc 0 with the losses of a run that never failed - with synchronous and with
-``checkpoint.async`` saves; failures beyond ``max_restarts`` end the run with one message; the
+``checkpoint.async`` saves (there killed in the middle of a background write), and after a
+SIGSTOP (a hung rank, replaced after ``distributed.timeout_s``); failures beyond ``max_restarts`` end the run with one message; the
 restart keys' refusals, checked in-process.
 
 pp 2 x dp 2 tiny GPT, a checkpoint every 4 steps; rank 1 kills itself (``os.kill(SIGKILL)``) as

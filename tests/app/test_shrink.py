@@ -7,6 +7,8 @@ node B, one of its ranks SIGKILLs B's whole process group (its agent and both ra
 gone). Node A's ranks fail, its agent re-forms the group alone, and its ranks go on at pp 2 x dp 1
 from step 4 with twice the microbatches (the global batch kept), to rc 0 and the per-step losses
 of the uninterrupted run at pp 2 x dp 2 (tests/app/conftest.py, shared with test_restarts).
+With ``distributed.layout: auto`` one launch alone goes on at the layout planned for its world
+(another pp and split) from that run's step-4 checkpoint, with its losses.
 """
 
 from __future__ import annotations
