@@ -2,8 +2,8 @@
 rank after one is killed by a real SIGKILL, each resumes from the latest complete checkpoint, and
 the run ends rc 0 with the losses of a run that never failed - with synchronous and with
 ``checkpoint.async`` saves (there killed in the middle of a background write), and after a
-SIGSTOP (a hung rank, replaced after ``distributed.timeout_s``); failures beyond ``max_restarts`` end the run with one message; the
-restart keys' refusals, checked in-process.
+SIGSTOP (a hung rank, replaced after ``distributed.timeout_s``); failures beyond
+``max_restarts`` end the run with one message; the restart keys' refusals, checked in-process.
 
 pp 2 x dp 2 tiny GPT, a checkpoint every 4 steps; rank 1 kills itself (``os.kill(SIGKILL)``) as
 step 7 begins, so the restarted ranks resume at step 4 and run steps 5 and 6 again. One
