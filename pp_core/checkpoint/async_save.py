@@ -4,13 +4,14 @@
 kept across saves, so that every save after the first copies into the host buffers of the last
 instead of allocating new ones: :func:`_stager`) and returns; DCP's thread writes the files
 through the same hashing writer as a synchronous save (:mod:`pp_core.checkpoint.checksums`: the
-checksums are computed on the way to the disk, off the training path), over a gloo group of its own (so
-its collectives never interleave with training's). A second thread of ours then waits for the
-write, gathers every rank's digests over that group, and on rank 0 writes the record and the
-checksums and publishes the checkpoint exactly as a synchronous save does
-(:func:`pp_core.checkpoint.save.publish_everywhere`): ``latest`` moves only once every rank's files
-and the checksums are on disk, so a crash during a background write leaves the previous
-checkpoint as the one to resume from.
+checksums are computed on the way to the disk, off the training path), over a gloo group of its
+own (so its collectives never interleave with training's). A second thread of ours then waits
+for the write, gathers every rank's digests over that group, and on rank 0 writes the record and
+the checksums and publishes the checkpoint exactly as a synchronous save does
+(:func:`pp_core.checkpoint.save.publish_everywhere`): ``latest`` moves only once every rank's
+files and the checksums are on disk, so a crash during a background write leaves the previous
+checkpoint as the one to resume from. Nothing is sent in the step: the group and the name of the
+attempt's staging directories are agreed once, when the saver is made.
 
 At most one save is in flight: a new one first waits for the last (:meth:`AsyncSaver.wait`
 returns how long it waited, which the run reports), and the run waits for the last one before

@@ -172,8 +172,9 @@ def format_summary(summary: dict[str, Any]) -> str:
             f", activation checkpointing per stage {' '.join(modes)}"
         layout = f"{planned['layout']}, " if planned.get("layout") else ""  # layout: auto
         lines.append(f"  auto plan: {layout}{planned['schedule']}, "
-                     f"{planned['stages_per_rank']} stage(s)/rank, microbatches of {planned['microbatch_size']}{ac}; pipeline step "
-                     f"predicted {planned['predicted_step_s'] * 1000:,.1f} ms, measured "
+                     f"{planned['stages_per_rank']} stage(s)/rank, microbatches of "
+                     f"{planned['microbatch_size']}{ac}; pipeline step predicted "
+                     f"{planned['predicted_step_s'] * 1000:,.1f} ms, measured "
                      + ("-" if measured is None else f"{measured * 1000:,.1f} ms (mean of the "
                         f"steps after the first, slowest rank)"))
     rows = []
