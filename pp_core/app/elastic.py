@@ -33,7 +33,7 @@ from pp_core.errors import PipelineError
 from pp_core.parallel.dims import ParallelDims
 
 __all__ = ["changing_degree", "replica_ranks", "replica_formula", "refit", "fit_world",
-           "apply_entry"]
+           "apply_entry", "worlds_of"]
 
 
 def changing_degree(dims: ParallelDims) -> str:
@@ -148,3 +148,10 @@ def apply_entry(spec, entry: dict, table: dict):
     placed = placed.with_("pipeline", **entry["pipeline"])
     placed = placed.with_("train", activation_checkpointing=entry["activation_checkpointing"])
     return replace(placed, prediction={**entry["prediction"], "layouts": table})
+
+
+def worlds_of(dist) -> list[int]:
+    """The world sizes an elastic run may be given: ``MIN..MAX`` nodes of ``world_size / MAX``
+    processes each (or ``nproc_per_node``)."""
+    per_node = dist.nproc_per_node or max(1, dist.world_size // dist.max_nodes)
+    return [nodes * per_node for nodes in range(dist.min_nodes, dist.max_nodes + 1)]

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pp_core.app.elastic import apply_entry
+from pp_core.app.elastic import apply_entry, worlds_of
 from pp_core.errors import ConfigError
 
-__all__ = ["TABLE", "LOCK", "table_key", "worlds_of", "layouts_for", "planned_layouts"]
+__all__ = ["TABLE", "LOCK", "table_key", "layouts_for", "planned_layouts"]
 
 TABLE = ".pp_core_layouts.json"
 LOCK = ".pp_core_layouts.lock"
@@ -44,13 +44,6 @@ def table_key(spec) -> str:
                "ac": values["train"]["activation_checkpointing"]}
     text = json.dumps(planned, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def worlds_of(dist) -> list[int]:
-    """The world sizes an elastic run may be given: ``MIN..MAX`` nodes of ``world_size / MAX``
-    processes each (or ``nproc_per_node``)."""
-    per_node = dist.nproc_per_node or max(1, dist.world_size // dist.max_nodes)
-    return [nodes * per_node for nodes in range(dist.min_nodes, dist.max_nodes + 1)]
 
 
 def layouts_for(spec, say: Say | None = None, memory_cap=None) -> dict:

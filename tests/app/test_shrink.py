@@ -163,7 +163,8 @@ def test_layout_auto_re_plans_the_whole_layout_for_the_world_it_is_given(
     alone (the other node never comes) goes on at the layout planned for 2 ranks - another pp
     and split than the uninterrupted pp 2 x dp 2 run's - from that run's step-4 checkpoint,
     resharded onto it through DCP, with its losses."""
-    from pp_core.app.elastic_layouts import TABLE, table_key, worlds_of
+    from pp_core.app.elastic import worlds_of
+    from pp_core.app.elastic_layouts import TABLE, table_key
     from pp_core.app.plan.replan import plan_worlds
 
     spec = tiny_gpt_spec(distributed={"nnodes": "1:2", "world_size": 4, "layout": "auto",
