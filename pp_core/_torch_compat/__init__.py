@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["engine_run_backward", "ACCUMULATE_GRAD", "process_group_store", "set_state_dict_item",
-           "dcp_metadata_path", "consolidate_hf_safetensors", "tcp_stores_listening_on_their_host", "nn_init_skipped",
+           "dcp_metadata_path", "consolidate_hf_safetensors", "tcp_stores_listening_on_their_host",
+           "failed_ranks_stopped_within", "nn_init_skipped",
            "donated_buffers_on", "donated_buffers_off", "disable_donated_buffers",
            "allow_forward_side_effects_under_checkpoint",
            "fsdp_reduce_and_reshard", "fsdp_reset", "ddp_arm_reducer", "fsdp_replicate",
@@ -162,6 +163,30 @@ def tcp_stores_listening_on_their_host(local: Callable[[str], bool]):
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def failed_ranks_stopped_within(seconds: float):
+    """Meanwhile, once a rank has failed, the others get ``seconds`` after SIGTERM, then SIGKILL.
+
+    torch's elastic agent watches its ranks through ``torch.multiprocessing``'s
+    ``ProcessContext.join``, which, when a rank has failed, sends the others SIGTERM and waits
+    30 s (its fixed default) before SIGKILL: a rank that cannot answer SIGTERM (SIGSTOPped, hung
+    in C) held every restart 30 s. Here that wait (``_join_procs_with_timeout``) is at most
+    ``seconds``, the time the agent's own stop gives (``shutdown_timeout``). Checked on 2.13.
+    """
+    from torch.multiprocessing.spawn import ProcessContext  # lazy: only the launcher
+
+    real = ProcessContext._join_procs_with_timeout
+
+    def join_within(self, timeout: float):
+        return real(self, min(timeout, seconds))
+
+    ProcessContext._join_procs_with_timeout = join_within
+    try:
+        yield
+    finally:
+        ProcessContext._join_procs_with_timeout = real
 
 
 # -------------------------------------------------------------------------- nn.init (preflight.py)

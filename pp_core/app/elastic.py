@@ -17,7 +17,10 @@ and under ``torchrun``) and goes on at :func:`refit` of it:
 
 When nodes come back, the agent restarts the group at the larger world and the same rule grows
 dp back. A world that cannot hold one replica, or cannot share the global batch in whole
-microbatches, ends the run with one message (:func:`fit_world`). Pure arithmetic, no torch.
+microbatches, ends the run with one message (:func:`fit_world`). With ``distributed.layout:
+auto`` none of the above: the whole layout was planned at launch for each world the run may be
+given (:mod:`pp_core.app.elastic_layouts`), and the rank takes its world's. Pure arithmetic, no
+torch.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from dataclasses import replace
 from pp_core.errors import PipelineError
 from pp_core.parallel.dims import ParallelDims
 
-__all__ = ["changing_degree", "replica_ranks", "replica_formula", "refit", "fit_world"]
+__all__ = ["changing_degree", "replica_ranks", "replica_formula", "refit", "fit_world",
+           "apply_entry", "worlds_of"]
 
 
 def changing_degree(dims: ParallelDims) -> str:
@@ -87,6 +91,8 @@ def fit_world(spec, world: int | None = None):
     if world is None:
         world = int(os.environ.get("WORLD_SIZE", spec.dims.world_size))
     dist, dims = spec.distributed, spec.dims
+    if dist.elastic and dist.layout == "auto":
+        return _planned_world(spec, world)
     if not dist.elastic or world == dims.world_size:
         return spec, None
     config = spec.pipeline
@@ -107,3 +113,45 @@ def fit_world(spec, world: int | None = None):
             f"{getattr(fitted, degree)}; pp_batch_size {config.pp_batch_size} -> {batch} per "
             f"replica, the global batch of {batch * fitted.dp} kept)")
     return spec, note
+
+
+def _planned_world(spec, world: int):
+    """``layout: auto``: the layout planned at launch for ``world`` ranks
+    (:mod:`pp_core.app.elastic_layouts`), and the line that says so when it is not the whole
+    world's."""
+    dist = spec.distributed
+    table = (spec.prediction or {}).get("layouts") or {}
+    if str(world) not in table:
+        raise PipelineError(f"distributed.layout: auto: the rendezvous gave {world} rank(s), a "
+                            f"world no layout was planned for at launch (planned: "
+                            f"{', '.join(table) or 'none'}); start every node with the same "
+                            f"nproc_per_node")
+    fitted = apply_entry(spec, table[str(world)], table)
+    if world == dist.world_size:
+        return fitted, None
+    planned = fitted.prediction
+    return fitted, (f"the rendezvous gave {world} of {dist.world_size} ranks: re-planned for "
+                    f"{world} (distributed.layout: auto): going on at {planned['layout']}, "
+                    f"{planned['schedule']}, microbatches of {planned['microbatch_size']} "
+                    f"(pp_batch_size {spec.pipeline.pp_batch_size} -> "
+                    f"{fitted.pipeline.pp_batch_size} per replica, the global batch of "
+                    f"{fitted.global_batch_size} kept; predicted step "
+                    f"{planned['predicted_step_s'] * 1e3:.1f} ms)")
+
+
+def apply_entry(spec, entry: dict, table: dict):
+    """``spec`` at one planned layout (an entry of the table of
+    :mod:`pp_core.app.elastic_layouts`), the table kept for a later world."""
+    degrees = entry["degrees"]
+    placed = spec.with_("distributed", **degrees,
+                        dp_size=degrees["dp_replicate"] * degrees["dp_shard"])
+    placed = placed.with_("pipeline", **entry["pipeline"])
+    placed = placed.with_("train", activation_checkpointing=entry["activation_checkpointing"])
+    return replace(placed, prediction={**entry["prediction"], "layouts": table})
+
+
+def worlds_of(dist) -> list[int]:
+    """The world sizes an elastic run may be given: ``MIN..MAX`` nodes of ``world_size / MAX``
+    processes each (or ``nproc_per_node``)."""
+    per_node = dist.nproc_per_node or max(1, dist.world_size // dist.max_nodes)
+    return [nodes * per_node for nodes in range(dist.min_nodes, dist.max_nodes + 1)]

@@ -54,13 +54,21 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def staging_path(path: Path, process_group=None) -> tuple[Path, str]:
+def staging_path(path: Path, process_group=None, token: str | None = None) -> tuple[Path, str]:
     """``(staging directory, token)`` of a save of ``path`` (collective): one staging directory
-    for all ranks, named by rank 0."""
+    for all ranks, named by rank 0 - or by ``token``, which every rank already agrees on (then
+    nothing is sent)."""
+    if token is not None:
+        return path.with_name(f"{path.name}.tmp-{token}"), token
+    return staging_path(path, token=agreed_token(process_group))
+
+
+def agreed_token(process_group=None) -> str:
+    """A random name rank 0 draws and every rank learns (collective)."""
     token = [uuid.uuid4().hex[:12]]
     if _distributed():
         dist.broadcast_object_list(token, group=process_group, group_src=0)
-    return path.with_name(f"{path.name}.tmp-{token[0]}"), token[0]
+    return token[0]
 
 
 def publish_everywhere(writer, failed, staging: Path, path: Path, token: str, files,

@@ -1,8 +1,9 @@
 """Runs that outlive their ranks (docs/failures.md): ``distributed.max_restarts`` restarts every
 rank after one is killed by a real SIGKILL, each resumes from the latest complete checkpoint, and
 the run ends rc 0 with the losses of a run that never failed - with synchronous and with
-``checkpoint.async`` saves; failures beyond ``max_restarts`` end the run with one message; the
-restart keys' refusals, checked in-process.
+``checkpoint.async`` saves (there killed in the middle of a background write), and after a
+SIGSTOP (a hung rank, replaced after ``distributed.timeout_s``); failures beyond
+``max_restarts`` end the run with one message; the restart keys' refusals, checked in-process.
 
 pp 2 x dp 2 tiny GPT, a checkpoint every 4 steps; rank 1 kills itself (``os.kill(SIGKILL)``) as
 step 7 begins, so the restarted ranks resume at step 4 and run steps 5 and 6 again. One
@@ -27,15 +28,46 @@ _CALLS = [0]
 
 class Killer(GPT):
     """``PP_TEST_KILL=RANK:STEPS:SIGNAL:once|every``: that rank sends itself the signal as its
-    attempt's step ``STEPS + 1`` begins - in the first attempt only, or in every attempt."""
+    attempt's step ``STEPS + 1`` begins - in the first attempt only, or in every attempt;
+    ``RANK:STEPS:SIGNAL:save``: in the first attempt, as its background writer is half-way
+    through the first file of the checkpoint of step ``STEPS`` (DCP's thread, in flight)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        rank, steps, name, when = (os.environ.get("PP_TEST_KILL") or "-:0:-:-").split(":")
+        if when == "save" and os.environ.get("RANK") == rank and \
+                os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            _kill_in_write(f"step_{int(steps):08d}.tmp-", getattr(signal, name))
 
     def forward(self, x):
         _CALLS[0] += 1
         rank, steps, name, when = (os.environ.get("PP_TEST_KILL") or "-:0:-:-").split(":")
         if os.environ.get("RANK") == rank and _CALLS[0] == int(steps) * MICROBATCHES + 1 and \
-                (when == "every" or os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"):
+                (when == "every" or when == "once" and
+                 os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"):
             os.kill(os.getpid(), getattr(signal, name))
         return super().forward(x)
+
+
+def _kill_in_write(staging: str, signum: int) -> None:
+    """This rank's checkpoint writes (pp-core's hashing stream, under DCP's writer) send the
+    signal half-way through the first file written into a staging directory named ``staging``."""
+    import threading
+
+    from pp_core.checkpoint import checksums
+
+    write = checksums._HashingStream.write
+
+    def torn(stream, data):
+        if staging in str(getattr(stream.raw, "name", "")):
+            view = memoryview(data).cast("B")
+            stream.raw.write(view[:view.nbytes // 2])
+            stream.raw.flush()
+            assert threading.current_thread() is not threading.main_thread()  # in flight
+            os.kill(os.getpid(), signum)
+        return write(stream, data)
+
+    checksums._HashingStream.write = torn
 
 
 def _run(tmp, name: str, kill: str | None = None, *overrides: str):
@@ -67,24 +99,38 @@ def reference(uninterrupted_losses):
 
 @pytest.mark.cli
 @pytest.mark.ranks
-@pytest.mark.parametrize("saves", ["sync", "async"])
+@pytest.mark.parametrize("saves", ["sync", "async", "stopped"])
 def test_a_killed_rank_restarts_the_run_which_ends_with_the_uninterrupted_losses(
         tmp_path, reference, saves):
-    overrides = ["checkpoint.async=true"] if saves == "async" else []
-    result, lines = _run(tmp_path, "killed", "1:6:SIGKILL:once", *overrides)
+    """With ``checkpoint.async``, rank 1 is killed as its background writer is half-way through
+    the checkpoint of step 8: the previous one (step 4, its checksums verified as it loads) is
+    the one resumed, and steps 5..8 are done again. ``stopped``: rank 1 is SIGSTOPped as step 7
+    begins; its peers' waits end after ``distributed.timeout_s`` (4 s), the agent SIGKILLs it 5 s
+    after SIGTERM, and the group restarts (~10 s more than a kill)."""
+    overrides = {"sync": [], "async": ["checkpoint.async=true"],
+                 "stopped": ["distributed.timeout_s=4"]}[saves]
+    kill, failed = ("1:8:SIGKILL:save", 8) if saves == "async" else \
+        (f"1:6:{'SIGSTOP' if saves == 'stopped' else 'SIGKILL'}:once", 6)
+    result, lines = _run(tmp_path, "killed", kill, *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = _losses(lines)
     assert sorted(losses) == list(range(1, 9))
     assert losses == pytest.approx(reference, abs=1e-6, rel=0)
     restart = [line for line in lines if line.get("event") == "restart"]
     assert len(restart) == 1 and restart[0]["resumed_from"] == 4
-    assert restart[0]["failed_after_step"] == 6 and restart[0]["steps_redone"] == 2
-    assert "restart 1 of 2: every rank was started again after a failure and resumed at step " \
-           "4; steps 5..6 are done again" in result.stdout
-    assert "  restarts 1: 2 step(s) redone; goodput " in result.stdout
+    assert restart[0]["failed_after_step"] == failed and restart[0]["steps_redone"] == failed - 4
+    assert f"restart 1 of 2: every rank was started again after a failure and resumed at step " \
+           f"4; steps 5..{failed} are done again" in result.stdout
+    assert f"  restarts 1: {failed - 4} step(s) redone; goodput " in result.stdout
     assert (tmp_path / "killed" / "step_00000008" / ".metadata").is_file()
     if saves == "async":
+        from pp_core.checkpoint.checksums import verify_checkpoint
+
+        print(result.stdout)
         assert "written in the background" in result.stdout
+        assert "resumed from " + str(tmp_path / "killed" / "step_00000004") in result.stdout
+        for step in (4, 8):  # the resumed one and the one the restart wrote again, checksummed
+            verify_checkpoint(tmp_path / "killed" / f"step_{step:08d}")
         assert any(line.get("event") == "checkpoint" for line in lines)
 
 

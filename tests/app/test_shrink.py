@@ -7,6 +7,8 @@ node B, one of its ranks SIGKILLs B's whole process group (its agent and both ra
 gone). Node A's ranks fail, its agent re-forms the group alone, and its ranks go on at pp 2 x dp 1
 from step 4 with twice the microbatches (the global batch kept), to rc 0 and the per-step losses
 of the uninterrupted run at pp 2 x dp 2 (tests/app/conftest.py, shared with test_restarts).
+With ``distributed.layout: auto`` one launch alone goes on at the layout planned for its world
+(another pp and split) from that run's step-4 checkpoint, with its losses.
 """
 
 from __future__ import annotations
@@ -149,3 +151,93 @@ def test_a_world_that_cannot_hold_one_replica_ends_the_run_with_one_message():
     assert note == ("the rendezvous gave 2 of 4 ranks: going on at pp 2 x dp 1 (dp_shard 2 -> "
                     "1; pp_batch_size 4 -> 8 per replica, the global batch of 8 kept)")
     assert fit_world(spec, 4) == (spec, None)
+
+
+@pytest.mark.cli
+@pytest.mark.ranks
+def test_layout_auto_re_plans_the_whole_layout_for_the_world_it_is_given(
+        tmp_path, uninterrupted_run, uninterrupted_losses):
+    """``distributed.layout: auto`` with ``nnodes: "1:2"`` (world_size 4): the layouts of 4 and
+    of 2 ranks are planned from one measurement (here in-process, tp 1, no link: ~2 s) and kept
+    in checkpoint.dir, where a launch finds them, as a second node or a relaunch does. One launch
+    alone (the other node never comes) goes on at the layout planned for 2 ranks - another pp
+    and split than the uninterrupted pp 2 x dp 2 run's - from that run's step-4 checkpoint,
+    resharded onto it through DCP, with its losses."""
+    from pp_core.app.elastic import worlds_of
+    from pp_core.app.elastic_layouts import TABLE, table_key
+    from pp_core.app.plan.replan import plan_worlds
+
+    spec = tiny_gpt_spec(distributed={"nnodes": "1:2", "world_size": 4, "layout": "auto",
+                                      "dp_size": 2, "device": "cpu", "max_restarts": 1,
+                                      "timeout_s": 60, "master_port": free_port(),
+                                      "elastic_wait_s": 1},
+                         train={"steps": 8, "log_every": 1},
+                         checkpoint={"dir": str(tmp_path / "auto"), "every": 4,
+                                     "resume": str(uninterrupted_run / "ckpt" / "step_00000004")},
+                         output={"metrics": str(tmp_path / "auto.jsonl"), "progress": "plain",
+                                 "summary": True})
+    parsed = parse_spec(spec)
+    table = plan_worlds(parsed, worlds_of(parsed.distributed), measure_link=False,
+                        fixed={"tp_size": 1})
+    (tmp_path / "auto").mkdir()
+    (tmp_path / "auto" / TABLE).write_text(json.dumps({"key": table_key(parsed),
+                                                       "layouts": table}))
+    at_two = table["2"]
+    result = subprocess.run([sys.executable, "-m", "pp_core", "run",
+                             str(write_spec(tmp_path / "auto.yaml", spec))], cwd=ROOT,
+                            env=_env(tmp_path), text=True, capture_output=True, timeout=180)
+    print(result.stdout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"auto: the layouts planned for 4, 2 ranks, from {tmp_path / 'auto' / TABLE}" \
+        in result.stdout
+    planned = at_two["prediction"]
+    assert (f"the rendezvous gave 2 of 4 ranks: re-planned for 2 (distributed.layout: auto): "
+            f"going on at {planned['layout']}, {planned['schedule']}, microbatches of "
+            f"{planned['microbatch_size']} (pp_batch_size {table['4']['pipeline']['pp_batch_size']}"
+            f" -> {at_two['pipeline']['pp_batch_size']} per replica, the global batch of 8 "
+            f"kept;") in result.stdout
+    assert f"  auto plan: {planned['layout']}, {planned['schedule']}" in result.stdout
+    losses = _losses(tmp_path / "auto.jsonl")
+    assert sorted(losses) == [5, 6, 7, 8]
+    reference = {step: uninterrupted_losses[step] for step in losses}
+    assert losses == pytest.approx(reference, abs=1e-5, rel=0)
+
+
+def test_layout_auto_on_an_elastic_run_is_checked_by_its_world_size():
+    """With ``layout: auto`` the written degrees are not the run's: no refit refusal from them;
+    the world must be MAX nodes x nproc_per_node, and a rank given a world nothing was planned
+    for ends the run with one message."""
+    from pp_core.app.elastic import fit_world
+    from pp_core.errors import PipelineError
+
+    auto = {**_ELASTIC, "layout": "auto", "max_restarts": 1, "pp_size": 4, "dp_size": 1}
+    spec = parse_spec(tiny_gpt_spec(distributed={**auto, "world_size": 4},
+                                    checkpoint={"dir": "c"}))
+    with pytest.raises(SpecError) as found:
+        parse_spec(tiny_gpt_spec(distributed={**auto, "world_size": 5}, checkpoint={"dir": "c"}))
+    assert found.value.problems == [
+        "distributed.world_size: 5 processes are not 2 node(s) (MAX of nnodes '1:2') x 2 "
+        "process(es); use a world_size that is MAX x nproc_per_node"]
+    with pytest.raises(PipelineError) as found:
+        fit_world(spec, 3)
+    assert str(found.value) == (
+        "distributed.layout: auto: the rendezvous gave 3 rank(s), a world no layout was planned "
+        "for at launch (planned: none); start every node with the same nproc_per_node")
+
+
+def test_layout_auto_waits_for_the_node_that_plans_at_most_timeout_s(tmp_path):
+    """A launch that finds another node planning (its lock in checkpoint.dir) waits for its
+    table, and after distributed.timeout_s names the lock to remove (a node that died planning)."""
+    from pp_core.app.elastic_layouts import LOCK, layouts_for
+    from pp_core.errors import ConfigError
+
+    spec = parse_spec(tiny_gpt_spec(distributed={**_ELASTIC, "layout": "auto", "world_size": 4,
+                                                 "max_restarts": 1, "timeout_s": 1},
+                                    checkpoint={"dir": str(tmp_path)}))
+    (tmp_path / LOCK).touch()
+    with pytest.raises(ConfigError) as found:
+        layouts_for(spec)
+    assert str(found.value) == (
+        f"distributed.layout: auto: another node has been planning the layouts for more than "
+        f"distributed.timeout_s = 1 s ({tmp_path / LOCK} is there); remove {tmp_path / LOCK} if "
+        f"no node is planning")

@@ -115,8 +115,8 @@ SNAPSHOT = {
          "with layout: auto 'pp-core plan' searches its factorisations"),
         ("layout", "one_of(options=('fixed', 'auto'))", "fixed",
          "auto: 'pp-core plan FILE' ranks every pp x dp_replicate x dp_shard x tp (x ep) "
-         "layout of world_size processes and -o writes the chosen one; 'pp-core run' runs only"
-         " fixed layouts"),
+         "layout of world_size processes and -o writes the chosen one; 'pp-core run' plans it"
+         " only with nnodes 'MIN:MAX', for each world the run may be given (docs/failures.md)"),
         ("mixed_precision", "optional(inner=mixed_precision)", None,
          "{param_dtype, reduce_dtype} of the dp engines (FSDP2's MixedPrecisionPolicy), e.g. "
          "bfloat16 / float32"),

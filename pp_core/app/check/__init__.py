@@ -228,6 +228,14 @@ def _plan_and_schedule(spec, plugins, model_fn, result: Preflight, problems: lis
         check_mixed_precision(spec, model, problems)
         _check_expert_parallel(spec, model, plugins, problems)
         _check_tensor_parallel(spec, model, plugins, problems, result.notes)
+    dist = spec.distributed
+    if dist.layout == "auto" and dist.elastic:  # pp_core.app.elastic_layouts, at launch
+        from pp_core.app.elastic import worlds_of  # lazy: only layout: auto, elastic
+
+        result.notes.append(f"distributed.layout: auto: 'pp-core run' plans the whole layout "
+                            f"for each world nnodes {dist.nnodes!r} may give "
+                            f"({', '.join(map(str, worlds_of(dist)))} ranks) when it starts; "
+                            f"what is checked here is the file's degrees")
     if auto and _splitter(spec) is not None:  # the planner uses it: it must take the model
         from pp_core.planning.split import select_splitter  # lazy: only for auto with a splitter
 

@@ -64,7 +64,8 @@ def run_command(args) -> int:
         spec, found = load_checked(args, once_read=lambda: warm.append(start()))
     else:
         spec, found = load_checked(args)
-    if cap is not None and not is_auto(spec.pipeline.pp_schedule):
+    if cap is not None and not is_auto(spec.pipeline.pp_schedule) and \
+            spec.distributed.layout != "auto":
         raise ConfigError(f"--memory-cap={args.memory_cap} only steers pipeline.pp_schedule: "
                           f"auto, and the file names {spec.pipeline.pp_schedule!r}; drop "
                           f"--memory-cap or set pp_schedule: auto")
@@ -82,8 +83,13 @@ def run_command(args) -> int:
                     print(f"pp-core: note: {note}", flush=True)
             for note in taken:
                 print(f"pp-core: note: {note}", flush=True)
-            launch(spec, announce=lambda line: print(f"pp-core: {line}", flush=True),
-                   memory_cap=cap, warm=any(warm))
+            say = lambda line: print(f"pp-core: {line}", flush=True)  # noqa: E731
+            dist = spec.distributed
+            if dist.layout == "auto" and dist.elastic and not started_by_torchrun():
+                from pp_core.app.elastic_layouts import planned_layouts  # lazy: the planner
+
+                spec = planned_layouts(spec, say=say, memory_cap=cap)  # each world's layout
+            launch(spec, announce=say, memory_cap=cap, warm=any(warm))
     except (KeyboardInterrupt, SignalException, Interrupted) as exc:
         reason, code = exit_code(exc)
         print(f"\npp-core: interrupted by {reason.name}; the ranks were stopped", file=sys.stderr)

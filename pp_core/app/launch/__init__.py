@@ -46,7 +46,9 @@ from pp_core.errors import ConfigError, PPCoreError, PipelineError
 __all__ = ["launch", "started_by_torchrun", "rank_main", "is_loopback"]
 
 SHUTDOWN_TIMEOUT_S = 5
-"""Seconds a rank gets to exit after SIGTERM before SIGKILL (a stopped rank never exits)."""
+"""Seconds a rank gets to exit after a failure (the agent's stop, and torch.multiprocessing's
+after a rank failed: :func:`~pp_core._torch_compat.failed_ranks_stopped_within`) before SIGKILL
+(a stopped rank never exits)."""
 
 ELASTIC_KEEP_ALIVE = {"keep_alive_interval": 1, "keep_alive_max_attempt": 5}
 """The c10d rendezvous of an elastic run (``nnodes: "MIN:MAX"``): a node whose agent sent no
@@ -175,7 +177,8 @@ def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str, 
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from pp_core._torch_compat import tcp_stores_listening_on_their_host
+    from pp_core._torch_compat import failed_ranks_stopped_within, \
+        tcp_stores_listening_on_their_host
 
     dist = spec.distributed
     host = endpoint.host
@@ -204,8 +207,8 @@ def _elastic_launch(spec: Spec, entrypoint, nproc: int, endpoint, log_dir: str, 
     listeners = tcp_stores_listening_on_their_host(is_loopback) if is_loopback(host) else \
         contextlib.nullcontext()  # else torch's TCPStore servers listen on every interface
     try:
-        with listeners, _loopback_gloo(is_loopback(host)), \
-                launch_clock(dist.max_restarts):
+        with listeners, _loopback_gloo(is_loopback(host)), launch_clock(dist.max_restarts), \
+                failed_ranks_stopped_within(SHUTDOWN_TIMEOUT_S):
             return elastic_launch(config, rank_main)(spec.to_dict(), entrypoint, spec.source,
                                                      snapshot() if warm else None)
     except ChildFailedError as exc:

@@ -48,7 +48,8 @@ def is_balanced(spec: Spec) -> bool:
 def decide(spec: Spec, layout: MachineShare, *, announce: Say | None = None,
            memory_cap: int | None = None) -> Spec:
     """The spec every rank runs: ``auto`` planned, a ``balanced`` cut measured, or ``spec``."""
-    if spec.distributed.layout == "auto":  # the degrees decide how many processes start
+    planned = (spec.prediction or {}).get("layouts")  # elastic: planned by elastic_layouts
+    if spec.distributed.layout == "auto" and not planned:  # the degrees decide the processes
         raise ConfigError(
             f"distributed.layout: auto is chosen by 'pp-core plan {spec.source} -o chosen.yaml' "
             f"(it ranks the layouts of {spec.distributed.world_size} processes); run the file it "

@@ -170,9 +170,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         modes = planned.get("activation_checkpointing") or []
         ac = "" if all(m == "none" for m in modes) else \
             f", activation checkpointing per stage {' '.join(modes)}"
-        lines.append(f"  auto plan: {planned['schedule']}, {planned['stages_per_rank']} stage(s)/"
-                     f"rank, microbatches of {planned['microbatch_size']}{ac}; pipeline step "
-                     f"predicted {planned['predicted_step_s'] * 1000:,.1f} ms, measured "
+        layout = f"{planned['layout']}, " if planned.get("layout") else ""  # layout: auto
+        lines.append(f"  auto plan: {layout}{planned['schedule']}, "
+                     f"{planned['stages_per_rank']} stage(s)/rank, microbatches of "
+                     f"{planned['microbatch_size']}{ac}; pipeline step predicted "
+                     f"{planned['predicted_step_s'] * 1000:,.1f} ms, measured "
                      + ("-" if measured is None else f"{measured * 1000:,.1f} ms (mean of the "
                         f"steps after the first, slowest rank)"))
     rows = []
@@ -201,7 +203,9 @@ def format_summary(summary: dict[str, Any]) -> str:
                      f"{saves['blocked_mean_s'] * 1000:,.0f} ms (mean; longest "
                      f"{saves['blocked_max_s'] * 1000:,.0f} ms"
                      + (f", {saves['waited_s']:.2f} s of it waiting for the previous save)"
-                        if saves["waited_s"] >= 0.01 else ")"))
+                        if saves["waited_s"] >= 0.01 else ")")
+                     + (f"; the run's end waited {saves['end_waited_s']:.2f} s for the last"
+                        if saves.get("end_waited_s", 0) >= 0.01 else ""))
     lines.extend(_restart_lines(summary.get("restarts")))
     outputs = summary.get("outputs") or {}
     if outputs:

@@ -99,7 +99,8 @@ class RunRecorder:
         if recovery is None or self.rank != 0:
             return
         if self.metrics:
-            self.metrics.write({"step": recovery["resumed_from"], "event": "restart", **recovery})
+            self.metrics.write({"step": recovery["resumed_from"], "event": "restart", **recovery,
+                                "layout": self.spec.dims.describe()})
         if self.progress is not None:
             self.progress.suffix = f"  restarts {recovery['restart']}"
         self.say(f"restart {recovery['restart']}: the first step after it completed "
@@ -288,7 +289,8 @@ class RunRecorder:
         planned = spec.prediction
         if planned is not None:  # pipeline.pp_schedule: auto - what the planner predicted
             measured = [r["pipeline_step_s"] for r in ranks if r["pipeline_step_s"] is not None]
-            summary["plan"] = {**planned, "measured_step_s": max(measured) if measured else None}
+            summary["plan"] = {**{k: v for k, v in planned.items() if k != "layouts"},
+                               "measured_step_s": max(measured) if measured else None}
         if out.summary and self.steps:
             print(format_summary(summary), flush=True)
         _slow_warning(ranks, start_step)

@@ -34,6 +34,7 @@ class Checkpoints:
             self.saver = AsyncSaver()
         self.blocked: list[float] = []  # seconds each save held the step up (waits included)
         self.waited = 0.0
+        self.end_waited = 0.0
 
     def due(self, step: int) -> bool:
         every, directory = self.spec.checkpoint.every, self.spec.checkpoint.dir
@@ -88,9 +89,10 @@ class Checkpoints:
         """The run's end: the save in flight is complete before anything else happens."""
         if self.saver is not None:
             waited, finished = self.saver.wait()
+            self.saver.close()
             if finished is not None:
                 self._saved(*finished)
-            self.waited += waited
+            self.end_waited = waited  # after the last step: no step's hold
 
     def figures(self) -> dict | None:
         """For the summary: how many saves, how long one held the step (mean, longest)."""
@@ -98,4 +100,5 @@ class Checkpoints:
             return None
         return {"saves": len(self.blocked), "async": self.saver is not None,
                 "blocked_mean_s": statistics.fmean(self.blocked),
-                "blocked_max_s": max(self.blocked), "waited_s": self.waited}
+                "blocked_max_s": max(self.blocked), "waited_s": self.waited,
+                "end_waited_s": self.end_waited}

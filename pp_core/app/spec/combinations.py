@@ -124,9 +124,15 @@ def _restart_problems(dist: dict, ckpt: dict, pipeline: dict) -> list[str]:
     text = dist["nnodes"]
     low, high = node_range(text)
     dims = ParallelDims.of(dist)
-    replica = replica_ranks(dims)
-    per_node = dist["nproc_per_node"] or max(1, dims.world_size // high)
-    if low * per_node < replica:
+    auto = dist["layout"] == "auto" and dist["world_size"] is not None  # each world planned
+    replica = 1 if auto else replica_ranks(dims)
+    per_node = dist["nproc_per_node"] or max(1, (dist["world_size"] if auto else
+                                                 dims.world_size) // high)
+    if auto and per_node * high != dist["world_size"]:
+        found.append(f"distributed.world_size: {dist['world_size']} processes are not {high} "
+                     f"node(s) (MAX of nnodes {text!r}) x {per_node} process(es); use a "
+                     f"world_size that is MAX x nproc_per_node")
+    elif low * per_node < replica:
         found.append(f"distributed.nnodes: {text!r} may leave {low} node(s) x {per_node} "
                      f"process(es) = {low * per_node} ranks, fewer than one pipeline replica "
                      f"needs ({replica_formula(dims)} = {replica}); raise MIN to "
@@ -139,7 +145,7 @@ def _restart_problems(dist: dict, ckpt: dict, pipeline: dict) -> list[str]:
         found.append(f"distributed.nnodes: {text!r} goes on without a lost node by restarting "
                      f"the others, found distributed.max_restarts: 0; set "
                      f"distributed.max_restarts: N (the failures the run survives)")
-    else:
+    elif not auto:  # layout: auto plans each world at launch, and says so where none runs
         batch, size = pipeline.get("pp_batch_size", 1), pipeline.get("pp_microbatch_size", 1)
         if not all(isinstance(v, int) and v > 0 for v in (batch, size)):
             return found  # the pipeline section's own checks say so

@@ -113,7 +113,8 @@ class DistributedSpec:
                                  "auto 'pp-core plan' searches its factorisations")
     layout: str = key("fixed", one_of("fixed", "auto"), "auto: 'pp-core plan FILE' ranks every "
                       "pp x dp_replicate x dp_shard x tp (x ep) layout of world_size processes "
-                      "and -o writes the chosen one; 'pp-core run' runs only fixed layouts")
+                      "and -o writes the chosen one; 'pp-core run' plans it only with nnodes "
+                      "'MIN:MAX', for each world the run may be given (docs/failures.md)")
     mixed_precision: dict[str, str] | None = key(
         None, optional(mixed_precision), "{param_dtype, reduce_dtype} of the dp engines (FSDP2's "
         "MixedPrecisionPolicy), e.g. bfloat16 / float32")
