@@ -29,6 +29,7 @@ from pp_core.app.spec import SpecError, parse_spec
 from pp_core.app.spec.sections import DistributedSpec
 from pp_core_builtins.models import GPT
 from tests.cases.specs import tiny_gpt_spec
+from tests.cases.warm import warm_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = tiny_gpt_spec(distributed={"dp_size": 1, "device": "cpu"})
@@ -221,11 +222,18 @@ def test_a_host_that_never_listens_is_waited_for_at_most_timeout_s():
 
 @pytest.mark.cli
 @pytest.mark.ranks
-def test_run_refuses_a_port_in_use_instead_of_hanging(tmp_path, foreign_listener):
-    """It used to stay at "starting 2 rank(s)" forever, talking to the foreign service."""
-    code, out, err = finish(start(tmp_path, f"distributed.master_port={foreign_listener}"),
-                            timeout=60)
-    assert code == 1
+def test_run_refuses_a_port_in_use_instead_of_hanging(tmp_path, foreign_listener, capsys):
+    """It used to stay at "starting 2 rank(s)" forever, talking to the foreign service. The
+    command in this process (:func:`pp_core.app.cli.main`): refused before any rank starts, it
+    needs no interpreter of its own."""
+    from pp_core.app import cli
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    begin = time.monotonic()
+    code = cli.main(["run", str(path), "--set", f"distributed.master_port={foreign_listener}"])
+    out, err = capsys.readouterr()
+    assert code == 1 and time.monotonic() - begin < 60
     assert err.strip() == (f"pp-core: error: distributed.master_port: port {foreign_listener} on "
                            f"127.0.0.1 is in use by another program: choose another master_port "
                            f"or leave it unset for a free one")
@@ -315,19 +323,19 @@ def test_a_stuck_rank_is_reported_with_the_seconds_waited_and_the_key():
                                          "args": TINY["model"]["args"]},
                        "distributed": {**TINY["distributed"], "timeout_s": 3}}, "stuck.yaml")
     with pytest.raises(PipelineError) as info:
-        launch(spec)
+        warm_launch(spec)  # its ranks forked from the fork server, not spawned cold
     message = str(info.value)
     assert "rank 0 waited longer than 3 s for rank 1, which is stuck or much slower; if it is " \
            "just slow, raise distributed.timeout_s" in message, message
     assert "Traceback" not in message  # pp-core's own error says all
 
 
-@pytest.mark.cli
-def test_validate_refuses_a_one_node_host_this_machine_cannot_resolve(tmp_path):
+def test_validate_refuses_a_one_node_host_this_machine_cannot_resolve(tmp_path, capsys):
+    from pp_core.app import cli
+
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(TINY))
-    result = subprocess.run([sys.executable, "-m", "pp_core", "validate", str(path), "--set",
-                             "distributed.master_addr=no-such-host.invalid"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1
-    assert "distributed.master_addr: cannot resolve 'no-such-host.invalid'" in result.stderr
+    assert cli.main(["validate", str(path), "--set",
+                     "distributed.master_addr=no-such-host.invalid"]) == 1
+    assert "distributed.master_addr: cannot resolve 'no-such-host.invalid'" in \
+        capsys.readouterr().err

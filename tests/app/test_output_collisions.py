@@ -5,14 +5,12 @@ class 1): ``validate`` and ``run`` refuse, naming both keys; the schedule comman
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from pp_core.app import cli
 
-from tests.cases.cli import PP_CORE
 
 GOOD = """\
 model: {name: gpt, args: {dim: 16, num_layers: 2, num_heads: 2, max_seq_len: 8, vocab_size: 64}}
@@ -102,13 +100,15 @@ def test_outputs_beside_the_checkpoints_and_a_resume_inside_them_are_fine(tmp_pa
 
 @pytest.mark.cli
 @pytest.mark.ranks
-def test_run_refuses_before_any_rank_starts_and_leaves_the_file(tmp_path):
+def test_run_refuses_before_any_rank_starts_and_leaves_the_file(tmp_path, capsys, monkeypatch):
+    """The command in this process (cli.main): refused before any rank starts."""
     (tmp_path / "pipe.yaml").write_text(GOOD + "output: {metrics: pipe.yaml}\n")
-    result = subprocess.run([PP_CORE, "run", "pipe.yaml"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "output.metrics" in result.stderr and "the pipeline file" in result.stderr
-    assert "Traceback" not in result.stderr and "rank" not in result.stdout
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["run", "pipe.yaml"])
+    result = capsys.readouterr()
+    assert code == 1, result.out + result.err
+    assert "output.metrics" in result.err and "the pipeline file" in result.err
+    assert "Traceback" not in result.err and "rank" not in result.out
     assert (tmp_path / "pipe.yaml").read_text() == GOOD + "output: {metrics: pipe.yaml}\n"
 
 

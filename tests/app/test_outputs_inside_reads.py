@@ -136,13 +136,17 @@ def test_outputs_inside_a_corpus_directory_or_glob_are_refused(tmp_path, capsys,
 
 @pytest.mark.cli
 @pytest.mark.ranks
-def test_run_refuses_metrics_inside_the_corpus_before_any_rank_starts(tmp_path):
+def test_run_refuses_metrics_inside_the_corpus_before_any_rank_starts(tmp_path, capsys,
+                                                                    monkeypatch):
+    """The command in this process (cli.main): refused before any rank starts."""
     _corpus(tmp_path)
     (tmp_path / "pipe.yaml").write_text(GOOD + CORPUS % "corpus"
                                         + "output: {metrics: corpus/metrics.jsonl}\n")
-    done = _pp_core("run", "pipe.yaml", cwd=tmp_path)
-    assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
-    assert done.stderr == (  # both paths made absolute against the file's folder
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["run", "pipe.yaml"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "", out + err
+    assert err == (  # both paths made absolute against the file's folder
         f"pp-core: error: pipe.yaml: output.metrics '{tmp_path}/corpus/metrics.jsonl' lies at "
         f"'metrics.jsonl' inside data.args.files '{tmp_path}/corpus', which this command reads: "
         f"writing there changes its input; choose another place\n")

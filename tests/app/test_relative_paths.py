@@ -5,6 +5,11 @@ directory, tokenizer, corpus, token cache, checkpoints and metrics all named rel
 validated, run, resumed and exported from folder B; what the checkpoint records about its inputs
 is absolute, and the exported adapter, whose ``base_model_name_or_path`` is absolute, loads with
 ``AutoPeftModelForCausalLM`` from a third folder (offline: nothing may be downloaded).
+
+The two runs are the command end to end from folder B (the launcher's and the ranks' working
+directory, where nothing may land); validate, export and the adapter's load run in this process
+from B and C (``chdir``), which is what they check, without an interpreter importing
+transformers for each.
 """
 
 from __future__ import annotations
@@ -39,13 +44,6 @@ checkpoint: {dir: ckpt, every: 2}
 output: {progress: plain, summary: false, metrics: runs/metrics.jsonl}
 """
 
-LOAD = """\
-from peft import AutoPeftModelForCausalLM
-model = AutoPeftModelForCausalLM.from_pretrained("adapter")
-print(type(model).__name__, model.peft_config["default"].base_model_name_or_path)
-"""
-
-
 def _pp_core(cwd, *args):
     done = subprocess.run([PP_CORE, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -53,9 +51,30 @@ def _pp_core(cwd, *args):
     return done.stdout + done.stderr
 
 
+def _here(monkeypatch, capsys, cwd, *args):
+    """``pp-core ARGS`` run from ``cwd`` in this process (:func:`pp_core.app.cli.main`)."""
+    from pp_core.app import cli
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # a pipeline's folder joins it
+    code = cli.main(list(args))
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    return captured.out + captured.err
+
+
+def _offline(monkeypatch):
+    """Nothing may be downloaded: Hugging Face's offline switch, read when it was imported."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
 @pytest.mark.cli
 @pytest.mark.ranks(2)
-def test_a_pipeline_folder_runs_resumes_and_exports_from_elsewhere(tmp_path):
+def test_a_pipeline_folder_runs_resumes_and_exports_from_elsewhere(tmp_path, monkeypatch,
+                                                                     capsys):
     from tests.cases.hf import tiny_model
     from tests.data.test_tokenized_text import DEFAULT_TEXT, train_tokenizer
 
@@ -66,8 +85,9 @@ def test_a_pipeline_folder_runs_resumes_and_exports_from_elsewhere(tmp_path):
     train_tokenizer(a / "tok")
     (a / "corpus.txt").write_text(DEFAULT_TEXT.read_text()[:20_000])
     (a / "pipe.yaml").write_text(PIPELINE)
+    _offline(monkeypatch)
 
-    assert "ok" in _pp_core(b, "validate", "../A/pipe.yaml")
+    assert "ok" in _here(monkeypatch, capsys, b, "validate", "../A/pipe.yaml")
     _pp_core(b, "run", "../A/pipe.yaml")
     assert (a / "ckpt" / "step_00000002").is_dir() and (a / "runs" / "metrics.jsonl").is_file()
     assert (a / "cache").is_dir() and not any(b.iterdir())  # nothing lands in B
@@ -78,14 +98,17 @@ def test_a_pipeline_folder_runs_resumes_and_exports_from_elsewhere(tmp_path):
     record = read_section(a / "ckpt" / "step_00000003", "run")
     assert record["model"]["args"]["config"] == str(a / "base")
 
-    _pp_core(b, "export", "../A/ckpt", "--format", "hf", "-o", "../C/adapter")
+    _here(monkeypatch, capsys, b, "export", "../A/ckpt", "--format", "hf", "-o", "../C/adapter")
     adapter = json.loads((c / "adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(a / "base")
+    assert not any(b.iterdir())  # nor from the export
 
-    loaded = subprocess.run([sys.executable, "-c", LOAD], cwd=c, capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert loaded.returncode == 0, loaded.stderr
-    assert loaded.stdout.split() == ["PeftModelForCausalLM", str(a / "base")], loaded.stdout
+    from peft import AutoPeftModelForCausalLM
+
+    monkeypatch.chdir(c)
+    model = AutoPeftModelForCausalLM.from_pretrained("adapter")
+    assert (type(model).__name__, model.peft_config["default"].base_model_name_or_path) == \
+        ("PeftModelForCausalLM", str(a / "base"))
 
 
 MODEL_BESIDE = """\

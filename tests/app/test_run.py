@@ -66,17 +66,28 @@ class Exploding(GPT):
     ("raise", "RuntimeError: boom from rank 1"),
     ("exit", "rank 1 failed: the process exited with code 3"),
 ])
-def test_a_failing_rank_ends_the_run_with_its_error(tmp_path, mode, expected):
+def test_a_failing_rank_ends_the_run_with_its_error(tmp_path, monkeypatch, capsys, mode,
+                                                    expected):
+    """The command in this process (:func:`pp_core.app.cli.main`, its ranks forked warm, the
+    variables below adopted by them): what is checked is how the launcher ends, which the
+    README's demo and the runs beside it check end to end."""
+    import tempfile
+
+    from pp_core.app import cli
+
     model = {"target": f"{__name__}:Exploding", "args": TINY["model"]["args"]}
     spec = write_spec(tmp_path / "fail.yaml", TINY, model=model)
     temp = tmp_path / "tmp"
     temp.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PP_CORE_TIMEOUT": "60",
-           "PP_TEST_FAILURE": mode, "TMPDIR": str(temp)}
-    result = pp_core("run", str(spec), env=env, timeout=120)  # a hang fails here
-    assert result.returncode == 1
-    assert result.stderr.startswith("pp-core: error: rank "), result.stderr[-2000:]
-    assert expected in result.stderr, result.stderr[-2000:]
+    for key, value in {"PP_CORE_TIMEOUT": "60", "PP_TEST_FAILURE": mode,
+                       "TMPDIR": str(temp)}.items():
+        monkeypatch.setenv(key, value)  # a hang fails at PP_CORE_TIMEOUT
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # read once, then kept
+    capsys.readouterr()
+    assert cli.main(["run", str(spec)]) == 1
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("pp-core: error: rank "), stderr[-2000:]
+    assert expected in stderr, stderr[-2000:]
     # torch's launcher leaves a torchelastic_* log dir per run and an error file per failed rank
     left = [p.name for p in temp.iterdir() if p.name.startswith(("torchelastic_", "pytorch-"))]
     assert left == []

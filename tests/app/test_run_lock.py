@@ -92,22 +92,31 @@ output: {metrics: m.jsonl, progress: off, summary: false}
 
 @pytest.mark.cli
 @pytest.mark.ranks
-def test_concurrent_runs_of_one_pipeline_one_refused_then_a_killed_ones_lock_taken_over(tmp_path):
+def test_concurrent_runs_of_one_pipeline_one_refused_then_a_killed_ones_lock_taken_over(
+        tmp_path, monkeypatch, capsys):
+    """The first run is the command in a process of its own (killed, it leaves its lock); the
+    second and third are the command in this process (:func:`pp_core.app.cli.main`), a run as
+    real to the lock as another process: its own pid, its ranks forked warm."""
+    from pp_core.app import cli
+
     (tmp_path / "pipe.yaml").write_text(PIPE)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     first = subprocess.Popen([PP_CORE, "run", "pipe.yaml"], cwd=tmp_path, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # a pipeline's folder joins it
     try:
         deadline = time.monotonic() + 240
         while not (tmp_path / "ckpt" / LOCK_NAME).exists():
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.2)
-        second = subprocess.run([PP_CORE, "run", "pipe.yaml"], cwd=tmp_path, env=env,
-                                capture_output=True, text=True, timeout=300)
+        capsys.readouterr()
+        assert cli.main(["run", "pipe.yaml"]) == 1
+        second = capsys.readouterr()
         assert first.poll() is None  # the first one still trains
-        assert second.returncode == 1 and second.stdout == "", second.stdout + second.stderr
-        assert second.stderr == (
+        assert second.out == "", second.out + second.err
+        assert second.err == (
             f"pp-core: error: checkpoint.dir: '{tmp_path / 'ckpt'}' is being written by another "
             f"pp-core run: "
             f"pid {first.pid} on host {socket.gethostname()} (pipeline pipe.yaml, started "
@@ -118,11 +127,11 @@ def test_concurrent_runs_of_one_pipeline_one_refused_then_a_killed_ones_lock_tak
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)  # the launcher and its ranks, no cleanup at all
         first.communicate()
-    third = subprocess.run([PP_CORE, "run", "pipe.yaml", "--set", "train.steps=2"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert third.returncode == 0, third.stdout + third.stderr
-    notes = [line for line in third.stdout.splitlines() if "took over" in line]
-    assert [n.split(": ")[2] for n in notes] == ["checkpoint.dir", "output.metrics"], third.stdout
+    code = cli.main(["run", "pipe.yaml", "--set", "train.steps=2"])
+    third = capsys.readouterr()
+    assert code == 0, third.out + third.err
+    notes = [line for line in third.out.splitlines() if "took over" in line]
+    assert [n.split(": ")[2] for n in notes] == ["checkpoint.dir", "output.metrics"], third.out
     assert all(f"no longer running (pid {first.pid} on host" in n for n in notes), notes
     assert not list(tmp_path.rglob(f"*{LOCK_NAME}"))
     lines = (tmp_path / "m.jsonl").read_text().splitlines()

@@ -6,7 +6,6 @@ damaged the way a disk or a hand does it."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ from pp_core.app.spec import load_spec
 from pp_core.errors import PipelineError
 from pp_core_builtins.models import GPT
 
-from tests.cases.cli import PP_CORE
 
 MODEL = {"vocab_size": 256, "dim": 32, "num_layers": 2, "num_heads": 2, "max_seq_len": 8}
 PIPE = f"""\
@@ -186,12 +184,15 @@ def test_a_truncated_record_no_longer_lets_a_head_count_change_resume(saved, cap
 
 @pytest.mark.cli
 @pytest.mark.ranks
-def test_run_refuses_to_resume_a_zeroed_shard_before_any_rank_starts(saved):
+def test_run_refuses_to_resume_a_zeroed_shard_before_any_rank_starts(saved, capsys, monkeypatch):
+    """The command in this process (cli.main): refused before any rank starts."""
     _zero_4k(saved)
-    done = subprocess.run([PP_CORE, "run", "pipe.yaml"], cwd=saved.parents[1],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
-    assert done.stderr == (
+    monkeypatch.chdir(saved.parents[1])
+    capsys.readouterr()
+    code = cli.main(["run", "pipe.yaml"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "", out + err
+    assert err == (
         f"pp-core: error: pipe.yaml: checkpoint.resume: checkpoint '{saved}' is incomplete "
         f"or corrupt: its file __0_0.distcp does not match the sha256 checksum recorded when it "
         f"was written (its bytes changed since); resume or export from another step_NNNNNNNN "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cases.specs import pp_core
+from tests.cases.specs import ROOT, pp_core
 from tests.data.test_tokenized_text import train_tokenizer
 
 pytest.importorskip("tokenizers")
@@ -24,7 +24,9 @@ def losses(path: Path) -> dict[int, float]:
     return {line["step"]: line["loss"] for line in lines if "loss" in line}
 
 
-def run(tmp_path, name: str, *sets: str) -> dict[int, float]:
+def run(tmp_path, name: str, *sets: str, capsys=None) -> dict[int, float]:
+    """``pp-core run`` of the example: the command end to end, or with ``capsys`` through
+    :func:`pp_core.app.cli.main` in this process (its ranks forked warm)."""
     tokenizer = tmp_path / "tokenizer"
     if not tokenizer.is_dir():
         train_tokenizer(tokenizer)
@@ -33,19 +35,28 @@ def run(tmp_path, name: str, *sets: str) -> dict[int, float]:
             "model.args.vocab_size=128", "model.args.dim=32", "data.args.seq_len=32",
             "train.steps=4", "train.log_every=1", "train.eval_every=null", "train.warmup_steps=0",
             "output.progress=plain", f"output.metrics={metrics}", *sets]
-    result = pp_core("run", "examples/tokenized.yaml", *[x for a in args for x in ("--set", a)],
-                     env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "documents/step" in result.stdout  # the summary's data line
+    argv = ["run", "examples/tokenized.yaml", *[x for a in args for x in ("--set", a)]]
+    if capsys is not None:
+        from pp_core.app import cli
+
+        argv[1] = str(ROOT / argv[1])
+        argv += ["--set", "distributed.device=cpu"]  # as the command's hidden CUDA devices
+        capsys.readouterr()
+        assert cli.main(argv) == 0, capsys.readouterr().err[-3000:]
+    else:  # the ranks' summary reaches the command's stdout (a warm rank's is the fork server's)
+        result = pp_core(*argv, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "documents/step" in result.stdout  # the summary's data line
     return losses(metrics)
 
 
 @pytest.mark.cli
 @pytest.mark.ranks
-def test_microbatches_do_not_change_the_loss_and_resume_is_exact(tmp_path):
+def test_microbatches_do_not_change_the_loss_and_resume_is_exact(tmp_path, capsys):
     """Two runs: eight microbatches a step, saving at step 2; then one microbatch a step,
     resumed from that checkpoint mid-epoch. The resumed run's steps 3 and 4 are the first run's:
-    the same batches (the dataset's ``skip``) and the same loss however they are cut."""
+    the same batches (the dataset's ``skip``) and the same loss however they are cut. The first
+    run is the command end to end, the resume goes through cli.main in this process."""
     checkpoints = tmp_path / "a" / "checkpoints"
     eight = run(tmp_path, "a", "pipeline.pp_microbatch_size=1", f"checkpoint.dir={checkpoints}",
                 "checkpoint.every=2", "checkpoint.save_final=false")
@@ -58,7 +69,7 @@ def test_microbatches_do_not_change_the_loss_and_resume_is_exact(tmp_path):
     except ImportError:
         board = []
     one = run(tmp_path, "b", "pipeline.pp_microbatch_size=8", f"checkpoint.resume={saved[0]}",
-              "checkpoint.dir=null", *board)
+              "checkpoint.dir=null", *board, capsys=capsys)
     lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     for line in (x for x in lines if "loss" in x):  # figures of the data, counted as the loss
         assert 0 <= line["padding_fraction"] < 0.5 and line["docs"] >= 8, line

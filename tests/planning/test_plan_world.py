@@ -185,6 +185,23 @@ def test_a_cap_no_layout_fits_exits_non_zero_and_writes_nothing(tmp_path, capsys
 
 
 # ------------------------------------------------------------------ the command: real runs
+@pytest.fixture(scope="module")
+def machine_measured_once():
+    """This machine's link and collectives, measured by the first plan of this module that needs
+    them and reused by the others: they are the machine's, not the model's (the same call with
+    the same arguments - backend, device, the largest dp group). Each plan still profiles its
+    model, measures its pipeline factor and times its layouts by runs. On 2 cores the two
+    measurements cost a plan ~10 s of spawned helpers importing torch."""
+    import functools
+
+    from pp_core.app.plan import plan_world
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("measure_local_link", "measure_collectives"):
+            patch.setattr(plan_world, name, functools.cache(getattr(plan_world, name)))
+        yield
+
+
 def _check_contract(data, world: int) -> None:
     kept = data["ranking"]["kept"]
     assert data["chosen"] == kept[0]
@@ -201,7 +218,8 @@ def _check_contract(data, world: int) -> None:
 
 @pytest.mark.cli
 @pytest.mark.ranks
-def test_world_4_ranks_tp_layouts_and_the_chosen_one_runs(tmp_path, capsys):
+def test_world_4_ranks_tp_layouts_and_the_chosen_one_runs(tmp_path, capsys,
+                                                          machine_measured_once):
     """The demo-sized GPT at world 4: tp 2 layouts are ranked beside pp and dp ones, tp 4 is
     dropped (2 heads), the JSON keeps its contract; the -o file runs through 'pp-core run' at
     the chosen degrees."""
@@ -246,7 +264,7 @@ def test_world_4_ranks_tp_layouts_and_the_chosen_one_runs(tmp_path, capsys):
 
 @pytest.mark.cli
 @pytest.mark.ranks
-def test_world_4_moe_ranks_expert_parallel_layouts(tmp_path, capsys):
+def test_world_4_moe_ranks_expert_parallel_layouts(tmp_path, capsys, machine_measured_once):
     """moe_gpt at world 4: ep 2 layouts (experts sharded over 2 dp ranks, tokens by
     all-to-all, costed from its measured fit) ranked; tp dropped (no plan for the model)."""
     path = _file(tmp_path, MOE)

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from pp_core.app import cli  # noqa: E402
 from pp_core.checkpoint import checkpoint_path, read_model_state_dict  # noqa: E402
-from tests.cases.hf_export import pretrained_logits, run_losses  # noqa: E402
+from tests.cases.hf_export import pretrained_logits, run_losses, run_losses_here  # noqa: E402
 from tests.cases.hf_export import safetensors_keys  # noqa: E402
 
 pytestmark = [pytest.mark.cli, pytest.mark.ranks, pytest.mark.skipif(
@@ -72,9 +72,11 @@ def test_a_per_expert_save_pretrained_directory_loads_as_from_pretrained_does(ep
 
 
 def test_an_ep2_run_resumes_at_ep1_with_the_uninterrupted_losses(ep2):
+    """The ep 2 run is the command end to end; the resume goes through cli.main here."""
     tmp = ep2["tmp"]
-    resumed = run_losses(tmp, _spec(tmp, "ep1", {"ep_size": 1},
-                              {"dir": str(tmp / "ckpt_ep1"), "resume": str(ep2["saved"])}))
+    resumed = run_losses_here(tmp, _spec(tmp, "ep1", {"ep_size": 1},
+                                   {"dir": str(tmp / "ckpt_ep1"),
+                                    "resume": str(ep2["saved"])}))
     assert len(resumed) == STEPS - SAVE_AT
     assert resumed == pytest.approx(ep2["losses"][SAVE_AT:], rel=1e-5)
 
