@@ -58,8 +58,15 @@ _SAVED_OPS = _matmul_ops()
 
 
 def selective_contexts():
-    """The ``context_fn`` of ``torch.utils.checkpoint`` for ``selective`` (matmul outputs kept)."""
-    return create_selective_checkpoint_contexts(_save_matmuls)
+    """The ``context_fn`` of ``torch.utils.checkpoint`` for ``selective`` (matmul outputs kept).
+
+    The matmul outputs it keeps bypass saved-tensor hooks, as they always have; torch 2.15 warns
+    about that whenever hooks are active (every pp-core run has one: ``peak_saved_bytes``) and
+    takes an explicit choice on the forward context (``respect_saved_tensors_hooks``, which
+    ``checkpoint()`` sets the same way). The legacy behaviour is chosen, the same on every torch."""
+    forward, recompute = create_selective_checkpoint_contexts(_save_matmuls)
+    forward.respect_saved_tensors_hooks = False  # read by torch >= 2.15, a plain attribute before
+    return forward, recompute
 
 
 _REPLAYS: list = []
