@@ -126,7 +126,6 @@ def test_a_killed_rank_restarts_the_run_which_ends_with_the_uninterrupted_losses
     if saves == "async":
         from pp_core.checkpoint.checksums import verify_checkpoint
 
-        print(result.stdout)
         assert "written in the background" in result.stdout
         assert "resumed from " + str(tmp_path / "killed" / "step_00000004") in result.stdout
         for step in (4, 8):  # the resumed one and the one the restart wrote again, checksummed

@@ -186,7 +186,6 @@ def test_layout_auto_re_plans_the_whole_layout_for_the_world_it_is_given(
     result = subprocess.run([sys.executable, "-m", "pp_core", "run",
                              str(write_spec(tmp_path / "auto.yaml", spec))], cwd=ROOT,
                             env=_env(tmp_path), text=True, capture_output=True, timeout=180)
-    print(result.stdout)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"auto: the layouts planned for 4, 2 ranks, from {tmp_path / 'auto' / TABLE}" \
         in result.stdout
