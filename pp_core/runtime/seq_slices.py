@@ -80,9 +80,15 @@ class SeqSlice:
         recompute (:func:`replaying`) the same earlier pieces, and nothing kept or read again.
         An attention that feeds them to autograd saves the concatenation (``O(K^2)`` bytes
         over a microbatch): :meth:`attention` does not."""
-        pieces = self._earlier(owner, tensors)
-        return tuple(torch.cat([p[i] for p in pieces] + [t], dim=dim) if pieces else t
-                     for i, t in enumerate(tensors))
+        return self.joined(self._earlier(owner, tensors) + [tensors], dim)
+
+    @staticmethod
+    def joined(pieces: list, dim: int = 2) -> tuple:
+        """``pieces`` (one tuple of tensors per slice, as :meth:`pieces` gives them) as one
+        tuple, each position's tensors concatenated along ``dim`` (the sequence)."""
+        if len(pieces) == 1:
+            return tuple(pieces[0])
+        return tuple(torch.cat(column, dim=dim) for column in zip(*pieces))
 
     def attention(self, owner, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: Optional[torch.Tensor] = None, scale: Optional[float] = None):
@@ -117,12 +123,9 @@ class SeqSlice:
         """:meth:`attention` over ``pieces`` (:meth:`pieces`), already registered."""
         *pieces, (k, v) = pieces
         if not pieces:
-            if k.shape[1] != q.shape[1]:
-                return functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                    enable_gqa=True)
-            return functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                           is_causal=mask is None, scale=scale)
+            return functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                enable_gqa=k.shape[1] != q.shape[1])
         return prefix_attention(q, [p[0] for p in pieces] + [k], [p[1] for p in pieces] + [v],
                                 mask, scale)
 
@@ -176,10 +179,10 @@ class _Routing(TorchFunctionMode):
         kwargs = kwargs or {}
         pieces = self.piece.pending
         if func is functional.scaled_dot_product_attention and pieces is not None:
+            self.piece.pending = None  # the pieces are for this call only, answered or not
             dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             if len(pieces) > 1 and not dropout and (mask is None or mask.dtype == torch.bool):
-                self.piece.pending = None
                 return SeqSlice.attend(pieces, args[0], mask, kwargs.get("scale"))
         return func(*args, **kwargs)
 

@@ -31,9 +31,7 @@ class SliceCache:
         self.piece, self.layer = piece, layer
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
-        pieces = self.piece.pieces(self.layer, key_states, value_states)
-        return tuple(torch.cat([p[i] for p in pieces], dim=2) if len(pieces) > 1
-                     else pieces[0][i] for i in range(2))
+        return self.piece.joined(self.piece.pieces(self.layer, key_states, value_states))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
